@@ -1,0 +1,523 @@
+"""The context index: a radix tree of block-id sequences that mirrors the engine's prefix cache.
+
+ContextPilot paper (MLSys 2026), section 4 (context index). A node holds a run of block ids
+(its edge); the path from the root to a node is a prefix of blocks that every context below it
+starts with; a context ends at a node that records its request id (``rid``). Internal nodes
+hold what their children share (the paper's intersection nodes); a node with no blocks never
+exists, because the tree is kept compressed (a node with one child and no request of its own
+is merged into that child).
+
+Operations and their cost (``k`` = blocks in the request, ``h`` = tree height <= k):
+
+* :meth:`ContextIndex.search` -- greedy descent (paper Algorithm 1): at each node, among the
+  children whose first block is in the request, follow the one whose edge matches the most
+  request tokens; stop at a partial edge match or when no child overlaps. ``O(k * h)`` dict
+  look-ups; never touches the rest of the tree. Read-only.
+* :meth:`ContextIndex.insert` -- append a context under the node where its prefix ends, or
+  split an edge so the shared prefix gets its own node (the paper's "split a leaf"). ``O(k)``.
+* :meth:`ContextIndex.evict` -- remove one request; prune nodes left with no request and no
+  child, re-compress single-child chains. ``O(h)``.
+
+Search paths are never stored: :meth:`search_path` walks parent links on demand, so a path is
+always correct after removals and node splits. Node ids start at 1 and are never reused.
+
+Bounded (DESIGN.md invariant 6): with ``max_requests`` and/or ``max_tokens`` set, inserting
+past the bound evicts least-recently-used requests (as a prefix cache without engine feedback
+would). Every public method takes one re-entrant lock, so one index can be shared by threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ContextIndex", "IndexStats", "SearchResult"]
+
+SNAPSHOT_VERSION = 1
+
+
+class _Node:
+    __slots__ = (
+        "access_count",
+        "blocks",
+        "children",
+        "last_access",
+        "node_id",
+        "parent",
+        "rids",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        blocks: tuple[int, ...],
+        tokens: tuple[int, ...],
+        parent: _Node | None,
+    ) -> None:
+        self.node_id = node_id
+        self.blocks = blocks
+        self.tokens = tokens
+        self.parent = parent
+        self.children: dict[int, _Node] = {}
+        self.rids: set[str] = set()
+        self.access_count = 0
+        self.last_access = 0.0
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Where a request's blocks meet the index.
+
+    Attributes:
+        prefix: block ids of the matched prefix, in index order (all are request blocks).
+        prefix_tokens: tokens of ``prefix`` (by the request's own token counts).
+        path: node ids from the root's child down to the last node the match entered.
+        node_id: the node where the match ended (0 = root: nothing matched).
+        partial: True when the match ended inside that node's edge.
+    """
+
+    prefix: tuple[int, ...]
+    prefix_tokens: int
+    path: tuple[int, ...]
+    node_id: int
+    partial: bool
+
+
+@dataclass(frozen=True)
+class IndexStats:
+    """Counters of a :class:`ContextIndex` (plain numbers; see :meth:`ContextIndex.stats`)."""
+
+    requests: int
+    nodes: int
+    tokens: int
+    height: int
+    inserts: int
+    evictions: int
+    lru_evictions: int
+    searches: int
+    searched_tokens: int
+    matched_tokens: int
+
+
+@dataclass
+class _Request:
+    node: _Node
+    blocks: tuple[int, ...]
+    tokens: tuple[int, ...]
+    created: float = field(default_factory=time.time)
+
+
+class ContextIndex:
+    """Radix tree of context-block sequences keyed by request id.
+
+    Args:
+        max_requests: most requests kept; inserting more evicts the least recently used.
+            ``None`` = unbounded (only for engines that report evictions).
+        max_tokens: most block tokens kept in the tree (sum over nodes of their edge tokens,
+            i.e. what the prefix cache would hold); ``None`` = no token bound.
+        on_evict: called with each rid the index drops by itself (LRU), outside no lock
+            guarantees: it runs under the index lock and must not call back into the index.
+        clock: time source in seconds (tests inject one).
+
+    Raises:
+        ValueError: a bound that is not a positive integer.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_requests: int | None = 100_000,
+        max_tokens: int | None = None,
+        on_evict: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for name, value in (("max_requests", max_requests), ("max_tokens", max_tokens)):
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens
+        self._on_evict = on_evict
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._node_ids = itertools.count(1)
+        self._root = _Node(0, (), (), None)
+        self._nodes: dict[int, _Node] = {0: self._root}
+        self._requests: OrderedDict[str, _Request] = OrderedDict()  # LRU order, oldest first
+        self._block_requests: dict[int, int] = {}  # live requests holding each block
+        self._tokens = 0
+        self._inserts = 0
+        self._evictions = 0
+        self._lru_evictions = 0
+        self._searches = 0
+        self._searched_tokens = 0
+        self._matched_tokens = 0
+
+    # ------------------------------------------------------------------ Public API: lookups
+    def search(self, blocks: Sequence[int], tokens: Sequence[int] | None = None) -> SearchResult:
+        """Find the longest indexed prefix made only of ``blocks`` (greedy descent).
+
+        Args:
+            blocks: the request's block ids (any order; no repeats).
+            tokens: tokens per block, same length; ``None`` counts each block as 1.
+
+        Returns:
+            :class:`SearchResult`. Does not mutate the tree (statistics only).
+
+        Raises:
+            ValueError: ``tokens`` of another length than ``blocks``.
+        """
+        weight = _weights(blocks, tokens)
+        with self._lock:
+            remaining = dict(weight)
+            prefix: list[int] = []
+            path: list[int] = []
+            matched = 0
+            node = self._root
+            partial = False
+            while remaining:
+                best: _Node | None = None
+                best_key: tuple[int, int, float, int] | None = None
+                best_len = 0
+                for block in remaining:
+                    child = node.children.get(block)
+                    if child is None:
+                        continue
+                    length = 0
+                    gained = 0
+                    for edge_block in child.blocks:
+                        w = remaining.get(edge_block)
+                        if w is None:
+                            break
+                        length += 1
+                        gained += w
+                    full = int(length == len(child.blocks))
+                    # Most tokens matched; then a full edge (the descent can go on); then the
+                    # most recently used (likeliest still cached); then the oldest node id.
+                    key = (gained, full, child.last_access, -child.node_id)
+                    if best_key is None or key > best_key:
+                        best, best_key, best_len = child, key, length
+                if best is None:
+                    break
+                for edge_block in best.blocks[:best_len]:
+                    matched += remaining.pop(edge_block)
+                    prefix.append(edge_block)
+                path.append(best.node_id)
+                node = best
+                if best_len < len(best.blocks):
+                    partial = True
+                    break
+            self._searches += 1
+            self._searched_tokens += sum(weight.values())
+            self._matched_tokens += matched
+            return SearchResult(tuple(prefix), matched, tuple(path), node.node_id, partial)
+
+    def search_path(self, rid: str) -> tuple[int, ...]:
+        """Node ids from the root's child down to the node where ``rid``'s context ends.
+
+        Raises:
+            KeyError: ``rid`` is not indexed.
+        """
+        with self._lock:
+            return _path_of(self._request(rid).node)
+
+    def __contains__(self, rid: object) -> bool:
+        with self._lock:
+            return rid in self._requests
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._requests)
+
+    def context(self, rid: str) -> tuple[int, ...]:
+        """The block ids of ``rid``'s context in index (prompt) order. Raises KeyError."""
+        with self._lock:
+            return self._request(rid).blocks
+
+    def block_popularity(self, block: int) -> int:
+        """How many indexed requests hold ``block`` (0 if none)."""
+        with self._lock:
+            return self._block_requests.get(block, 0)
+
+    def rids(self) -> list[str]:
+        """Indexed request ids, least recently used first."""
+        with self._lock:
+            return list(self._requests)
+
+    # ------------------------------------------------------------------ Public API: mutations
+    def insert(self, rid: str, blocks: Sequence[int], tokens: Sequence[int] | None = None) -> int:
+        """Index ``rid``'s context in the given (prompt) order.
+
+        Mutates the tree: may split one node (the shared part of its edge becomes a new
+        parent node) and adds at most one leaf. Then applies the size bounds, which may evict
+        other least-recently-used requests (never ``rid`` itself).
+
+        Args:
+            rid: request id, unique among indexed requests.
+            blocks: block ids in prompt order; non-empty, no repeats.
+            tokens: tokens per block (``None`` = 1 each), used for the token bound and stats.
+
+        Returns:
+            The id of the node where the context ends.
+
+        Raises:
+            ValueError: empty ``blocks``, a repeated block, mismatched ``tokens``, an empty or
+                non-string ``rid``, or ``rid`` already indexed.
+        """
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"rid must be a non-empty str, got {rid!r}")
+        weight = _weights(blocks, tokens)
+        if not weight:
+            raise ValueError(f"cannot index an empty context (rid={rid!r})")
+        seq = tuple(blocks)
+        toks = tuple(weight[b] for b in seq)
+        with self._lock:
+            if rid in self._requests:
+                raise ValueError(f"rid {rid!r} is already indexed")
+            now = self._clock()
+            node = self._root
+            i = 0
+            while i < len(seq):
+                child = node.children.get(seq[i])
+                if child is None:
+                    leaf = self._new_node(seq[i:], toks[i:], node)
+                    node = leaf
+                    i = len(seq)
+                    break
+                common = _common_prefix(child.blocks, seq, i)
+                if common < len(child.blocks):
+                    child = self._split(child, common)
+                child.access_count += 1
+                child.last_access = now
+                node = child
+                i += common
+            node.rids.add(rid)
+            node.access_count += 1
+            node.last_access = now
+            self._requests[rid] = _Request(node, seq, toks)
+            for block in seq:
+                self._block_requests[block] = self._block_requests.get(block, 0) + 1
+            self._inserts += 1
+            self._enforce_bounds(keep=rid)
+            return node.node_id
+
+    def touch(self, rid: str) -> bool:
+        """Mark ``rid`` as just used (LRU order, access counts along its path).
+
+        Returns:
+            False when ``rid`` is not indexed.
+        """
+        with self._lock:
+            request = self._requests.get(rid)
+            if request is None:
+                return False
+            self._requests.move_to_end(rid)
+            now = self._clock()
+            node: _Node | None = request.node
+            while node is not None and node is not self._root:
+                node.access_count += 1
+                node.last_access = now
+                node = node.parent
+            return True
+
+    def evict(self, rid: str) -> bool:
+        """Remove ``rid``'s context; prune nodes left with no request and no child.
+
+        Mutates the tree in ``O(height)``: removes the request's node if it became empty,
+        then empty parents, and merges a parent left with a single child and no request.
+
+        Returns:
+            False when ``rid`` is not indexed (evicting twice is harmless).
+        """
+        with self._lock:
+            return self._evict(rid)
+
+    def evict_many(self, rids: Iterable[str]) -> int:
+        """Evict each rid; returns how many were indexed."""
+        with self._lock:
+            return sum(self._evict(rid) for rid in rids)
+
+    def clear(self) -> int:
+        """Drop every request (an engine's ``AllBlocksCleared``). Returns how many."""
+        with self._lock:
+            count = len(self._requests)
+            self._root = _Node(0, (), (), None)
+            self._nodes = {0: self._root}
+            self._requests.clear()
+            self._block_requests.clear()
+            self._tokens = 0
+            self._evictions += count
+            return count
+
+    # ------------------------------------------------------------------ Public API: state
+    def stats(self) -> IndexStats:
+        """Counters and sizes: requests, nodes (root excluded), tokens held, height, ..."""
+        with self._lock:
+            height = max((len(_path_of(r.node)) for r in self._requests.values()), default=0)
+            return IndexStats(
+                requests=len(self._requests),
+                nodes=len(self._nodes) - 1,
+                tokens=self._tokens,
+                height=height,
+                inserts=self._inserts,
+                evictions=self._evictions,
+                lru_evictions=self._lru_evictions,
+                searches=self._searches,
+                searched_tokens=self._searched_tokens,
+                matched_tokens=self._matched_tokens,
+            )
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-serialisable copy of the indexed contexts, least recently used first.
+
+        The tree is rebuilt from the contexts on :meth:`restore`; node ids are not kept.
+        """
+        with self._lock:
+            return {
+                "version": SNAPSHOT_VERSION,
+                "requests": [
+                    {"rid": rid, "blocks": [str(b) for b in r.blocks], "tokens": list(r.tokens)}
+                    for rid, r in self._requests.items()
+                ],
+            }
+
+    @classmethod
+    def restore(cls, snapshot: dict[str, Any], **kwargs: Any) -> ContextIndex:
+        """Build an index from :meth:`snapshot` output (same LRU order).
+
+        Raises:
+            ValueError: an unknown snapshot version or malformed entries.
+        """
+        if not isinstance(snapshot, dict) or snapshot.get("version") != SNAPSHOT_VERSION:
+            raise ValueError(
+                f"snapshot version must be {SNAPSHOT_VERSION}, got "
+                f"{snapshot.get('version') if isinstance(snapshot, dict) else snapshot!r}"
+            )
+        index = cls(**kwargs)
+        for entry in snapshot.get("requests", []):
+            try:
+                blocks = [int(b) for b in entry["blocks"]]
+                index.insert(entry["rid"], blocks, entry["tokens"])
+            except (KeyError, TypeError) as error:
+                raise ValueError(f"malformed snapshot entry {entry!r:.200}: {error}") from error
+        return index
+
+    # ------------------------------------------------------------------ internals
+    def _request(self, rid: str) -> _Request:
+        request = self._requests.get(rid)
+        if request is None:
+            raise KeyError(f"rid {rid!r} is not indexed")
+        return request
+
+    def _new_node(self, blocks: tuple[int, ...], tokens: tuple[int, ...], parent: _Node) -> _Node:
+        node = _Node(next(self._node_ids), blocks, tokens, parent)
+        parent.children[blocks[0]] = node
+        self._nodes[node.node_id] = node
+        self._tokens += sum(tokens)
+        return node
+
+    def _split(self, child: _Node, at: int) -> _Node:
+        """Give ``child.blocks[:at]`` its own node between ``child`` and its parent."""
+        parent = child.parent
+        assert parent is not None and 0 < at < len(child.blocks)
+        head = _Node(next(self._node_ids), child.blocks[:at], child.tokens[:at], parent)
+        head.access_count = child.access_count
+        head.last_access = child.last_access
+        parent.children[head.blocks[0]] = head
+        self._nodes[head.node_id] = head
+        child.blocks = child.blocks[at:]
+        child.tokens = child.tokens[at:]
+        child.parent = head
+        head.children[child.blocks[0]] = child
+        return head
+
+    def _evict(self, rid: str, *, by_lru: bool = False) -> bool:
+        request = self._requests.pop(rid, None)
+        if request is None:
+            return False
+        for block in request.blocks:
+            left = self._block_requests[block] - 1
+            if left:
+                self._block_requests[block] = left
+            else:
+                del self._block_requests[block]
+        node = request.node
+        node.rids.discard(rid)
+        while node is not self._root and not node.rids and not node.children:
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.blocks[0]]
+            del self._nodes[node.node_id]
+            self._tokens -= sum(node.tokens)
+            node = parent
+        if node is not self._root and not node.rids and len(node.children) == 1:
+            self._merge_with_child(node)
+        self._evictions += 1
+        if by_lru:
+            self._lru_evictions += 1
+        return True
+
+    def _merge_with_child(self, node: _Node) -> None:
+        """Fold ``node``'s only child into it, keeping the compressed-tree invariant."""
+        (child,) = node.children.values()
+        node.blocks += child.blocks
+        node.tokens += child.tokens
+        node.children = child.children
+        for grandchild in node.children.values():
+            grandchild.parent = node
+        node.rids = child.rids
+        for rid in node.rids:
+            self._requests[rid].node = node
+        node.access_count = max(node.access_count, child.access_count)
+        node.last_access = max(node.last_access, child.last_access)
+        del self._nodes[child.node_id]
+
+    def _enforce_bounds(self, keep: str) -> None:
+        def over() -> bool:
+            return (self.max_requests is not None and len(self._requests) > self.max_requests) or (
+                self.max_tokens is not None and self._tokens > self.max_tokens
+            )
+
+        while over() and len(self._requests) > 1:
+            oldest = next(iter(self._requests))
+            if oldest == keep:
+                self._requests.move_to_end(keep)
+                oldest = next(iter(self._requests))
+                if oldest == keep:
+                    break
+            self._evict(oldest, by_lru=True)
+            if self._on_evict is not None:
+                self._on_evict(oldest)
+
+
+def _weights(blocks: Sequence[int], tokens: Sequence[int] | None) -> dict[int, int]:
+    if tokens is not None and len(tokens) != len(blocks):
+        raise ValueError(f"tokens has {len(tokens)} entries for {len(blocks)} blocks")
+    weight = dict(zip(blocks, tokens)) if tokens is not None else dict.fromkeys(blocks, 1)
+    if len(weight) != len(blocks):
+        seen: set[int] = set()
+        repeated = next(b for b in blocks if b in seen or seen.add(b))  # type: ignore[func-returns-value]
+        raise ValueError(f"block id {repeated} appears twice in one context")
+    return weight
+
+
+def _common_prefix(edge: tuple[int, ...], seq: tuple[int, ...], start: int) -> int:
+    limit = min(len(edge), len(seq) - start)
+    n = 0
+    while n < limit and edge[n] == seq[start + n]:
+        n += 1
+    return n
+
+
+def _path_of(node: _Node) -> tuple[int, ...]:
+    path: list[int] = []
+    current: _Node | None = node
+    while current is not None and current.parent is not None:
+        path.append(current.node_id)
+        current = current.parent
+    return tuple(reversed(path))

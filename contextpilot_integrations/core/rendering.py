@@ -1,0 +1,170 @@
+"""Prompt rendering: the one function every adapter uses to lay a request out.
+
+Layout (DESIGN.md, "Prompt layout"):
+``[system prompt][block 1]...[block n][location hints][order annotation][question]``.
+
+Everything that can be shared across requests comes first and is rendered from the block's
+text and its prompt position alone: block ``i`` is labelled ``[Doc i]`` by position, never by
+its original rank, score or anything request-specific. The order annotation (ContextPilot
+paper, section 4.4: the original relevance order, after the documents) and the question come
+last.
+
+Token boundaries: byte-identical is not token-identical, because a BPE tokenizer can merge
+characters across a join. Every rendered block ends with a separator line of punctuation and a
+single newline (``"-----\\n"`` by default), and the next segment starts with a non-space
+character. Pre-tokenizers of the GPT-2 / Llama 3 family never merge across that point
+(punctuation, then one newline, then ``[``), so the tokens of a longer prompt start with the
+tokens of any shorter prompt that shares its blocks; ``tests/engines`` checks it with a real
+BPE tokenizer. A separator made only of whitespace (for example ``"\\n\\n"``) would not be
+stable: ``"\\n\\n"`` alone and ``"\\n\\n["`` tokenize differently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_SYSTEM_PROMPT", "PromptLayout"]
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the question using the documents below. "
+    "Cite documents by their labels, for example [Doc 1]."
+)
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """How a plan becomes prompt text.
+
+    Attributes:
+        system_prompt: shared by every request; rendered as the first segment (plain-text
+            form, followed by one newline) or as the system message (chat form).
+        block_template: ``str.format`` template with ``{label}`` and ``{text}``; must end with
+            ``block_separator``.
+        label_template: the label of prompt position ``{position}`` (1-based).
+        block_separator: the end of every rendered block (see the module docstring).
+        annotation_template: ``{order}`` is the labels in original relevance order joined by
+            ``annotation_joiner``.
+        question_template: ``{question}``.
+
+    Raises:
+        ValueError: a template without its fields, or a block template that does not end with
+            ``block_separator``.
+    """
+
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    block_template: str = "{label}\n{text}\n-----\n"
+    label_template: str = "[Doc {position}]"
+    block_separator: str = "-----\n"
+    annotation_template: str = "Read the documents in this priority order: {order}.\n"
+    annotation_joiner: str = " > "
+    hint_template: str = "{hint}\n"
+    question_template: str = "Question: {question}\nAnswer:"
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("block_template", self.block_template, ("{label}", "{text}")),
+            ("label_template", self.label_template, ("{position}",)),
+            ("annotation_template", self.annotation_template, ("{order}",)),
+            ("hint_template", self.hint_template, ("{hint}",)),
+            ("question_template", self.question_template, ("{question}",)),
+        )
+        for name, template, fields in checks:
+            for f in fields:
+                if f not in template:
+                    raise ValueError(f"{name} must contain {f}, got {template!r}")
+        if not self.block_template.endswith(self.block_separator):
+            raise ValueError(
+                f"block_template must end with block_separator {self.block_separator!r}, "
+                f"got {self.block_template!r}"
+            )
+        if not isinstance(self.system_prompt, str):
+            raise TypeError(f"system_prompt must be a str, got {self.system_prompt!r:.80}")
+
+    # ------------------------------------------------------------------ pieces
+    def label(self, position: int) -> str:
+        """Label of 0-based prompt position ``position`` (``"[Doc 1]"`` for 0)."""
+        return self.label_template.format(position=position + 1)
+
+    def render_block(self, position: int, text: str) -> str:
+        """The rendered block at 0-based ``position``: label, text, separator."""
+        return self.block_template.format(label=self.label(position), text=text)
+
+    def system_segment(self) -> str:
+        """The plain-text form's first segment ("" when there is no system prompt)."""
+        return f"{self.system_prompt}\n" if self.system_prompt else ""
+
+    def annotation(self, labels: Sequence[str]) -> str:
+        """The order annotation for ``labels`` (highest priority first); "" for < 2 labels."""
+        if len(labels) < 2:
+            return ""
+        return self.annotation_template.format(order=self.annotation_joiner.join(labels))
+
+    def tail(
+        self,
+        question: str,
+        *,
+        annotation_labels: Sequence[str] = (),
+        hints: Sequence[str] = (),
+    ) -> str:
+        """Everything after the blocks: hints, order annotation, question."""
+        hint_text = "".join(self.hint_template.format(hint=h) for h in hints)
+        return (
+            hint_text
+            + self.annotation(annotation_labels)
+            + self.question_template.format(question=question)
+        )
+
+    # ------------------------------------------------------------------ whole prompts
+    def render_segments(
+        self,
+        blocks: Sequence[str],
+        question: str,
+        *,
+        annotation_order: Sequence[int] | None = None,
+        annotation_labels: Sequence[str] | None = None,
+        hints: Sequence[str] = (),
+    ) -> list[str]:
+        """The prompt as segments: ``[system, block 1, ..., block n, tail]``.
+
+        Args:
+            blocks: block texts in prompt order.
+            question: the user's question (rendered last).
+            annotation_order: 0-based prompt positions in original relevance order; the
+                annotation lists their labels. ``None``: no annotation.
+            annotation_labels: explicit labels instead of ``annotation_order`` (used when
+                some blocks are replaced by hints and are referred to by another label).
+            hints: location hints, one line each, after the blocks.
+
+        Returns:
+            ``len(blocks) + 2`` strings; ``"".join(...)`` is the plain-text prompt. The system
+            segment is ``""`` when there is no system prompt.
+        """
+        if annotation_labels is None:
+            annotation_labels = (
+                [self.label(p) for p in annotation_order] if annotation_order is not None else []
+            )
+        rendered = [self.render_block(i, text) for i, text in enumerate(blocks)]
+        tail = self.tail(question, annotation_labels=annotation_labels, hints=hints)
+        return [self.system_segment(), *rendered, tail]
+
+    def render(self, blocks: Sequence[str], question: str, **kwargs: object) -> str:
+        """The plain-text prompt: ``"".join(render_segments(...))``."""
+        return "".join(self.render_segments(blocks, question, **kwargs))  # type: ignore[arg-type]
+
+    def render_messages(
+        self, blocks: Sequence[str], question: str, **kwargs: object
+    ) -> list[dict[str, str]]:
+        """The chat form: a system message, then one user message (blocks, then the tail)."""
+        segments = self.render_segments(blocks, question, **kwargs)  # type: ignore[arg-type]
+        return self.messages_from_segments(segments)
+
+    def messages_from_segments(self, segments: Sequence[str]) -> list[dict[str, str]]:
+        """Chat messages from :meth:`render_segments` output."""
+        user = "".join(segments[1:])
+        if not self.system_prompt:
+            return [{"role": "user", "content": user}]
+        return [
+            {"role": "system", "content": self.system_prompt},
+            {"role": "user", "content": user},
+        ]
