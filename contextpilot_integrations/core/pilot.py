@@ -268,7 +268,7 @@ class ContextPilot:
                 weight_by_tokens=self.weight_by_tokens,
                 cluster_limit=self.cluster_limit,
             )
-            for j, member in enumerate(members):
+            for member in members:
                 orders[member] = list(prefix)
             for j, ordered in zip(nonempty, ordered_rests):
                 orders[members[j]].extend(ordered)
@@ -307,7 +307,8 @@ class ContextPilot:
             )
         if len(blocks) > MAX_BLOCKS_PER_REQUEST:
             raise ValueError(
-                f"{field_name} has {len(blocks)} blocks; at most {MAX_BLOCKS_PER_REQUEST} per request"
+                f"{field_name} has {len(blocks)} blocks; at most "
+                f"{MAX_BLOCKS_PER_REQUEST} per request"
             )
         texts: list[str] = []
         ids: list[int] = []
