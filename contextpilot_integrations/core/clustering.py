@@ -12,7 +12,7 @@ Two builders, both returning one block order per context (a permutation of its b
 * ``"frequency"`` -- a conditional frequency tree (the FP-tree construction of Han et al.,
   SIGMOD 2000, applied per group): all contexts start in one group; at each level every
   context takes next the block that the most contexts of its current group hold (ties: more
-  tokens, then retriever rank), and contexts that took the same block form the child group;
+  tokens, then more frequent in the whole batch, then block order), and contexts that took the same block form the child group;
   a context whose best block is held by no other context of its group stops and appends its
   rest in retriever order. Vectorised per level: ``O(N * k * k log(N k))``, memory ``O(N k)``,
   so it scales to 100,000 contexts.
@@ -138,6 +138,7 @@ def _order_by_frequency(
     if np.unique(block * n + ctx).size != total:
         raise ValueError("a context repeats a block id")
 
+    batch_freq = np.bincount(block, minlength=n_blocks)[block]
     group = np.zeros(n, dtype=np.int64)  # current group of each context
     active = np.ones(n, dtype=bool)  # still extending its shared prefix
     slot = np.full(total, -1, dtype=np.int64)  # output position of each placed entry
@@ -149,8 +150,18 @@ def _order_by_frequency(
         key = group[ctx[open_entries]] * n_blocks + block[open_entries]
         _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
         freq = counts[inverse]
-        # Per context, the entry with the largest (frequency, tokens, -rank) goes next.
-        order = np.lexsort((-rank[open_entries], w[open_entries], freq, ctx[open_entries]))
+        # Per context, the entry with the largest (frequency in the group, tokens, frequency in
+        # the batch, -block index) goes next. Every key is the same for every context of the
+        # group, so contexts that hold the same top blocks all pick the same one.
+        order = np.lexsort(
+            (
+                -block[open_entries],
+                batch_freq[open_entries],
+                w[open_entries],
+                freq,
+                ctx[open_entries],
+            )
+        )
         sorted_ctx = ctx[open_entries][order]
         last = np.flatnonzero(np.r_[sorted_ctx[1:] != sorted_ctx[:-1], True])
         chosen = open_entries[order[last]]

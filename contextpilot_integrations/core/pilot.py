@@ -241,6 +241,9 @@ class ContextPilot:
             for i, (q, b) in enumerate(zip(queries, blocks))
         ]
         batch_rids = [self._new_rid(rids[i] if rids else None) for i in range(len(requests))]
+        already = [rid for rid in batch_rids if rid in self.index]
+        if already:
+            raise ValueError(f"rids already indexed: {already[:5]!r}")
 
         # Match each request against the index, then order each group of requests that
         # matched the same prefix jointly on the rest of their blocks.
@@ -274,16 +277,17 @@ class ContextPilot:
                 orders[members[j]].extend(ordered)
 
         plans: list[Plan] = []
-        paths: list[tuple[int, ...]] = []
         for i, request in enumerate(requests):
             order = orders.get(i, [])
             if order:
                 self._insert(batch_rids[i], request, order)
-                paths.append(self.index.search_path(batch_rids[i]))
-            else:
-                paths.append(())
             prefix, prefix_tokens = matched[i]
             plans.append(self._render(batch_rids[i], request, order, len(prefix), prefix_tokens))
+        # Paths are read after every insert: a later insert can split a node on an earlier
+        # request's path. A request already evicted by the index's bound has no path.
+        paths = [
+            self.index.search_path(plan.rid) if plan.rid in self.index else () for plan in plans
+        ]
         return BatchPlan(plans=plans, schedule=schedule(paths, self.schedule_method))
 
     # ------------------------------------------------------------------ index passthrough

@@ -1,0 +1,120 @@
+"""The ContextPilot facade: lossless, deterministic, clear errors, shared prefixes."""
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from contextpilot_integrations import ContextPilot, PromptLayout
+
+block_texts = st.lists(
+    st.sampled_from([f"document {i} " + "x" * (i * 7) for i in range(15)]), min_size=0, max_size=8
+)
+
+
+def _assert_lossless(plan, blocks):
+    assert sorted(plan.order + list(plan.duplicates)) == list(range(len(blocks)))
+    for i, first in plan.duplicates.items():
+        assert blocks[i] == blocks[first] and first in plan.order
+    assert [b.text for b in plan.blocks] == [blocks[i] for i in plan.order]
+    prompt = plan.prompt
+    for text in blocks:
+        assert text in prompt
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(block_texts, min_size=1, max_size=12))
+def test_plan_and_plan_batch_are_lossless_and_deterministic(requests):
+    queries = [f"question {i}" for i in range(len(requests))]
+    rids = [f"r{i}" for i in range(len(requests))]
+    outputs = []
+    for _ in range(2):
+        pilot = ContextPilot()
+        online = [pilot.plan(q, b, rid=f"o{i}") for i, (q, b) in enumerate(zip(queries, requests))]
+        batch = pilot.plan_batch(queries, requests, rids=rids)
+        for plan, blocks in zip(online + batch.plans, requests + requests):
+            _assert_lossless(plan, blocks)
+        assert sorted(batch.schedule) == list(range(len(requests)))
+        outputs.append(([p.prompt for p in online + batch.plans], batch.schedule))
+    assert outputs[0] == outputs[1]
+
+
+def test_shared_blocks_form_a_byte_identical_prefix_and_annotation_comes_after():
+    pilot = ContextPilot()
+    first = pilot.plan("q1", ["alpha text", "beta text", "gamma text"])
+    second = pilot.plan("q2", ["delta text", "gamma text", "alpha text"])
+    shared = {"alpha text", "gamma text"}
+    assert {b.text for b in second.blocks[:2]} <= shared | {first.blocks[0].text}
+    common = os.path.commonprefix([first.prompt, second.prompt])
+    prefix_end = len("".join(second.segments[:2]))  # system + first block
+    assert len(common) >= prefix_end
+    assert second.prompt.index("priority order") > second.prompt.index("delta text")
+    # The annotation restores retriever order: rank 0 ("delta") is named first.
+    label_of = {b.text: f"[Doc {i + 1}]" for i, b in enumerate(second.blocks)}
+    annotation = second.segments[-1]
+    assert annotation.index(label_of["delta text"]) < annotation.index(label_of["gamma text"])
+
+
+def test_batch_schedule_runs_requests_sharing_a_prefix_back_to_back():
+    pilot = ContextPilot()
+    a, b, c = "shared block A " * 10, "shared block B " * 10, "other block C " * 10
+    batch = pilot.plan_batch(
+        ["q0", "q1", "q2", "q3"],
+        [[a, "u0"], [c, "u1"], ["u2", a], [c, "u3"]],
+    )
+    position = {rid: i for i, rid in enumerate(batch.schedule)}
+    assert abs(position[0] - position[2]) == 1 and abs(position[1] - position[3]) == 1
+    assert batch.plans[2].blocks[0].text == a  # aligned: shared block first
+
+
+def test_bad_input_gets_clear_errors():
+    pilot = ContextPilot()
+    with pytest.raises(ValueError, match=r"blocks\[1\] is empty"):
+        pilot.plan("q", ["ok", "  "])
+    with pytest.raises(TypeError, match=r"blocks\[0\] must be a str.*int"):
+        pilot.plan("q", [3])
+    with pytest.raises(TypeError, match="blocks must be a sequence"):
+        pilot.plan("q", "a single string")
+    with pytest.raises(TypeError, match="query must be a str"):
+        pilot.plan(None, ["x"])
+    with pytest.raises(ValueError, match="rid"):
+        pilot.plan("q", ["x"], rid="")
+    with pytest.raises(ValueError, match="queries has 2 entries but blocks has 1"):
+        pilot.plan_batch(["a", "b"], [["x"]])
+    with pytest.raises(ValueError, match="unique"):
+        pilot.plan_batch(["a", "b"], [["x"], ["y"]], rids=["r", "r"])
+    with pytest.raises(ValueError, match=r"blocks\[1\]\[0\]"):
+        pilot.plan_batch(["a", "b"], [["x"], [""]])
+    assert len(pilot.index) == 0  # nothing half-indexed after a rejected batch
+
+
+def test_empty_context_and_repeated_blocks_are_defined():
+    pilot = ContextPilot()
+    empty = pilot.plan("q", [])
+    assert empty.blocks == [] and empty.prompt.endswith("Question: q\nAnswer:")
+    repeated = pilot.plan("q", ["same", "other", "same"])
+    assert repeated.duplicates == {2: 0}
+    assert repeated.prompt.count("same\n") == 1
+
+
+def test_tens_of_thousands_of_blocks_in_one_request():
+    pilot = ContextPilot()
+    blocks = [f"block number {i}" for i in range(30_000)]
+    plan = pilot.plan("q", blocks)
+    assert len(plan.blocks) == 30_000
+    again = pilot.plan("q2", list(reversed(blocks)))
+    assert again.matched_prefix_blocks == 30_000
+
+
+def test_reorder_and_messages():
+    pilot = ContextPilot(layout=PromptLayout(system_prompt="SYS"))
+    pilot.plan("q", ["b1", "b2"])
+    plan = pilot.plan("q", ["b0", "b2", "b1"])
+    docs = ["D0", "D2", "D1"]
+    assert plan.reorder(docs) == [docs[i] for i in plan.order]
+    with pytest.raises(ValueError, match="made for 3"):
+        plan.reorder(docs[:2])
+    messages = plan.messages
+    assert messages[0] == {"role": "system", "content": "SYS"}
+    assert messages[1]["content"].startswith("[Doc 1]\n")
