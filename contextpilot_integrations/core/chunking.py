@@ -1,0 +1,209 @@
+"""Content-defined chunking of a context block into sub-blocks, for partial-overlap de-duplication.
+
+Two retrieved blocks often share long stretches without being equal: overlapping windows of the
+same source document, the same page under two ids, a passage quoted in a longer one. Cutting
+every block at *content-defined* points makes equal stretches fall into equal sub-blocks, whose
+stable ids can then be looked up in the conversation's history (ContextPilot, MLSys 2026,
+multi-turn de-duplication: "cut a block after a line whose hash mod M == 0, hash each
+sub-block"; the general technique is LBFS, Muthitacharoen et al., SOSP 2001).
+
+The rule, on the UTF-8 bytes of the text (sizes are UTF-8 bytes, about 4 per token for English
+text, the same measure as :class:`~contextpilot_integrations.core.blocks.ApproxTokenCounter`):
+
+1. The text is read line by line (a line ends after ``"\\n"``; ``"\\r\\n"`` is one line ending).
+2. After a line, the open sub-block is cut when it holds at least ``min_bytes`` and
+   ``blake2b-64(line content) % modulus == 0``. The line content excludes its ending, so a
+   text with CRLF endings is cut after the same lines as the same text with LF endings.
+3. A sub-block never exceeds ``max_bytes``: it is cut before a line that would overflow it, and
+   a line longer than that (text without newlines) is cut inside, after the last space that
+   leaves a piece of at least ``min_bytes``, else at the last character boundary that fits. The
+   pieces of one long line therefore depend on where the line starts (deterministic, not
+   content-defined).
+4. A block shorter than ``min_bytes`` is one sub-block: small blocks are left whole.
+
+Sizes count a CRLF ending as one byte, so the CRLF and LF forms of a text get the same cuts, line
+for line; their sub-blocks keep their exact bytes (the CRLF form's sub-blocks contain the
+``"\\r"``), so the two forms have different sub-block ids and are never taken for each other. A
+lone ``"\\r"`` (not followed by ``"\\n"``) is an ordinary character. Chunking is lossless:
+``"".join(s.text for s in chunker.split(text)) == text`` for every ``str`` that UTF-8 can encode.
+
+Defaults (``modulus=4, min_bytes=512, max_bytes=2048``) were chosen by measurement with
+``benchmarks/bench_chunking.py`` on MTRAG-UN conversations (BM25 top-10 over each collection's
+reference passages, every user turn of the 507 conversations) and on MultiHop-RAG and LoCoMo
+sessions; see the table in that script's docstring. In short: a replaced sub-block costs a
+pointer of about 30 tokens, so sub-blocks under ~128 tokens (512 bytes) save little or lose
+tokens, while larger ones find fewer repeats; ``max_bytes=2048`` bounds the loss when one byte of
+a long stretch differs. The hashing skips lines while the open sub-block is under ``min_bytes``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from contextpilot_integrations.core.blocks import block_id
+
+__all__ = ["ContentChunker", "SubBlock"]
+
+DEFAULT_MODULUS = 4
+DEFAULT_MIN_BYTES = 512
+DEFAULT_MAX_BYTES = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class SubBlock:
+    """One content-defined piece of a block.
+
+    Attributes:
+        text: the exact text of the piece (``block_text[start:end]``).
+        sub_block_id: :func:`~contextpilot_integrations.core.blocks.block_id` of ``text``
+            (unsigned 64-bit).
+        start: offset of the first character in the block text (``str`` index).
+        end: offset one past the last character (``str`` index).
+    """
+
+    text: str
+    sub_block_id: int
+    start: int
+    end: int
+
+
+class ContentChunker:
+    """Cuts block texts into sub-blocks at content-defined line boundaries (rules in the module
+    docstring). Stateless and thread-safe.
+
+    Args:
+        modulus: ``M``; a line ends a sub-block when its content hash is ``0 mod M`` (about one
+            line in ``M``, once the sub-block holds ``min_bytes``). ``1`` cuts after every line
+            past ``min_bytes``.
+        min_bytes: smallest sub-block, in UTF-8 bytes (CRLF counted as one), except the last
+            sub-block of a block and a piece closed because the next line would overflow
+            ``max_bytes``.
+        max_bytes: largest sub-block, in UTF-8 bytes (CRLF counted as one).
+
+    Raises:
+        TypeError: an argument is not an ``int``.
+        ValueError: ``modulus < 1``, ``min_bytes < 1``, ``max_bytes < 16`` or
+            ``max_bytes <= min_bytes``.
+    """
+
+    def __init__(
+        self,
+        modulus: int = DEFAULT_MODULUS,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
+        for name, value in (
+            ("modulus", modulus),
+            ("min_bytes", min_bytes),
+            ("max_bytes", max_bytes),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+        if modulus < 1:
+            raise ValueError(f"modulus must be >= 1, got {modulus}")
+        if min_bytes < 1:
+            raise ValueError(f"min_bytes must be >= 1, got {min_bytes}")
+        if max_bytes < 16:
+            raise ValueError(f"max_bytes must be >= 16, got {max_bytes}")
+        if max_bytes <= min_bytes:
+            raise ValueError(
+                f"max_bytes ({max_bytes}) must be greater than min_bytes ({min_bytes})"
+            )
+        self.modulus = modulus
+        self.min_bytes = min_bytes
+        self.max_bytes = max_bytes
+
+    def __repr__(self) -> str:
+        return (
+            f"ContentChunker(modulus={self.modulus}, min_bytes={self.min_bytes}, "
+            f"max_bytes={self.max_bytes})"
+        )
+
+    def split(self, text: str) -> tuple[SubBlock, ...]:
+        """Cut ``text`` into sub-blocks.
+
+        Args:
+            text: a block's exact text.
+
+        Returns:
+            The sub-blocks in text order; their texts concatenate to ``text``. Empty for
+            ``""``; one sub-block (the whole text) for a text under ``min_bytes``.
+
+        Raises:
+            TypeError: ``text`` is not a ``str``.
+            ValueError: ``text`` cannot be encoded as UTF-8 (a lone surrogate).
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}: {text!r:.80}")
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"text cannot be encoded as UTF-8 ({exc.reason} at index {exc.start}): {text!r:.80}"
+            ) from exc
+        subs: list[SubBlock] = []
+        start_byte = 0
+        start_char = 0
+        for cut in self._cut_offsets(data):
+            piece = data[start_byte:cut].decode("utf-8")
+            end_char = start_char + len(piece)
+            subs.append(SubBlock(piece, block_id(piece), start_char, end_char))
+            start_byte, start_char = cut, end_char
+        return tuple(subs)
+
+    def _cut_offsets(self, data: bytes) -> list[int]:
+        """Byte offsets where sub-blocks end (the last one is ``len(data)``); ``[]`` for b""."""
+        lo, hi, modulus = self.min_bytes, self.max_bytes, self.modulus
+        cuts: list[int] = []
+        size = 0  # bytes in the open sub-block, CRLF counted as one
+        pos = 0  # raw offset of the current line's first byte
+        lines = data.split(b"\n")
+        last = len(lines) - 1
+        for i, line in enumerate(lines):
+            ending = 1 if i < last else 0
+            if ending and line.endswith(b"\r"):
+                content = line[:-1]
+                raw_len = len(line) + 1
+            else:
+                content = line
+                raw_len = len(line) + ending
+            if raw_len == 0:  # the empty piece after a final "\n"
+                break
+            length = len(content)
+            if size and size + length + ending > hi:
+                cuts.append(pos)
+                size = 0
+            consumed = 0
+            while length - consumed + ending > hi:
+                consumed = self._cut_inside_line(content, consumed)
+                cuts.append(pos + consumed)
+            size += length - consumed + ending
+            pos += raw_len
+            if size >= lo and _line_hash(content) % modulus == 0:
+                cuts.append(pos)
+                size = 0
+        if pos and (not cuts or cuts[-1] != pos):
+            cuts.append(pos)
+        return cuts
+
+    def _cut_inside_line(self, content: bytes, offset: int) -> int:
+        """End of the next piece of an overlong line that starts at ``offset``.
+
+        The piece is at most ``max_bytes`` and never reaches the end of ``content`` (the rest of
+        the line, with its ending, must stay non-empty). Preference: just after the last space
+        that leaves at least ``min_bytes``; else the last UTF-8 character boundary that fits.
+        """
+        limit = min(offset + self.max_bytes, len(content) - 1)
+        space = content.rfind(b" ", offset + self.min_bytes, limit)
+        if space >= 0:
+            return space + 1
+        cut = limit
+        while cut > offset + 1 and (content[cut] & 0xC0) == 0x80:  # a UTF-8 continuation byte
+            cut -= 1
+        return cut
+
+
+def _line_hash(content: bytes) -> int:
+    """Stable 64-bit hash of a line's content (BLAKE2b-64, big-endian), process-independent."""
+    return int.from_bytes(hashlib.blake2b(content, digest_size=8).digest(), "big")
