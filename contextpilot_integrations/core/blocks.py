@@ -56,7 +56,7 @@ def validate_block_text(text: object, *, field: str) -> str:
     """
     if not isinstance(text, str):
         raise TypeError(f"{field} must be a str, got {type(text).__name__}: {text!r:.80}")
-    if not text.strip():
+    if not text or text.isspace():
         raise ValueError(f"{field} is empty or whitespace only: {text!r:.80}")
     return text
 

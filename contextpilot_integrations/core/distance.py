@@ -146,16 +146,17 @@ def _cooccurrences(
     partners = group_end - t - 1  # later members of the same block's posting list
     total = int(partners.sum())
     left = np.repeat(t, partners)
-    first_offset = np.repeat(np.cumsum(partners) - partners, partners)
-    right = left + 1 + (np.arange(total, dtype=np.int64) - first_offset)
-    a = order[left]
-    b = order[right]
-    # Within a posting list contexts are ascending, so ctx[a] < ctx[b] already.
+    # right = left + 1 + (rank of the pair among left's pairs), computed in place.
+    right = np.arange(total, dtype=np.int64)
+    right -= np.repeat(np.cumsum(partners) - partners - t - 1, partners)
+    # Gather from arrays already in posting order: one indirection per co-occurrence.
+    # Within a posting list contexts are ascending, so rows < cols already.
+    pos_sorted = pos[order]
     return _Cooccurrences(
-        rows=ctx[a],
-        cols=ctx[b],
-        gap=np.abs(pos[a] - pos[b]).astype(np.float64),
-        weight=w[a],
+        rows=c_sorted[left],
+        cols=c_sorted[right],
+        gap=np.abs(pos_sorted[left] - pos_sorted[right]).astype(np.float64),
+        weight=w[order][left],
         size=size,
     )
 
@@ -219,12 +220,11 @@ def pairwise_distances(
     i, j = co.rows, co.cols
     slot = n * i - i * (i + 1) // 2 + (j - i - 1)
     count = np.bincount(slot, minlength=m)
-    shared = np.bincount(slot, weights=co.weight, minlength=m)
+    # The overlap term sum_k w_k / max(size_i, size_j) is summed per co-occurrence, so the
+    # pair indices of the condensed slots never have to be rebuilt.
+    overlap = np.bincount(slot, weights=co.weight / np.maximum(co.size[i], co.size[j]), minlength=m)
     gap = np.bincount(slot, weights=co.gap, minlength=m)
     sharing = count > 0
     out = np.ones(m, dtype=np.float64)
-    ii, jj = np.triu_indices(n, k=1)
-    ii, jj = ii[sharing], jj[sharing]
-    denominator = np.maximum(co.size[ii], co.size[jj])
-    out[sharing] = 1.0 - shared[sharing] / denominator + alpha * gap[sharing] / count[sharing]
+    out[sharing] = 1.0 - overlap[sharing] + alpha * gap[sharing] / count[sharing]
     return out

@@ -8,6 +8,7 @@ the engine's cache events and evictions can be tied back to it.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -143,6 +144,7 @@ class ContextPilot:
         rest_order: order of the unmatched blocks, ``"retriever"`` or ``"popularity"``.
         weight_by_tokens: weigh shared blocks by tokens (else by count) when ordering.
         annotate: add the order annotation after the blocks.
+        block_cache_size: texts whose (block id, tokens) are memoised (LRU).
     """
 
     def __init__(
@@ -159,6 +161,7 @@ class ContextPilot:
         rest_order: RestOrder = "popularity",
         weight_by_tokens: bool = True,
         annotate: bool = True,
+        block_cache_size: int = 65_536,
     ) -> None:
         self.layout = layout or PromptLayout()
         self.token_counter = token_counter or ApproxTokenCounter()
@@ -170,6 +173,8 @@ class ContextPilot:
         self.rest_order = rest_order
         self.weight_by_tokens = weight_by_tokens
         self.annotate = annotate
+        # Popular blocks recur across requests: remember (id, tokens) of recent texts.
+        self._identify = functools.lru_cache(maxsize=block_cache_size)(self._identify_uncached)
 
     # ------------------------------------------------------------------ one request
     def plan(self, query: str, blocks: Sequence[str], *, rid: str | None = None) -> Plan:
@@ -322,16 +327,19 @@ class ContextPilot:
         duplicates: dict[int, int] = {}
         for rank, text in enumerate(blocks):
             validate_block_text(text, field=f"{field_name}[{rank}]")
-            bid = block_id(text)
+            bid, count = self._identify(text)
             if bid in first_seen:
                 duplicates[rank] = first_seen[bid]
                 continue
             first_seen[bid] = rank
             texts.append(text)
             ids.append(bid)
-            tokens.append(max(1, self.token_counter.count(text)))
+            tokens.append(count)
             ranks.append(rank)
         return _Request(query, texts, ids, tokens, ranks, duplicates)
+
+    def _identify_uncached(self, text: str) -> tuple[int, int]:
+        return block_id(text), max(1, self.token_counter.count(text))
 
     @staticmethod
     def _new_rid(rid: str | None) -> str:
