@@ -1,0 +1,420 @@
+"""A subscriber to an engine's KV-cache event stream (SGLang and vLLM ``--kv-events-config``).
+
+Protocol (SGLang ``ZmqEventPublisher`` in ``sglang/srt/disaggregation/kv_events.py``, the same
+in vLLM ``vllm/distributed/kv_events.py``; ``shared/notes/engine-kv-events.md``):
+
+- PUB socket, one per data-parallel rank, the port offset by the rank (``inproc`` endpoints
+  get a ``_dp<rank>`` suffix). Each message has three frames: topic, sequence number (8 bytes,
+  big-endian, counting from 0 per publisher process), msgpack batch.
+- Optional ROUTER replay socket (same rank offset): a request ``(b"", start_seq as 8 bytes)``
+  is answered with every buffered message whose sequence number is at least ``start_seq``,
+  as ``(b"", topic, seq, payload)``, then the end marker ``(b"", b"", -1 as 8 signed bytes,
+  b"")``. The publisher keeps the last ``buffer_steps`` batches (10,000 by default).
+
+Sequence tracking, per rank:
+
+- first message (or first after a restart) with seq > 0: the batches before it are fetched
+  from the replay socket starting at 0; when that fails the rank is resynchronised;
+- seq > expected: a gap; the missing range is fetched from the replay socket and applied in
+  order before the live batch (``repaired``); when replay is not configured, times out or no
+  longer holds the whole range, ``on_resync(rank)`` is called (the receiver forgets what it
+  believes cached on that rank), then the contiguous tail the replay did return is applied;
+- seq < expected: the publisher restarted (a new engine process, empty cache): ``on_resync``
+  then the first-message rule. (A restart that is only noticed once the new stream has passed
+  the old sequence number looks like a gap; SGLang's first batch after start holds
+  ``AllBlocksCleared``, which the repair replays, so the mirror still ends up right.)
+
+Malformed messages (wrong frame count, bad sequence frame, undecodable payload) are logged,
+counted and skipped; their sequence number, when readable, still counts as received. A
+handler exception is logged and counted; the stream goes on (DESIGN.md invariant 5).
+
+Connecting before the engine binds is fine: ZMQ connects in the background and retries.
+Note that ZMQ PUB/SUB drops messages published before a subscription reaches the publisher;
+the first-message rule repairs that from the replay socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from contextpilot_integrations.sync.kv_events import (
+    KVEventBatch,
+    KVEventDecoder,
+    MalformedEventBatchError,
+)
+
+logger = logging.getLogger(__name__)
+
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+"""Sequence frame of the replay end marker."""
+
+BatchHandler = Callable[[int, KVEventBatch], object]
+"""``on_batch(rank, batch)``: called in sequence order on the subscriber's thread."""
+
+ResyncHandler = Callable[[int], object]
+"""``on_resync(rank)``: the stream of ``rank`` lost continuity; forget that rank's cache."""
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """The endpoint of data-parallel ``rank``, as the engines derive it from the configured one.
+
+    ``tcp://host:P`` -> ``tcp://host:P+rank``; ``inproc://name`` -> ``inproc://name_dp<rank>``;
+    rank 0 keeps the endpoint. A wildcard bind host (``*``, ``0.0.0.0``) becomes ``127.0.0.1``
+    so that the engine's own config string can be passed as is.
+
+    Raises:
+        ValueError: ``rank`` > 0 with an endpoint that is neither tcp nor inproc (the engines
+            reject those too), or a tcp endpoint without a numeric port.
+    """
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"endpoint must be tcp://host:port, got {endpoint!r}")
+        if host in ("*", "0.0.0.0"):
+            host = "127.0.0.1"
+        elif host in ("[::]", "::"):
+            host = "[::1]"
+        return f"tcp://{host}:{int(port) + rank}"
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    raise ValueError(
+        f"endpoint {endpoint!r} cannot be offset for dp rank {rank}: use tcp:// or inproc://"
+    )
+
+
+class _RankStream:
+    """Sequence state and sockets of one rank (touched only by the subscriber thread, except
+    ``expected``/``last_seq``, which are plain ints read for stats)."""
+
+    def __init__(self, rank: int, endpoint: str, replay_endpoint: str | None) -> None:
+        self.rank = rank
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.expected: int | None = None
+        self.sub: zmq.Socket | None = None
+        self.replay: zmq.Socket | None = None
+
+
+class KVEventSubscriber:
+    """Follows an engine's KV-cache events on a background thread.
+
+    Args:
+        endpoint: the engine's event endpoint (its ``--kv-events-config`` ``endpoint``), e.g.
+            ``tcp://127.0.0.1:5557``; the endpoint of rank r is derived by
+            :func:`rank_endpoint`.
+        replay_endpoint: the engine's ``replay_endpoint``; None disables gap repair (gaps
+            then resynchronise).
+        topic: the publisher's topic (SGLang default ``""``, vLLM ``"kv-events"``); a prefix
+            filter, as ZMQ subscriptions are.
+        on_batch: ``on_batch(rank, batch)`` for each batch, in sequence order per rank, e.g.
+            ``CacheMirror.apply_batch``.
+        on_resync: ``on_resync(rank)`` when continuity is lost, e.g. ``CacheMirror.resync``.
+        dp_size: number of data-parallel ranks to follow (ranks 0 .. dp_size - 1).
+        replay_timeout_s: how long a replay request may take before it counts as failed.
+        poll_interval_s: longest wait between checks of the stop flag (bounds ``stop()``).
+
+    Raises:
+        ValueError: ``dp_size`` < 1, non-positive timeouts, or endpoints that cannot be
+            offset per rank.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        *,
+        on_batch: BatchHandler | None = None,
+        on_resync: ResyncHandler | None = None,
+        dp_size: int = 1,
+        replay_timeout_s: float = 2.0,
+        poll_interval_s: float = 0.1,
+    ) -> None:
+        if dp_size < 1:
+            raise ValueError(f"dp_size must be at least 1, got {dp_size!r}")
+        if replay_timeout_s <= 0:
+            raise ValueError(f"replay_timeout_s must be positive, got {replay_timeout_s!r}")
+        if poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s must be positive, got {poll_interval_s!r}")
+        self._streams = [
+            _RankStream(
+                rank,
+                rank_endpoint(endpoint, rank),
+                rank_endpoint(replay_endpoint, rank) if replay_endpoint else None,
+            )
+            for rank in range(dp_size)
+        ]
+        self._topic = topic.encode("utf-8")
+        self._on_batch = on_batch
+        self._on_resync = on_resync
+        self._replay_timeout_s = replay_timeout_s
+        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._decoder = KVEventDecoder()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._context: zmq.Context | None = None
+        self._counters = {
+            "received": 0,
+            "applied": 0,
+            "replayed": 0,
+            "gaps": 0,
+            "repaired": 0,
+            "resyncs": 0,
+            "restarts": 0,
+            "malformed": 0,
+            "handler_errors": 0,
+        }
+
+    # ----------------------------------------------------------------------------------------
+    # Public API
+    # ----------------------------------------------------------------------------------------
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The PUB endpoint of each rank, in rank order."""
+        return [stream.endpoint for stream in self._streams]
+
+    @property
+    def running(self) -> bool:
+        """True between :meth:`start` and :meth:`stop`."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> KVEventSubscriber:
+        """Connect (in the background; the engine need not be up) and start the thread.
+
+        Returns:
+            self.
+
+        Raises:
+            RuntimeError: already running.
+            zmq.ZMQError: an endpoint is invalid.
+        """
+        if self.running:
+            raise RuntimeError("KVEventSubscriber is already running")
+        self._stop.clear()
+        self._ready.clear()
+        self._start_error = None
+        self._thread = threading.Thread(target=self._run, name="kv-event-subscriber", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            self._thread = None
+            raise self._start_error
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread and close the sockets (idempotent). Sequence state is kept, so a
+        later :meth:`start` repairs whatever was published meanwhile."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._stop.set()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            logger.warning("KV-event subscriber thread did not stop within %.1f s", timeout_s)
+        self._thread = None
+
+    def __enter__(self) -> KVEventSubscriber:
+        return self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (received, applied, replayed, gaps, repaired, resyncs, restarts,
+        malformed, handler_errors, unknown_events) and ``expected_seq`` per rank."""
+        out: dict[str, Any] = dict(self._counters)
+        out["unknown_events"] = self._decoder.unknown_events
+        out["expected_seq"] = [stream.expected for stream in self._streams]
+        return out
+
+    # ----------------------------------------------------------------------------------------
+    # Thread
+    # ----------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        context = zmq.Context()
+        poller = zmq.Poller()
+        try:
+            for stream in self._streams:
+                stream.sub = context.socket(zmq.SUB)
+                stream.sub.setsockopt(zmq.LINGER, 0)
+                stream.sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+                stream.sub.connect(stream.endpoint)
+                poller.register(stream.sub, zmq.POLLIN)
+        except BaseException as exc:  # surfaced by start()
+            self._start_error = exc
+            self._close(context)
+            self._ready.set()
+            return
+        self._context = context
+        self._ready.set()
+        by_socket = {stream.sub: stream for stream in self._streams}
+        try:
+            while not self._stop.is_set():
+                for socket, _ in poller.poll(self._poll_ms):
+                    self._drain(by_socket[socket])
+        except Exception:
+            logger.exception("KV-event subscriber thread failed; events are no longer followed")
+        finally:
+            self._close(context)
+            self._context = None
+
+    def _close(self, context: zmq.Context) -> None:
+        for stream in self._streams:
+            for socket in (stream.sub, stream.replay):
+                if socket is not None:
+                    socket.close(linger=0)
+            stream.sub = stream.replay = None
+        context.term()
+
+    def _drain(self, stream: _RankStream) -> None:
+        assert stream.sub is not None
+        while not self._stop.is_set():
+            try:
+                frames = stream.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._counters["received"] += 1
+            self._on_message(stream, frames)
+
+    def _on_message(self, stream: _RankStream, frames: list[bytes]) -> None:
+        seq = _sequence_of(frames)
+        if seq is None:
+            self._count_malformed(stream, f"{len(frames)} frames / bad sequence frame")
+            return
+        if stream.expected is None:
+            self._join(stream, seq)
+        elif seq > stream.expected:
+            self._counters["gaps"] += 1
+            logger.info(
+                "KV events rank %d: gap, expected seq %d, got %d; repairing",
+                stream.rank,
+                stream.expected,
+                seq,
+            )
+            self._repair(stream, stream.expected, seq)
+        elif seq < stream.expected:
+            self._counters["restarts"] += 1
+            logger.warning(
+                "KV events rank %d: seq went back from %d to %d: publisher restarted",
+                stream.rank,
+                stream.expected,
+                seq,
+            )
+            self._resync(stream)
+            self._join(stream, seq)
+        self._apply(stream, seq, frames[2])
+
+    def _join(self, stream: _RankStream, seq: int) -> None:
+        """First message of a stream: batches 0 .. seq - 1 were missed."""
+        stream.expected = seq
+        if seq > 0:
+            self._counters["gaps"] += 1
+            self._repair(stream, 0, seq)
+
+    def _repair(self, stream: _RankStream, start: int, end: int) -> None:
+        """Fetch and apply batches ``start .. end - 1``; resync when they cannot all be had."""
+        replayed = self._request_replay(stream, start) if stream.replay_endpoint else None
+        missing = list(range(start, end))
+        if replayed is not None and all(seq in replayed for seq in missing):
+            for seq in missing:
+                self._counters["replayed"] += 1
+                self._apply(stream, seq, replayed[seq])
+            self._counters["repaired"] += 1
+            return
+        logger.warning(
+            "KV events rank %d: batches %d..%d could not be replayed; resynchronising",
+            stream.rank,
+            start,
+            end - 1,
+        )
+        self._resync(stream)
+        # What the replay still returned up to the live batch is a true (partial) history.
+        tail_start = end
+        while replayed is not None and tail_start - 1 in replayed and tail_start > start:
+            tail_start -= 1
+        for seq in range(tail_start, end):
+            self._counters["replayed"] += 1
+            self._apply(stream, seq, replayed[seq])  # type: ignore[index]
+
+    def _request_replay(self, stream: _RankStream, start: int) -> dict[int, bytes] | None:
+        """Ask the replay socket for batches from ``start``; None on timeout or error."""
+        assert self._context is not None and stream.replay_endpoint is not None
+        if stream.replay is None:
+            stream.replay = self._context.socket(zmq.DEALER)
+            stream.replay.setsockopt(zmq.LINGER, 0)
+            stream.replay.connect(stream.replay_endpoint)
+        socket = stream.replay
+        deadline = time.monotonic() + self._replay_timeout_s
+        batches: dict[int, bytes] = {}
+        try:
+            socket.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                remaining_ms = int((deadline - time.monotonic()) * 1000)
+                if remaining_ms <= 0 or not socket.poll(remaining_ms):
+                    raise TimeoutError(f"no end marker within {self._replay_timeout_s} s")
+                frames = socket.recv_multipart()
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self._count_malformed(stream, f"replay reply of {len(frames)} frames")
+                    continue
+                if frames[1] == END_OF_REPLAY:
+                    return batches
+                batches[int.from_bytes(frames[1], "big")] = frames[2]
+        except (TimeoutError, zmq.ZMQError) as exc:
+            logger.warning("KV events rank %d: replay from %d failed: %s", stream.rank, start, exc)
+            # A late answer must not be read as the answer to the next request.
+            socket.close(linger=0)
+            stream.replay = None
+            return None
+
+    def _resync(self, stream: _RankStream) -> None:
+        self._counters["resyncs"] += 1
+        if self._on_resync is None:
+            return
+        try:
+            self._on_resync(stream.rank)
+        except Exception:
+            self._counters["handler_errors"] += 1
+            logger.exception("on_resync(%d) failed", stream.rank)
+
+    def _apply(self, stream: _RankStream, seq: int, payload: bytes) -> None:
+        stream.expected = seq + 1
+        try:
+            batch = self._decoder.decode(payload)
+        except MalformedEventBatchError as exc:
+            self._count_malformed(stream, f"seq {seq}: {exc}")
+            return
+        self._counters["applied"] += 1
+        if self._on_batch is None:
+            return
+        try:
+            self._on_batch(stream.rank, batch)
+        except Exception:
+            self._counters["handler_errors"] += 1
+            logger.exception("on_batch failed for rank %d seq %d", stream.rank, seq)
+
+    def _count_malformed(self, stream: _RankStream, what: str) -> None:
+        self._counters["malformed"] += 1
+        # The first few at warning level, the rest at debug: a bad peer must not flood logs.
+        level = logging.WARNING if self._counters["malformed"] <= 10 else logging.DEBUG
+        logger.log(level, "KV events rank %d: skipping malformed message (%s)", stream.rank, what)
+
+
+def _sequence_of(frames: Sequence[bytes]) -> int | None:
+    if len(frames) != 3 or len(frames[1]) != 8:
+        return None
+    return int.from_bytes(frames[1], "big")
