@@ -1,0 +1,111 @@
+"""Choosing the cache-state source by configuration.
+
+A mapping (from a config file, CLI flags or environment) such as::
+
+    {"kind": "kv-events", "endpoint": "tcp://127.0.0.1:5557",
+     "replay_endpoint": "tcp://127.0.0.1:5558"}
+    {"kind": "capacity", "capacity_tokens": 200000}
+    {"kind": "ttl", "provider": "anthropic"}            # or "openai", or "ttl_s": 600
+
+is validated into :class:`CacheSyncConfig` and built by :func:`build_cache_state_source` into a
+:class:`~contextpilot_integrations.sync.cache_state.CacheStateSource` that reports evictions
+through ``on_evict`` (e.g. ``ContextIndex.evict``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import msgspec
+
+from contextpilot_integrations.sync.cache_state import CacheStateSource, EvictCallback
+from contextpilot_integrations.sync.capacity_model import CapacityModel
+from contextpilot_integrations.sync.kv_event_source import KVEventCacheState
+from contextpilot_integrations.sync.ttl_model import TTLModel
+
+_PROVIDER_TTL_S = {"openai": 300.0, "anthropic": 300.0, "anthropic-1h": 3600.0}
+_PROVIDER_MIN_TOKENS = {"openai": 1024, "anthropic": 1024, "anthropic-1h": 1024}
+
+
+class CacheSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Which source follows the engine's cache, and its settings.
+
+    ``kind="kv-events"`` needs ``endpoint``; ``kind="capacity"`` needs ``capacity_tokens``;
+    ``kind="ttl"`` needs ``provider`` ("openai", "anthropic", "anthropic-1h") or ``ttl_s``
+    (``min_cached_tokens`` overrides the provider's minimum).
+    """
+
+    kind: Literal["kv-events", "capacity", "ttl"]
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+    topic: str = ""
+    dp_size: int = 1
+    page_size: int | None = None
+    replay_timeout_s: float = 2.0
+    capacity_tokens: int | None = None
+    provider: Literal["openai", "anthropic", "anthropic-1h"] | None = None
+    ttl_s: float | None = None
+    min_cached_tokens: int | None = None
+    max_requests: int = 100_000
+
+    @classmethod
+    def from_mapping(cls, settings: Mapping[str, Any]) -> CacheSyncConfig:
+        """Validate ``settings``.
+
+        Raises:
+            ValueError: an unknown key, a wrong type or value, or a setting the kind needs is
+                missing; the message names the field.
+        """
+        try:
+            config = msgspec.convert(dict(settings), cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid cache sync config: {exc}") from exc
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field when a setting the kind needs is missing."""
+        if self.kind == "kv-events" and not self.endpoint:
+            raise ValueError("cache sync kind 'kv-events' needs 'endpoint', got None")
+        if self.kind == "capacity" and (self.capacity_tokens is None or self.capacity_tokens <= 0):
+            raise ValueError(
+                f"cache sync kind 'capacity' needs 'capacity_tokens' > 0, "
+                f"got {self.capacity_tokens!r}"
+            )
+        if self.kind == "ttl" and self.provider is None and self.ttl_s is None:
+            raise ValueError("cache sync kind 'ttl' needs 'provider' or 'ttl_s', got neither")
+
+
+def build_cache_state_source(
+    config: CacheSyncConfig | Mapping[str, Any], on_evict: EvictCallback | None
+) -> CacheStateSource:
+    """Build the configured source (not started: call ``start()``).
+
+    Raises:
+        ValueError: as :meth:`CacheSyncConfig.from_mapping`.
+    """
+    if not isinstance(config, CacheSyncConfig):
+        config = CacheSyncConfig.from_mapping(config)
+    else:
+        config.validate()
+    if config.kind == "kv-events":
+        assert config.endpoint is not None
+        return KVEventCacheState(
+            config.endpoint,
+            on_evict,
+            replay_endpoint=config.replay_endpoint,
+            topic=config.topic,
+            dp_size=config.dp_size,
+            page_size=config.page_size,
+            max_requests=config.max_requests,
+            replay_timeout_s=config.replay_timeout_s,
+        )
+    if config.kind == "capacity":
+        assert config.capacity_tokens is not None
+        return CapacityModel(config.capacity_tokens, on_evict)
+    ttl_s = config.ttl_s if config.ttl_s is not None else _PROVIDER_TTL_S[config.provider or ""]
+    min_tokens = config.min_cached_tokens
+    if min_tokens is None:
+        min_tokens = _PROVIDER_MIN_TOKENS.get(config.provider or "", 0)
+    return TTLModel(ttl_s, on_evict, min_cached_tokens=min_tokens, max_requests=config.max_requests)
