@@ -1,0 +1,180 @@
+"""Methods: the sparse upper bound against brute force, cache sizing, engines, eviction sync."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from contextpilot_integrations.bench.methods import (
+    EmbeddedEngine,
+    PreparedWorkload,
+    parse_cache_tokens,
+    resolve_cache_tokens,
+    run_method,
+    run_methods,
+    upper_bound_records,
+)
+from contextpilot_integrations.bench.workloads import Document, Request, Workload
+from contextpilot_integrations.core.blocks import ApproxTokenCounter
+from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.rendering import PromptLayout
+
+COUNTER = ApproxTokenCounter()
+LAYOUT = PromptLayout()
+
+
+def _prepared(lists: list[list[int]], doc_len: int = 40) -> PreparedWorkload:
+    """Requests retrieving the given document numbers (texts of different lengths)."""
+    n_docs = max([d for docs in lists for d in docs], default=0) + 1
+    corpus = tuple(
+        Document(f"d{i}", f"document {i} " + "x" * (doc_len + 7 * i)) for i in range(n_docs)
+    )
+    requests = tuple(Request(f"r{i}", f"question {i}?") for i in range(len(lists)))
+    workload = Workload("synthetic", corpus, requests)
+    retrieved = [[corpus[d] for d in docs] for docs in lists]
+    return PreparedWorkload(workload, 10, retrieved, LAYOUT, COUNTER)
+
+
+def _brute_force_upper_bound(prepared: PreparedWorkload) -> list[int]:
+    out = []
+    for i, request in enumerate(prepared.workload.requests):
+        texts = prepared.block_texts(i)
+        segments = LAYOUT.render_segments(texts, request.query)
+        weight = {}
+        for text, segment in zip(texts, segments[1:-1], strict=True):
+            weight.setdefault(text, COUNTER.count(segment))
+        best = 0
+        for j in range(len(prepared.retrieved)):
+            if j != i:
+                shared = set(texts) & set(prepared.block_texts(j))
+                best = max(best, sum(weight[t] for t in shared))
+        prompt = sum(COUNTER.count(s) for s in segments)
+        out.append(min(best + COUNTER.count(segments[0]), prompt - 1))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.integers(0, 8), min_size=1, max_size=5, unique=True), min_size=1, max_size=12
+    )
+)
+def test_upper_bound_matches_brute_force(lists: list[list[int]]) -> None:
+    prepared = _prepared(lists)
+    got = [r.cached_tokens for r in upper_bound_records(prepared)]
+    assert got == _brute_force_upper_bound(prepared)
+
+
+def test_upper_bound_block_size_and_duplicates() -> None:
+    prepared = _prepared([[0, 1, 2], [2, 1, 5], [7]])
+    plain = upper_bound_records(prepared)
+    blocked = upper_bound_records(prepared, block_size=16)
+    for a, b in zip(plain, blocked, strict=True):
+        assert b.cached_tokens == a.cached_tokens - a.cached_tokens % 16
+    # Request 2 shares nothing: only its system prompt counts.
+    assert plain[2].cached_tokens == COUNTER.count(LAYOUT.system_segment())
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("0.05", 0.05),
+        ("5e-2", 0.05),
+        ("1.0", 1.0),
+        ("20000", 20000),
+        ("unlimited", None),
+        ("None", None),
+    ],
+)
+def test_parse_cache_tokens(text: str, value: object) -> None:
+    assert parse_cache_tokens(text) == value
+    assert type(parse_cache_tokens(text)) is type(value)
+
+
+@pytest.mark.parametrize("text", ["0", "-0.5", "lots", "nan", ""])
+def test_parse_cache_tokens_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="--cache-tokens"):
+        parse_cache_tokens(text)
+
+
+def test_resolve_cache_tokens() -> None:
+    assert resolve_cache_tokens(0.05, 23_996) == 1200
+    assert resolve_cache_tokens(1.0, 10) == 10
+    assert resolve_cache_tokens(500, 10) == 500
+    assert resolve_cache_tokens(None, 10) is None
+    assert resolve_cache_tokens(1e-9, 10) == 1
+    with pytest.raises(ValueError):
+        resolve_cache_tokens(0, 10)
+
+
+def test_embedded_engine_segments_are_units_weighted_by_tokens() -> None:
+    engine = EmbeddedEngine(None, counter=COUNTER)
+    a = LAYOUT.render_segments(["alpha " * 20, "beta " * 30], "q1")
+    b = LAYOUT.render_segments(["alpha " * 20, "gamma " * 10], "q2")
+    first = engine.serve("a", a)
+    assert first.cached_tokens == 0
+    assert first.prompt_tokens == sum(COUNTER.count(s) for s in a)
+    second = engine.serve("b", b)
+    assert second.cached_tokens == COUNTER.count(a[0]) + COUNTER.count(a[1])
+
+
+def test_online_eviction_feedback_reaches_the_index() -> None:
+    lists = [[i % 5, (i + 1) % 5, 5 + i % 3] for i in range(30)]
+    prepared = _prepared(lists, doc_len=200)
+    pilots: list[ContextPilot] = []
+
+    def pilot_factory() -> ContextPilot:
+        pilots.append(ContextPilot(layout=LAYOUT, token_counter=COUNTER))
+        return pilots[-1]
+
+    result = run_method(
+        "contextpilot",
+        prepared,
+        mode="online",
+        engine_factory=lambda: EmbeddedEngine(300, counter=COUNTER),
+        pilot_factory=pilot_factory,
+    )
+    assert result.cache is not None and result.cache.evicted_rids > 0
+    # Every request the cache model evicted is gone from the index.
+    assert len(pilots[0].index) == 30 - result.cache.evicted_rids
+    unlimited = run_method(
+        "contextpilot",
+        prepared,
+        mode="online",
+        engine_factory=lambda: EmbeddedEngine(None, counter=COUNTER),
+        pilot_factory=pilot_factory,
+    )
+    assert len(pilots[1].index) == 30 and unlimited.cache.evicted_rids == 0
+
+
+def test_offline_sends_in_schedule_order_and_every_request_once() -> None:
+    lists = [[0, 1, 2], [3, 4], [2, 1, 0], [4, 3, 6], [0, 2, 1]]
+    prepared = _prepared(lists)
+    result = run_method(
+        "contextpilot",
+        prepared,
+        mode="offline",
+        engine_factory=lambda: EmbeddedEngine(None, counter=COUNTER),
+    )
+    assert sorted(r.request_index for r in result.records) == list(range(5))
+    assert all(r.rid == f"contextpilot-r{r.request_index}" for r in result.records)
+    baseline = run_method(
+        "baseline",
+        prepared,
+        mode="offline",
+        engine_factory=lambda: EmbeddedEngine(None, counter=COUNTER),
+    )
+    assert [r.request_index for r in baseline.records] == list(range(5))
+    assert result.cached_tokens > baseline.cached_tokens
+
+
+def test_run_methods_validation() -> None:
+    prepared = _prepared([[0]])
+    factory = lambda: EmbeddedEngine(None, counter=COUNTER)  # noqa: E731
+    with pytest.raises(ValueError, match="unknown method"):
+        run_methods(["fastest"], prepared, mode="offline", engine_factory=factory)
+    with pytest.raises(ValueError, match="must not repeat"):
+        run_methods(["baseline", "baseline"], prepared, mode="offline", engine_factory=factory)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        run_method("baseline", prepared, mode="batch", engine_factory=factory)
