@@ -16,7 +16,7 @@ from contextpilot_integrations.bench.methods import (
     upper_bound_records,
 )
 from contextpilot_integrations.bench.workloads import Document, Request, Workload
-from contextpilot_integrations.core.blocks import ApproxTokenCounter
+from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenizerCounter
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.rendering import PromptLayout
 
@@ -178,3 +178,24 @@ def test_run_methods_validation() -> None:
         run_methods(["baseline", "baseline"], prepared, mode="offline", engine_factory=factory)
     with pytest.raises(ValueError, match="mode must be one of"):
         run_method("baseline", prepared, mode="batch", engine_factory=factory)
+
+
+def test_token_level_engine_with_a_real_tokenizer_interface() -> None:
+    """With a tokenizer every token id is a unit: partial-segment overlap counts too."""
+    chars = TokenizerCounter(lambda text: [ord(c) for c in text])
+    engine = EmbeddedEngine(None, counter=chars, tokenizer=chars)
+    a = LAYOUT.render_segments(["shared block", "alpha"], "q1")
+    b = LAYOUT.render_segments(["shared block", "alpine"], "q2")
+    assert engine.serve("a", a).prompt_tokens == len("".join(a))
+    served = engine.serve("b", b)
+    common = len(a[0]) + len(a[1]) + len(LAYOUT.label(1) + "\nalp")
+    assert served.cached_tokens == common
+    prepared = _prepared([[0, 1, 2], [2, 1, 0], [0, 1, 3]])
+    prepared.counter = chars
+    results = run_methods(
+        ["baseline", "contextpilot", "upper-bound"],
+        prepared,
+        mode="offline",
+        engine_factory=lambda: EmbeddedEngine(None, counter=chars, tokenizer=chars),
+    )
+    assert results[1].cached_tokens > results[0].cached_tokens
