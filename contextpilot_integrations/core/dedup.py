@@ -1,0 +1,537 @@
+"""Multi-turn de-duplication: replace context already shown in a conversation by a location hint.
+
+ContextPilot (MLSys 2026, "multi-turn de-duplication"): in a conversation, a block that an
+earlier turn's prompt already shows is replaced by a short hint naming where it stands; below
+block level, a sub-block (content-defined chunk, :mod:`~contextpilot_integrations.core.chunking`)
+already shown is replaced by a pointer to its first occurrence. The model reads the text once,
+the prompt is shorter, and the earlier turns stay a byte-identical prefix for the KV cache.
+
+:meth:`Deduplicator.plan` takes one request's blocks in prompt order and returns, per block,
+either the text to render (with sub-block pointers spliced in) or a hint, plus the request's
+figures. Rules:
+
+- Lossless (DESIGN.md invariant 1): a block or sub-block is replaced only when its exact text
+  (same 64-bit id, :func:`~contextpilot_integrations.core.blocks.block_id`) stands in full at the
+  named place, in a turn the application's prompt still holds (:class:`TurnVisibility`) or
+  earlier in this prompt. Places are recorded only where text was rendered literally: a block
+  that got sub-block pointers is not recorded as a whole block, only its literal sub-blocks are.
+- Isolation (invariant 2): history is per ``(tenant, conversation_id)``; a request with
+  ``conversation_id=None`` is never de-duplicated and never recorded.
+- Deterministic (invariant 3): the output depends only on the inputs and the store's records.
+- A replacement is made only if it saves at least ``min_tokens_saved`` tokens (a hint longer
+  than the text it replaces is a loss).
+
+Hint wording (:class:`HintWording`, all configurable) by default reads, for a whole block,
+``Also relevant: [Doc 3] of turn 2, shown above.`` and, for a sub-block spliced into a kept
+block, ``[Repeated passage: see [Doc 3] of turn 2, from "first words" to "last words".]`` (the
+quoted ends let the model find the passage inside the named block, whose sub-block boundaries it
+cannot see). A place earlier in the same prompt reads ``[Doc 3] in this message``.
+
+Labels: the label of a kept block is ``label_template`` with ``position`` its 1-based position
+among the *kept* blocks (the renderer, ``PromptLayout.render_segments``, gets only the kept texts
+and lists the hints after the blocks, DESIGN.md "Prompt layout"); with
+``number_replaced_blocks=True`` it is the position among all blocks (a renderer that prints the
+hint in the block's place). The labels recorded in the store are those.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenCounter, block_id
+from contextpilot_integrations.core.chunking import ContentChunker, SubBlock
+from contextpilot_integrations.core.conversation import (
+    ConversationStore,
+    ConversationTurn,
+    Location,
+    TurnVisibility,
+)
+
+__all__ = [
+    "DedupBlock",
+    "DedupPlan",
+    "Deduplicator",
+    "HintWording",
+    "SubBlockPointer",
+]
+
+_QUOTE_CHARS = 40  # longest quoted end in a sub-block pointer, in characters
+
+
+@dataclass(frozen=True, slots=True)
+class HintWording:
+    """Wording of what replaces repeated text (``str.format`` templates).
+
+    Attributes:
+        earlier_turn: a place in an earlier turn; fields ``{label}``, ``{turn}``.
+        this_turn: a place earlier in the same prompt; field ``{label}``.
+        block_hint: the hint for a replaced block; fields ``{where}`` (one of the two above),
+            ``{label}``, ``{turn}``.
+        sub_block_pointer: what replaces a sub-block inside a kept block; fields ``{where}``,
+            ``{label}``, ``{turn}``, ``{part}`` (1-based index in that block), ``{head}`` and
+            ``{tail}`` (the sub-block's first and last ``quote_words`` words, at most 40
+            characters each). The replaced sub-block's final line ending is appended to it.
+        quote_words: words quoted at each end of a replaced sub-block (``>= 1``).
+
+    Raises:
+        ValueError: a template uses an unknown field or is not a valid format string, or
+            ``quote_words < 1``.
+    """
+
+    earlier_turn: str = "{label} of turn {turn}"
+    this_turn: str = "{label} in this message"
+    block_hint: str = "Also relevant: {where}, shown above."
+    sub_block_pointer: str = '[Repeated passage: see {where}, from "{head}" to "{tail}".]'
+    quote_words: int = 6
+
+    def __post_init__(self) -> None:
+        sample = {"label": "[Doc 1]", "turn": 1, "part": 1, "head": "a", "tail": "b", "where": "w"}
+        allowed = {
+            "earlier_turn": ("label", "turn"),
+            "this_turn": ("label",),
+            "block_hint": ("where", "label", "turn"),
+            "sub_block_pointer": ("where", "label", "turn", "part", "head", "tail"),
+        }
+        for name, fields in allowed.items():
+            template = getattr(self, name)
+            if not isinstance(template, str):
+                raise TypeError(f"HintWording.{name} must be a str, got {template!r}")
+            try:
+                template.format(**{f: sample[f] for f in fields})
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(
+                    f"HintWording.{name} = {template!r} is not a valid template with fields "
+                    f"{', '.join('{' + f + '}' for f in fields)}: {exc!r}"
+                ) from exc
+        if isinstance(self.quote_words, bool) or not isinstance(self.quote_words, int):
+            raise TypeError(f"HintWording.quote_words must be an int, got {self.quote_words!r}")
+        if self.quote_words < 1:
+            raise ValueError(f"HintWording.quote_words must be >= 1, got {self.quote_words}")
+
+    def where(self, place: Location, turn: int) -> str:
+        """How ``place`` is named in a prompt for ``turn``."""
+        if place.turn == turn:
+            return self.this_turn.format(label=place.label)
+        return self.earlier_turn.format(label=place.label, turn=place.turn)
+
+
+@dataclass(frozen=True, slots=True)
+class SubBlockPointer:
+    """One sub-block of a kept block replaced by a pointer.
+
+    Attributes:
+        part: 0-based index of the sub-block in the block.
+        start, end: character span of the sub-block in the block's original text.
+        source: where the identical sub-block stands in full (``source.part`` is its index
+            within the block at ``source.label``).
+        text: the pointer as spliced into the rendered text.
+    """
+
+    part: int
+    start: int
+    end: int
+    source: Location
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class DedupBlock:
+    """The decision for one block. Exactly one of ``text`` and ``hint`` is set.
+
+    Attributes:
+        index: position in the request's blocks (0-based prompt order).
+        block_id: id of the original text.
+        label: the label it is rendered under when kept (also when replaced, with
+            ``number_replaced_blocks=True``); ``None`` for a replaced block otherwise.
+        text: the text to render when kept: the original, or with repeated sub-blocks replaced
+            by pointers; ``None`` when replaced.
+        hint: the location hint when the whole block is replaced; else ``None``.
+        source: where the identical block stands when replaced; else ``None``.
+        pointers: the sub-blocks replaced in a kept block, in text order.
+        tokens: token count of the original text.
+        tokens_saved: estimated tokens saved: original minus hint, or the sum over replaced
+            sub-blocks of sub-block minus pointer (by the deduplicator's token counter).
+    """
+
+    index: int
+    block_id: int
+    label: str | None
+    text: str | None
+    hint: str | None
+    source: Location | None
+    pointers: tuple[SubBlockPointer, ...]
+    tokens: int
+    tokens_saved: int
+
+    @property
+    def kept(self) -> bool:
+        """Whether the block is rendered (possibly with sub-block pointers)."""
+        return self.text is not None
+
+
+@dataclass(frozen=True, slots=True)
+class DedupPlan:
+    """One request's de-duplication.
+
+    Attributes:
+        tenant, conversation_id: the conversation (``conversation_id`` ``None``: nothing was
+            looked up or recorded).
+        turn: the turn number planned and recorded (``None`` without a conversation).
+        blocks: one decision per input block, in input (prompt) order.
+        blocks_kept, blocks_replaced, sub_blocks_replaced: counts.
+        tokens_in: tokens of the original blocks; tokens_saved: sum over ``blocks``.
+    """
+
+    tenant: str
+    conversation_id: str | None
+    turn: int | None
+    blocks: tuple[DedupBlock, ...]
+    blocks_kept: int
+    blocks_replaced: int
+    sub_blocks_replaced: int
+    tokens_in: int
+    tokens_saved: int
+
+    @property
+    def kept_texts(self) -> list[str]:
+        """Texts of the kept blocks, in prompt order (what the renderer lists as blocks)."""
+        return [b.text for b in self.blocks if b.text is not None]
+
+    @property
+    def hints(self) -> list[str]:
+        """Hints of the replaced blocks, in prompt order (what the renderer adds after them)."""
+        return [b.hint for b in self.blocks if b.hint is not None]
+
+    def figures(self) -> dict[str, int]:
+        """The per-request figures as a dict (for ``Plan`` stats and reports)."""
+        return {
+            "blocks_kept": self.blocks_kept,
+            "blocks_replaced": self.blocks_replaced,
+            "sub_blocks_replaced": self.sub_blocks_replaced,
+            "tokens_in": self.tokens_in,
+            "tokens_saved": self.tokens_saved,
+        }
+
+
+_DEFAULT_CHUNKER = ContentChunker()
+
+
+class Deduplicator:
+    """Plans the de-duplication of each request against its conversation's history.
+
+    Args:
+        store: the conversation store (a new default one when ``None``).
+        chunker: cuts kept blocks into sub-blocks for partial-overlap replacement; ``None``
+            for whole-block de-duplication only.
+        token_counter: counts tokens for ``tokens_saved`` and the ``min_tokens_saved`` test
+            (default :class:`~contextpilot_integrations.core.blocks.ApproxTokenCounter`).
+        wording: hint templates.
+        label_template: a kept block's label, ``str.format`` template with field
+            ``{position}`` (1-based), the same as ``PromptLayout.label_template``.
+        number_replaced_blocks: number labels over all blocks instead of the kept ones.
+        min_tokens_saved: replace a block or sub-block only if that saves at least this many
+            tokens (``>= 1``).
+        chunk_cache_size: blocks whose sub-blocks are cached (LRU; the cache holds only a pure
+            function of the text, shared by all conversations; ``0`` disables it).
+
+    Raises:
+        TypeError / ValueError: a bad argument (the message names it).
+
+    Thread-safe: planning holds the store's lock only for the lookups and records.
+    """
+
+    def __init__(
+        self,
+        store: ConversationStore | None = None,
+        *,
+        chunker: ContentChunker | None = _DEFAULT_CHUNKER,
+        token_counter: TokenCounter | None = None,
+        wording: HintWording | None = None,
+        label_template: str = "[Doc {position}]",
+        number_replaced_blocks: bool = False,
+        min_tokens_saved: int = 16,
+        chunk_cache_size: int = 4096,
+    ) -> None:
+        if store is not None and not isinstance(store, ConversationStore):
+            raise TypeError(f"store must be a ConversationStore, got {type(store).__name__}")
+        if chunker is not None and not isinstance(chunker, ContentChunker):
+            raise TypeError(f"chunker must be a ContentChunker or None, got {chunker!r}")
+        if token_counter is not None and not callable(getattr(token_counter, "count", None)):
+            raise TypeError(f"token_counter must have a count(text) method, got {token_counter!r}")
+        if wording is not None and not isinstance(wording, HintWording):
+            raise TypeError(f"wording must be a HintWording, got {type(wording).__name__}")
+        try:
+            label = label_template.format(position=1)
+        except (AttributeError, KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"label_template must be a format string with field {{position}}, got "
+                f"{label_template!r}: {exc!r}"
+            ) from exc
+        if label == label_template.format(position=2):
+            raise ValueError(f"label_template must use {{position}}, got {label_template!r}")
+        for name, value, low in (
+            ("min_tokens_saved", min_tokens_saved, 1),
+            ("chunk_cache_size", chunk_cache_size, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        self.store = store if store is not None else ConversationStore()
+        self.chunker = chunker
+        self.token_counter: TokenCounter = token_counter or ApproxTokenCounter()
+        self.wording = wording or HintWording()
+        self.label_template = label_template
+        self.number_replaced_blocks = bool(number_replaced_blocks)
+        self.min_tokens_saved = min_tokens_saved
+        self._chunk_cache = _ChunkCache(chunk_cache_size)
+
+    def plan(
+        self,
+        tenant: str,
+        conversation_id: str | None,
+        blocks: Sequence[str],
+        *,
+        turn: int | None = None,
+        visibility: TurnVisibility | None = None,
+        block_ids: Sequence[int] | None = None,
+        block_tokens: Sequence[int] | None = None,
+    ) -> DedupPlan:
+        """De-duplicate one request's blocks and record this turn in the store.
+
+        Args:
+            tenant: the tenant (``""`` for a single-tenant app).
+            conversation_id: the conversation, or ``None`` (no de-duplication, nothing stored).
+            blocks: the block texts in prompt order (after alignment).
+            turn: this turn's number; ``None`` for one after the conversation's latest. Planning
+                an earlier or the same number again drops the records of that turn and later
+                ones first (a retry or an edited history).
+            visibility: the earlier turns the app's prompt still holds (default: all).
+            block_ids: :func:`~contextpilot_integrations.core.blocks.block_id` of each block,
+                when the caller has them (saves hashing); must match ``blocks``.
+            block_tokens: token count of each block, when the caller has them.
+
+        Returns:
+            The :class:`DedupPlan`; its blocks are in the order of ``blocks``.
+
+        Raises:
+            TypeError: ``blocks`` is not a sequence of ``str``, or another argument has the
+                wrong type (the message names it).
+            ValueError: ``block_ids``/``block_tokens`` do not match ``blocks`` in length, a
+                text cannot be encoded as UTF-8, a bad ``turn`` or ``conversation_id``.
+        """
+        texts = _check_blocks(blocks)
+        ids = self._ids(texts, block_ids)
+        tokens = self._tokens(texts, block_tokens)
+        if conversation_id is None:
+            if not isinstance(tenant, str):
+                raise TypeError(f"tenant must be a str, got {type(tenant).__name__}: {tenant!r}")
+            return self._keep_all(tenant, texts, ids, tokens)
+        with self.store.open_turn(tenant, conversation_id, turn, visibility) as history:
+            decided: list[DedupBlock] = []
+            kept = 0
+            for i, text in enumerate(texts):
+                block = self._decide(history, i, kept + 1, text, ids[i], tokens[i])
+                kept += block.kept
+                decided.append(block)
+            return DedupPlan(
+                tenant=history.tenant,
+                conversation_id=history.conversation_id,
+                turn=history.turn,
+                blocks=tuple(decided),
+                blocks_kept=kept,
+                blocks_replaced=len(decided) - kept,
+                sub_blocks_replaced=sum(len(b.pointers) for b in decided),
+                tokens_in=sum(tokens),
+                tokens_saved=sum(b.tokens_saved for b in decided),
+            )
+
+    # --- one block -------------------------------------------------------------------------
+
+    def _decide(
+        self,
+        history: ConversationTurn,
+        index: int,
+        kept_number: int,
+        text: str,
+        bid: int,
+        tokens: int,
+    ) -> DedupBlock:
+        """Replace, or keep (with sub-block pointers), the block at ``index``; record it.
+
+        ``kept_number`` is the 1-based number the block gets among the kept ones if kept.
+        """
+        count = self.token_counter.count
+        source = history.find_block(bid)
+        if source is not None:
+            where = self.wording.where(source, history.turn)
+            hint = self.wording.block_hint.format(where=where, label=source.label, turn=source.turn)
+            saved = tokens - count(hint)
+            if saved >= self.min_tokens_saved:
+                label = self._label(index + 1) if self.number_replaced_blocks else None
+                return DedupBlock(index, bid, label, None, hint, source, (), tokens, saved)
+        label = self._label(index + 1 if self.number_replaced_blocks else kept_number)
+        pointers: list[SubBlockPointer] = []
+        saved = 0
+        pieces: list[str] = []
+        literal: list[tuple[int, int]] = []
+        for part, (sub, sub_tokens) in enumerate(self._sub_blocks(bid, text)):
+            pointer = self._pointer(history, part, sub, sub_tokens)
+            if pointer is None:
+                pieces.append(sub.text)
+                literal.append((part, sub.sub_block_id))
+            else:
+                pointers.append(pointer)
+                pieces.append(pointer.text)
+                saved += sub_tokens - count(pointer.text)
+        # Recorded after the loop: a block never points into itself, so a block whose text
+        # repeats internally stays whole and can later be replaced by one hint.
+        for part, sub_id in literal:
+            history.record_sub_block(sub_id, label, part)
+        if pointers:
+            rendered = "".join(pieces)
+        else:
+            rendered = text
+            history.record_block(bid, label)
+        return DedupBlock(index, bid, label, rendered, None, None, tuple(pointers), tokens, saved)
+
+    def _pointer(
+        self, history: ConversationTurn, part: int, sub: SubBlock, sub_tokens: int
+    ) -> SubBlockPointer | None:
+        """The pointer replacing ``sub`` if it stands in full at a visible place and saves
+        enough tokens; else ``None``."""
+        source = history.find_sub_block(sub.sub_block_id)
+        if source is None or sub_tokens < self.min_tokens_saved:
+            return None
+        head, tail = _quote_ends(sub.text, self.wording.quote_words)
+        text = self.wording.sub_block_pointer.format(
+            where=self.wording.where(source, history.turn),
+            label=source.label,
+            turn=source.turn,
+            part=(source.part or 0) + 1,
+            head=head,
+            tail=tail,
+        ) + _line_ending(sub.text)
+        if sub_tokens - self.token_counter.count(text) < self.min_tokens_saved:
+            return None
+        return SubBlockPointer(part, sub.start, sub.end, source, text)
+
+    def _sub_blocks(self, bid: int, text: str) -> tuple[tuple[SubBlock, int], ...]:
+        """Sub-blocks of a block with their token counts (cached by id, checked by text)."""
+        if self.chunker is None:
+            return ()
+        cached = self._chunk_cache.get(bid, text)
+        if cached is None:
+            count = self.token_counter.count
+            cached = tuple((sub, count(sub.text)) for sub in self.chunker.split(text))
+            self._chunk_cache.put(bid, text, cached)
+        return cached
+
+    def _label(self, position: int) -> str:
+        return self.label_template.format(position=position)
+
+    # --- whole request ---------------------------------------------------------------------
+
+    def _keep_all(
+        self, tenant: str, texts: list[str], ids: list[int], tokens: list[int]
+    ) -> DedupPlan:
+        decided = tuple(
+            DedupBlock(i, ids[i], self._label(i + 1), text, None, None, (), tokens[i], 0)
+            for i, text in enumerate(texts)
+        )
+        return DedupPlan(tenant, None, None, decided, len(decided), 0, 0, sum(tokens), 0)
+
+    def _ids(self, texts: list[str], block_ids: Sequence[int] | None) -> list[int]:
+        if block_ids is None:
+            try:
+                return [block_id(text) for text in texts]
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"a block cannot be encoded as UTF-8: {exc}") from exc
+        ids = list(block_ids)
+        if len(ids) != len(texts):
+            raise ValueError(f"block_ids has {len(ids)} ids for {len(texts)} blocks")
+        for i, value in enumerate(ids):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
+                raise TypeError(f"block_ids[{i}] must be an unsigned 64-bit int, got {value!r}")
+        return ids
+
+    def _tokens(self, texts: list[str], block_tokens: Sequence[int] | None) -> list[int]:
+        if block_tokens is None:
+            return [self.token_counter.count(text) for text in texts]
+        counts = list(block_tokens)
+        if len(counts) != len(texts):
+            raise ValueError(f"block_tokens has {len(counts)} counts for {len(texts)} blocks")
+        for i, value in enumerate(counts):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise TypeError(f"block_tokens[{i}] must be an int >= 0, got {value!r}")
+        return counts
+
+
+class _ChunkCache:
+    """Bounded LRU of ``block id -> (text, sub-blocks with token counts)``, thread-safe."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[int, tuple[str, tuple[tuple[SubBlock, int], ...]]] = (
+            OrderedDict()
+        )
+
+    def get(self, bid: int, text: str) -> tuple[tuple[SubBlock, int], ...] | None:
+        with self._lock:
+            entry = self._entries.get(bid)
+            if entry is None or entry[0] != text:  # the text check rules out an id collision
+                return None
+            self._entries.move_to_end(bid)
+            return entry[1]
+
+    def put(self, bid: int, text: str, parts: tuple[tuple[SubBlock, int], ...]) -> None:
+        if not self._capacity:
+            return
+        with self._lock:
+            self._entries[bid] = (text, parts)
+            self._entries.move_to_end(bid)
+            while len(self._entries) > self._capacity:
+                self._entries.popitem(last=False)
+
+
+def _check_blocks(blocks: object) -> list[str]:
+    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence):
+        raise TypeError(f"blocks must be a sequence of str, got {type(blocks).__name__}")
+    texts = list(blocks)
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"blocks[{i}] must be a str, got {type(text).__name__}: {text!r:.80}")
+    return texts
+
+
+def _quote_ends(text: str, words: int) -> tuple[str, str]:
+    """First and last ``words`` words of ``text`` (whitespace collapsed), each shortened to
+    whole words within ``_QUOTE_CHARS`` characters (a single longer word is cut)."""
+    tokens = text.split()
+    return _fit(tokens[:words], from_end=False), _fit(tokens[-words:], from_end=True)
+
+
+def _fit(words: list[str], *, from_end: bool) -> str:
+    """Join ``words`` with spaces, keeping those within ``_QUOTE_CHARS`` characters counted
+    from the start (or from the end)."""
+    if not words:
+        return ""
+    order = list(reversed(words)) if from_end else words
+    first = order[0][-_QUOTE_CHARS:] if from_end else order[0][:_QUOTE_CHARS]
+    kept, size = [first], len(first)
+    for word in order[1:]:
+        size += 1 + len(word)
+        if size > _QUOTE_CHARS:
+            break
+        kept.append(word)
+    return " ".join(reversed(kept) if from_end else kept)
+
+
+def _line_ending(text: str) -> str:
+    if text.endswith("\r\n"):
+        return "\r\n"
+    return "\n" if text.endswith("\n") else ""
