@@ -37,6 +37,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "DATA_DIR_ENV",
@@ -289,7 +290,7 @@ def _load_multihop_rag(root: Path) -> Workload:
     if not isinstance(queries, dict) or not isinstance(truth, dict):
         raise ValueError("multihop-rag: queries.json and ground_truth.json must be JSON objects")
     facts: dict[str, list[str]] = {}
-    requests = []
+    requests: list[Request] = []
     for entry in queries["queries"]:
         qid = str(entry["id"])
         for evidence in truth[qid]["evidence_list"]:
@@ -376,12 +377,12 @@ register_workload(
 _MTRAG_FILE = "mtrag/mtragun-human/generation_tasks/reference.jsonl"
 
 
-def _read_jsonl(path: Path) -> list[dict[str, object]]:
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _mtrag_collections(tasks: Sequence[dict]) -> dict[str, dict[str, str]]:
+def _mtrag_collections(tasks: Sequence[dict[str, Any]]) -> dict[str, dict[str, str]]:
     """Collection -> {document_id: text}, the union of the tasks' reference passages."""
     collections: dict[str, dict[str, str]] = {}
     for task in tasks:
@@ -398,7 +399,7 @@ def _load_mtrag(root: Path) -> Workload:
         for collection, passages in _mtrag_collections(tasks).items()
         for doc_id, text in passages.items()
     )
-    requests = []
+    requests: list[Request] = []
     for task in tasks:
         conv_id = str(task["conversation_id"])
         user_turns = [m["text"] for m in task["input"] if m["speaker"] == "user"]
