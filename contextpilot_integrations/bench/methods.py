@@ -16,7 +16,9 @@ Methods (each yields one :class:`RequestRecord` per request, through a fresh eng
     request of the workload, plus the system prompt. Computed with one sparse product
     ``W @ A.T`` (requests x blocks), so the cost is the number of request pairs that share a
     block, not ``N**2``. Its cached tokens follow the same engine rule as the cache model
-    (the last prompt token is recomputed; whole blocks only).
+    (the last prompt token is recomputed; whole blocks only). It is always computed with the
+    benchmark's token counter: with ``--engine-url`` the engine's own counts (chat template
+    included) differ slightly, so its ratio to a real engine's hit ratio is approximate.
 
 Cache capacity (``--cache-tokens``): an integer is a number of tokens; a number with a decimal
 point (``0.05``) is a fraction of the workload's *unique block tokens* (the sum, over distinct
