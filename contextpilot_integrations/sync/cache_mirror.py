@@ -370,21 +370,23 @@ class CacheMirror:
 
     def _attached_in_subtree(self, state: _Rank, root: BlockHash) -> list[str]:
         """Rids attached to ``root`` or to a present descendant of it (usually none: LRU
-        removes leaves first)."""
-        rids: list[str] = []
+        removes leaves first), sorted so that the eviction order is deterministic."""
+        rids: set[str] = set()
         stack = [root]
         while stack:
             block_hash = stack.pop()
             block = state.blocks.get(block_hash)
             if block is not None and block.rids:
-                rids.extend(sorted(block.rids))
+                rids.update(block.rids)
             children = state.children.get(block_hash)
             if children:
                 stack.extend(children.values())
-        return rids
+        return sorted(rids)
 
     def _clear(self, rank: int, state: _Rank, evicted: list[str]) -> None:
-        attached = [r for r in self._requests.values() if r.attached.get(rank)]
+        attached = sorted(
+            (r for r in self._requests.values() if r.attached.get(rank)), key=lambda r: r.rid
+        )
         for request in attached:
             self._drop_request(request)
             evicted.append(request.rid)

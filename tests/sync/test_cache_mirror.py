@@ -1,0 +1,277 @@
+"""CacheMirror: blocks follow the events; attribution by session id and by token matching;
+the eviction rule; wiring to the lead's ContextIndex; a hypothesis model test."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from contextpilot_integrations.core.context_index import ContextIndex
+from contextpilot_integrations.sync.cache_mirror import CacheMirror
+from contextpilot_integrations.sync.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+
+
+def stored(hashes, parent=None, tokens=None, size=2, session=None, medium=None) -> BlockStored:
+    if tokens is None:
+        tokens = [t for h in hashes for t in (h, h + 1000)][: size * len(hashes)]
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=list(tokens),
+        block_size=size,
+        session_id=session,
+        medium=medium,
+    )
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.evicted: list[str] = []
+
+    def __call__(self, rid: str) -> None:
+        self.evicted.append(rid)
+
+
+def test_store_and_remove_follow_the_chain() -> None:
+    mirror = CacheMirror()
+    mirror.apply_events(0, [stored([1, 2, 3]), stored([4], parent=2)])
+    assert mirror.block_hashes(0) == {1, 2, 3, 4}
+    assert mirror.block(3) == {
+        "parent": 2,
+        "token_ids": [3, 1003],
+        "session_id": None,
+        "media": ["GPU"],
+    }
+    mirror.apply_batch(0, KVEventBatch(ts=0.0, events=[BlockRemoved([3, 4]), BlockRemoved([99])]))
+    assert mirror.block_hashes(0) == {1, 2}
+    assert mirror.stats()["unknown_removals"] == 1
+
+
+def test_session_attribution_evicts_when_the_deepest_block_goes() -> None:
+    recorder = Recorder()
+    mirror = CacheMirror(recorder)
+    # Shared prefix 1-2 stored by request a; b extends it with 3-4 (only its new pages carry b).
+    mirror.apply_events(0, [stored([1, 2], session="a"), stored([3, 4], parent=2, session="b")])
+    assert mirror.request_blocks("a") == {0: {2}} and mirror.request_blocks("b") == {0: {4}}
+    assert mirror.cached_requests() == {"a", "b"}
+    mirror.apply_events(0, [BlockRemoved([4, 3])])  # LRU: b's leaf first
+    assert recorder.evicted == ["b"]
+    mirror.apply_events(0, [BlockRemoved([2])])
+    assert recorder.evicted == ["b", "a"]
+    assert mirror.cached_requests() == set()
+
+
+def test_a_request_that_extends_its_own_chain_moves_its_attachment() -> None:
+    recorder = Recorder()
+    mirror = CacheMirror(recorder)
+    # Chunked prefill: two stores of the same session, the second continuing the first.
+    mirror.apply_events(0, [stored([1, 2], session="r"), stored([3], parent=2, session="r")])
+    assert mirror.request_blocks("r") == {0: {3}}
+    mirror.apply_events(0, [BlockRemoved([3])])
+    assert recorder.evicted == ["r"]
+
+
+def test_removing_an_inner_block_evicts_requests_below_it() -> None:
+    # vLLM can free an inner block while its children stay: the prefix match breaks there.
+    recorder = Recorder()
+    mirror = CacheMirror(recorder)
+    mirror.apply_events(0, [stored([1, 2, 3], session="deep"), stored([9], parent=1, session="x")])
+    mirror.apply_events(0, [BlockRemoved([2])])
+    assert recorder.evicted == ["deep"]
+    assert mirror.block_hashes(0) == {1, 3, 9}
+
+
+def test_a_host_copy_keeps_the_block_cached() -> None:
+    recorder = Recorder()
+    mirror = CacheMirror(recorder)
+    mirror.apply_events(0, [stored([1], session="r"), stored([1], medium="CPU_PINNED")])
+    mirror.apply_events(0, [BlockRemoved([1], medium="GPU")])
+    assert recorder.evicted == [] and mirror.block(1)["media"] == ["CPU_PINNED"]
+    mirror.apply_events(0, [BlockRemoved([1], medium="CPU_PINNED")])
+    assert recorder.evicted == ["r"]
+
+
+def test_token_matching_when_registered_before_the_engine_stores() -> None:
+    recorder = Recorder()
+    mirror = CacheMirror(recorder, page_size=2)
+    assert mirror.register_request("r", [10, 11, 12, 13, 14]) == 0  # 2 whole pages
+    mirror.apply_events(0, [stored([1], tokens=[10, 11]), stored([2, 3], 1, [12, 13, 99, 98])])
+    assert mirror.request_blocks("r") == {0: {2}}  # page 3 is another request's
+    mirror.apply_events(0, [BlockRemoved([3])])
+    assert recorder.evicted == []
+    mirror.apply_events(0, [BlockRemoved([2])])
+    assert recorder.evicted == ["r"]
+
+
+def test_token_matching_when_registered_after_the_store_and_page_size_learnt() -> None:
+    recorder = Recorder()
+    mirror = CacheMirror(recorder)  # page size learnt from block_size
+    mirror.apply_events(0, [stored([1, 2], tokens=[5, 6, 7, 8])])
+    assert mirror.register_request("hit", [5, 6, 7, 8, 9]) == 2
+    assert mirror.register_request("miss", [5, 6, 0, 0]) == 1
+    assert mirror.register_request("cold", [1, 1]) == 0
+    assert mirror.cached_requests() == {"hit", "miss"}
+    mirror.apply_events(0, [stored([3], parent=1, tokens=[0, 0])])  # miss now fully cached
+    assert mirror.request_blocks("miss") == {0: {3}}
+    mirror.apply_events(0, [AllBlocksCleared()])
+    assert sorted(recorder.evicted) == ["hit", "miss"]
+    # "cold" was never cached: it stays registered and matches once its tokens are stored.
+    mirror.apply_events(0, [stored([7], tokens=[1, 1])])
+    assert mirror.request_blocks("cold") == {0: {7}}
+
+
+def test_token_matching_before_page_size_is_known() -> None:
+    mirror = CacheMirror()
+    mirror.register_request("r", [1, 2, 3, 4])
+    mirror.apply_events(0, [stored([100, 101], tokens=[1, 2, 3, 4])])
+    assert mirror.request_blocks("r") == {0: {101}}
+
+
+def test_resync_forgets_one_rank_and_evicts_its_requests() -> None:
+    recorder = Recorder()
+    mirror = CacheMirror(recorder)
+    mirror.apply_events(0, [stored([1], session="zero")])
+    mirror.apply_events(1, [stored([1], session="one")])
+    assert mirror.resync(1) == ["one"]
+    assert mirror.block_hashes(0) == {1} and mirror.block_hashes(1) == set()
+    assert mirror.stats()["resyncs"] == 1 and recorder.evicted == ["one"]
+
+
+def test_bounded_tracking_forgets_the_oldest_without_a_callback() -> None:
+    recorder = Recorder()
+    mirror = CacheMirror(recorder, max_requests=2)
+    mirror.apply_events(0, [stored([1], session="a"), stored([2], session="b")])
+    mirror.apply_events(0, [stored([3], session="c")])
+    assert mirror.cached_requests() == {"b", "c"}
+    mirror.apply_events(0, [BlockRemoved([1])])
+    assert recorder.evicted == [] and mirror.stats()["forgotten_requests"] == 1
+
+
+def test_callback_errors_are_counted_not_raised() -> None:
+    def failing(rid: str) -> None:
+        raise RuntimeError("index down")
+
+    mirror = CacheMirror(failing)
+    mirror.apply_events(0, [stored([1], session="a")])
+    assert mirror.apply_events(0, [BlockRemoved([1])]) == ["a"]
+    assert mirror.stats()["evict_callback_errors"] == 1
+
+
+def test_the_context_index_drops_exactly_the_evicted_requests() -> None:
+    index = ContextIndex(max_requests=None)
+    mirror = CacheMirror(index.evict)
+    index.insert("a", [101, 102])
+    index.insert("b", [101, 103])
+    index.insert("c", [104])
+    mirror.apply_events(
+        0,
+        [
+            stored([1], session="a"),
+            stored([2], parent=1, session="b"),
+            stored([3], session="c"),
+        ],
+    )
+    mirror.apply_events(0, [BlockRemoved([2])])
+    assert sorted(index.rids()) == ["a", "c"]
+    mirror.apply_events(0, [AllBlocksCleared()])
+    assert index.rids() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Model test: random store / remove / clear sequences against a plain reference.
+# ---------------------------------------------------------------------------------------------
+
+operation = st.one_of(
+    st.tuples(st.just("store"), st.integers(0, 1_000), st.integers(1, 4), st.booleans()),
+    st.tuples(st.just("remove"), st.integers(0, 1_000), st.integers(1, 3), st.booleans()),
+    st.tuples(st.just("clear"), st.just(0), st.just(0), st.just(False)),
+)
+
+
+class Reference:
+    """The engine's cache as a dict, with the eviction rule walked upwards from attachments."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+        self.attached: dict[str, int] = {}  # session rid -> deepest block
+        self.evicted: list[str] = []
+
+    def store(self, parent: int | None, hashes: list[int], session: str | None) -> None:
+        previous = parent
+        for h in hashes:
+            self.blocks[h] = (previous, (h, -h))
+            previous = h
+        if session is not None:
+            self.attached[session] = hashes[-1]
+
+    def remove(self, hashes: list[int]) -> None:
+        for h in hashes:
+            if h not in self.blocks:
+                continue
+            broken = sorted(
+                rid for rid, deepest in self.attached.items() if self._above(h, deepest)
+            )
+            del self.blocks[h]
+            for rid in broken:
+                del self.attached[rid]
+            self.evicted.extend(broken)
+
+    def _above(self, removed: int, deepest: int) -> bool:
+        node: int | None = deepest
+        while node is not None and node in self.blocks:
+            if node == removed:
+                return True
+            node = self.blocks[node][0]
+        return False
+
+    def clear(self) -> None:
+        self.evicted.extend(sorted(self.attached))
+        self.attached.clear()
+        self.blocks.clear()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(operation, max_size=60), st.integers(1, 5))
+def test_mirror_equals_reference(ops: list[tuple[str, int, int, bool]], batch_size: int) -> None:
+    recorder = Recorder()
+    mirror = CacheMirror(recorder, page_size=2)
+    reference = Reference()
+    next_hash = 1
+    pending: list = []
+    for step, (kind, pick, count, flag) in enumerate(ops):
+        present = sorted(reference.blocks)
+        if kind == "store":
+            parent = present[pick % len(present)] if present and pick % 3 else None
+            hashes = list(range(next_hash, next_hash + count))
+            next_hash += count
+            session = f"s{step}" if flag else None
+            tokens = [t for h in hashes for t in (h, -h)]
+            reference.store(parent, hashes, session)
+            pending.append(BlockStored(hashes, parent, tokens, block_size=2, session_id=session))
+        elif kind == "remove":
+            if flag or not present:
+                victims = [next_hash + 10_000]  # unknown to the engine's cache
+            else:
+                start = pick % len(present)
+                victims = present[start : start + count]
+            reference.remove(victims)
+            pending.append(BlockRemoved(victims))
+        else:
+            reference.clear()
+            pending.append(AllBlocksCleared())
+        if len(pending) >= batch_size:
+            mirror.apply_batch(0, KVEventBatch(ts=0.0, events=pending))
+            pending = []
+    mirror.apply_events(0, pending)
+    assert mirror.block_hashes(0) == set(reference.blocks)
+    for h, (parent, tokens) in reference.blocks.items():
+        block = mirror.block(h)
+        assert block is not None and block["parent"] == parent
+        assert tuple(block["token_ids"]) == tokens
+    assert recorder.evicted == reference.evicted
+    assert mirror.cached_requests() == set(reference.attached)
