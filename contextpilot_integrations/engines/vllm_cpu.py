@@ -522,6 +522,7 @@ class VllmCpuServer:
             self._check_ipc_path_length(self._requested_work_dir)
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self._process: subprocess.Popen[bytes] | None = None
+        self._pid: int | None = None
         self._log_file: IO[bytes] | None = None
         self.work_dir: Path | None = None
         self.port: int | None = None
@@ -542,8 +543,9 @@ class VllmCpuServer:
 
     @property
     def pid(self) -> int | None:
-        """The API server's process id (also its process group id), None when not started."""
-        return self._process.pid if self._process is not None else None
+        """The API server's process id, also its process group id (kept after :meth:`stop`, to
+        check that the group is gone); None before the first start."""
+        return self._pid
 
     @property
     def base_url(self) -> str:
@@ -665,6 +667,7 @@ class VllmCpuServer:
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
+            self._pid = self._process.pid
             atexit.register(self.stop)
             self._wait_healthy(began)
         except BaseException:
