@@ -2,10 +2,11 @@
 
 ContextPilot paper, section 4.2 (context ordering): the blocks of the prefix the context index
 matched come first, in the index's order; the remaining blocks follow. The paper keeps the
-remaining blocks in retriever order (``"retriever"``). ``"popularity"`` orders them by how
-many indexed requests already hold each block (most first, ties in retriever order), so that a
-block likely to be retrieved again sits early and later requests can share a longer prefix;
-``benchmarks/bench_index.py`` measures both in the online mode. Either way the original
+remaining blocks in retriever order (``"retriever"``). ``"popularity"`` orders them by a
+popularity score (most first, ties in retriever order; the facade's score is the number of
+indexed requests holding the block plus a recency-weighted count of earlier requests), so that
+a block likely to be retrieved again sits early and later requests can share a longer prefix;
+``benchmarks/bench_ordering.py`` measures both in the online mode. Either way the original
 relevance order survives in the order annotation (see :mod:`.rendering`).
 """
 
@@ -24,7 +25,7 @@ def align(
     prefix: Sequence[int],
     *,
     rest_order: RestOrder = "retriever",
-    popularity: Callable[[int], int] | None = None,
+    popularity: Callable[[int], float] | None = None,
 ) -> list[int]:
     """Return the request's block ids in prompt order.
 
@@ -32,7 +33,7 @@ def align(
         blocks: the request's block ids in retriever order (no repeats).
         prefix: the matched shared prefix (every id must be in ``blocks``).
         rest_order: ``"retriever"`` or ``"popularity"`` (needs ``popularity``).
-        popularity: block id -> count of indexed requests holding it.
+        popularity: block id -> popularity score (higher first).
 
     Returns:
         A permutation of ``blocks`` that starts with ``prefix``.

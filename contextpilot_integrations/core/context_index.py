@@ -9,10 +9,10 @@ is merged into that child).
 
 Operations and their cost (``k`` = blocks in the request, ``h`` = tree height <= k):
 
-* :meth:`ContextIndex.search` -- greedy descent (paper Algorithm 1): at each node, among the
-  children whose first block is in the request, follow the one whose edge matches the most
-  request tokens; stop at a partial edge match or when no child overlaps. ``O(k * h)`` dict
-  look-ups; never touches the rest of the tree. Read-only.
+* :meth:`ContextIndex.search` -- the paper's Algorithm 1 descends greedily from the root to
+  the overlapping child; here every child whose edge starts with a request block is explored
+  (depth first, at most ``search_budget`` nodes) and the prefix with the most request tokens
+  wins. ``O(budget * k)`` dict look-ups; never touches the rest of the tree. Read-only.
 * :meth:`ContextIndex.insert` -- append a context under the node where its prefix ends, or
   split an edge so the shared prefix gets its own node (the paper's "split a leaf"). ``O(k)``.
 * :meth:`ContextIndex.evict` -- remove one request; prune nodes left with no request and no
@@ -124,6 +124,7 @@ class ContextIndex:
         on_evict: called with each rid the index drops by itself (LRU), outside no lock
             guarantees: it runs under the index lock and must not call back into the index.
         clock: time source in seconds (tests inject one).
+        search_budget: most nodes one :meth:`search` expands (bounds the hot path).
 
     Raises:
         ValueError: a bound that is not a positive integer.
@@ -136,6 +137,7 @@ class ContextIndex:
         max_tokens: int | None = None,
         on_evict: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        search_budget: int = 256,
     ) -> None:
         for name, value in (("max_requests", max_requests), ("max_tokens", max_tokens)):
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -143,6 +145,9 @@ class ContextIndex:
         self.max_requests = max_requests
         self.max_tokens = max_tokens
         self._on_evict = on_evict
+        if not isinstance(search_budget, int) or search_budget < 1:
+            raise ValueError(f"search_budget must be an int >= 1, got {search_budget!r}")
+        self.search_budget = search_budget
         self._clock = clock
         self._lock = threading.RLock()
         self._node_ids = itertools.count(1)
@@ -160,7 +165,16 @@ class ContextIndex:
 
     # ------------------------------------------------------------------ Public API: lookups
     def search(self, blocks: Sequence[int], tokens: Sequence[int] | None = None) -> SearchResult:
-        """Find the longest indexed prefix made only of ``blocks`` (greedy descent).
+        """Find the indexed prefix made only of ``blocks`` that holds the most of their tokens.
+
+        A depth-first search from the root that enters only children whose first block is in
+        the request, and stops inside an edge at the first block not in the request. The
+        paper's Algorithm 1 descends greedily to one child per level; exploring every
+        matching branch finds longer prefixes when the greedy choice is a short edge over a
+        deep subtree. Equal gains prefer a match that ends on a node boundary (no split). The
+        search visits at most ``search_budget`` nodes, each costing
+        ``O(k)`` look-ups, so it never depends on the size of the index. Ties go to the most
+        recently used node (the likeliest to still be cached), then the oldest node id.
 
         Args:
             blocks: the request's block ids (any order; no repeats).
@@ -170,52 +184,54 @@ class ContextIndex:
             :class:`SearchResult`. Does not mutate the tree (statistics only).
 
         Raises:
-            ValueError: ``tokens`` of another length than ``blocks``.
+            ValueError: ``tokens`` of another length than ``blocks``, or a repeated block.
         """
         weight = _weights(blocks, tokens)
         with self._lock:
-            remaining = dict(weight)
-            prefix: list[int] = []
-            path: list[int] = []
-            matched = 0
-            node = self._root
-            partial = False
-            while remaining:
-                best: _Node | None = None
-                best_key: tuple[int, int, float, int] | None = None
-                best_len = 0
-                for block in remaining:
+            best: tuple[tuple[int, bool, float, int], list[int], list[int], bool] = (
+                (0, False, 0.0, 0),
+                [],
+                [],
+                False,
+            )
+            budget = self.search_budget
+            # Stack entries: node, matched prefix, path of node ids, tokens gained so far.
+            stack: list[tuple[_Node, list[int], list[int], int]] = [(self._root, [], [], 0)]
+            while stack and budget > 0:
+                node, prefix, path, gained = stack.pop()
+                budget -= 1
+                in_prefix = set(prefix)
+                for block in reversed(blocks):
                     child = node.children.get(block)
-                    if child is None:
+                    if child is None or block in in_prefix:
                         continue
                     length = 0
-                    gained = 0
+                    gain = gained
                     for edge_block in child.blocks:
-                        w = remaining.get(edge_block)
-                        if w is None:
+                        w = weight.get(edge_block)
+                        if w is None or edge_block in in_prefix:
                             break
                         length += 1
-                        gained += w
-                    full = int(length == len(child.blocks))
-                    # Most tokens matched; then a full edge (the descent can go on); then the
-                    # most recently used (likeliest still cached); then the oldest node id.
-                    key = (gained, full, child.last_access, -child.node_id)
-                    if best_key is None or key > best_key:
-                        best, best_key, best_len = child, key, length
-                if best is None:
-                    break
-                for edge_block in best.blocks[:best_len]:
-                    matched += remaining.pop(edge_block)
-                    prefix.append(edge_block)
-                path.append(best.node_id)
-                node = best
-                if best_len < len(best.blocks):
-                    partial = True
-                    break
+                        gain += w
+                    full = length == len(child.blocks)
+                    key = (gain, full, child.last_access, -child.node_id)
+                    if key > best[0]:
+                        best = (
+                            key,
+                            prefix + list(child.blocks[:length]),
+                            path + [child.node_id],
+                            not full,
+                        )
+                    if full and child.children:
+                        stack.append(
+                            (child, prefix + list(child.blocks), path + [child.node_id], gain)
+                        )
+            matched = best[0][0]
             self._searches += 1
             self._searched_tokens += sum(weight.values())
             self._matched_tokens += matched
-            return SearchResult(tuple(prefix), matched, tuple(path), node.node_id, partial)
+            node_id = best[2][-1] if best[2] else 0
+            return SearchResult(tuple(best[1]), matched, tuple(best[2]), node_id, best[3])
 
     def search_path(self, rid: str) -> tuple[int, ...]:
         """Node ids from the root's child down to the node where ``rid``'s context ends.

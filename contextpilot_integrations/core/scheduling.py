@@ -11,7 +11,7 @@ root's child down to the node where the request's context ends), so they cost
   requests are grouped by every level of their path, not only the first, so requests sharing
   a deeper prefix are adjacent too (at every node, the child with more requests of the batch
   goes first; a request ending at a node runs before its descendants, whose prompts extend
-  it). ``benchmarks/bench_index.py`` measures both; this one is the default.
+  it). ``benchmarks/bench_ordering.py`` measures both; this one is the default.
 """
 
 from __future__ import annotations
