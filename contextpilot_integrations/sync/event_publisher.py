@@ -46,6 +46,8 @@ class KVEventPublisher:
             (SGLang <= 0.5.18).
         buffer_steps: messages kept for replay.
         first_seq: the first sequence number (0 for a fresh engine process).
+        replay_topic_frame: replies carry the topic frame as SGLang 0.5.2x does
+            (``(topic, seq, payload)``); False: ``(seq, payload)`` as SGLang <= 0.5.18 and vLLM.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class KVEventPublisher:
         shape: WireShape = "map",
         buffer_steps: int = 10_000,
         first_seq: int = 0,
+        replay_topic_frame: bool = True,
     ) -> None:
         if shape not in ("map", "positional"):
             raise ValueError(f"shape must be 'map' or 'positional', got {shape!r}")
@@ -66,6 +69,7 @@ class KVEventPublisher:
         self._encode = encode_mapped if shape == "map" else encode_positional
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._next_seq = first_seq
+        self._replay_prefix = (self._topic,) if replay_topic_frame else ()
         self._seq_lock = threading.Lock()
         self._outbox: queue.Queue[object] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -189,7 +193,8 @@ class KVEventPublisher:
             return
         client, _, start_bytes = frames
         start = int.from_bytes(start_bytes, "big")
+        prefix = self._replay_prefix
         for seq, payload in self._buffer:
             if seq >= start:
-                router.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-        router.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
+                router.send_multipart((client, b"", *prefix, seq.to_bytes(8, "big"), payload))
+        router.send_multipart((client, b"", *(b"" for _ in prefix), END_OF_REPLAY, b""))

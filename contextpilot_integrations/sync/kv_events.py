@@ -43,7 +43,7 @@ MEDIUM_GPU = "GPU"
 
 
 class KVCacheEvent(msgspec.Struct, frozen=True, gc=False, tag_field="type"):
-    """Base of the three event kinds (map shape; the positional twins subclass them)."""
+    """Base of the three event kinds (map shape; positional events are decoded into these)."""
 
 
 class BlockStored(KVCacheEvent, tag="BlockStored"):
@@ -76,17 +76,50 @@ class AllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
     """The whole prefix cache was reset (SGLang ``RadixCache.reset``, vLLM prefix-cache reset)."""
 
 
-class _PositionalBlockStored(BlockStored, array_like=True):
-    pass
+class _StoredMetadata(msgspec.Struct, gc=False):
+    """SGLang 0.5.18's ``BlockStoredMetadata``: a map trailing a salted positional BlockStored."""
+
+    cache_salt: str | None = None
 
 
-class _PositionalBlockRemoved(BlockRemoved, array_like=True):
-    pass
+class _PositionalBlockStored(KVCacheEvent, array_like=True, tag="BlockStored"):
+    """``["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, metadata]``;
+    ``metadata`` (``{"cache_salt": ...}``) only in SGLang 0.5.18 for salted requests."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[TokenId] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    metadata: _StoredMetadata | None = None
+
+    def normalised(self) -> BlockStored:
+        return BlockStored(
+            block_hashes=self.block_hashes,
+            parent_block_hash=self.parent_block_hash,
+            token_ids=self.token_ids,
+            block_size=self.block_size,
+            lora_id=self.lora_id,
+            medium=self.medium,
+            cache_salt=self.metadata.cache_salt if self.metadata is not None else None,
+        )
 
 
-class _PositionalAllBlocksCleared(AllBlocksCleared, array_like=True):
-    pass
+class _PositionalBlockRemoved(KVCacheEvent, array_like=True, tag="BlockRemoved"):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
 
+    def normalised(self) -> BlockRemoved:
+        return BlockRemoved(block_hashes=self.block_hashes, medium=self.medium)
+
+
+class _PositionalAllBlocksCleared(KVCacheEvent, array_like=True, tag="AllBlocksCleared"):
+    def normalised(self) -> AllBlocksCleared:
+        return _ALL_BLOCKS_CLEARED
+
+
+_ALL_BLOCKS_CLEARED = AllBlocksCleared()
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
@@ -161,9 +194,10 @@ class KVEventDecoder:
     def _decode_event(self, raw_event: msgspec.Raw, index: int) -> KVEvent | None:
         data = memoryview(raw_event)
         is_map = len(data) > 0 and data[0] in _MAP_HEADERS
-        decoder = self._mapped if is_map else self._positional
         try:
-            return decoder.decode(data)
+            if is_map:
+                return self._mapped.decode(data)
+            return self._positional.decode(data).normalised()
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             kind = _event_kind(data, is_map)
             if isinstance(kind, str) and kind not in EVENT_KINDS:
@@ -189,7 +223,7 @@ def _event_kind(data: memoryview, is_map: bool) -> Any:
 
 
 # Field order of the positional shape: the struct order of SGLang 0.5.18 (vLLM 0.9 stops at
-# lora_id); later releases only appended fields, which the decoder ignores when trailing.
+# lora_id); 0.5.18 appends {"cache_salt": ...} as an eighth item for salted requests only.
 _POSITIONAL_FIELDS: dict[str, tuple[str, ...]] = {
     "BlockStored": (
         "block_hashes",
@@ -198,7 +232,6 @@ _POSITIONAL_FIELDS: dict[str, tuple[str, ...]] = {
         "block_size",
         "lora_id",
         "medium",
-        "cache_salt",
     ),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
@@ -213,14 +246,18 @@ def event_kind(event: KVEvent) -> str:
 def encode_positional(batch: KVEventBatch) -> bytes:
     """Encode ``batch`` in the positional shape of SGLang <= 0.5.18 / vLLM 0.9.
 
-    Each event becomes ``[kind, *fields]`` in the field order of SGLang 0.5.18; fields added
-    after it (``session_id``, ``lora_name``) have no place in that shape and are dropped.
+    Each event becomes ``[kind, *fields]`` in the field order of SGLang 0.5.18 (a salted
+    BlockStored ends with ``{"cache_salt": salt}``); fields added after it (``session_id``,
+    ``lora_name``) have no place in that shape and are dropped.
     Used to produce old-shape frames for tests and benchmarks.
     """
     events = []
     for event in batch.events:
         kind = event_kind(event)
-        events.append([kind, *(getattr(event, name) for name in _POSITIONAL_FIELDS[kind])])
+        items = [kind, *(getattr(event, name) for name in _POSITIONAL_FIELDS[kind])]
+        if isinstance(event, BlockStored) and event.cache_salt is not None:
+            items.append({"cache_salt": event.cache_salt})
+        events.append(items)
     return msgspec.msgpack.encode([batch.ts, events, batch.dp_rank])
 
 

@@ -8,8 +8,10 @@ in vLLM ``vllm/distributed/kv_events.py``; ``shared/notes/engine-kv-events.md``)
   big-endian, counting from 0 per publisher process), msgpack batch.
 - Optional ROUTER replay socket (same rank offset): a request ``(b"", start_seq as 8 bytes)``
   is answered with every buffered message whose sequence number is at least ``start_seq``,
-  as ``(b"", topic, seq, payload)``, then the end marker ``(b"", b"", -1 as 8 signed bytes,
-  b"")``. The publisher keeps the last ``buffer_steps`` batches (10,000 by default).
+  then an end marker whose sequence frame is -1 (8 signed bytes). Two reply forms exist and
+  both are read: ``(b"", seq, payload)`` / end ``(b"", END, b"")`` (SGLang <= 0.5.18, vLLM)
+  and ``(b"", topic, seq, payload)`` / end ``(b"", b"", END, b"")`` (SGLang 0.5.2x). The
+  publisher keeps the last ``buffer_steps`` batches (10,000 by default).
 
 Sequence tracking, per rank:
 
@@ -368,12 +370,14 @@ class KVEventSubscriber:
                 frames = socket.recv_multipart()
                 if frames and frames[0] == b"":
                     frames = frames[1:]
-                if len(frames) != 3 or len(frames[1]) != 8:
+                # (seq, payload) or (topic, seq, payload): see the module docstring.
+                if len(frames) not in (2, 3) or len(frames[-2]) != 8:
                     self._count_malformed(stream, f"replay reply of {len(frames)} frames")
                     continue
-                if frames[1] == END_OF_REPLAY:
+                seq_frame, payload = frames[-2], frames[-1]
+                if seq_frame == END_OF_REPLAY:
                     return batches
-                batches[int.from_bytes(frames[1], "big")] = frames[2]
+                batches[int.from_bytes(seq_frame, "big")] = payload
         except (TimeoutError, zmq.ZMQError) as exc:
             logger.warning("KV events rank %d: replay from %d failed: %s", stream.rank, start, exc)
             # A late answer must not be read as the answer to the next request.

@@ -1,11 +1,17 @@
-"""Shared helpers of the sync tests: free loopback ports and waiting for a condition."""
+"""Shared helpers of the sync tests: free loopback ports, waiting for a condition, and the
+import-time torchvision stand-in of the ``sglang`` tier."""
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import random
 import socket
+import sys
 import time
+import types
 from collections.abc import Callable
+from importlib.machinery import ModuleSpec
 
 import pytest
 
@@ -59,3 +65,66 @@ def endpoints() -> Callable[..., tuple[str, str | None]]:
         return f"tcp://127.0.0.1:{base}", (f"tcp://127.0.0.1:{base + 1}" if replay else None)
 
     return make
+
+
+# ---------------------------------------------------------------------------------------------
+# The sglang tier: an import-time stand-in for torchvision.
+# ---------------------------------------------------------------------------------------------
+
+
+class _PlaceholderType(type):
+    def __getattr__(cls, name: str) -> type:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (_Placeholder,), {"__module__": cls.__module__})
+
+
+class _Placeholder(metaclass=_PlaceholderType):
+    """Any attribute of the stand-in modules (and any attribute of those, e.g. an enum member):
+    a class that can be subclassed, instantiated or read; calling an instance raises."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("torchvision is not installed (import-time stand-in of the sglang tier)")
+
+
+class _StandInModule(types.ModuleType):
+    def __getattr__(self, name: str) -> type:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        placeholder = type(name, (_Placeholder,), {"__module__": self.__name__})
+        setattr(self, name, placeholder)
+        return placeholder
+
+
+class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Provides empty ``torchvision`` modules so that SGLang imports on a CPU-only machine.
+
+    PyPI's torchvision is a CUDA build that fails beside CPU torch ("operator torchvision::nms
+    does not exist") and installing it swaps in CUDA torch (shared/notes/engine-kv-events.md);
+    SGLang imports it at module load only for multimodal models, which these tests never use.
+    Every attribute is a placeholder class; calling one raises RuntimeError.
+    """
+
+    def find_spec(self, fullname: str, path: object, target: object = None) -> ModuleSpec | None:
+        if fullname == "torchvision" or fullname.startswith("torchvision."):
+            return importlib.util.spec_from_loader(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: ModuleSpec) -> types.ModuleType:
+        module = _StandInModule(spec.name)
+        module.__path__ = []  # a package: submodules resolve through this finder too
+        module.__version__ = "0.0.0+stand-in"
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+if (
+    importlib.util.find_spec("sglang") is not None
+    and importlib.util.find_spec("torchvision") is None
+):
+    sys.meta_path.append(_TorchvisionStandIn())

@@ -51,13 +51,21 @@ def test_positional_shape_decodes_to_the_same_events_minus_new_fields() -> None:
     payload = encode_positional(BATCH)
     raw = msgspec.msgpack.decode(payload)
     # SGLang <= 0.5.18 layout: tag first, then fields in declaration order.
-    assert raw[1][0] == ["BlockStored", [-5, 7], None, [1, 2, 3, 4], 2, None, "GPU", None]
+    assert raw[1][0] == ["BlockStored", [-5, 7], None, [1, 2, 3, 4], 2, None, "GPU"]
     assert raw[1][1] == ["BlockRemoved", [7], "GPU"] and raw[1][2] == ["AllBlocksCleared"]
     decoded = KVEventDecoder().decode(payload)
     stored = decoded.events[0]
     assert isinstance(stored, BlockStored) and isinstance(decoded.events[2], AllBlocksCleared)
     assert stored.block_hashes == [-5, 7] and stored.token_ids == [1, 2, 3, 4]
     assert stored.session_id is None  # not part of the old shape
+
+
+def test_sglang_0518_salted_positional_store_carries_metadata() -> None:
+    salted = KVEventBatch(ts=1.0, events=[BlockStored([1], None, [7], 1, cache_salt="tenant")])
+    raw = msgspec.msgpack.decode(encode_positional(salted))
+    assert raw[1][0] == ["BlockStored", [1], None, [7], 1, None, None, {"cache_salt": "tenant"}]
+    (stored,) = KVEventDecoder().decode(encode_positional(salted)).events
+    assert type(stored) is BlockStored and stored.cache_salt == "tenant"
 
 
 def test_vllm_09_positional_without_medium_and_batch_without_rank() -> None:

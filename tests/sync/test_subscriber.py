@@ -94,12 +94,15 @@ def test_positional_shape_drops_session_ids(endpoints, wait_for) -> None:
         wait_for(lambda: evicted == ["r"])
 
 
-def test_a_dropped_message_is_repaired_from_the_replay_socket(endpoints, wait_for) -> None:
+@pytest.mark.parametrize("topic_frame", [True, False], ids=["sglang-0.5.2x", "sglang-0.5.18-vllm"])
+def test_a_dropped_message_is_repaired_from_the_replay_socket(
+    topic_frame: bool, endpoints, wait_for
+) -> None:
     pub_ep, replay_ep = endpoints()
     mirror = CacheMirror()
     resyncs = Resyncs(mirror)
     with (
-        KVEventPublisher(pub_ep, replay_ep) as publisher,
+        KVEventPublisher(pub_ep, replay_ep, replay_topic_frame=topic_frame) as publisher,
         KVEventSubscriber(
             pub_ep, replay_ep, on_batch=mirror.apply_batch, on_resync=resyncs
         ) as subscriber,

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Creates (or reuses) /work/main/.venv-sglang: the environment of the `sglang` test tier.
+#
+# It holds the real SGLang 0.5.23 code without its GPU dependencies (see
+# shared/notes/engine-kv-events.md, "Running real engine code on a CPU-only machine"):
+#   - sglang==0.5.23 installed --no-deps;
+#   - torch==2.13.0, which resolves to the CPU wheel on these machines (checked below);
+#   - the packages SGLang needs at import time;
+#   - this package, editable, with what its sync tests need.
+# torchvision is never installed: PyPI's build is CUDA-only and swaps in CUDA torch. The tier
+# provides an import-time stand-in instead (tests/sync/sglang_import_shims.py).
+#
+# Idempotent: a stamp file records the hash of this script; when it matches and the environment
+# still imports, nothing is installed again.
+#
+# Usage: bash scripts/setup-sglang-env.sh        (then: .venv-sglang/bin/python -m pytest -m sglang tests/sync)
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${SGLANG_VENV:-$repo_root/.venv-sglang}"
+python_bin="${PYTHON:-python3.11}"
+stamp="$venv/.contextpilot-setup-stamp"
+script_hash="$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)"
+
+if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$script_hash" ]] \
+    && "$venv/bin/python" -c "import sglang, torch, zmq, msgspec, contextpilot_integrations" 2>/dev/null; then
+    echo "setup-sglang-env: reusing $venv"
+    exit 0
+fi
+
+if [[ ! -x "$venv/bin/python" ]]; then
+    echo "setup-sglang-env: creating $venv"
+    "$python_bin" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip install --quiet)
+
+# Pin torch for every later resolution so that no dependency can swap in a CUDA build, and make
+# any request for torchvision fail loudly instead of installing it.
+constraints="$venv/contextpilot-constraints.txt"
+printf 'torch==2.13.0\ntorchvision==0.0.0.dev0\n' > "$constraints"
+
+"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" --no-deps "sglang==0.5.23"
+# Import-time needs of sglang.srt.mem_cache and sglang.srt.disaggregation.kv_events.
+"${pip[@]}" -c "$constraints" \
+    numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq \
+    tqdm IPython aiohttp dill transformers tokenizers safetensors huggingface_hub regex pyyaml \
+    triton apache-tvm-ffi sentencepiece compressed-tensors loguru gguf
+# This package and the test tooling of the sync tests.
+"${pip[@]}" -c "$constraints" -e "$repo_root" scipy pytest pytest-timeout hypothesis
+
+"$venv/bin/python" - <<'PY'
+import importlib.metadata as md
+
+import torch
+
+assert torch.version.cuda is None, f"torch must be the CPU build, got cuda={torch.version.cuda}"
+assert md.version("sglang") == "0.5.23", md.version("sglang")
+try:
+    md.version("torchvision")
+except md.PackageNotFoundError:
+    pass
+else:
+    raise SystemExit("torchvision must not be installed in .venv-sglang")
+print("setup-sglang-env: torch", torch.__version__, "sglang", md.version("sglang"))
+PY
+echo "$script_hash" > "$stamp"
+echo "setup-sglang-env: ready at $venv"
