@@ -119,6 +119,29 @@ def render_chat(
     return "".join(parts)
 
 
+def tokenize_prompt(
+    tokenizer: Tokenizer,
+    prompt: str | Sequence[Mapping[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Token ids vLLM prefills for ``prompt`` with a model from :func:`prepare_model_dir`.
+
+    A string is encoded as ``/v1/completions`` does (``add_special_tokens=True``; the tokenizer
+    has no post-processor, so nothing is added). A message list is rendered with
+    :func:`render_chat` and encoded as ``/v1/chat/completions`` does (``add_special_tokens=False``;
+    the template writes ``<|bos|>``). The ``vllm`` test tier checks both against the server's
+    ``/tokenize``.
+
+    Raises:
+        TypeError, ValueError: see :func:`render_chat`.
+    """
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt, add_special_tokens=True).ids)
+    text = render_chat(prompt, add_generation_prompt=add_generation_prompt)
+    return list(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
 def corpus_files(seed: int = 0, max_bytes: int = 4_000_000) -> list[Path]:
     """Choose the tokenizer's training files from the running interpreter's standard library.
 
@@ -769,20 +792,9 @@ class VllmCpuServer:
         *,
         add_generation_prompt: bool = True,
     ) -> list[int]:
-        """Token ids the server prefills for a prompt, computed locally.
-
-        A string is encoded as ``/v1/completions`` does (``add_special_tokens=True``; this
-        tokenizer has no post-processor, so nothing is added). A message list is rendered with
-        :func:`render_chat` and encoded as ``/v1/chat/completions`` does
-        (``add_special_tokens=False``; the template writes ``<|bos|>``).
-
-        Raises:
-            TypeError, ValueError: see :func:`render_chat`.
-        """
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True).ids)
-        text = render_chat(prompt, add_generation_prompt=add_generation_prompt)
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        """Token ids the server prefills for ``prompt``: :func:`tokenize_prompt` with this
+        model's tokenizer (no request to the server)."""
+        return tokenize_prompt(self.tokenizer, prompt, add_generation_prompt=add_generation_prompt)
 
     def reset_prefix_cache(self, timeout: float = 10.0) -> None:
         """Drop every cached prefix block (``POST /reset_prefix_cache``, dev mode).

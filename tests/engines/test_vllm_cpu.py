@@ -25,14 +25,20 @@ import msgspec
 import pytest
 import zmq
 
+from contextpilot_integrations.bench.workloads import resolve_data_dir
+from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.engines.vllm_cpu import (
+    BOS_TOKEN,
     CHAT_TEMPLATE,
+    MESSAGE_END,
+    MESSAGE_START,
     VllmCpuServer,
     corpus_files,
     find_vllm_python,
     prepare_model_dir,
     process_group_members,
     render_chat,
+    tokenize_prompt,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -198,6 +204,97 @@ def test_server_rejects_bad_arguments_before_starting(model_dir: Path, tmp_path:
         VllmCpuServer(tmp_path)
     with pytest.raises(ValueError, match="work_dir too long"):
         VllmCpuServer(model_dir, work_dir=tmp_path / ("x" * 120))
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-level prefix stability of the core's PromptLayout (model tokenizer, no vLLM needed)
+# ---------------------------------------------------------------------------------------------
+
+# Block endings that stress a byte-level BPE join: whitespace runs, newlines, digits, quotes,
+# non-ASCII, markup, and text that itself looks like a label or a separator.
+EDGE_TEXTS = [
+    "Ends with a full stop.",
+    "ends with spaces   ",
+    "ends with a newline\n",
+    "ends with two newlines\n\n",
+    "ends with a number 1990",
+    'ends with a quote "',
+    "Zürich naïve café — 東京",
+    "trailing tab\t",
+    "  leading spaces and a list:\n- a\n- b",
+    "[Doc 7] looks like a label",
+    "-----",
+    "closing markup </doc>",
+]
+
+
+def _paragraphs() -> list[str]:
+    """Real paragraphs (MuSiQue corpus) when the data dir is there, plus the edge cases."""
+    texts = list(EDGE_TEXTS)
+    try:
+        corpus = resolve_data_dir() / "hipporag_train_subsets" / "musique_train_corpus.json"
+    except FileNotFoundError:
+        return texts
+    if corpus.is_file():
+        texts += [entry["text"] for entry in json.loads(corpus.read_text())[:400]]
+    return texts
+
+
+def _prefix_breaks(layout: PromptLayout, tokenizer, trials: int = 300) -> list[str]:  # type: ignore[no-untyped-def]
+    """Cases where a prompt's tokens do not start with the tokens of its shared block prefix.
+
+    For each trial: a long request with n blocks and a short one with its first k blocks
+    (different questions). The shared part is the rendered text up to the end of block k, in
+    the plain-text form and in the chat form (template applied). Returns a description of each
+    case where tokenize(prompt)[: len(tokenize(shared))] != tokenize(shared).
+    """
+    rng = random.Random(0)
+    texts = _paragraphs()
+    breaks = []
+    for trial in range(trials):
+        n = rng.randint(2, 6)
+        blocks = [rng.choice(texts) for _ in range(n)]
+        k = rng.randint(0, n - 1)
+        requests = [(blocks, "What links them?"), (blocks[:k], "When?")]
+        for form in ("plain", "chat"):
+            shared_text = "".join(layout.render_segments(blocks, "q")[: k + 1])
+            if form == "chat":
+                # Chat form: the system prompt is its own message; the blocks open the user turn.
+                shared_text = (
+                    f"{BOS_TOKEN}{MESSAGE_START}system\n{layout.system_prompt}{MESSAGE_END}\n"
+                    f"{MESSAGE_START}user\n" + shared_text[len(layout.system_segment()) :]
+                )
+            shared = tokenizer.encode(shared_text, add_special_tokens=False).ids
+            for request_blocks, question in requests:
+                if form == "plain":
+                    prompt_text = layout.render(request_blocks, question)
+                    tokens = tokenize_prompt(tokenizer, prompt_text)
+                else:
+                    messages = layout.render_messages(request_blocks, question)
+                    prompt_text = render_chat(messages)
+                    tokens = tokenize_prompt(tokenizer, messages)
+                assert prompt_text.startswith(shared_text)  # byte-identical prefix first
+                if tokens[: len(shared)] != shared:
+                    ending = blocks[k - 1][-30:] if k else layout.system_prompt[-30:]
+                    breaks.append(f"trial {trial}, {form} form, {k} shared blocks: {ending!r}")
+    return breaks
+
+
+@pytest.fixture(scope="module")
+def model_tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+def test_layout_block_boundary_is_token_stable(model_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    assert _prefix_breaks(PromptLayout(), model_tokenizer) == []
+
+
+def test_whitespace_only_block_boundary_is_not_token_stable(model_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # The control: the same check catches a separator a BPE tokenizer merges across.
+    layout = PromptLayout(block_template="{label}\n{text}\n\n", block_separator="\n\n")
+    assert len(_prefix_breaks(layout, model_tokenizer)) > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,3 +559,34 @@ class TestRunningServer:
         assert self._chat(server, messages)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         server.reset_prefix_cache()
         assert self._chat(server, messages)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+    def test_engine_reuses_exactly_the_shared_blocks_of_an_aligned_layout(
+        self, server: VllmCpuServer
+    ) -> None:
+        # Two requests whose aligned prompts share their first 3 of 5 blocks (PromptLayout).
+        layout = PromptLayout()
+        blocks = [_prose(seed=20 + i, tokens=120, server=server) for i in range(5)]
+        short = layout.render_messages(blocks[:3], "When did it happen?")
+        long = layout.render_messages(blocks, "Who was involved?")
+        shared_text = render_chat(long)[: render_chat(long).index("[Doc 4]")]
+        shared = server.tokenizer.encode(shared_text, add_special_tokens=False).ids
+
+        def engine_tokens(messages: list[dict[str, str]]) -> list[int]:
+            body = {"model": server.model_name, "messages": messages}
+            return httpx.post(f"{server.base_url}/tokenize", json=body).json()["tokens"]
+
+        long_tokens = engine_tokens(long)
+        assert (
+            long_tokens[: len(shared)] == shared
+        )  # what the engine sees starts with the shared part
+        server.reset_prefix_cache()
+        self._chat(server, short)
+        usage = self._chat(server, long)["usage"]
+        assert usage["prompt_tokens"] == len(long_tokens)
+        common = 0
+        for a, b in zip(engine_tokens(short), long_tokens):
+            if a != b:
+                break
+            common += 1
+        assert common >= len(shared)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == common // BLOCK_SIZE * BLOCK_SIZE
