@@ -20,6 +20,8 @@ from .alignment import RestOrder, align
 from .blocks import ApproxTokenCounter, TokenCounter, block_id, validate_block_text
 from .clustering import DEFAULT_CLUSTER_LIMIT, BuildMethod, order_batch
 from .context_index import ContextIndex
+from .conversation import TurnVisibility
+from .dedup import Deduplicator, DedupPlan
 from .distance import DEFAULT_ALPHA
 from .rendering import PromptLayout
 from .scheduling import ScheduleMethod, schedule
@@ -36,16 +38,19 @@ class PlannedBlock:
     """One block of a plan, in prompt order.
 
     Attributes:
-        text: the block's exact text.
+        text: the block's exact text, as given.
         block_id: stable 64-bit id of ``text``.
         original_rank: 0-based index in the input (retriever) order.
-        tokens: token length by the pilot's counter.
+        tokens: token length of ``text`` by the pilot's counter.
+        rendered_text: what the prompt shows: ``text``, or ``text`` with sub-blocks already
+            shown earlier in the conversation replaced by pointers to them.
     """
 
     text: str
     block_id: int
     original_rank: int
     tokens: int
+    rendered_text: str
 
 
 @dataclass(frozen=True)
@@ -57,11 +62,19 @@ class Plan:
         query: the question.
         blocks: the prompt's blocks in prompt order (each distinct text once).
         order: original indices of ``blocks`` (``order[i] == blocks[i].original_rank``).
-        duplicates: input index -> input index of the earlier identical text; every input
-            index is in ``order`` or in ``duplicates`` (nothing is lost).
+        duplicates: input index -> input index of the earlier identical text.
+        replaced: input index -> the location hint that replaces it (the identical text
+            already stands in an earlier turn of this conversation that the app still sends).
+            Every input index is in exactly one of ``order``, ``duplicates`` and ``replaced``
+            (nothing is lost).
+        hints: the hints in prompt order (rendered after the blocks).
         segments: ``[system, block 1, ..., block n, tail]``; ``prompt`` is their join.
         matched_prefix_blocks: blocks of the prefix the index already held.
         matched_prefix_tokens: their tokens.
+        conversation_id, tenant, turn: the conversation the plan was de-duplicated in
+            (``conversation_id`` and ``turn`` are ``None`` without one).
+        dedup: per-request figures: blocks_kept, blocks_replaced, sub_blocks_replaced,
+            tokens_in, tokens_saved (all zero savings without a conversation).
         layout: the layout that rendered the plan.
     """
 
@@ -74,6 +87,12 @@ class Plan:
     matched_prefix_blocks: int
     matched_prefix_tokens: int
     layout: PromptLayout = field(repr=False)
+    replaced: dict[int, str] = field(default_factory=dict)
+    hints: list[str] = field(default_factory=list)
+    conversation_id: str | None = None
+    tenant: str = ""
+    turn: int | None = None
+    dedup: dict[str, int] = field(default_factory=dict)
 
     @property
     def prompt(self) -> str:
@@ -93,13 +112,13 @@ class Plan:
     def reorder(self, items: Sequence[T]) -> list[T]:
         """Return ``items`` (one per input block, in input order) in prompt order.
 
-        Items at duplicate positions are dropped from the prompt order; look them up through
-        :attr:`duplicates`.
+        Items at duplicate or replaced positions are not in the prompt order; look them up
+        through :attr:`duplicates` and :attr:`replaced`.
 
         Raises:
             ValueError: ``items`` has another length than the input.
         """
-        expected = len(self.order) + len(self.duplicates)
+        expected = len(self.order) + len(self.duplicates) + len(self.replaced)
         if len(items) != expected:
             raise ValueError(f"items has {len(items)} entries, the plan was made for {expected}")
         return [items[i] for i in self.order]
@@ -187,6 +206,8 @@ class ContextPilot:
         block_cache_size: texts whose (block id, tokens) are memoised (LRU).
         popularity_memory: blocks whose request counts are remembered after eviction, for
             ``rest_order="popularity"`` (0: use only the requests the index holds).
+        deduplicator: multi-turn de-duplication against each conversation's earlier turns;
+            default a :class:`Deduplicator` with the layout's labels and this token counter.
     """
 
     def __init__(
@@ -205,6 +226,7 @@ class ContextPilot:
         annotate: bool = True,
         block_cache_size: int = 65_536,
         popularity_memory: int = 262_144,
+        deduplicator: Deduplicator | None = None,
     ) -> None:
         self.layout = layout or PromptLayout()
         self.token_counter = token_counter or ApproxTokenCounter()
@@ -217,30 +239,53 @@ class ContextPilot:
         self.weight_by_tokens = weight_by_tokens
         self.annotate = annotate
         self._history = _BlockHistory(popularity_memory)
+        self.deduplicator = deduplicator or Deduplicator(
+            token_counter=self.token_counter, label_template=self.layout.label_template
+        )
         # Popular blocks recur across requests: remember (id, tokens) of recent texts.
         self._identify = functools.lru_cache(maxsize=block_cache_size)(self._identify_uncached)
 
     # ------------------------------------------------------------------ one request
-    def plan(self, query: str, blocks: Sequence[str], *, rid: str | None = None) -> Plan:
-        """Align one request against the index, index it, and render its prompt.
+    def plan(
+        self,
+        query: str,
+        blocks: Sequence[str],
+        *,
+        rid: str | None = None,
+        conversation_id: str | None = None,
+        tenant: str = "",
+        turn: int | None = None,
+        visibility: TurnVisibility | None = None,
+    ) -> Plan:
+        """Align one request against the index, de-duplicate it, index it, render its prompt.
 
         Args:
             query: the question (a str; may be empty).
             blocks: block texts in retriever (relevance) order; identical texts are sent once
                 (see :attr:`Plan.duplicates`).
             rid: request id; a new unique one when ``None``.
+            conversation_id: the conversation this request is a turn of; ``None`` (default):
+                no de-duplication across turns, nothing recorded.
+            tenant: the tenant (user, app) owning the conversation; conversations of
+                different tenants never see each other.
+            turn: this turn's number (default: one after the conversation's latest).
+            visibility: which earlier turns the app's prompt still holds (default: all); a
+                hint only ever points at a visible turn.
 
         Returns:
-            A :class:`Plan`. The request is indexed under ``plan.rid``.
+            A :class:`Plan`. The request is indexed under ``plan.rid`` with the blocks its
+            prompt shows.
 
         Raises:
-            TypeError / ValueError: bad ``query``, ``blocks`` or ``rid`` (the message names
-                the field and the value).
+            TypeError / ValueError: bad ``query``, ``blocks``, ``rid``, ``tenant``, ``turn``
+                or ``visibility`` (the message names the field and the value).
         """
         request = self._prepare(query, blocks, field_name="blocks")
         rid = self._new_rid(rid)
+        if rid in self.index:
+            raise ValueError(f"rid {rid!r} is already indexed")
         if not request.ids:
-            return self._render(rid, request, [], 0, 0)
+            return self._finish(rid, request, [], (), 0, conversation_id, tenant, turn, visibility)
         weights = request.tokens if self.weight_by_tokens else None
         found = self.index.search(request.ids, weights)
         order = align(
@@ -249,8 +294,17 @@ class ContextPilot:
             rest_order=self.rest_order,
             popularity=self._popularity,
         )
-        self._insert(rid, request, order)
-        return self._render(rid, request, order, len(found.prefix), found.prefix_tokens)
+        return self._finish(
+            rid,
+            request,
+            order,
+            found.prefix,
+            found.prefix_tokens,
+            conversation_id,
+            tenant,
+            turn,
+            visibility,
+        )
 
     # ------------------------------------------------------------------ a batch
     def plan_batch(
@@ -259,8 +313,10 @@ class ContextPilot:
         blocks: Sequence[Sequence[str]],
         *,
         rids: Sequence[str] | None = None,
+        conversation_ids: Sequence[str | None] | None = None,
+        tenants: Sequence[str] | None = None,
     ) -> BatchPlan:
-        """Order a batch jointly, index it, and schedule it.
+        """Order a batch jointly, de-duplicate, index and schedule it.
 
         Each request is first matched against what the index already holds; requests that
         matched the same prefix are then ordered together by the offline build, so blocks
@@ -271,13 +327,17 @@ class ContextPilot:
             queries: ``B`` questions.
             blocks: ``B`` lists of block texts, each in retriever order.
             rids: optional ``B`` request ids.
+            conversation_ids: optional ``B`` conversation ids (``None`` entries: none); each
+                conversation at most once per batch, since its turns are sequential.
+            tenants: optional ``B`` tenants (default ``""``).
 
         Returns:
             :class:`BatchPlan` with plans in input order and the schedule.
 
         Raises:
-            ValueError: ``queries``, ``blocks`` and ``rids`` of different lengths, repeated
-                rids, or a bad entry (named by its index).
+            ValueError: ``queries``, ``blocks``, ``rids``, ``conversation_ids`` or ``tenants``
+                of different lengths, repeated rids, a conversation twice, or a bad entry
+                (named by its index).
         """
         if len(queries) != len(blocks):
             raise ValueError(f"queries has {len(queries)} entries but blocks has {len(blocks)}")
@@ -285,6 +345,19 @@ class ContextPilot:
             raise ValueError(f"rids has {len(rids)} entries for {len(queries)} queries")
         if rids is not None and len(set(rids)) != len(rids):
             raise ValueError("rids must be unique within a batch")
+        for name, values in (("conversation_ids", conversation_ids), ("tenants", tenants)):
+            if values is not None and len(values) != len(queries):
+                raise ValueError(f"{name} has {len(values)} entries for {len(queries)} queries")
+        conversations = [
+            (tenants[i] if tenants else "", c)
+            for i, c in enumerate(conversation_ids or ())
+            if c is not None
+        ]
+        if len(set(conversations)) != len(conversations):
+            raise ValueError(
+                "a (tenant, conversation_id) appears twice in one batch; plan the turns of one "
+                "conversation one after the other with plan()"
+            )
         requests = [
             self._prepare(q, b, field_name=f"blocks[{i}]")
             for i, (q, b) in enumerate(zip(queries, blocks))
@@ -327,11 +400,20 @@ class ContextPilot:
 
         plans: list[Plan] = []
         for i, request in enumerate(requests):
-            order = orders.get(i, [])
-            if order:
-                self._insert(batch_rids[i], request, order)
             prefix, prefix_tokens = matched[i]
-            plans.append(self._render(batch_rids[i], request, order, len(prefix), prefix_tokens))
+            plans.append(
+                self._finish(
+                    batch_rids[i],
+                    request,
+                    orders.get(i, []),
+                    prefix,
+                    prefix_tokens,
+                    conversation_ids[i] if conversation_ids else None,
+                    tenants[i] if tenants else "",
+                    None,
+                    None,
+                )
+            )
         # Paths are read after every insert: a later insert can split a node on an earlier
         # request's path. A request already evicted by the index's bound has no path.
         paths = [
@@ -396,34 +478,70 @@ class ContextPilot:
             raise ValueError(f"rid must be a non-empty str, got {rid!r}")
         return rid
 
-    def _insert(self, rid: str, request: _Request, order: Sequence[int]) -> None:
-        token_of = dict(zip(request.ids, request.tokens))
-        self.index.insert(rid, order, [token_of[b] for b in order])
-        self._history.add(order)
-
-    def _render(
+    def _finish(
         self,
         rid: str,
         request: _Request,
         order: Sequence[int],
-        prefix_blocks: int,
+        prefix: Sequence[int],
         prefix_tokens: int,
+        conversation_id: str | None,
+        tenant: str,
+        turn: int | None,
+        visibility: TurnVisibility | None,
     ) -> Plan:
+        """De-duplicate the aligned blocks, index what the prompt shows, render the plan."""
         position = {bid: i for i, bid in enumerate(request.ids)}
-        planned = [
-            PlannedBlock(
-                text=request.texts[position[bid]],
-                block_id=bid,
-                original_rank=request.ranks[position[bid]],
-                tokens=request.tokens[position[bid]],
+        ordered = [position[bid] for bid in order]
+        dedup: DedupPlan = self.deduplicator.plan(
+            tenant,
+            conversation_id,
+            [request.texts[p] for p in ordered],
+            turn=turn,
+            visibility=visibility,
+            block_ids=list(order),
+            block_tokens=[request.tokens[p] for p in ordered],
+        )
+        planned: list[PlannedBlock] = []
+        replaced: dict[int, str] = {}
+        labels: dict[int, str] = {}  # original rank -> how the annotation names it
+        for p, decision in zip(ordered, dedup.blocks):
+            rank = request.ranks[p]
+            if decision.text is None:
+                assert decision.hint is not None and decision.source is not None
+                replaced[rank] = decision.hint
+                labels[rank] = self.deduplicator.wording.where(
+                    decision.source, dedup.turn if dedup.turn is not None else 0
+                )
+                continue
+            labels[rank] = self.layout.label(len(planned))
+            planned.append(
+                PlannedBlock(
+                    text=request.texts[p],
+                    block_id=request.ids[p],
+                    original_rank=rank,
+                    tokens=request.tokens[p],
+                    rendered_text=decision.text,
+                )
             )
-            for bid in order
-        ]
-        annotation_order = None
-        if self.annotate:
-            annotation_order = sorted(range(len(planned)), key=lambda p: planned[p].original_rank)
+        if planned:
+            # The index mirrors what the engine will cache: the blocks as rendered.
+            ids = [
+                b.block_id if b.rendered_text is b.text else self._identify(b.rendered_text)[0]
+                for b in planned
+            ]
+            tokens = [
+                b.tokens if b.rendered_text is b.text else self._identify(b.rendered_text)[1]
+                for b in planned
+            ]
+            self.index.insert(rid, ids, tokens)
+            self._history.add(ids)
+        annotation_labels = [labels[r] for r in sorted(labels)] if self.annotate else []
         segments = self.layout.render_segments(
-            [b.text for b in planned], request.query, annotation_order=annotation_order
+            [b.rendered_text for b in planned],
+            request.query,
+            annotation_labels=annotation_labels,
+            hints=dedup.hints,
         )
         return Plan(
             rid=rid,
@@ -432,7 +550,13 @@ class ContextPilot:
             order=[b.original_rank for b in planned],
             duplicates=dict(request.duplicates),
             segments=segments,
-            matched_prefix_blocks=prefix_blocks,
+            matched_prefix_blocks=len(prefix),
             matched_prefix_tokens=prefix_tokens,
             layout=self.layout,
+            replaced=replaced,
+            hints=dedup.hints,
+            conversation_id=dedup.conversation_id,
+            tenant=dedup.tenant,
+            turn=dedup.turn,
+            dedup=dedup.figures(),
         )

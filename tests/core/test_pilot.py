@@ -118,3 +118,54 @@ def test_reorder_and_messages():
     messages = plan.messages
     assert messages[0] == {"role": "system", "content": "SYS"}
     assert messages[1]["content"].startswith("[Doc 1]\n")
+
+
+LONG = [f"passage {i}: " + "words of a long retrieved passage " * 12 for i in range(6)]
+
+
+def test_conversation_turns_replace_repeated_blocks_with_hints_to_visible_turns():
+    pilot = ContextPilot()
+    first = pilot.plan("q1", LONG[:3], conversation_id="c1", tenant="t")
+    assert first.turn == 1 and not first.replaced
+    second = pilot.plan("q2", [LONG[1], LONG[3]], conversation_id="c1", tenant="t")
+    assert list(second.replaced) == [0]  # LONG[1] was shown in turn 1
+    assert "of turn 1" in second.replaced[0] and second.replaced[0] in second.prompt
+    _label = second.replaced[0].split("Also relevant: ")[1].split(" of turn")[0]
+    shown = first.blocks[[b.text for b in first.blocks].index(LONG[1])]
+    assert first.layout.label(first.blocks.index(shown)) == _label
+    assert second.dedup["blocks_replaced"] == 1 and second.dedup["tokens_saved"] > 0
+    assert sorted(second.order + list(second.replaced)) == [0, 1]
+    # The annotation still names the replaced block, by where it stands.
+    assert "of turn 1" in second.segments[-1].split("priority order")[1]
+
+
+def test_no_conversation_and_other_tenants_never_deduplicate():
+    pilot = ContextPilot()
+    pilot.plan("q1", LONG[:2], conversation_id="c1", tenant="alice")
+    assert not pilot.plan("q2", LONG[:2]).replaced
+    assert not pilot.plan("q3", LONG[:2], conversation_id="c1", tenant="bob").replaced
+    assert not pilot.plan("q4", LONG[:2], conversation_id="c2", tenant="alice").replaced
+    assert pilot.plan("q5", LONG[:2], conversation_id="c1", tenant="alice").replaced
+
+
+def test_hints_only_point_at_turns_the_app_still_sends():
+    from contextpilot_integrations.core.conversation import TurnVisibility
+
+    pilot = ContextPilot()
+    pilot.plan("q1", [LONG[0]], conversation_id="c", turn=1)
+    pilot.plan("q2", [LONG[1]], conversation_id="c", turn=2)
+    third = pilot.plan(
+        "q3", [LONG[0], LONG[1]], conversation_id="c", turn=3, visibility=TurnVisibility.last(1)
+    )
+    assert list(third.replaced) == [1] and "turn 2" in third.replaced[1]
+
+
+def test_batch_with_conversations():
+    pilot = ContextPilot()
+    pilot.plan("q0", [LONG[0]], conversation_id="a")
+    batch = pilot.plan_batch(
+        ["q1", "q2"], [[LONG[0], LONG[1]], [LONG[0], LONG[2]]], conversation_ids=["a", None]
+    )
+    assert list(batch.plans[0].replaced) == [0] and not batch.plans[1].replaced
+    with pytest.raises(ValueError, match="appears twice"):
+        pilot.plan_batch(["x", "y"], [[LONG[3]], [LONG[4]]], conversation_ids=["z", "z"])
