@@ -153,53 +153,49 @@ class ContentChunker:
         return tuple(subs)
 
     def _cut_offsets(self, data: bytes) -> list[int]:
-        """Byte offsets where sub-blocks end (the last one is ``len(data)``); ``[]`` for b""."""
-        lo, hi, modulus = self.min_bytes, self.max_bytes, self.modulus
+        """Byte offsets in ``data`` where sub-blocks end (the last is ``len(data)``); ``[]``
+        for ``b""``.
+
+        Works on ``data`` with every CRLF turned into LF (sizes count CRLF as one byte, line
+        contents exclude the ending) and maps the cuts back. Only lines that end at least
+        ``min_bytes`` into the open sub-block are hashed; the rest is skipped with
+        ``bytes.find``.
+        """
+        has_crlf = b"\r\n" in data
+        text = data.replace(b"\r\n", b"\n") if has_crlf else data
         cuts: list[int] = []
-        size = 0  # bytes in the open sub-block, CRLF counted as one
-        pos = 0  # raw offset of the current line's first byte
-        lines = data.split(b"\n")
-        last = len(lines) - 1
-        for i, line in enumerate(lines):
-            ending = 1 if i < last else 0
-            if ending and line.endswith(b"\r"):
-                content = line[:-1]
-                raw_len = len(line) + 1
-            else:
-                content = line
-                raw_len = len(line) + ending
-            if raw_len == 0:  # the empty piece after a final "\n"
-                break
-            length = len(content)
-            if size and size + length + ending > hi:
-                cuts.append(pos)
-                size = 0
-            consumed = 0
-            while length - consumed + ending > hi:
-                consumed = self._cut_inside_line(content, consumed)
-                cuts.append(pos + consumed)
-            size += length - consumed + ending
-            pos += raw_len
-            if size >= lo and _line_hash(content) % modulus == 0:
-                cuts.append(pos)
-                size = 0
-        if pos and (not cuts or cuts[-1] != pos):
-            cuts.append(pos)
+        position = 0
+        while position < len(text):
+            position = self._next_cut(text, position)
+            cuts.append(position)
+        if has_crlf:
+            cuts = _raw_offsets(data, cuts)
         return cuts
 
-    def _cut_inside_line(self, content: bytes, offset: int) -> int:
-        """End of the next piece of an overlong line that starts at ``offset``.
-
-        The piece is at most ``max_bytes`` and never reaches the end of ``content`` (the rest of
-        the line, with its ending, must stay non-empty). Preference: just after the last space
-        that leaves at least ``min_bytes``; else the last UTF-8 character boundary that fits.
-        """
-        limit = min(offset + self.max_bytes, len(content) - 1)
-        space = content.rfind(b" ", offset + self.min_bytes, limit)
+    def _next_cut(self, text: bytes, start: int) -> int:
+        """End of the sub-block that starts at ``start`` in LF-only ``text`` (rules 2-4)."""
+        size = len(text)
+        if size - start <= self.min_bytes:
+            return size
+        limit = start + self.max_bytes
+        # first line that ends at least min_bytes in: its "\n" is at or after start + min - 1
+        newline = text.find(b"\n", start + self.min_bytes - 1)
+        while 0 <= newline < limit:
+            line_start = text.rfind(b"\n", 0, newline) + 1
+            if _line_hash(text[line_start:newline]) % self.modulus == 0:
+                return newline + 1
+            newline = text.find(b"\n", newline + 1)
+        if size <= limit:
+            return size
+        newline = text.rfind(b"\n", start, limit)
+        if newline >= 0:  # cut before the line that would overflow max_bytes
+            return newline + 1
+        # one line longer than max_bytes from here: cut inside it
+        space = text.rfind(b" ", start + self.min_bytes, limit)
         if space >= 0:
             return space + 1
         cut = limit
-        while cut > offset + 1 and (content[cut] & 0xC0) == 0x80:  # a UTF-8 continuation byte
+        while cut > start + 1 and (text[cut] & 0xC0) == 0x80:  # a UTF-8 continuation byte
             cut -= 1
         return cut
 
@@ -207,3 +203,23 @@ class ContentChunker:
 def _line_hash(content: bytes) -> int:
     """Stable 64-bit hash of a line's content (BLAKE2b-64, big-endian), process-independent."""
     return int.from_bytes(hashlib.blake2b(content, digest_size=8).digest(), "big")
+
+
+def _raw_offsets(data: bytes, cuts: list[int]) -> list[int]:
+    """Map offsets in ``data`` with CRLF turned into LF back to offsets in ``data``.
+
+    A normalised offset ``p`` is ``p`` plus the number of CRLFs that end before it; a cut is
+    never between a CR and its LF (cuts fall after an LF or inside a line).
+    """
+    raw: list[int] = []
+    removed = 0  # CRs dropped before the current normalised position
+    search = 0
+    for cut in cuts:
+        while True:
+            crlf = data.find(b"\r\n", search)
+            if crlf < 0 or crlf - removed >= cut:
+                break
+            removed += 1
+            search = crlf + 2
+        raw.append(cut + removed)
+    return raw

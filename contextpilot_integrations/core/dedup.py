@@ -3,8 +3,10 @@
 ContextPilot (MLSys 2026, "multi-turn de-duplication"): in a conversation, a block that an
 earlier turn's prompt already shows is replaced by a short hint naming where it stands; below
 block level, a sub-block (content-defined chunk, :mod:`~contextpilot_integrations.core.chunking`)
-already shown is replaced by a pointer to its first occurrence. The model reads the text once,
-the prompt is shorter, and the earlier turns stay a byte-identical prefix for the KV cache.
+already shown is replaced by a pointer to its first occurrence; a run of consecutive sub-blocks
+that stands, in the same order, in one earlier block gets a single pointer. The model reads the
+text once, the prompt is shorter, and the earlier turns stay a byte-identical prefix for the KV
+cache.
 
 :meth:`Deduplicator.plan` takes one request's blocks in prompt order and returns, per block,
 either the text to render (with sub-block pointers spliced in) or a hint, plus the request's
@@ -25,7 +27,7 @@ Hint wording (:class:`HintWording`, all configurable) by default reads, for a wh
 ``Also relevant: [Doc 3] of turn 2, shown above.`` and, for a sub-block spliced into a kept
 block, ``[Repeated passage: see [Doc 3] of turn 2, from "first words" to "last words".]`` (the
 quoted ends let the model find the passage inside the named block, whose sub-block boundaries it
-cannot see). A place earlier in the same prompt reads ``[Doc 3] in this message``.
+cannot see; about 30 tokens). A place earlier in the same prompt reads ``[Doc 3] in this message``.
 
 Labels: the label of a kept block is ``label_template`` with ``position`` its 1-based position
 among the *kept* blocks (the renderer, ``PromptLayout.render_segments``, gets only the kept texts
@@ -70,11 +72,12 @@ class HintWording:
         this_turn: a place earlier in the same prompt; field ``{label}``.
         block_hint: the hint for a replaced block; fields ``{where}`` (one of the two above),
             ``{label}``, ``{turn}``.
-        sub_block_pointer: what replaces a sub-block inside a kept block; fields ``{where}``,
-            ``{label}``, ``{turn}``, ``{part}`` (1-based index in that block), ``{head}`` and
-            ``{tail}`` (the sub-block's first and last ``quote_words`` words, at most 40
-            characters each). The replaced sub-block's final line ending is appended to it.
-        quote_words: words quoted at each end of a replaced sub-block (``>= 1``).
+        sub_block_pointer: what replaces a run of sub-blocks inside a kept block; fields
+            ``{where}``, ``{label}``, ``{turn}``, ``{part}`` (1-based index of the run's first
+            sub-block in the block it points to), ``{head}`` and ``{tail}`` (the run's first
+            and last ``quote_words`` words, at most 40 characters each). The run's final line
+            ending is appended to it.
+        quote_words: words quoted at each end of a replaced run (``>= 1``).
 
     Raises:
         ValueError: a template uses an unknown field or is not a valid format string, or
@@ -120,17 +123,22 @@ class HintWording:
 
 @dataclass(frozen=True, slots=True)
 class SubBlockPointer:
-    """One sub-block of a kept block replaced by a pointer.
+    """A run of consecutive sub-blocks of a kept block replaced by one pointer.
+
+    The run stands, whole and in the same order, as consecutive literal sub-blocks of one block
+    at ``source``.
 
     Attributes:
-        part: 0-based index of the sub-block in the block.
-        start, end: character span of the sub-block in the block's original text.
-        source: where the identical sub-block stands in full (``source.part`` is its index
-            within the block at ``source.label``).
+        part: 0-based index of the run's first sub-block in this block.
+        count: number of sub-blocks in the run (``>= 1``).
+        start, end: character span of the run in the block's original text.
+        source: where the run stands: ``source.part`` is the index of its first sub-block
+            within the block at ``source.label`` of turn ``source.turn``.
         text: the pointer as spliced into the rendered text.
     """
 
     part: int
+    count: int
     start: int
     end: int
     source: Location
@@ -150,7 +158,7 @@ class DedupBlock:
             by pointers; ``None`` when replaced.
         hint: the location hint when the whole block is replaced; else ``None``.
         source: where the identical block stands when replaced; else ``None``.
-        pointers: the sub-blocks replaced in a kept block, in text order.
+        pointers: the runs of sub-blocks replaced in a kept block, in text order.
         tokens: token count of the original text.
         tokens_saved: estimated tokens saved: original minus hint, or the sum over replaced
             sub-blocks of sub-block minus pointer (by the deduplicator's token counter).
@@ -344,7 +352,7 @@ class Deduplicator:
                 blocks=tuple(decided),
                 blocks_kept=kept,
                 blocks_replaced=len(decided) - kept,
-                sub_blocks_replaced=sum(len(b.pointers) for b in decided),
+                sub_blocks_replaced=sum(p.count for b in decided for p in b.pointers),
                 tokens_in=sum(tokens),
                 tokens_saved=sum(b.tokens_saved for b in decided),
             )
@@ -378,15 +386,22 @@ class Deduplicator:
         saved = 0
         pieces: list[str] = []
         literal: list[tuple[int, int]] = []
-        for part, (sub, sub_tokens) in enumerate(self._sub_blocks(bid, text)):
-            pointer = self._pointer(history, part, sub, sub_tokens)
+        parts = self._sub_blocks(bid, text)
+        sources = [history.find_sub_block(sub.sub_block_id) for sub, _ in parts]
+        first = 0
+        while first < len(parts):
+            end = _run_end(sources, first)
+            pointer = self._pointer(history, parts, first, end, sources[first])
             if pointer is None:
-                pieces.append(sub.text)
-                literal.append((part, sub.sub_block_id))
-            else:
-                pointers.append(pointer)
-                pieces.append(pointer.text)
-                saved += sub_tokens - count(pointer.text)
+                for part in range(first, max(end, first + 1)):
+                    pieces.append(parts[part][0].text)
+                    literal.append((part, parts[part][0].sub_block_id))
+                first = max(end, first + 1)
+                continue
+            pointers.append(pointer)
+            pieces.append(pointer.text)
+            saved += sum(t for _, t in parts[first:end]) - count(pointer.text)
+            first = end
         # Recorded after the loop: a block never points into itself, so a block whose text
         # repeats internally stays whole and can later be replaced by one hint.
         for part, sub_id in literal:
@@ -399,14 +414,22 @@ class Deduplicator:
         return DedupBlock(index, bid, label, rendered, None, None, tuple(pointers), tokens, saved)
 
     def _pointer(
-        self, history: ConversationTurn, part: int, sub: SubBlock, sub_tokens: int
+        self,
+        history: ConversationTurn,
+        parts: tuple[tuple[SubBlock, int], ...],
+        first: int,
+        end: int,
+        source: Location | None,
     ) -> SubBlockPointer | None:
-        """The pointer replacing ``sub`` if it stands in full at a visible place and saves
-        enough tokens; else ``None``."""
-        source = history.find_sub_block(sub.sub_block_id)
-        if source is None or sub_tokens < self.min_tokens_saved:
+        """The pointer replacing ``parts[first:end]`` (a run found at ``source``), or ``None``
+        when there is no run or it would not save ``min_tokens_saved`` tokens."""
+        if source is None or end <= first:
             return None
-        head, tail = _quote_ends(sub.text, self.wording.quote_words)
+        run_tokens = sum(t for _, t in parts[first:end])
+        if run_tokens < self.min_tokens_saved:
+            return None
+        head, _ = _quote_ends(parts[first][0].text, self.wording.quote_words)
+        _, tail = _quote_ends(parts[end - 1][0].text, self.wording.quote_words)
         text = self.wording.sub_block_pointer.format(
             where=self.wording.where(source, history.turn),
             label=source.label,
@@ -414,10 +437,11 @@ class Deduplicator:
             part=(source.part or 0) + 1,
             head=head,
             tail=tail,
-        ) + _line_ending(sub.text)
-        if sub_tokens - self.token_counter.count(text) < self.min_tokens_saved:
+        ) + _line_ending(parts[end - 1][0].text)
+        if run_tokens - self.token_counter.count(text) < self.min_tokens_saved:
             return None
-        return SubBlockPointer(part, sub.start, sub.end, source, text)
+        start, stop = parts[first][0].start, parts[end - 1][0].end
+        return SubBlockPointer(first, end - first, start, stop, source, text)
 
     def _sub_blocks(self, bid: int, text: str) -> tuple[tuple[SubBlock, int], ...]:
         """Sub-blocks of a block with their token counts (cached by id, checked by text)."""
@@ -506,6 +530,26 @@ def _check_blocks(blocks: object) -> list[str]:
         if not isinstance(text, str):
             raise TypeError(f"blocks[{i}] must be a str, got {type(text).__name__}: {text!r:.80}")
     return texts
+
+
+def _run_end(sources: Sequence[Location | None], first: int) -> int:
+    """End (exclusive) of the run of sub-blocks from ``first`` whose places are consecutive
+    parts of one block at one place; ``first`` itself when ``sources[first]`` is ``None``."""
+    start = sources[first]
+    if start is None:
+        return first
+    end = first + 1
+    while end < len(sources):
+        place = sources[end]
+        if (
+            place is None
+            or place.turn != start.turn
+            or place.label != start.label
+            or place.part != (start.part or 0) + (end - first)
+        ):
+            break
+        end += 1
+    return end
 
 
 def _quote_ends(text: str, words: int) -> tuple[str, str]:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations.core.blocks import block_id
@@ -53,6 +53,8 @@ def test_lossless_and_bounded(text: str) -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(_line, max_size=40))
 def test_crlf_and_lf_forms_are_cut_after_the_same_lines(lines: list[str]) -> None:
+    # a line ending in CR joined by LF would itself be a CRLF line ending: not the same content
+    assume(not any(line.endswith("\r") for line in lines[:-1]))
     lf = SMALL.split("\n".join(lines))
     crlf = SMALL.split("\r\n".join(lines))
     assert [s.text.replace("\r\n", "\n") for s in crlf] == [s.text for s in lf]

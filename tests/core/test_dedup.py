@@ -96,15 +96,18 @@ def check_plan(
         assert block.label is not None and block.label not in current
         label = block.label
         parts = chunker.split(text) if chunker else ()
-        replaced = {p.part for p in block.pointers}
+        replaced = {i for p in block.pointers for i in range(p.part, p.part + p.count)}
         rebuilt, cursor = [], 0
         for pointer in block.pointers:
             piece = text[pointer.start : pointer.end]
-            assert chunker is not None and pointer.source.part is not None
-            assert piece == parts[pointer.part].text
+            assert chunker is not None and pointer.source.part is not None and pointer.count >= 1
+            run = parts[pointer.part : pointer.part + pointer.count]
+            assert piece == "".join(sub.text for sub in run) and len(run) == pointer.count
             shown = place(pointer.source.turn, pointer.source.label)  # never this block
-            assert pointer.source.part in shown.literal_parts
-            assert chunker.split(shown.original)[pointer.source.part].text == piece
+            at_source = range(pointer.source.part, pointer.source.part + pointer.count)
+            assert set(at_source) <= shown.literal_parts
+            source_parts = chunker.split(shown.original)
+            assert "".join(source_parts[i].text for i in at_source) == piece
             rebuilt += [text[cursor : pointer.start], pointer.text]
             cursor = pointer.end
         assert block.text == "".join(rebuilt) + text[cursor:]
@@ -222,7 +225,8 @@ def test_partial_overlap_is_replaced_by_a_pointer_quoting_its_ends() -> None:
     original = "A new opening line.\n" + shared + DOCS[4]
     plan = dedup.plan("t", "c", [original])
     (block,) = plan.blocks
-    assert block.kept and block.pointers and plan.sub_blocks_replaced == len(block.pointers)
+    assert block.kept and block.pointers
+    assert plan.sub_blocks_replaced == sum(p.count for p in block.pointers)
     assert block.text is not None and DOCS[4] in block.text and block.text.startswith("A new")
     for pointer in block.pointers:
         assert pointer.source.turn == 1 and pointer.source.label == "[Doc 1]"
