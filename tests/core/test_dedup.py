@@ -92,8 +92,10 @@ def check_plan(
             assert block.source is not None and block.source.part is None
             shown = place(block.source.turn, block.source.label)
             assert shown.original == text and shown.rendered == text
+            assert block.source.label in block.reference and block.source.label in block.hint
             continue
         assert block.label is not None and block.label not in current
+        assert block.reference == block.label
         label = block.label
         parts = chunker.split(text) if chunker else ()
         replaced = {i for p in block.pointers for i in range(p.part, p.part + p.count)}
@@ -190,6 +192,7 @@ def test_repeated_block_is_replaced_by_a_hint_naming_its_place() -> None:
     assert second.turn == 2
     assert [b.label for b in second.blocks] == ["[Doc 1]", None, "[Doc 2]"]
     assert second.hints == ["Also relevant: [Doc 2] of turn 1, shown above."]
+    assert [b.reference for b in second.blocks] == ["[Doc 1]", "[Doc 2] of turn 1", "[Doc 2]"]
     assert second.kept_texts == [DOCS[2], DOCS[3]]
     replaced = second.blocks[1]
     assert replaced.tokens_saved == replaced.tokens - dedup.token_counter.count(replaced.hint)
