@@ -483,7 +483,11 @@ class VllmCpuServer:
                 small cache that evicts; None sizes it from ``kv_cache_space_gib``.
             max_model_len: longest prompt + output, in tokens.
             kv_cache_space_gib: ``VLLM_CPU_KVCACHE_SPACE``, whole GiB.
-            omp_threads: ``OMP_NUM_THREADS`` for the engine (vLLM uses 1 thread without it).
+            omp_threads: ``OMP_NUM_THREADS`` for the engine processes. vLLM 0.32's CPU worker
+                binds its own OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND=auto``: every core
+                but one, which is left to the scheduler; on 2 cores, 1 thread on core 0) and
+                then sets its own thread count; ``VLLM_CPU_OMP_THREADS_BIND=nobind`` in the
+                caller's environment makes it use ``omp_threads`` unpinned instead.
             port: HTTP port on 127.0.0.1; None picks a free one.
             seed: ``--seed`` (the dummy weights).
             model_name: served model name; default the directory's name.
