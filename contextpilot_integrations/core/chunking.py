@@ -41,8 +41,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from contextpilot_integrations.core.blocks import block_id
-
 __all__ = ["ContentChunker", "SubBlock"]
 
 DEFAULT_MODULUS = 4
@@ -57,7 +55,7 @@ class SubBlock:
     Attributes:
         text: the exact text of the piece (``block_text[start:end]``).
         sub_block_id: :func:`~contextpilot_integrations.core.blocks.block_id` of ``text``
-            (unsigned 64-bit).
+            (unsigned 64-bit; computed from the bytes already encoded).
         start: offset of the first character in the block text (``str`` index).
         end: offset one past the last character (``str`` index).
     """
@@ -146,9 +144,10 @@ class ContentChunker:
         start_byte = 0
         start_char = 0
         for cut in self._cut_offsets(data):
-            piece = data[start_byte:cut].decode("utf-8")
+            raw = data[start_byte:cut]
+            piece = raw.decode("utf-8")
             end_char = start_char + len(piece)
-            subs.append(SubBlock(piece, block_id(piece), start_char, end_char))
+            subs.append(SubBlock(piece, _bytes_id(raw), start_char, end_char))
             start_byte, start_char = cut, end_char
         return tuple(subs)
 
@@ -203,6 +202,12 @@ class ContentChunker:
 def _line_hash(content: bytes) -> int:
     """Stable 64-bit hash of a line's content (BLAKE2b-64, big-endian), process-independent."""
     return int.from_bytes(hashlib.blake2b(content, digest_size=8).digest(), "big")
+
+
+def _bytes_id(raw: bytes) -> int:
+    """:func:`~contextpilot_integrations.core.blocks.block_id` of ``raw.decode()``, from the
+    bytes already encoded (the same BLAKE2b-64 digest; tests check the two agree)."""
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
 
 
 def _raw_offsets(data: bytes, cuts: list[int]) -> list[int]:

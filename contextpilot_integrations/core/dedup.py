@@ -163,7 +163,7 @@ class DedupBlock:
         pointers: the runs of sub-blocks replaced in a kept block, in text order.
         tokens: token count of the original text.
         tokens_saved: estimated tokens saved: original minus hint, or the sum over replaced
-            sub-blocks of sub-block minus pointer (by the deduplicator's token counter).
+            runs of run minus pointer (by the deduplicator's token counter).
     """
 
     index: int
@@ -394,20 +394,21 @@ class Deduplicator:
         pieces: list[str] = []
         literal: list[tuple[int, int]] = []
         parts = self._sub_blocks(bid, text)
-        sources = [history.find_sub_block(sub.sub_block_id) for sub, _ in parts]
+        sources = [history.find_sub_block(sub.sub_block_id) for sub in parts]
         first = 0
         while first < len(parts):
             end = _run_end(sources, first)
-            pointer = self._pointer(history, parts, first, end, sources[first])
-            if pointer is None:
+            found = self._pointer(history, text, parts, first, end, sources[first])
+            if found is None:
                 for part in range(first, max(end, first + 1)):
-                    pieces.append(parts[part][0].text)
-                    literal.append((part, parts[part][0].sub_block_id))
+                    pieces.append(parts[part].text)
+                    literal.append((part, parts[part].sub_block_id))
                 first = max(end, first + 1)
                 continue
+            pointer, run_saved = found
             pointers.append(pointer)
             pieces.append(pointer.text)
-            saved += sum(t for _, t in parts[first:end]) - count(pointer.text)
+            saved += run_saved
             first = end
         # Recorded after the loop: a block never points into itself, so a block whose text
         # repeats internally stays whole and can later be replaced by one hint.
@@ -425,41 +426,43 @@ class Deduplicator:
     def _pointer(
         self,
         history: ConversationTurn,
-        parts: tuple[tuple[SubBlock, int], ...],
+        text: str,
+        parts: tuple[SubBlock, ...],
         first: int,
         end: int,
         source: Location | None,
-    ) -> SubBlockPointer | None:
-        """The pointer replacing ``parts[first:end]`` (a run found at ``source``), or ``None``
-        when there is no run or it would not save ``min_tokens_saved`` tokens."""
+    ) -> tuple[SubBlockPointer, int] | None:
+        """The pointer replacing ``parts[first:end]`` (a run found at ``source``) and the
+        tokens it saves, or ``None`` when there is no run or it saves under
+        ``min_tokens_saved``."""
         if source is None or end <= first:
             return None
-        run_tokens = sum(t for _, t in parts[first:end])
+        start, stop = parts[first].start, parts[end - 1].end
+        run_tokens = self.token_counter.count(text[start:stop])
         if run_tokens < self.min_tokens_saved:
             return None
-        head, _ = _quote_ends(parts[first][0].text, self.wording.quote_words)
-        _, tail = _quote_ends(parts[end - 1][0].text, self.wording.quote_words)
-        text = self.wording.sub_block_pointer.format(
+        head, _ = _quote_ends(parts[first].text, self.wording.quote_words)
+        _, tail = _quote_ends(parts[end - 1].text, self.wording.quote_words)
+        pointer_text = self.wording.sub_block_pointer.format(
             where=self.wording.where(source, history.turn),
             label=source.label,
             turn=source.turn,
             part=(source.part or 0) + 1,
             head=head,
             tail=tail,
-        ) + _line_ending(parts[end - 1][0].text)
-        if run_tokens - self.token_counter.count(text) < self.min_tokens_saved:
+        ) + _line_ending(parts[end - 1].text)
+        run_saved = run_tokens - self.token_counter.count(pointer_text)
+        if run_saved < self.min_tokens_saved:
             return None
-        start, stop = parts[first][0].start, parts[end - 1][0].end
-        return SubBlockPointer(first, end - first, start, stop, source, text)
+        return SubBlockPointer(first, end - first, start, stop, source, pointer_text), run_saved
 
-    def _sub_blocks(self, bid: int, text: str) -> tuple[tuple[SubBlock, int], ...]:
-        """Sub-blocks of a block with their token counts (cached by id, checked by text)."""
+    def _sub_blocks(self, bid: int, text: str) -> tuple[SubBlock, ...]:
+        """Sub-blocks of a block (cached by id, checked by text); ``()`` without a chunker."""
         if self.chunker is None:
             return ()
         cached = self._chunk_cache.get(bid, text)
         if cached is None:
-            count = self.token_counter.count
-            cached = tuple((sub, count(sub.text)) for sub in self.chunker.split(text))
+            cached = self.chunker.split(text)
             self._chunk_cache.put(bid, text, cached)
         return cached
 
@@ -505,16 +508,14 @@ class Deduplicator:
 
 
 class _ChunkCache:
-    """Bounded LRU of ``block id -> (text, sub-blocks with token counts)``, thread-safe."""
+    """Bounded LRU of ``block id -> (text, sub-blocks)``, thread-safe."""
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._lock = threading.Lock()
-        self._entries: OrderedDict[int, tuple[str, tuple[tuple[SubBlock, int], ...]]] = (
-            OrderedDict()
-        )
+        self._entries: OrderedDict[int, tuple[str, tuple[SubBlock, ...]]] = OrderedDict()
 
-    def get(self, bid: int, text: str) -> tuple[tuple[SubBlock, int], ...] | None:
+    def get(self, bid: int, text: str) -> tuple[SubBlock, ...] | None:
         with self._lock:
             entry = self._entries.get(bid)
             if entry is None or entry[0] != text:  # the text check rules out an id collision
@@ -522,7 +523,7 @@ class _ChunkCache:
             self._entries.move_to_end(bid)
             return entry[1]
 
-    def put(self, bid: int, text: str, parts: tuple[tuple[SubBlock, int], ...]) -> None:
+    def put(self, bid: int, text: str, parts: tuple[SubBlock, ...]) -> None:
         if not self._capacity:
             return
         with self._lock:
