@@ -316,7 +316,12 @@ def prepare_model_dir(
     for text in texts:
         corpus_digest.update(hashlib.sha256(text.encode("utf-8")).digest())
     tokenizer = train_tokenizer(texts, vocab)
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    ids: dict[str, int] = {}
+    for token in SPECIAL_TOKENS:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:  # the trainer adds them first; a different tokenizers would not
+            raise RuntimeError(f"trained tokenizer lacks the special token {token!r}")
+        ids[token] = token_id
 
     config = _llama_config(
         **{k: v for k, v in sizes.items() if k != "corpus_bytes"},

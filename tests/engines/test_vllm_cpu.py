@@ -181,7 +181,7 @@ def test_render_chat_rejects_bad_messages() -> None:
     with pytest.raises(ValueError, match=r"messages\[1\]\.role.*'tool'"):
         render_chat([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])
     with pytest.raises(TypeError, match=r"messages\[0\]\.content must be a str, got list"):
-        render_chat([{"role": "user", "content": [{"type": "text", "text": "a"}]}])  # type: ignore[list-item]
+        render_chat([{"role": "user", "content": [{"type": "text", "text": "a"}]}])  # type: ignore[dict-item]
 
 
 def test_prepare_model_dir_rejects_bad_shapes(tmp_path: Path) -> None:
@@ -409,7 +409,7 @@ class _EventSubscriber:
     """A plain ZMQ SUB on the server's KV-event endpoint, decoding with msgspec (test-only)."""
 
     def __init__(self, server: VllmCpuServer) -> None:
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._context.socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SUBSCRIBE, server.kv_events_topic.encode())
