@@ -450,7 +450,8 @@ class VllmCpuServer:
 
     The server runs in its own process group (session); :meth:`stop` sends SIGTERM to the whole
     group, waits ``stop_timeout`` seconds, then SIGKILLs what is left. It runs on normal exit,
-    on exceptions, on Ctrl-C (also during startup) and at interpreter exit.
+    on exceptions, on Ctrl-C (also during startup) and at interpreter exit; on Linux the server
+    also gets SIGTERM if the starting process is killed outright (``PR_SET_PDEATHSIG``).
 
     Attributes (valid after :meth:`start`): ``base_url`` (``http://127.0.0.1:PORT``),
     ``kv_events_endpoint``, ``replay_endpoint``, ``kv_events_topic``, ``model_dir``,
