@@ -7,8 +7,11 @@
 #   - torch==2.13.0, which resolves to the CPU wheel on these machines (checked below);
 #   - the packages SGLang needs at import time;
 #   - this package, editable, with what its sync tests need.
+#   - the KV-event module of SGLang 0.5.18 (the last release with the positional wire shape),
+#     extracted from its wheel to $venv/sglang-0.5.18/kv_events.py; the tier runs its real
+#     publisher beside 0.5.23's (the module imports only msgspec, pyzmq and pydantic).
 # torchvision is never installed: PyPI's build is CUDA-only and swaps in CUDA torch. The tier
-# provides an import-time stand-in instead (tests/sync/sglang_import_shims.py).
+# provides an import-time stand-in instead (a meta-path finder in tests/sync/conftest.py).
 #
 # Idempotent: a stamp file records the hash of this script; when it matches and the environment
 # still imports, nothing is installed again.
@@ -23,6 +26,7 @@ stamp="$venv/.contextpilot-setup-stamp"
 script_hash="$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)"
 
 if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$script_hash" ]] \
+    && [[ -f "$venv/sglang-0.5.18/kv_events.py" ]] \
     && "$venv/bin/python" -c "import sglang, torch, zmq, msgspec, contextpilot_integrations" 2>/dev/null; then
     echo "setup-sglang-env: reusing $venv"
     exit 0
@@ -32,7 +36,7 @@ if [[ ! -x "$venv/bin/python" ]]; then
     echo "setup-sglang-env: creating $venv"
     "$python_bin" -m venv "$venv"
 fi
-pip=("$venv/bin/python" -m pip install --quiet)
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 # Pin torch for every later resolution so that no dependency can swap in a CUDA build, and make
 # any request for torchvision fail loudly instead of installing it.
@@ -47,7 +51,25 @@ printf 'torch==2.13.0\ntorchvision==0.0.0.dev0\n' > "$constraints"
     tqdm IPython aiohttp dill transformers tokenizers safetensors huggingface_hub regex pyyaml \
     triton apache-tvm-ffi sentencepiece compressed-tensors loguru gguf
 # This package and the test tooling of the sync tests.
-"${pip[@]}" -c "$constraints" -e "$repo_root" scipy pytest pytest-timeout hypothesis
+"${pip[@]}" -c "$constraints" -e "$repo_root" scipy pytest pytest-timeout pytest-asyncio hypothesis
+
+old_module="$venv/sglang-0.5.18/kv_events.py"
+if [[ ! -f "$old_module" ]]; then
+    download="$(mktemp -d)"
+    "$venv/bin/python" -m pip download --quiet --no-deps --dest "$download" "sglang==0.5.18"
+    mkdir -p "$(dirname "$old_module")"
+    "$venv/bin/python" - "$download" "$old_module" <<'PY'
+import pathlib
+import sys
+import zipfile
+
+download, target = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+(wheel,) = download.glob("sglang-0.5.18-*.whl")
+with zipfile.ZipFile(wheel) as archive:
+    target.write_bytes(archive.read("sglang/srt/disaggregation/kv_events.py"))
+PY
+    rm -rf "$download"
+fi
 
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md

@@ -16,10 +16,14 @@ Attribution of blocks to requests (no engine event carries the request id):
    by another request at registration time). Matching looks up ``(parent, tokens)`` pairs;
    it is O(1) per stored page whatever the number of registered requests.
 
-A request is *attached* to the deepest block of its cached chain.
+A request is *cached* once its whole chain is present: for a session-echoed store, when the
+store arrives; for token matching, when every whole page of the registered tokens is matched
+(until then it is *matching*: a partial match on blocks of other requests, which may come and
+go before the request itself is served without evicting it). A cached request is *attached*
+to the deepest block of its chain.
 
-Eviction rule: a request is evicted (``on_evict(rid)``, once) as soon as any block of its
-cached chain leaves the cache, i.e. when its attached block or an ancestor of it is removed.
+Eviction rule: a cached request is evicted (``on_evict(rid)``, once) as soon as any block of
+its chain leaves the cache, i.e. when its attached block or an ancestor of it is removed.
 Engines evict least-recently-used *leaves* first (SGLang's radix cache; vLLM frees a chain
 tail-first), so in practice the first block of a request to go is its deepest, and the rule
 reads "evict when the deepest cached block is removed". Taking any block, not only the deepest,
@@ -62,7 +66,7 @@ PageKey = tuple[Any, ...]
 
 
 class _Block:
-    __slots__ = ("parent", "tokens", "session_id", "media", "rids")
+    __slots__ = ("parent", "tokens", "session_id", "media", "rids", "matching")
 
     def __init__(
         self, parent: BlockHash | None, tokens: PageKey | None, session_id: str | None, medium: str
@@ -71,7 +75,8 @@ class _Block:
         self.tokens = tokens
         self.session_id = session_id
         self.media = {medium}
-        self.rids: set[str] | None = None
+        self.rids: set[str] | None = None  # cached requests attached here
+        self.matching: set[str] | None = None  # requests whose partial token match ends here
 
 
 class _Rank:
@@ -354,7 +359,9 @@ class CacheMirror:
             if block.media:
                 continue
             self._counters["removed_blocks"] += 1
-            broken = self._attached_in_subtree(state, block_hash)
+            broken, unmatched = self._dependents(state, block_hash)
+            for rid in unmatched:
+                self._stop_matching(rank, state, self._requests[rid])
             del state.blocks[block_hash]
             if block.tokens is not None:
                 siblings = state.children.get(block.parent)
@@ -367,21 +374,30 @@ class CacheMirror:
                 if request is not None:
                     self._drop_request(request)
                     evicted.append(rid)
+            for rid in unmatched:  # match again from the blocks still present
+                request = self._requests.get(rid)
+                if request is not None:
+                    self._start_matching(rank, state, request)
 
-    def _attached_in_subtree(self, state: _Rank, root: BlockHash) -> list[str]:
-        """Rids attached to ``root`` or to a present descendant of it (usually none: LRU
-        removes leaves first), sorted so that the eviction order is deterministic."""
-        rids: set[str] = set()
+    def _dependents(self, state: _Rank, root: BlockHash) -> tuple[list[str], list[str]]:
+        """(cached rids attached, matching rids whose partial match ends) at ``root`` or at a
+        present descendant of it (usually none: LRU removes leaves first); sorted, so that
+        the eviction order is deterministic."""
+        attached: set[str] = set()
+        matching: set[str] = set()
         stack = [root]
         while stack:
             block_hash = stack.pop()
             block = state.blocks.get(block_hash)
-            if block is not None and block.rids:
-                rids.update(block.rids)
+            if block is not None:
+                if block.rids:
+                    attached.update(block.rids)
+                if block.matching:
+                    matching.update(block.matching)
             children = state.children.get(block_hash)
             if children:
                 stack.extend(children.values())
-        return sorted(rids)
+        return sorted(attached), sorted(matching - attached)
 
     def _clear(self, rank: int, state: _Rank, evicted: list[str]) -> None:
         attached = sorted(
@@ -456,8 +472,8 @@ class CacheMirror:
         return request.token_ids[index * page_size : (index + 1) * page_size]
 
     def _start_matching(self, rank: int, state: _Rank, request: _Request) -> int:
-        """Walk the present blocks along the request's pages; attach at the deepest match and
-        wait on the next page. Returns the number of pages matched."""
+        """Walk the present blocks along the request's pages: attach at the deepest page when
+        all match, else wait on the next page. Returns the number of pages matched."""
         size = state.page_size
         if request.token_ids is None or size is None or rank in request.progress:
             return 0
@@ -471,12 +487,7 @@ class CacheMirror:
                 break
             deepest = child
             matched += 1
-        if deepest is not None:
-            self._attach(rank, state, request, deepest)
-        request.progress[rank] = (deepest, matched)
-        if matched < total:
-            key = (deepest, self._page(request, size, matched))
-            state.pending.setdefault(key, set()).add(request.rid)
+        self._set_progress(rank, state, request, deepest, matched, total)
         return matched
 
     def _advance(
@@ -490,14 +501,59 @@ class CacheMirror:
         size = state.page_size
         assert size is not None
         _, matched = request.progress[rank]
-        matched += 1
         if parent is not None:
-            self._detach(rank, state, request, parent)
-        self._attach(rank, state, request, block_hash)
-        request.progress[rank] = (block_hash, matched)
-        if matched < self._pages(request, size):
-            key = (block_hash, self._page(request, size, matched))
-            state.pending.setdefault(key, set()).add(request.rid)
+            matching = state.blocks[parent].matching
+            if matching is not None:
+                matching.discard(request.rid)
+        total = self._pages(request, size)
+        self._set_progress(rank, state, request, block_hash, matched + 1, total)
+
+    def _set_progress(
+        self,
+        rank: int,
+        state: _Rank,
+        request: _Request,
+        deepest: BlockHash | None,
+        matched: int,
+        total: int,
+    ) -> None:
+        request.progress[rank] = (deepest, matched)
+        if matched == total:
+            if deepest is not None:
+                self._attach(rank, state, request, deepest)
+            return
+        if deepest is not None:
+            block = state.blocks[deepest]
+            if block.matching is None:
+                block.matching = set()
+            block.matching.add(request.rid)
+        key = (deepest, self._page(request, self._page_size_of(state), matched))
+        state.pending.setdefault(key, set()).add(request.rid)
+
+    def _page_size_of(self, state: _Rank) -> int:
+        assert state.page_size is not None
+        return state.page_size
+
+    def _stop_matching(self, rank: int, state: _Rank, request: _Request) -> None:
+        """Forget the request's token-match progress on ``rank`` (pending key, marks)."""
+        progress = request.progress.pop(rank, None)
+        if progress is None or state.page_size is None:
+            return
+        deepest, matched = progress
+        if matched >= self._pages(request, state.page_size):
+            return
+        if deepest is not None:
+            block = state.blocks.get(deepest)
+            if block is not None and block.matching is not None:
+                block.matching.discard(request.rid)
+                if not block.matching:
+                    block.matching = None
+        key = (deepest, self._page(request, state.page_size, matched))
+        waiting = state.pending.get(key)
+        if waiting is not None:
+            waiting.discard(request.rid)
+            if not waiting:
+                del state.pending[key]
 
     def _drop_request(self, request: _Request) -> None:
         """Remove every trace of ``request`` (attachments, pending matches, the record)."""
@@ -505,18 +561,8 @@ class CacheMirror:
             state = self._ranks[rank]
             for block_hash in list(hashes):
                 self._detach(rank, state, request, block_hash)
-        for rank, (deepest, matched) in request.progress.items():
-            state = self._ranks[rank]
-            size = state.page_size
-            if size is None or matched >= self._pages(request, size):
-                continue
-            key = (deepest, self._page(request, size, matched))
-            waiting = state.pending.get(key)
-            if waiting is not None:
-                waiting.discard(request.rid)
-                if not waiting:
-                    del state.pending[key]
-        request.progress.clear()
+        for rank in list(request.progress):
+            self._stop_matching(rank, self._ranks[rank], request)
         self._requests.pop(request.rid, None)
 
     def _notify(self, evicted: list[str]) -> None:

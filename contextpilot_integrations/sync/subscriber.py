@@ -26,6 +26,11 @@ Sequence tracking, per rank:
   the old sequence number looks like a gap; SGLang's first batch after start holds
   ``AllBlocksCleared``, which the repair replays, so the mirror still ends up right.)
 
+- idle: when a rank has been silent for ``idle_probe_interval_s``, the replay socket is asked
+  for anything from the expected seq on. This finds a lost *last* message (no later message
+  would reveal the gap) and the batches a subscriber missed by joining after the engine went
+  quiet. While the replay socket does not answer (engine down), probes back off to 30 s.
+
 Malformed messages (wrong frame count, bad sequence frame, undecodable payload) are logged,
 counted and skipped; their sequence number, when readable, still counts as received. A
 handler exception is logged and counted; the stream goes on (DESIGN.md invariant 5).
@@ -63,12 +68,12 @@ ResyncHandler = Callable[[int], object]
 """``on_resync(rank)``: the stream of ``rank`` lost continuity; forget that rank's cache."""
 
 
-def rank_endpoint(endpoint: str, rank: int) -> str:
+def rank_endpoint(endpoint: str, rank: int, *, keep_host: bool = False) -> str:
     """The endpoint of data-parallel ``rank``, as the engines derive it from the configured one.
 
     ``tcp://host:P`` -> ``tcp://host:P+rank``; ``inproc://name`` -> ``inproc://name_dp<rank>``;
     rank 0 keeps the endpoint. A wildcard bind host (``*``, ``0.0.0.0``) becomes ``127.0.0.1``
-    so that the engine's own config string can be passed as is.
+    so that the engine's own config string can be passed as is (``keep_host``: no rewrite).
 
     Raises:
         ValueError: ``rank`` > 0 with an endpoint that is neither tcp nor inproc (the engines
@@ -78,7 +83,9 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
         host, sep, port = endpoint[len("tcp://") :].rpartition(":")
         if not sep or not port.isdigit():
             raise ValueError(f"endpoint must be tcp://host:port, got {endpoint!r}")
-        if host in ("*", "0.0.0.0"):
+        if keep_host:
+            pass
+        elif host in ("*", "0.0.0.0"):
             host = "127.0.0.1"
         elif host in ("[::]", "::"):
             host = "[::1]"
@@ -103,6 +110,8 @@ class _RankStream:
         self.expected: int | None = None
         self.sub: zmq.Socket | None = None
         self.replay: zmq.Socket | None = None
+        self.next_probe = 0.0
+        self.probe_backoff_s = 0.0
 
 
 class KVEventSubscriber:
@@ -122,6 +131,12 @@ class KVEventSubscriber:
         dp_size: number of data-parallel ranks to follow (ranks 0 .. dp_size - 1).
         replay_timeout_s: how long a replay request may take before it counts as failed.
         poll_interval_s: longest wait between checks of the stop flag (bounds ``stop()``).
+        idle_probe_interval_s: silence after which the replay socket is probed for missed
+            batches (see the module docstring); None disables probing.
+        bind: bind the SUB sockets instead of connecting, for a publisher that connects (SGLang
+            <= 0.5.18 and vLLM connect on a ``tcp://`` endpoint with a concrete host; a
+            connecting subscriber then receives nothing, without an error). The endpoint is
+            used as given (no wildcard rewrite).
 
     Raises:
         ValueError: ``dp_size`` < 1, non-positive timeouts, or endpoints that cannot be
@@ -139,6 +154,8 @@ class KVEventSubscriber:
         dp_size: int = 1,
         replay_timeout_s: float = 2.0,
         poll_interval_s: float = 0.1,
+        idle_probe_interval_s: float | None = 1.0,
+        bind: bool = False,
     ) -> None:
         if dp_size < 1:
             raise ValueError(f"dp_size must be at least 1, got {dp_size!r}")
@@ -146,10 +163,15 @@ class KVEventSubscriber:
             raise ValueError(f"replay_timeout_s must be positive, got {replay_timeout_s!r}")
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be positive, got {poll_interval_s!r}")
+        if idle_probe_interval_s is not None and idle_probe_interval_s <= 0:
+            raise ValueError(
+                f"idle_probe_interval_s must be positive or None, got {idle_probe_interval_s!r}"
+            )
+        self._bind = bind
         self._streams = [
             _RankStream(
                 rank,
-                rank_endpoint(endpoint, rank),
+                rank_endpoint(endpoint, rank, keep_host=bind),
                 rank_endpoint(replay_endpoint, rank) if replay_endpoint else None,
             )
             for rank in range(dp_size)
@@ -159,6 +181,7 @@ class KVEventSubscriber:
         self._on_resync = on_resync
         self._replay_timeout_s = replay_timeout_s
         self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._idle_probe_s = idle_probe_interval_s
         self._decoder = KVEventDecoder()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -171,6 +194,7 @@ class KVEventSubscriber:
             "replayed": 0,
             "gaps": 0,
             "repaired": 0,
+            "probes": 0,
             "resyncs": 0,
             "restarts": 0,
             "malformed": 0,
@@ -253,7 +277,10 @@ class KVEventSubscriber:
                 stream.sub = context.socket(zmq.SUB)
                 stream.sub.setsockopt(zmq.LINGER, 0)
                 stream.sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-                stream.sub.connect(stream.endpoint)
+                if self._bind:
+                    stream.sub.bind(stream.endpoint)
+                else:
+                    stream.sub.connect(stream.endpoint)
                 poller.register(stream.sub, zmq.POLLIN)
         except BaseException as exc:  # surfaced by start()
             self._start_error = exc
@@ -262,11 +289,19 @@ class KVEventSubscriber:
             return
         self._context = context
         self._ready.set()
-        by_socket = {stream.sub: stream for stream in self._streams}
+        now = time.monotonic()
+        for stream in self._streams:
+            stream.next_probe = now + (self._idle_probe_s or 0.0)
+            stream.probe_backoff_s = self._idle_probe_s or 0.0
         try:
             while not self._stop.is_set():
-                for socket, _ in poller.poll(self._poll_ms):
-                    self._drain(by_socket[socket])
+                ready = dict(poller.poll(self._poll_ms))
+                for stream in self._streams:
+                    if stream.sub in ready:
+                        self._drain(stream)
+                        stream.next_probe = time.monotonic() + stream.probe_backoff_s
+                    elif self._probing(stream) and time.monotonic() >= stream.next_probe:
+                        self._probe(stream)
         except Exception:
             logger.exception("KV-event subscriber thread failed; events are no longer followed")
         finally:
@@ -329,11 +364,8 @@ class KVEventSubscriber:
     def _repair(self, stream: _RankStream, start: int, end: int) -> None:
         """Fetch and apply batches ``start .. end - 1``; resync when they cannot all be had."""
         replayed = self._request_replay(stream, start) if stream.replay_endpoint else None
-        missing = list(range(start, end))
-        if replayed is not None and all(seq in replayed for seq in missing):
-            for seq in missing:
-                self._counters["replayed"] += 1
-                self._apply(stream, seq, replayed[seq])
+        if replayed is not None and all(seq in replayed for seq in range(start, end)):
+            self._apply_run(stream, replayed, start, end)
             self._counters["repaired"] += 1
             return
         logger.warning(
@@ -347,26 +379,76 @@ class KVEventSubscriber:
         tail_start = end
         while replayed is not None and tail_start - 1 in replayed and tail_start > start:
             tail_start -= 1
-        for seq in range(tail_start, end):
-            self._counters["replayed"] += 1
-            self._apply(stream, seq, replayed[seq])  # type: ignore[index]
+        if replayed is not None:
+            self._apply_run(stream, replayed, tail_start, end)
 
-    def _request_replay(self, stream: _RankStream, start: int) -> dict[int, bytes] | None:
+    def _probing(self, stream: _RankStream) -> bool:
+        return self._idle_probe_s is not None and stream.replay_endpoint is not None
+
+    def _probe(self, stream: _RankStream) -> None:
+        """Ask the replay socket for batches from the expected seq after a silence."""
+        assert self._idle_probe_s is not None
+        self._counters["probes"] += 1
+        start = stream.expected or 0
+        timeout_s = min(self._replay_timeout_s, 0.5)
+        replayed = self._request_replay(stream, start, timeout_s=timeout_s, quiet=True)
+        if replayed is None:  # engine down or not up yet: back off
+            stream.probe_backoff_s = min(max(2 * stream.probe_backoff_s, 1.0), 30.0)
+        else:
+            stream.probe_backoff_s = self._idle_probe_s
+        stream.next_probe = time.monotonic() + stream.probe_backoff_s
+        newer = sorted(seq for seq in (replayed or {}) if seq >= start)
+        if not newer:
+            return
+        self._counters["gaps"] += 1
+        if newer[0] == start:
+            self._counters["repaired"] += 1
+        else:
+            logger.warning(
+                "KV events rank %d: batches from %d are gone from the replay buffer "
+                "(it starts at %d); resynchronising",
+                stream.rank,
+                start,
+                newer[0],
+            )
+            self._resync(stream)
+        end = newer[0]
+        while end in replayed:  # type: ignore[operator]
+            end += 1
+        self._apply_run(stream, replayed, newer[0], end)  # type: ignore[arg-type]
+
+    def _apply_run(
+        self, stream: _RankStream, replayed: dict[int, bytes], start: int, end: int
+    ) -> None:
+        for seq in range(start, end):
+            self._counters["replayed"] += 1
+            self._apply(stream, seq, replayed[seq])
+
+    def _request_replay(
+        self,
+        stream: _RankStream,
+        start: int,
+        *,
+        timeout_s: float | None = None,
+        quiet: bool = False,
+    ) -> dict[int, bytes] | None:
         """Ask the replay socket for batches from ``start``; None on timeout or error."""
         assert self._context is not None and stream.replay_endpoint is not None
         if stream.replay is None:
             stream.replay = self._context.socket(zmq.DEALER)
             stream.replay.setsockopt(zmq.LINGER, 0)
+            stream.replay.setsockopt(zmq.SNDTIMEO, 0)
             stream.replay.connect(stream.replay_endpoint)
         socket = stream.replay
-        deadline = time.monotonic() + self._replay_timeout_s
+        timeout_s = self._replay_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         batches: dict[int, bytes] = {}
         try:
             socket.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
                 remaining_ms = int((deadline - time.monotonic()) * 1000)
                 if remaining_ms <= 0 or not socket.poll(remaining_ms):
-                    raise TimeoutError(f"no end marker within {self._replay_timeout_s} s")
+                    raise TimeoutError(f"no end marker within {timeout_s} s")
                 frames = socket.recv_multipart()
                 if frames and frames[0] == b"":
                     frames = frames[1:]
@@ -379,7 +461,10 @@ class KVEventSubscriber:
                     return batches
                 batches[int.from_bytes(seq_frame, "big")] = payload
         except (TimeoutError, zmq.ZMQError) as exc:
-            logger.warning("KV events rank %d: replay from %d failed: %s", stream.rank, start, exc)
+            level = logging.DEBUG if quiet else logging.WARNING
+            logger.log(
+                level, "KV events rank %d: replay from %d failed: %s", stream.rank, start, exc
+            )
             # A late answer must not be read as the answer to the next request.
             socket.close(linger=0)
             stream.replay = None

@@ -112,17 +112,34 @@ def test_token_matching_when_registered_after_the_store_and_page_size_learnt() -
     recorder = Recorder()
     mirror = CacheMirror(recorder)  # page size learnt from block_size
     mirror.apply_events(0, [stored([1, 2], tokens=[5, 6, 7, 8])])
-    assert mirror.register_request("hit", [5, 6, 7, 8, 9]) == 2
+    assert mirror.register_request("hit", [5, 6, 7, 8, 9]) == 2  # the partial page never counts
     assert mirror.register_request("miss", [5, 6, 0, 0]) == 1
     assert mirror.register_request("cold", [1, 1]) == 0
-    assert mirror.cached_requests() == {"hit", "miss"}
-    mirror.apply_events(0, [stored([3], parent=1, tokens=[0, 0])])  # miss now fully cached
+    assert mirror.cached_requests() == {"hit"}  # "miss" is only partly cached: matching
+    mirror.apply_events(0, [stored([3], parent=1, tokens=[0, 0])])  # "miss" now fully cached
     assert mirror.request_blocks("miss") == {0: {3}}
     mirror.apply_events(0, [AllBlocksCleared()])
     assert sorted(recorder.evicted) == ["hit", "miss"]
     # "cold" was never cached: it stays registered and matches once its tokens are stored.
     mirror.apply_events(0, [stored([7], tokens=[1, 1])])
     assert mirror.request_blocks("cold") == {0: {7}}
+
+
+def test_a_partial_match_on_other_blocks_is_not_evicted_when_they_go() -> None:
+    # Registered before it is served, the request matches the shared prefix another request
+    # stored; that prefix is evicted before our request runs: no eviction, matching restarts.
+    recorder = Recorder()
+    mirror = CacheMirror(recorder, page_size=2)
+    mirror.apply_events(0, [stored([1, 2], tokens=[1, 1, 2, 2])])
+    assert mirror.register_request("r", [1, 1, 2, 2, 3, 3]) == 2
+    assert mirror.cached_requests() == set()
+    mirror.apply_events(0, [BlockRemoved([2, 1])])
+    assert recorder.evicted == []
+    # Now the request is served: the engine stores its whole prompt again.
+    mirror.apply_events(0, [stored([11, 12, 13], tokens=[1, 1, 2, 2, 3, 3])])
+    assert mirror.request_blocks("r") == {0: {13}}
+    mirror.apply_events(0, [BlockRemoved([13])])
+    assert recorder.evicted == ["r"]
 
 
 def test_token_matching_before_page_size_is_known() -> None:
