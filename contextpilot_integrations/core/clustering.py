@@ -12,9 +12,9 @@ Two builders, both returning one block order per context (a permutation of its b
   to ``cluster_limit`` contexts.
 * ``"frequency"`` -- a conditional frequency tree (the FP-tree construction of Han et al.,
   SIGMOD 2000, applied per group): all contexts start in one group; at each level every
-  context takes next the block that the most contexts of its current group hold (ties: more
-  tokens, then more frequent in the whole batch, then block order), and contexts that took
-  the same block form the child group;
+  context takes next the block whose sharing in its current group saves the most tokens
+  (``(contexts of the group holding it - 1) * tokens``; ties: more frequent in the whole batch,
+  then block order), and contexts that took the same block form the child group;
   a context whose best block is held by no other context of its group stops and appends its
   rest in retriever order. Vectorised per level: ``O(N * k * k log(N k))``, memory ``O(N k)``,
   so it scales to 100,000 contexts.
@@ -188,15 +188,15 @@ def _order_by_frequency(
         key = group[ctx[open_entries]] * n_blocks + block[open_entries]
         _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
         freq = counts[inverse]
-        # Per context, the entry with the largest (frequency in the group, tokens, frequency in
-        # the batch, -block index) goes next. Every key is the same for every context of the
-        # group, so contexts that hold the same top blocks all pick the same one.
+        # Per context, the entry with the largest (tokens saved by sharing it in the group,
+        # (frequency - 1) * tokens; frequency in the batch; -block index) goes next. Every key
+        # is the same for every context of the group, so contexts that hold the same top
+        # blocks all pick the same one.
         order = np.lexsort(
             (
                 -block[open_entries],
                 batch_freq[open_entries],
-                w[open_entries],
-                freq,
+                (freq - 1) * w[open_entries],
                 ctx[open_entries],
             )
         )

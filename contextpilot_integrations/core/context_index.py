@@ -201,10 +201,16 @@ class ContextIndex:
                 node, prefix, path, gained = stack.pop()
                 budget -= 1
                 in_prefix = set(prefix)
-                for block in reversed(blocks):
-                    child = node.children.get(block)
-                    if child is None or block in in_prefix:
-                        continue
+                children = node.children
+                if len(children) <= len(blocks) - len(prefix):
+                    candidates = [
+                        c for b, c in children.items() if b in weight and b not in in_prefix
+                    ]
+                else:
+                    candidates = [
+                        children[b] for b in blocks if b in children and b not in in_prefix
+                    ]
+                for child in candidates:
                     length = 0
                     gain = gained
                     for edge_block in child.blocks:
@@ -494,18 +500,15 @@ class ContextIndex:
         del self._nodes[child.node_id]
 
     def _enforce_bounds(self, keep: str) -> None:
-        def over() -> bool:
-            return (self.max_requests is not None and len(self._requests) > self.max_requests) or (
-                self.max_tokens is not None and self._tokens > self.max_tokens
-            )
-
-        while over() and len(self._requests) > 1:
+        max_requests, max_tokens = self.max_requests, self.max_tokens
+        while len(self._requests) > 1 and (
+            (max_requests is not None and len(self._requests) > max_requests)
+            or (max_tokens is not None and self._tokens > max_tokens)
+        ):
             oldest = next(iter(self._requests))
-            if oldest == keep:
+            if oldest == keep:  # only when ``keep`` was touched back to the front
                 self._requests.move_to_end(keep)
                 oldest = next(iter(self._requests))
-                if oldest == keep:
-                    break
             self._evict(oldest, by_lru=True)
             if self._on_evict is not None:
                 self._on_evict(oldest)
