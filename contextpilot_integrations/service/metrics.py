@@ -1,0 +1,167 @@
+"""Prometheus metrics of the index service (prometheus-client, text exposition format).
+
+Each service owns its :class:`~prometheus_client.CollectorRegistry` (no process-wide default
+registry: several services can live in one process, e.g. in tests). Counted as the service runs:
+
+- ``contextpilot_http_requests_total{endpoint, status}`` and
+  ``contextpilot_http_request_duration_seconds{endpoint}`` (histogram, seconds);
+- ``contextpilot_plans_total{kind}`` (``single``, ``batch``: plans made, a batch counts each);
+- ``contextpilot_evictions_total{source}``: requests dropped from the index, by who asked
+  (``api``, ``kv-events``, ``capacity``, ``ttl``, ``resync``);
+- ``contextpilot_sync_failures_total{kind}``: failures of the engine-sync path that were
+  absorbed (``engine_unreachable``, ``record``, ``resync_timeout``, ``snapshot``, ...);
+- ``contextpilot_usage_prompt_tokens_total`` / ``contextpilot_usage_cached_tokens_total``:
+  the engine's own ``usage`` figures reported back by clients (hit ratio = cached / prompt).
+
+Read from the live state at each scrape (no copy to keep in step):
+
+- ``contextpilot_index_{requests,nodes,tokens,height}`` gauges, the index size;
+- ``contextpilot_index_{inserts,evictions,lru_evictions,searches}_total`` counters;
+- ``contextpilot_conversations`` and the sync source's numeric counters as
+  ``contextpilot_sync_<name>`` gauges (per-rank lists get a ``rank`` label; the source's own
+  counters under ``contextpilot_sync_source_``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS_S = (
+    0.0002,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
+)
+"""Histogram buckets in seconds: a plan takes well under a millisecond, a batch seconds."""
+
+_INDEX_GAUGES = ("requests", "nodes", "tokens", "height")
+_INDEX_COUNTERS = ("inserts", "evictions", "lru_evictions", "searches")
+_NAME_CHARS = re.compile(r"[^a-zA-Z0-9_]")
+
+StatsSource = Callable[[], Mapping[str, Any]]
+"""Returns the service's stats dict (see ``IndexService.stats``)."""
+
+
+class ServiceMetrics:
+    """The service's registry and the metrics it updates.
+
+    Args:
+        stats: called at each scrape for the live figures (index, conversations, sync).
+    """
+
+    def __init__(self, stats: StatsSource) -> None:
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "contextpilot_http_requests",
+            "HTTP requests served, by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.http_latency = Histogram(
+            "contextpilot_http_request_duration_seconds",
+            "Time from request start to response end, seconds.",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.plans = Counter(
+            "contextpilot_plans",
+            "Plans made (a batch counts each of its requests).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.evictions = Counter(
+            "contextpilot_evictions",
+            "Requests evicted from the context index, by source.",
+            ["source"],
+            registry=self.registry,
+        )
+        self.sync_failures = Counter(
+            "contextpilot_sync_failures",
+            "Engine-sync failures absorbed without failing a request, by kind.",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "contextpilot_usage_prompt_tokens",
+            "Prompt tokens the engine reported for planned requests.",
+            registry=self.registry,
+        )
+        self.cached_tokens = Counter(
+            "contextpilot_usage_cached_tokens",
+            "Prompt tokens the engine served from its prefix cache (cached_tokens).",
+            registry=self.registry,
+        )
+        self.registry.register(_LiveStatsCollector(stats))
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text exposition of every metric and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _LiveStatsCollector(Collector):
+    def __init__(self, stats: StatsSource) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        index = stats.get("index", {})
+        for name in _INDEX_GAUGES:
+            if name in index:
+                yield GaugeMetricFamily(
+                    f"contextpilot_index_{name}", f"Context index {name}.", value=index[name]
+                )
+        for name in _INDEX_COUNTERS:
+            if name in index:
+                yield CounterMetricFamily(
+                    f"contextpilot_index_{name}", f"Context index {name}.", value=index[name]
+                )
+        conversations = stats.get("conversations", {})
+        if "conversations" in conversations:
+            yield GaugeMetricFamily(
+                "contextpilot_conversations",
+                "Conversations held for de-duplication.",
+                value=conversations["conversations"],
+            )
+        sync = {k: v for k, v in stats.get("sync", {}).items() if k != "failures"}
+        yield from _numeric_gauges("contextpilot_sync", sync)  # failures: a counter above
+
+
+def _numeric_gauges(prefix: str, values: Mapping[str, Any]) -> Iterator[Metric]:
+    """One gauge per numeric leaf of ``values`` (nested keys joined by ``_``)."""
+    for key, value in values.items():
+        name = f"{prefix}_{_NAME_CHARS.sub('_', str(key))}"
+        if isinstance(value, bool):
+            yield GaugeMetricFamily(name, f"Sync state {key}.", value=float(value))
+        elif isinstance(value, (int, float)):
+            yield GaugeMetricFamily(name, f"Sync counter {key}.", value=value)
+        elif isinstance(value, Mapping):
+            yield from _numeric_gauges(name, value)
+        elif isinstance(value, (list, tuple)):
+            family = GaugeMetricFamily(name, f"Sync counter {key}, per rank.", labels=["rank"])
+            for rank, item in enumerate(value):
+                if isinstance(item, (int, float)) and not isinstance(item, bool):
+                    family.add_metric([str(rank)], item)
+            yield family
