@@ -21,15 +21,15 @@ Figures:
 Measured on the team's 2-core machine while it was shared with other jobs (load 4-6; the p99
 figures mostly show that load), 3,000 requests after the warm-up, 1,004 tokens per block:
 
-==================================  ==========  ========  ==========  ============
-case                                median ms   target    p99 ms      tokens saved
-==================================  ==========  ========  ==========  ============
-whole blocks                        0.207-0.214  <= 0.2    0.5-8       29.4%
-whole blocks, ids+tokens given      0.067-0.073  <= 0.2    0.25-4      29.4%
-chunking, cache off                 0.85-0.98    <= 1      5-6         29.5%
-chunking, cache off, ids given      0.68-0.84    <= 1      1.6-6       29.5%
-chunking, cache on                  0.37-0.43    <= 1      0.9-1.1     29.5%
-==================================  ==========  ========  ==========  ============
+==============================  ===========  ======  =======  ============
+case                            median ms    target  p99 ms   tokens saved
+==============================  ===========  ======  =======  ============
+whole blocks                    0.207-0.214  <= 0.2  0.5-8    29.4%
+whole blocks, ids+tokens given  0.067-0.073  <= 0.2  0.25-4   29.4%
+chunking, cache off             0.85-0.98    <= 1    5-6      29.5%
+chunking, cache off, ids given  0.68-0.84    <= 1    1.6-6    29.5%
+chunking, cache on              0.37-0.43    <= 1    0.9-1.1  29.5%
+==============================  ===========  ======  =======  ============
 
 Half the whole-block time without ids is hashing and counting 60 KB of text, which
 ``ContextPilot.plan`` has already done (``PlannedBlock.block_id``/``tokens``): pass them.
