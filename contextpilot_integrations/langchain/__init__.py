@@ -1,0 +1,63 @@
+"""LangChain adapter: a drop-in retriever wrapper, prompt formatting, request ids, batches.
+
+Swap ``retriever`` for ``ContextPilotRetriever(base_retriever=retriever)``, format with
+:data:`format_documents`, prompt with :data:`CONTEXTPILOT_PROMPT`, wrap the model with
+:func:`with_request_id`::
+
+    chain = (
+        {"context": retriever | format_documents, "question": RunnablePassthrough()}
+        | CONTEXTPILOT_PROMPT
+        | with_request_id(llm)
+    )
+
+For batches planned jointly and sent in schedule order, start the chain with
+:class:`RAGInputs` instead of the dict. Install with ``pip install
+contextpilot-integrations[langchain]``; the framework types stay in this package.
+"""
+
+from .documents import METADATA_KEY, planned_documents, planned_entry
+from .prompts import (
+    CONTEXTPILOT_PROMPT,
+    ContextPilotChatPromptTemplate,
+    ContextPilotPromptValue,
+    RenderedContext,
+    contextpilot_prompt,
+    document_formatter,
+    format_documents,
+    render_context,
+)
+from .rag_inputs import RAGInputs
+from .request_ids import REQUEST_ID_FIELDS, RequestIdChatModel, schedule_order, with_request_id
+from .retriever import (
+    CONVERSATION_ID_KEY,
+    TENANT_KEY,
+    TURN_KEY,
+    VISIBLE_TURNS_KEY,
+    ContextPilotRetriever,
+    Planner,
+)
+
+__all__ = [
+    "CONTEXTPILOT_PROMPT",
+    "CONVERSATION_ID_KEY",
+    "METADATA_KEY",
+    "REQUEST_ID_FIELDS",
+    "TENANT_KEY",
+    "TURN_KEY",
+    "VISIBLE_TURNS_KEY",
+    "ContextPilotChatPromptTemplate",
+    "ContextPilotPromptValue",
+    "ContextPilotRetriever",
+    "Planner",
+    "RAGInputs",
+    "RenderedContext",
+    "RequestIdChatModel",
+    "contextpilot_prompt",
+    "document_formatter",
+    "format_documents",
+    "planned_documents",
+    "planned_entry",
+    "render_context",
+    "schedule_order",
+    "with_request_id",
+]

@@ -1,0 +1,235 @@
+"""Sending the plan's request id with the LLM call, and a batch's calls in scheduled order.
+
+The engine must receive the plan's ``rid`` so that its KV-cache events and evictions can be
+tied back to the request in the context index (DESIGN.md, "The flow of one request"). On the
+OpenAI-compatible APIs the id is a body field (``../shared/notes/engine-kv-events.md``, "Request
+ids"): SGLang reads ``rid`` (and ``session_id`` from 0.5.15), vLLM ``request_id`` and
+``session_id`` (echoed on its ``BlockStored`` events); openai-python sends such fields through
+``extra_body``, which ``ChatOpenAI`` forwards.
+
+Why a wrapper and not glue code or a callback: in an LCEL chain the only value that travels
+from the prompt step to the model step is the prompt value, and a callback cannot change a
+request body. So the request id rides on the prompt value: :data:`~.prompts.format_documents`
+returns a :class:`~.prompts.RenderedContext` (a ``str`` with the ``rid``), the prompt template
+returns a :class:`~.prompts.ContextPilotPromptValue` with it, and :func:`with_request_id` wraps
+the chat model so that each call gets ``extra_body={"rid": rid, "request_id": rid,
+"session_id": rid}`` merged over the model's own ``extra_body`` (the model's field or a
+``.bind(extra_body=...)``). A context variable was not used: LCEL runs each step, and each
+branch of a ``{...}`` map, in a copied context, so a value set by the retriever never reaches
+the model step. The wrapper opens no run of its own: traces show the model's run as before.
+
+``batch``/``abatch`` issue the calls in the order of the batch's schedule
+(``schedule_position``, set by ``ContextPilotRetriever.batch``) with at most
+``config["max_concurrency"]`` (or ``max_concurrency``) calls in flight, and return the results in
+input order. Inputs without a schedule position keep their input order, after the scheduled
+ones.
+
+Hosted APIs reject unknown body fields (OpenAI's answers HTTP 400): use ``fields=()`` there, or
+do not wrap the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any
+
+from langchain_core.runnables import (
+    Runnable,
+    RunnableBinding,
+    RunnableConfig,
+    RunnableSerializable,
+)
+from langchain_core.runnables.config import get_config_list, get_executor_for_config
+from pydantic import ConfigDict, field_validator
+
+from .prompts import ContextPilotPromptValue
+
+__all__ = ["REQUEST_ID_FIELDS", "RequestIdChatModel", "with_request_id"]
+
+REQUEST_ID_FIELDS = ("rid", "request_id", "session_id")
+"""Body fields that carry the request id by default (SGLang ``rid``; vLLM ``request_id``;
+``session_id`` for both, echoed on KV-cache events)."""
+
+
+class RequestIdChatModel(RunnableSerializable[Any, Any]):
+    """A chat model (any runnable taking a prompt value) that sends the plan's request id.
+
+    Args:
+        bound: the chat model (``ChatOpenAI``, a ``.bind(...)`` of it, or any runnable that
+            takes ``extra_body`` as a call keyword).
+        fields: body fields set to the request id (default :data:`REQUEST_ID_FIELDS`; ``()``
+            sends none).
+        max_concurrency: calls in flight in ``batch``/``abatch`` when the config sets none
+            (``None``: the executor's default).
+
+    An input that is not a :class:`~.prompts.ContextPilotPromptValue` with a ``rid`` is passed
+    through unchanged.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    bound: Runnable[Any, Any]
+    fields: tuple[str, ...] = REQUEST_ID_FIELDS
+    max_concurrency: int | None = None
+
+    @field_validator("fields")
+    @classmethod
+    def _check_fields(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"fields must be non-empty str, got {name!r}")
+        return value
+
+    @field_validator("max_concurrency")
+    @classmethod
+    def _check_concurrency(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"max_concurrency must be >= 1 or None, got {value}")
+        return value
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return False
+
+    @property
+    def InputType(self) -> Any:  # noqa: N802 (LangChain's name)
+        return self.bound.InputType
+
+    @property
+    def OutputType(self) -> Any:  # noqa: N802 (LangChain's name)
+        return self.bound.OutputType
+
+    # ------------------------------------------------------------------ one call
+    def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
+        return self.bound.invoke(input, config, **self.call_kwargs(input, kwargs))
+
+    async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
+        return await self.bound.ainvoke(input, config, **self.call_kwargs(input, kwargs))
+
+    def stream(
+        self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Iterator[Any]:
+        yield from self.bound.stream(input, config, **self.call_kwargs(input, kwargs))
+
+    async def astream(
+        self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        async for chunk in self.bound.astream(input, config, **self.call_kwargs(input, kwargs)):
+            yield chunk
+
+    def call_kwargs(self, input: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The call keywords for ``input``: ``kwargs`` plus the merged ``extra_body``."""
+        rid = input.rid if isinstance(input, ContextPilotPromptValue) else None
+        if rid is None or not self.fields:
+            return dict(kwargs)
+        extra_body = {
+            **_extra_body_of(self.bound),
+            **dict(kwargs.get("extra_body") or {}),
+            **dict.fromkeys(self.fields, rid),
+        }
+        return {**kwargs, "extra_body": extra_body}
+
+    # ------------------------------------------------------------------ a batch
+    def batch(
+        self,
+        inputs: list[Any],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Call the model for every input in schedule order; results in input order."""
+        if not inputs:
+            return []
+        configs = get_config_list(config, len(inputs))
+
+        def call(i: int) -> Any:
+            try:
+                return self.invoke(inputs[i], configs[i], **kwargs)
+            except Exception as exc:
+                if return_exceptions:
+                    return exc
+                raise
+
+        limit = configs[0].get("max_concurrency") or self.max_concurrency
+        with get_executor_for_config({"max_concurrency": limit}) as executor:
+            # A thread pool starts queued calls first in, first out: submission order is the
+            # order the engine receives them (exactly so with max_concurrency=1).
+            futures = {i: executor.submit(call, i) for i in schedule_order(inputs)}
+            return [futures[i].result() for i in range(len(inputs))]
+
+    async def abatch(
+        self,
+        inputs: list[Any],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """The async twin of :meth:`batch`."""
+        if not inputs:
+            return []
+        configs = get_config_list(config, len(inputs))
+        limit = configs[0].get("max_concurrency") or self.max_concurrency
+        gate: Any = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
+
+        async def call(i: int) -> Any:
+            async with gate:  # waiters are woken first in, first out
+                return await self.ainvoke(inputs[i], configs[i], **kwargs)
+
+        order = schedule_order(inputs)
+        tasks = {i: asyncio.ensure_future(call(i)) for i in order}
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        results = [tasks[i].exception() or tasks[i].result() for i in range(len(inputs))]
+        if not return_exceptions:
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+        return results
+
+
+def schedule_order(inputs: Sequence[Any]) -> list[int]:
+    """Input indices in the order to send them: by ``schedule_position``, then input order.
+
+    Returns:
+        A permutation of ``range(len(inputs))``.
+    """
+
+    def key(i: int) -> tuple[bool, int, int]:
+        position = getattr(inputs[i], "schedule_position", None)
+        return (position is None, position if position is not None else 0, i)
+
+    return sorted(range(len(inputs)), key=key)
+
+
+def with_request_id(
+    llm: Runnable[Any, Any],
+    *,
+    fields: Sequence[str] = REQUEST_ID_FIELDS,
+    max_concurrency: int | None = None,
+) -> RequestIdChatModel:
+    """Wrap a chat model so that each call sends the plan's request id (see the module doc).
+
+    Args:
+        llm: the chat model, e.g. ``ChatOpenAI(base_url=..., model=...)``.
+        fields: body fields to set to the request id (``()`` for none).
+        max_concurrency: default limit of calls in flight in ``batch``/``abatch``.
+
+    Raises:
+        TypeError: ``llm`` is not a runnable.
+    """
+    if not isinstance(llm, Runnable):
+        raise TypeError(f"llm must be a LangChain Runnable, got {type(llm).__name__}")
+    return RequestIdChatModel(bound=llm, fields=tuple(fields), max_concurrency=max_concurrency)
+
+
+def _extra_body_of(runnable: Runnable[Any, Any]) -> dict[str, Any]:
+    """The ``extra_body`` a call would send without ours: a binding's, else the model's field."""
+    while isinstance(runnable, RunnableBinding):
+        if "extra_body" in runnable.kwargs:
+            return dict(runnable.kwargs["extra_body"] or {})
+        runnable = runnable.bound
+    extra_body = getattr(runnable, "extra_body", None)
+    return dict(extra_body) if isinstance(extra_body, Mapping) else {}

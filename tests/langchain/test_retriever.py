@@ -1,0 +1,378 @@
+"""ContextPilotRetriever: copies in prompt order with a namespaced entry, pass-through of keywords
+and callbacks, conversations from run metadata, errors, and the awkward inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+from langchain_core.documents import Document
+from langchain_core.runnables import RunnableLambda
+from langchain_support import Bm25sRetriever, ListRetriever, RecordingPilot, RunRecorder
+from pydantic import ValidationError
+
+from contextpilot_integrations import ContextPilot, block_id
+from contextpilot_integrations.langchain import (
+    METADATA_KEY,
+    ContextPilotRetriever,
+    format_documents,
+)
+
+
+def entry(doc: Document) -> dict:
+    return doc.metadata[METADATA_KEY]
+
+
+def test_returns_copies_in_prompt_order_with_the_entry(topic_documents):
+    pilot = RecordingPilot()
+    base = Bm25sRetriever(documents=topic_documents, k=4)
+    retriever = ContextPilotRetriever(base_retriever=base, pilot=pilot)
+    inner = base.invoke("prefix cache eviction of requests")
+    docs = retriever.invoke("prefix cache eviction of requests")
+    plan = pilot.plans[-1]
+
+    assert [d.page_content for d in docs] == [b.text for b in plan.blocks]
+    assert sorted(d.page_content for d in docs) == sorted(d.page_content for d in inner)
+    for position, doc in enumerate(docs):
+        e = entry(doc)
+        assert e["rid"] == plan.rid
+        assert e["position"] == position and e["label"] == f"[Doc {position + 1}]"
+        assert e["original_rank"] == plan.order[position]
+        assert inner[e["original_rank"]].page_content == doc.page_content
+        assert e["block_id"] == block_id(doc.page_content)
+        assert e["replaced"] is False and e["sub_blocks_replaced"] is False
+        assert "original_page_content" not in e
+        assert doc.metadata["source"] == inner[e["original_rank"]].metadata["source"]
+        assert json.loads(json.dumps(e)) == e  # plain JSON, so tracers can record it
+    # The base retriever's own documents are untouched.
+    assert all(METADATA_KEY not in d.metadata for d in topic_documents)
+
+
+def test_second_request_sharing_blocks_is_aligned_to_the_first(topic_documents):
+    pilot = ContextPilot()
+    retriever = ContextPilotRetriever(
+        base_retriever=Bm25sRetriever(documents=topic_documents, k=3), pilot=pilot
+    )
+    first = retriever.invoke("prefix cache requests share the start")
+    second = retriever.invoke("requests sharing a prefix raise the cache hit ratio")
+    shared = {d.page_content for d in first} & {d.page_content for d in second}
+    assert shared, "the two queries were chosen to share documents"
+    assert entry(second[0])["matched_prefix_blocks"] >= 1
+    # The shared documents lead the second prompt, in the first prompt's order.
+    lead = [d.page_content for d in second[: len(shared)]]
+    assert lead == [d.page_content for d in first if d.page_content in shared][: len(lead)]
+
+
+def test_keywords_and_k_pass_through_to_the_base_retriever(topic_documents):
+    base = Bm25sRetriever(documents=topic_documents, k=5)
+    retriever = ContextPilotRetriever(base_retriever=base)
+    assert len(retriever.invoke("cache", k=2)) == 2
+    assert len(retriever.invoke("cache")) == 5
+    assert len(ContextPilotRetriever(base_retriever=base, k=3).invoke("cache")) == 3
+
+    recording = ListRetriever(results={"q": topic_documents[:3]})
+    ContextPilotRetriever(base_retriever=recording).invoke("q", filter={"source": "x"}, k=7)
+    assert recording.calls == [{"query": "q", "filter": {"source": "x"}, "k": 7}]
+
+
+def test_inner_run_is_nested_under_the_wrapper_run(topic_documents):
+    base = Bm25sRetriever(documents=topic_documents, k=3)
+    retriever = ContextPilotRetriever(base_retriever=base)
+
+    def check(recorder: RunRecorder, calls: int) -> None:
+        runs = [r for r in recorder.runs if r[0] == "retriever"]
+        assert len(runs) == 2 * calls
+        outer = {r[2] for r in runs if r[1] == "ContextPilotRetriever"}
+        inner = [r for r in runs if r[1] == "Bm25sRetriever"]
+        assert len(outer) == calls and len(inner) == calls
+        assert {r[3] for r in inner} == outer  # each inner run's parent is a wrapper run
+
+    recorder = RunRecorder()
+    retriever.invoke("cache", config={"callbacks": [recorder]})
+    check(recorder, 1)
+    recorder = RunRecorder()
+    asyncio.run(retriever.ainvoke("cache", config={"callbacks": [recorder]}))
+    check(recorder, 1)
+    recorder = RunRecorder()
+    retriever.batch(["cache", "bm25 ranking", "tokenizer"], config={"callbacks": [recorder]})
+    check(recorder, 3)
+    recorder = RunRecorder()
+    asyncio.run(retriever.abatch(["cache", "bm25"], config={"callbacks": [recorder]}))
+    check(recorder, 2)
+
+
+def test_conversation_from_metadata_replaces_repeated_blocks_with_hints(topic_documents):
+    pilot = RecordingPilot()
+    retriever = ContextPilotRetriever(
+        base_retriever=ListRetriever(
+            results={"turn 1": topic_documents[:3], "turn 2": topic_documents[1:5]}
+        ),
+        pilot=pilot,
+    )
+    meta = {"contextpilot_conversation_id": "c1", "contextpilot_tenant": "acme"}
+    retriever.invoke("turn 1", config={"metadata": meta})
+    docs = retriever.invoke("turn 2", config={"metadata": meta})
+    plan = pilot.plans[-1]
+    assert plan.conversation_id == "c1" and plan.tenant == "acme" and plan.turn == 2
+
+    replaced = [d for d in docs if entry(d)["replaced"]]
+    shown = [d for d in docs if not entry(d)["replaced"]]
+    assert len(replaced) == 2  # documents 1 and 2 were shown in turn 1
+    assert docs[-len(replaced) :] == replaced  # hints come after the shown blocks
+    for doc in replaced:
+        e = entry(doc)
+        assert doc.page_content == e["hint"] == plan.replaced[e["original_rank"]]
+        assert "turn 1" in doc.page_content
+        assert e["original_page_content"] == topic_documents[1 + e["original_rank"]].page_content
+        assert e["position"] is None and e["label"] is None
+        assert (e["conversation_id"], e["tenant"], e["turn"]) == ("c1", "acme", 2)
+    assert {d.page_content for d in shown} == {d.page_content for d in topic_documents[3:5]}
+    # Lossless: every input document is shown, or replaced with its text kept.
+    kept = {d.page_content for d in shown} | {entry(d)["original_page_content"] for d in replaced}
+    assert kept == {d.page_content for d in topic_documents[1:5]}
+
+
+def test_no_conversation_other_conversation_or_tenant_never_deduplicates(topic_documents):
+    retriever = ContextPilotRetriever(
+        base_retriever=ListRetriever(results={"a": topic_documents[:3], "b": topic_documents[:3]})
+    )
+
+    def replaced(query: str, metadata: dict) -> int:
+        docs = retriever.invoke(query, config={"metadata": metadata})
+        return sum(entry(d)["replaced"] for d in docs)
+
+    retriever.invoke("a", config={"metadata": {"contextpilot_conversation_id": "c1"}})
+    assert replaced("b", {}) == 0
+    assert replaced("b", {"contextpilot_conversation_id": "c2"}) == 0
+    assert replaced("b", {"contextpilot_conversation_id": "c1", "contextpilot_tenant": "t"}) == 0
+    assert replaced("b", {"contextpilot_conversation_id": "c1"}) == 3
+
+
+def test_thread_id_is_read_only_when_opted_in(topic_documents):
+    base = ListRetriever(results={"a": topic_documents[:3]})
+    config = {"metadata": {"thread_id": "t1", "user_id": "u1"}}
+    default = ContextPilotRetriever(base_retriever=base)
+    default.invoke("a", config=config)
+    assert not any(entry(d)["replaced"] for d in default.invoke("a", config=config))
+
+    opted = ContextPilotRetriever(
+        base_retriever=base, conversation_id_keys=("thread_id",), tenant_keys=("user_id",)
+    )
+    opted.invoke("a", config=config)
+    docs = opted.invoke("a", config=config)
+    assert all(entry(d)["replaced"] for d in docs)
+    assert entry(docs[0])["tenant"] == "u1"
+
+
+def test_turn_and_visible_turns_from_metadata(topic_documents):
+    retriever = ContextPilotRetriever(
+        base_retriever=ListRetriever(
+            results={"x": topic_documents[:2], "y": topic_documents[4:6], "z": topic_documents[:2]}
+        )
+    )
+    meta = {"contextpilot_conversation_id": "c"}
+    retriever.invoke("x", config={"metadata": meta})
+    retriever.invoke("y", config={"metadata": meta})
+    # The app keeps only the last turn in its prompt: turn 1's blocks must not be pointed at.
+    docs = retriever.invoke("z", config={"metadata": {**meta, "contextpilot_visible_turns": 1}})
+    assert not any(entry(d)["replaced"] for d in docs)
+    assert entry(docs[0])["turn"] == 3
+    # Retrying turn 3 with all turns visible: turn 1's blocks are pointed at.
+    docs = retriever.invoke("z", config={"metadata": {**meta, "contextpilot_turn": 3}})
+    assert all(entry(d)["replaced"] for d in docs) and entry(docs[0])["turn"] == 3
+
+
+@pytest.mark.parametrize(
+    ("metadata", "error", "names"),
+    [
+        ({"contextpilot_conversation_id": 3.5}, TypeError, "contextpilot_conversation_id"),
+        ({"contextpilot_conversation_id": ""}, ValueError, "contextpilot_conversation_id"),
+        (
+            {"contextpilot_conversation_id": "c", "contextpilot_tenant": ["x"]},
+            TypeError,
+            "contextpilot_tenant",
+        ),
+        (
+            {"contextpilot_conversation_id": "c", "contextpilot_turn": "2"},
+            TypeError,
+            "contextpilot_turn",
+        ),
+        (
+            {"contextpilot_conversation_id": "c", "contextpilot_visible_turns": -1},
+            ValueError,
+            "contextpilot_visible_turns",
+        ),
+        ({"contextpilot_turn": 2}, ValueError, "needs a conversation id"),
+    ],
+)
+def test_bad_metadata_values_get_errors_naming_the_key(topic_documents, metadata, error, names):
+    retriever = ContextPilotRetriever(base_retriever=ListRetriever(results={"q": topic_documents}))
+    with pytest.raises(error, match=names):
+        retriever.invoke("q", config={"metadata": metadata})
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_inner_retriever_raising_reaches_the_caller_unchanged(topic_documents):
+    failure = Boom("index offline")
+
+    def fail(query: str) -> list[Document]:
+        raise failure
+
+    retriever = ContextPilotRetriever(base_retriever=RunnableLambda(fail))
+    recorder = RunRecorder()
+    with pytest.raises(Boom) as caught:
+        retriever.invoke("q", config={"callbacks": [recorder]})
+    assert caught.value is failure and failure in recorder.errors
+    with pytest.raises(Boom) as caught:
+        asyncio.run(retriever.ainvoke("q"))
+    assert caught.value is failure
+    with pytest.raises(Boom) as caught:
+        retriever.batch(["q", "r"])
+    assert caught.value is failure
+    with pytest.raises(Boom) as caught:
+        asyncio.run(retriever.abatch(["q"]))
+    assert caught.value is failure
+
+
+def test_batch_with_return_exceptions_plans_the_others(topic_documents):
+    pilot = RecordingPilot()
+    base = ListRetriever(results={"a": topic_documents[:3], "b": topic_documents[2:5]})
+    retriever = ContextPilotRetriever(base_retriever=base, pilot=pilot)
+    out = retriever.batch(["a", "missing", "b"], return_exceptions=True)
+    assert isinstance(out[1], KeyError)
+    assert [len(out[0]), len(out[2])] == [3, 3]
+    assert len(pilot.batches) == 1 and len(pilot.batches[0].plans) == 2
+    positions = sorted(entry(out[i][0])["schedule_position"] for i in (0, 2))
+    assert positions == [0, 1]
+
+
+def test_empty_results(topic_documents):
+    pilot = RecordingPilot()
+    retriever = ContextPilotRetriever(base_retriever=ListRetriever(results={"q": []}), pilot=pilot)
+    assert retriever.invoke("q") == []
+    assert asyncio.run(retriever.ainvoke("q")) == []
+    assert retriever.batch(["q", "q"]) == [[], []]
+    assert format_documents.invoke([]) == ""
+    assert all(p.blocks == [] for p in pilot.plans)
+
+
+def test_documents_without_ids_get_stable_block_ids_from_their_text(topic_documents):
+    base = Bm25sRetriever(documents=topic_documents, k=4)
+    first = ContextPilotRetriever(base_retriever=base).invoke("cache prefix")
+    again = ContextPilotRetriever(base_retriever=base).invoke("cache prefix")
+    assert all(d.id is None for d in first)
+    assert {entry(d)["block_id"] for d in first} == {entry(d)["block_id"] for d in again}
+    assert all(entry(d)["block_id"] == block_id(d.page_content) for d in first)
+    # Framework ids are kept, for reporting only: the same text under another id is one block.
+    with_ids = [d.model_copy(update={"id": f"id-{i}"}) for i, d in enumerate(first)]
+    docs = ContextPilotRetriever(base_retriever=ListRetriever(results={"q": with_ids})).invoke("q")
+    assert {d.id for d in docs} == {d.id for d in with_ids}
+    assert {entry(d)["block_id"] for d in docs} == {entry(d)["block_id"] for d in first}
+
+
+def test_duplicate_documents_in_one_result_are_folded_not_lost(topic_documents):
+    a, b, c = topic_documents[:3]
+    dup = Document(page_content=a.page_content, metadata={"source": "mirror"}, id="other")
+    retriever = ContextPilotRetriever(base_retriever=ListRetriever(results={"q": [a, b, dup, c]}))
+    docs = retriever.invoke("q")
+    assert sorted(d.page_content for d in docs) == sorted(x.page_content for x in (a, b, c))
+    first = next(d for d in docs if d.page_content == a.page_content)
+    assert entry(first)["original_rank"] == 0 and entry(first)["duplicate_ranks"] == [2]
+
+
+def test_metadata_that_is_not_json_serialisable_is_kept_as_is(topic_documents):
+    lock = threading.Lock()
+    odd = {"lock": lock, "tags": {"a", "b"}, "callback": print}
+    doc = Document(page_content="a block with odd metadata", metadata=odd)
+    retriever = ContextPilotRetriever(base_retriever=ListRetriever(results={"q": [doc]}))
+    (out,) = retriever.invoke("q")
+    assert out.metadata["lock"] is lock and out.metadata["callback"] is print
+    assert out.metadata["tags"] == {"a", "b"}
+    assert METADATA_KEY not in doc.metadata
+    json.dumps(entry(out))
+    assert retriever.batch(["q"])[0][0].metadata["lock"] is lock
+
+
+def test_bad_results_and_bad_arguments_get_clear_errors(topic_documents):
+    empty = Document(page_content="   ", id="blank")
+    retriever = ContextPilotRetriever(
+        base_retriever=ListRetriever(results={"q": [topic_documents[0], empty]})
+    )
+    with pytest.raises(ValueError, match=r"result \[1\] \(id='blank'\) has empty page_content"):
+        retriever.invoke("q")
+    not_docs = ContextPilotRetriever(base_retriever=RunnableLambda(lambda q: ["text"]))
+    with pytest.raises(TypeError, match=r"result \[0\] must be a Document, got str"):
+        not_docs.invoke("q")
+    not_list = ContextPilotRetriever(base_retriever=RunnableLambda(lambda q: "text"))
+    with pytest.raises(TypeError, match="must return a list of Document, got str"):
+        not_list.invoke("q")
+    with pytest.raises(TypeError, match="pilot must have plan"):
+        ContextPilotRetriever(base_retriever=RunnableLambda(lambda q: []), pilot=object())
+    with pytest.raises(ValidationError, match="k must be >= 1"):
+        ContextPilotRetriever(base_retriever=RunnableLambda(lambda q: []), k=0)
+    with pytest.raises(TypeError, match="query must be a str"):
+        ContextPilotRetriever(base_retriever=RunnableLambda(lambda q: [])).invoke(3)  # type: ignore[arg-type]
+
+
+def test_batch_rejects_one_conversation_twice_and_per_turn_settings(topic_documents):
+    retriever = ContextPilotRetriever(
+        base_retriever=ListRetriever(results={"a": topic_documents[:2], "b": topic_documents[2:4]})
+    )
+    meta = {"metadata": {"contextpilot_conversation_id": "c"}}
+    with pytest.raises(ValueError, match="appears twice in one batch"):
+        retriever.batch(["a", "b"], config=[meta, meta])
+    turn = {"metadata": {"contextpilot_conversation_id": "d", "contextpilot_turn": 2}}
+    with pytest.raises(ValueError, match="contextpilot_turn=2 is not supported by batch"):
+        retriever.batch(["a"], config=[turn])
+    # Different conversations in one batch are fine.
+    other = {"metadata": {"contextpilot_conversation_id": "e"}}
+    out = retriever.batch(["a", "b"], config=[meta, other])
+    assert [entry(docs[0])["conversation_id"] for docs in out] == ["c", "e"]
+
+
+def test_async_and_batch_paths_give_the_same_documents_as_sync(
+    multihop_documents, multihop_questions
+):
+    questions = multihop_questions[:12]
+    base = Bm25sRetriever(documents=multihop_documents, k=5)
+
+    def run(mode: str) -> list[list[Document]]:
+        retriever = ContextPilotRetriever(base_retriever=base, pilot=ContextPilot())
+        if mode == "invoke":
+            return [retriever.invoke(q) for q in questions]
+        if mode == "ainvoke":
+
+            async def all_() -> list[list[Document]]:
+                return [await retriever.ainvoke(q) for q in questions]
+
+            return asyncio.run(all_())
+        if mode == "batch":
+            return retriever.batch(questions)
+        return asyncio.run(retriever.abatch(questions))
+
+    def strip(results: list[list[Document]]) -> list[list[tuple]]:
+        return [
+            [
+                (d.page_content, d.metadata["title"], entry(d)["original_rank"], entry(d)["label"])
+                for d in docs
+            ]
+            for docs in results
+        ]
+
+    sync, async_ = run("invoke"), run("ainvoke")
+    assert strip(sync) == strip(async_)  # same index state, same order
+    batch, abatch = run("batch"), run("abatch")
+    assert strip(batch) == strip(abatch)
+    # Joint planning may order a request's documents differently; the documents are the same.
+    assert [sorted(d.page_content for d in docs) for docs in batch] == [
+        sorted(d.page_content for d in docs) for docs in sync
+    ]
+    inner = [base.invoke(q) for q in questions]
+    assert [sorted(d.page_content for d in docs) for docs in inner] == [
+        sorted(d.page_content for d in docs) for docs in sync
+    ]
