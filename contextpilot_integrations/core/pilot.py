@@ -508,13 +508,11 @@ class ContextPilot:
         for p, decision in zip(ordered, dedup.blocks):
             rank = request.ranks[p]
             if decision.text is None:
-                assert decision.hint is not None and decision.source is not None
+                assert decision.hint is not None
                 replaced[rank] = decision.hint
-                labels[rank] = self.deduplicator.wording.where(
-                    decision.source, dedup.turn if dedup.turn is not None else 0
-                )
+                labels[rank] = decision.reference
                 continue
-            labels[rank] = self.layout.label(len(planned))
+            labels[rank] = decision.reference
             planned.append(
                 PlannedBlock(
                     text=request.texts[p],
