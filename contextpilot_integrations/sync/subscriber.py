@@ -22,9 +22,11 @@ Sequence tracking, per rank:
   longer holds the whole range, ``on_resync(rank)`` is called (the receiver forgets what it
   believes cached on that rank), then the contiguous tail the replay did return is applied;
 - seq < expected: the publisher restarted (a new engine process, empty cache): ``on_resync``
-  then the first-message rule. (A restart that is only noticed once the new stream has passed
-  the old sequence number looks like a gap; SGLang's first batch after start holds
-  ``AllBlocksCleared``, which the repair replays, so the mirror still ends up right.)
+  then the first-message rule;
+- after the SUB socket reconnects (a ZMQ socket monitor reports it), the new stream may have
+  passed the old sequence number already, which seq alone cannot tell from a gap. So the
+  replay socket is asked for batch ``expected - 1``: the same publisher returns the very
+  payload last applied; anything else is a restart, handled as above.
 
 - idle: when a rank has been silent for ``idle_probe_interval_s``, the replay socket is asked
   for anything from the expected seq on. This finds a lost *last* message (no later message
@@ -49,6 +51,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from contextpilot_integrations.sync.kv_events import (
     KVEventBatch,
@@ -112,6 +115,10 @@ class _RankStream:
         self.replay: zmq.Socket | None = None
         self.next_probe = 0.0
         self.probe_backoff_s = 0.0
+        self.monitor: zmq.Socket | None = None
+        self.connected = False
+        self.suspect = False  # reconnected: the publisher may be a new process
+        self.last_payload: bytes | None = None
 
 
 class KVEventSubscriber:
@@ -197,6 +204,8 @@ class KVEventSubscriber:
             "probes": 0,
             "resyncs": 0,
             "restarts": 0,
+            "connects": 0,
+            "disconnects": 0,
             "malformed": 0,
             "handler_errors": 0,
         }
@@ -258,11 +267,13 @@ class KVEventSubscriber:
         self.stop()
 
     def stats(self) -> dict[str, Any]:
-        """Counters (received, applied, replayed, gaps, repaired, resyncs, restarts,
-        malformed, handler_errors, unknown_events) and ``expected_seq`` per rank."""
+        """Counters (received, applied, replayed, gaps, repaired, probes, resyncs, restarts,
+        connects, disconnects, malformed, handler_errors, unknown_events), and per rank
+        ``expected_seq`` and ``connected`` (whether the SUB socket is connected now)."""
         out: dict[str, Any] = dict(self._counters)
         out["unknown_events"] = self._decoder.unknown_events
         out["expected_seq"] = [stream.expected for stream in self._streams]
+        out["connected"] = [stream.connected for stream in self._streams]
         return out
 
     # ----------------------------------------------------------------------------------------
@@ -277,11 +288,15 @@ class KVEventSubscriber:
                 stream.sub = context.socket(zmq.SUB)
                 stream.sub.setsockopt(zmq.LINGER, 0)
                 stream.sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+                stream.monitor = stream.sub.get_monitor_socket(
+                    zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED
+                )
                 if self._bind:
                     stream.sub.bind(stream.endpoint)
                 else:
                     stream.sub.connect(stream.endpoint)
                 poller.register(stream.sub, zmq.POLLIN)
+                poller.register(stream.monitor, zmq.POLLIN)
         except BaseException as exc:  # surfaced by start()
             self._start_error = exc
             self._close(context)
@@ -297,6 +312,8 @@ class KVEventSubscriber:
             while not self._stop.is_set():
                 ready = dict(poller.poll(self._poll_ms))
                 for stream in self._streams:
+                    if stream.monitor in ready:
+                        self._on_monitor(stream)
                     if stream.sub in ready:
                         self._drain(stream)
                         stream.next_probe = time.monotonic() + stream.probe_backoff_s
@@ -310,11 +327,38 @@ class KVEventSubscriber:
 
     def _close(self, context: zmq.Context) -> None:
         for stream in self._streams:
-            for socket in (stream.sub, stream.replay):
+            if stream.monitor is not None and stream.sub is not None:
+                stream.sub.disable_monitor()
+            for socket in (stream.monitor, stream.sub, stream.replay):
                 if socket is not None:
                     socket.close(linger=0)
-            stream.sub = stream.replay = None
+            stream.sub = stream.replay = stream.monitor = None
+            stream.connected = False
         context.term()
+
+    def _on_monitor(self, stream: _RankStream) -> None:
+        assert stream.monitor is not None
+        while True:
+            try:
+                event = recv_monitor_message(stream.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                self._counters["connects"] += 1
+                stream.connected = True
+                if stream.expected is not None:
+                    stream.suspect = True
+                    # Probe soon: a restarted engine may have nothing more to publish.
+                    stream.next_probe = time.monotonic() + 0.2
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._counters["disconnects"] += 1
+                stream.connected = False
+                logger.warning(
+                    "KV events rank %d: disconnected from %s; requests go on, cache state "
+                    "follows again once the engine is back",
+                    stream.rank,
+                    stream.endpoint,
+                )
 
     def _drain(self, stream: _RankStream) -> None:
         assert stream.sub is not None
@@ -331,6 +375,8 @@ class KVEventSubscriber:
         if seq is None:
             self._count_malformed(stream, f"{len(frames)} frames / bad sequence frame")
             return
+        if stream.suspect:
+            self._check_same_publisher(stream)
         if stream.expected is None:
             self._join(stream, seq)
         elif seq > stream.expected:
@@ -353,6 +399,28 @@ class KVEventSubscriber:
             self._resync(stream)
             self._join(stream, seq)
         self._apply(stream, seq, frames[2])
+
+    def _check_same_publisher(self, stream: _RankStream) -> None:
+        """After a reconnect: compare the publisher's batch ``expected - 1`` with the payload
+        last applied; on a mismatch the publisher restarted (resync, then join afresh)."""
+        stream.suspect = False
+        if stream.expected is None or stream.expected == 0 or stream.replay_endpoint is None:
+            return
+        last = stream.expected - 1
+        replayed = self._request_replay(stream, last)
+        if replayed is None:
+            return  # cannot tell; the seq rules still apply
+        if replayed.get(last) == stream.last_payload:
+            return
+        self._counters["restarts"] += 1
+        logger.warning(
+            "KV events rank %d: batch %d differs after reconnecting: publisher restarted",
+            stream.rank,
+            last,
+        )
+        self._resync(stream)
+        stream.expected = None
+        stream.last_payload = None
 
     def _join(self, stream: _RankStream, seq: int) -> None:
         """First message of a stream: batches 0 .. seq - 1 were missed."""
@@ -389,6 +457,8 @@ class KVEventSubscriber:
         """Ask the replay socket for batches from the expected seq after a silence."""
         assert self._idle_probe_s is not None
         self._counters["probes"] += 1
+        if stream.suspect:
+            self._check_same_publisher(stream)
         start = stream.expected or 0
         timeout_s = min(self._replay_timeout_s, 0.5)
         replayed = self._request_replay(stream, start, timeout_s=timeout_s, quiet=True)
@@ -482,6 +552,7 @@ class KVEventSubscriber:
 
     def _apply(self, stream: _RankStream, seq: int, payload: bytes) -> None:
         stream.expected = seq + 1
+        stream.last_payload = payload
         try:
             batch = self._decoder.decode(payload)
         except MalformedEventBatchError as exc:

@@ -291,3 +291,42 @@ def test_start_stop_and_bad_arguments() -> None:
     assert rank_endpoint("inproc://cache", 1) == "inproc://cache_dp1"
     with pytest.raises(Exception):  # noqa: B017 - zmq rejects the address
         KVEventSubscriber("nonsense://x").start()
+
+
+def test_a_lost_last_message_is_found_by_the_idle_probe(endpoints, wait_for) -> None:
+    pub_ep, replay_ep = endpoints()
+    mirror = CacheMirror()
+    with (
+        KVEventPublisher(pub_ep, replay_ep) as publisher,
+        KVEventSubscriber(
+            pub_ep, replay_ep, on_batch=mirror.apply_batch, idle_probe_interval_s=0.2
+        ) as subscriber,
+    ):
+        connected(subscriber, publisher)
+        publisher.publish(store(1))
+        publisher.publish(remove(1), drop=True)  # nothing follows to reveal the gap
+        wait_for(lambda: subscriber.stats()["probes"] > 0 and mirror.block_hashes(0) == set())
+    assert subscriber.stats()["resyncs"] == 0
+
+
+def test_a_restart_whose_new_stream_passed_the_old_seq_is_detected(endpoints, wait_for) -> None:
+    pub_ep, replay_ep = endpoints()
+    evicted: list[str] = []
+    mirror = CacheMirror(evicted.append)
+    with KVEventSubscriber(
+        pub_ep, replay_ep, on_batch=mirror.apply_batch, on_resync=mirror.resync
+    ) as subscriber:
+        with KVEventPublisher(pub_ep, replay_ep) as first:
+            connected(subscriber, first)
+            first.publish(store(1, session="old"))
+            wait_for(lambda: mirror.block_hashes(0) == {1})
+        old_expected = subscriber.stats()["expected_seq"][0]
+        with KVEventPublisher(pub_ep, replay_ep) as second:
+            second.publish(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+            for h in range(100, 100 + old_expected + 5):  # past the old sequence number
+                second.publish(store(h))
+            second.flush()
+            wait_for(lambda: 1 not in mirror.block_hashes(0), timeout_s=15)
+            expected = set(range(100, 100 + old_expected + 5))
+            wait_for(lambda: mirror.block_hashes(0) == expected)
+    assert evicted == ["old"] and subscriber.stats()["restarts"] == 1
