@@ -1,0 +1,75 @@
+"""LlamaIndex adapter: a node post-processor, prompt templates and request-id plumbing.
+
+Needs ``llama-index-core`` (0.14); ``ContextPilotOpenAILike`` also needs
+``llama-index-llms-openai-like`` and is imported on first use.
+
+Quick start::
+
+    from contextpilot_integrations.llama_index import (
+        ContextPilotNodePostprocessor, text_qa_template)
+
+    pp = ContextPilotNodePostprocessor()          # one shared context index
+    query_engine = index.as_query_engine(node_postprocessors=[pp],
+                                         text_qa_template=text_qa_template(pp))
+
+Chat (one conversation per chat engine; its second turn de-duplicates against the first)::
+
+    chat_pp = pp.for_conversation()               # or pp.for_conversation("id", tenant="t")
+    chat = index.as_chat_engine(chat_mode="condense_plus_context",
+                                node_postprocessors=[chat_pp],
+                                context_prompt=chat_context_template(chat_pp))
+
+Request ids: use ``ContextPilotOpenAILike`` (an ``OpenAILike``) as the LLM and each request
+carries its plan's rid (see :mod:`.request_ids`).
+"""
+
+from typing import Any
+
+from .plan_store import PlanStore, StoredPlan
+from .postprocessor import (
+    METADATA_KEYS,
+    STATUS_DUPLICATE,
+    STATUS_KEPT,
+    STATUS_NO_TEXT,
+    STATUS_REPLACED,
+    ContextPilotNodePostprocessor,
+    Planner,
+)
+from .prompts import DEFAULT_TURN_HEADER, PlanRenderer, chat_context_template, text_qa_template
+from .request_ids import (
+    DEFAULT_REQUEST_ID_FIELDS,
+    RID_METADATA_KEY,
+    arm_request,
+    request_id_kwargs,
+    take_request,
+)
+
+__all__ = [
+    "DEFAULT_REQUEST_ID_FIELDS",
+    "DEFAULT_TURN_HEADER",
+    "METADATA_KEYS",
+    "RID_METADATA_KEY",
+    "STATUS_DUPLICATE",
+    "STATUS_KEPT",
+    "STATUS_NO_TEXT",
+    "STATUS_REPLACED",
+    "ContextPilotNodePostprocessor",
+    "ContextPilotOpenAILike",
+    "PlanRenderer",
+    "PlanStore",
+    "Planner",
+    "StoredPlan",
+    "arm_request",
+    "chat_context_template",
+    "request_id_kwargs",
+    "take_request",
+    "text_qa_template",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ContextPilotOpenAILike":  # optional dependency, imported on first use
+        from .llms import ContextPilotOpenAILike
+
+        return ContextPilotOpenAILike
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,108 @@
+"""``ContextPilotOpenAILike``: an ``OpenAILike`` LLM that sends each plan's request id.
+
+Needs ``llama-index-llms-openai-like``. The mechanism is described in :mod:`.request_ids`: the
+post-processor (and the ContextPilot templates) arm the plan's rid in the caller's context;
+each ``chat``/``complete`` call (sync, async, streaming; the LlamaIndex entry points) takes it
+once, before the client's retries, and ``_get_model_kwargs`` merges
+``{field: rid for field in request_id_fields}`` into the request body's ``extra_body``, on top of
+any ``extra_body`` the user set in ``additional_kwargs``. Calls with no armed request are sent
+unchanged. Field names default to SGLang's ``rid``, vLLM's ``request_id`` and ``session_id``
+(both engines; ``../shared/notes/engine-kv-events.md``). An endpoint that rejects unknown body
+fields (the hosted OpenAI API) needs ``request_id_fields=()``, or the plain ``OpenAI`` class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+)
+from llama_index.core.bridge.pydantic import Field
+from llama_index.llms.openai_like import OpenAILike
+
+from .request_ids import DEFAULT_REQUEST_ID_FIELDS, request_id_fields, take_request
+
+__all__ = ["ContextPilotOpenAILike"]
+
+# Per-call keyword argument carrying the taken request's body fields from the public entry
+# point down to _get_model_kwargs (through LlamaIndex's and the client's retry wrappers).
+_REQUEST_KWARG = "contextpilot_request"
+
+
+class ContextPilotOpenAILike(OpenAILike):
+    """``OpenAILike`` that sends the armed ContextPilot request id with the next request.
+
+    Same constructor as ``OpenAILike`` (``model``, ``api_base``, ``api_key``,
+    ``is_chat_model``, ``context_window``, ``additional_kwargs``, ...), plus:
+
+    Args:
+        request_id_fields: body fields that carry the rid (default ``("rid", "request_id",
+            "session_id")``); ``()`` sends none.
+    """
+
+    request_id_fields: tuple[str, ...] = Field(
+        default=DEFAULT_REQUEST_ID_FIELDS,
+        description="Request body fields that carry the ContextPilot request id.",
+    )
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ContextPilotOpenAILike"
+
+    def _with_request(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if _REQUEST_KWARG in kwargs or not self.request_id_fields:
+            return kwargs
+        rid = take_request()
+        if rid is None:
+            return kwargs
+        return {**kwargs, _REQUEST_KWARG: request_id_fields(rid, self.request_id_fields)}
+
+    def _get_model_kwargs(self, **kwargs: Any) -> dict[str, Any]:
+        fields = kwargs.pop(_REQUEST_KWARG, None)
+        model_kwargs = super()._get_model_kwargs(**kwargs)
+        if fields:
+            model_kwargs["extra_body"] = {**(model_kwargs.get("extra_body") or {}), **fields}
+        return model_kwargs
+
+    # --- entry points: take the armed request once, then delegate --------------------------
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return super().chat(messages, **self._with_request(kwargs))
+
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        return super().stream_chat(messages, **self._with_request(kwargs))
+
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return super().complete(prompt, formatted=formatted, **self._with_request(kwargs))
+
+    def stream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseGen:
+        return super().stream_complete(prompt, formatted=formatted, **self._with_request(kwargs))
+
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return await super().achat(messages, **self._with_request(kwargs))
+
+    async def astream_chat(
+        self, messages: Sequence[ChatMessage], **kwargs: Any
+    ) -> ChatResponseAsyncGen:
+        return await super().astream_chat(messages, **self._with_request(kwargs))
+
+    async def acomplete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponse:
+        return await super().acomplete(prompt, formatted=formatted, **self._with_request(kwargs))
+
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        return await super().astream_complete(
+            prompt, formatted=formatted, **self._with_request(kwargs)
+        )

@@ -1,0 +1,224 @@
+"""Prompt templates that render a ContextPilot plan in the layout of DESIGN.md.
+
+``[system prompt][block 1]...[block n][location hints][order annotation][question]``: the
+blocks are the plan's, labelled by prompt position and rendered by the core's
+:class:`~contextpilot_integrations.core.rendering.PromptLayout` (the one rendering function
+every adapter uses); nothing request-specific comes before or inside them. The order annotation
+(ContextPilot paper, section 4.4) and the question come after the context.
+
+- :func:`text_qa_template` for query engines and response synthesizers
+  (``as_query_engine(text_qa_template=...)``, ``RetrieverQueryEngine.from_args(...)``,
+  ``get_response_synthesizer(text_qa_template=...)``). A completion model gets exactly
+  ``plan.prompt``; a chat model gets exactly ``plan.messages`` (system prompt, then one user
+  message with the blocks, hints, annotation and question).
+- :func:`chat_context_template` for ``condense_plus_context`` (and ``context``) chat engines:
+  the system message holds the system prompt, the context and the annotation; the engine adds
+  the chat history and the user's message after it.
+
+How a template finds the plan: LlamaIndex formats a template with the joined node texts
+(``context_str``) and the question only; the template looks the plan up in the
+post-processor's :class:`~.plan_store.PlanStore` by that text (see :mod:`.plan_store`). When no
+plan matches, it renders ``context_str`` as LlamaIndex gave it, after the system prompt: the
+prompt holds every node's text, just without labels and annotation. That happens when the
+response synthesizer splits the context into several chunks (``refine`` mode, or a context
+longer than the LLM's window), or when a node post-processor after ContextPilot changed the
+nodes; it is logged once per template.
+
+In a conversation, the context is the sections of the earlier turns still kept (each after a
+turn header, ``"Turn 1 documents:\\n"``), then this turn's section, so each turn's prompt
+starts with the previous turn's documents (a prefix-cache hit) and every location hint points
+to text that stands in the same prompt. A template records the section it rendered, so the next
+turn can show it. With the stock LlamaIndex templates nothing is recorded and nothing is
+de-duplicated across turns.
+
+Rendering a plan arms its request id (:mod:`.request_ids`) for the LLM call that follows.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.prompts import ChatPromptTemplate, PromptTemplate, SelectorPromptTemplate
+from llama_index.core.prompts.prompt_type import PromptType
+from llama_index.core.prompts.utils import is_chat_model
+
+from contextpilot_integrations.core.rendering import PromptLayout
+
+from .plan_store import PlanStore, StoredPlan
+from .postprocessor import ContextPilotNodePostprocessor
+from .request_ids import arm_request
+
+__all__ = [
+    "DEFAULT_TURN_HEADER",
+    "PlanRenderer",
+    "chat_context_template",
+    "text_qa_template",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TURN_HEADER = "Turn {turn} documents:\n"
+"""Line before each turn's documents in a conversation; the location hints name turns
+(``"[Doc 3] of turn 1"``). It ends with a newline and starts with a non-space character (the
+token boundary of :mod:`~contextpilot_integrations.core.rendering`)."""
+
+
+class PlanRenderer:
+    """Renders the plan behind a ``context_str`` (the callables the templates map variables to).
+
+    Args:
+        store: the post-processor's plan store.
+        layout: the layout used when no plan matches (a found plan renders with its own).
+        turn_header: ``str.format`` template with ``{turn}``, before each turn's section.
+
+    Raises:
+        ValueError: ``turn_header`` lacks ``{turn}``.
+    """
+
+    def __init__(
+        self, store: PlanStore, layout: PromptLayout, turn_header: str = DEFAULT_TURN_HEADER
+    ) -> None:
+        if "{turn}" not in turn_header:
+            raise ValueError(f"turn_header must contain {{turn}}, got {turn_header!r}")
+        self.store = store
+        self.layout = layout
+        self.turn_header = turn_header
+        self._warned = False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PlanRenderer:
+        # LlamaIndex deep-copies templates (``partial_format``); every copy must read the
+        # same store, so the renderer is shared, never copied.
+        return self
+
+    # --- the template variables ---------------------------------------------------------------
+    def system(self, **kwargs: Any) -> str:
+        """The chat form's system message: the layout's system prompt."""
+        stored = self._find(kwargs.get("context_str"), arm=False)
+        return (stored.plan.layout if stored else self.layout).system_prompt
+
+    def prompt_context(self, **kwargs: Any) -> str:
+        """Completion form: system prompt line, context, hints, annotation."""
+        stored = self._find(kwargs.get("context_str"))
+        layout = stored.plan.layout if stored else self.layout
+        return layout.system_segment() + self._context(stored, kwargs.get("context_str"))
+
+    def message_context(self, **kwargs: Any) -> str:
+        """Chat form's user message start: context, hints, annotation."""
+        return self._context(self._find(kwargs.get("context_str")), kwargs.get("context_str"))
+
+    def question(self, **kwargs: Any) -> str:
+        """The question line, after the context."""
+        stored = self._find(kwargs.get("context_str"), arm=False)
+        layout = stored.plan.layout if stored else self.layout
+        return layout.question_template.format(question=kwargs.get("query_str") or "")
+
+    # --- rendering ----------------------------------------------------------------------------
+    def render_context(self, stored: StoredPlan) -> str:
+        """Blocks (in a conversation: earlier sections, then this turn's), hints, annotation.
+
+        Records this turn's section in its conversation (see the module docstring).
+        """
+        plan = stored.plan
+        own = "".join(plan.segments[1:-1])
+        tail = plan.segments[-1]
+        question = plan.layout.question_template.format(question=plan.query)
+        if tail.endswith(question):
+            tail = tail[: len(tail) - len(question)]
+        if plan.conversation_id is None or plan.turn is None:
+            return own + tail
+        parts = [self.turn_header.format(turn=t) + text for t, text in stored.earlier_sections]
+        if own:
+            parts.append(self.turn_header.format(turn=plan.turn) + own)
+            self.store.record_section(plan.tenant, plan.conversation_id, plan.turn, own)
+        return "".join(parts) + tail
+
+    def _context(self, stored: StoredPlan | None, context_str: object) -> str:
+        if stored is not None:
+            return self.render_context(stored)
+        text = str(context_str or "").strip()
+        return f"{text}\n" if text else ""
+
+    def _find(self, context_str: object, *, arm: bool = True) -> StoredPlan | None:
+        text = str(context_str or "")
+        if not text.strip():
+            return None  # LlamaIndex sizing the empty template
+        stored = self.store.find(text)
+        if stored is None:
+            if not self._warned:
+                self._warned = True
+                logger.warning(
+                    "no ContextPilot plan matches the context given to the prompt template "
+                    "(%d characters); rendering it without labels and annotation. Usual causes: "
+                    "the context was split into several chunks (refine mode, or longer than the "
+                    "LLM context window), or a node post-processor after ContextPilot changed "
+                    "the nodes.",
+                    len(text),
+                )
+            return None
+        if arm:
+            arm_request(stored.plan.rid)
+        return stored
+
+
+def text_qa_template(
+    postprocessor: ContextPilotNodePostprocessor, *, turn_header: str = DEFAULT_TURN_HEADER
+) -> SelectorPromptTemplate:
+    """The question-answering template for query engines and response synthesizers.
+
+    Completion models get ``plan.prompt``; chat models (``llm.metadata.is_chat_model``) get
+    ``plan.messages``. Both are byte-identical over the blocks of requests that share them.
+
+    Args:
+        postprocessor: the post-processor whose plans it renders (any sibling from
+            ``for_conversation`` shares the store).
+        turn_header: see :data:`DEFAULT_TURN_HEADER`.
+
+    Raises:
+        TypeError: ``postprocessor`` is not a :class:`ContextPilotNodePostprocessor`.
+    """
+    renderer = _renderer(postprocessor, turn_header)
+    completion = PromptTemplate(
+        "{context_str}{query_str}",
+        prompt_type=PromptType.QUESTION_ANSWER,
+        function_mappings={"context_str": renderer.prompt_context, "query_str": renderer.question},
+    )
+    messages = [ChatMessage(role=MessageRole.USER, content="{context_str}{query_str}")]
+    mappings = {"context_str": renderer.message_context, "query_str": renderer.question}
+    if renderer.layout.system_prompt:
+        messages.insert(0, ChatMessage(role=MessageRole.SYSTEM, content="{contextpilot_system}"))
+        mappings["contextpilot_system"] = renderer.system
+    chat = ChatPromptTemplate(
+        message_templates=messages,
+        prompt_type=PromptType.QUESTION_ANSWER,
+        function_mappings=mappings,
+    )
+    return SelectorPromptTemplate(default_template=completion, conditionals=[(is_chat_model, chat)])
+
+
+def chat_context_template(
+    postprocessor: ContextPilotNodePostprocessor, *, turn_header: str = DEFAULT_TURN_HEADER
+) -> PromptTemplate:
+    """The context (system message) template for ``condense_plus_context``/``context`` chat
+    engines: system prompt, context (earlier turns' sections first), hints, annotation. Pass it
+    as ``context_prompt``; the engine appends its own ``system_prompt`` after it.
+
+    Raises:
+        TypeError: ``postprocessor`` is not a :class:`ContextPilotNodePostprocessor`.
+    """
+    renderer = _renderer(postprocessor, turn_header)
+    return PromptTemplate(
+        "{context_str}",
+        prompt_type=PromptType.CONVERSATION,
+        function_mappings={"context_str": renderer.prompt_context},
+    )
+
+
+def _renderer(postprocessor: object, turn_header: str) -> PlanRenderer:
+    if not isinstance(postprocessor, ContextPilotNodePostprocessor):
+        raise TypeError(
+            f"postprocessor must be a ContextPilotNodePostprocessor, got "
+            f"{type(postprocessor).__name__}"
+        )
+    return PlanRenderer(postprocessor.store, postprocessor.layout, turn_header)
