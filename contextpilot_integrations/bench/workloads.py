@@ -25,8 +25,13 @@ Built-in workloads (see ``shared/data/README.md`` for the files and their licenc
     ``contexts`` of all tasks of that ``Collection``, de-duplicated by ``document_id``
     (scope = collection; 1,152 passages in all).
 
-Other workloads (for example a multi-turn ``mtrag-conversations`` or a Mem0 LoCoMo workload) are
-added with :func:`register_workload`.
+``mtrag-conversations``
+    The same conversations, corpus and requests as ``mtrag``, each request also carrying the
+    agent's recorded answer to that user turn (``Request.answer``; ``None`` for a
+    conversation's last turn), for the multi-turn replay of
+    :mod:`contextpilot_integrations.bench.multiturn`, whose prompts hold the conversation so far.
+
+Other workloads (for example a Mem0 LoCoMo workload) are added with :func:`register_workload`.
 """
 
 from __future__ import annotations
@@ -84,12 +89,15 @@ class Request:
         query: the text used for retrieval and as the question in the prompt (non-empty).
         conversation_id: the conversation (or tenant) the request belongs to, or ``None``.
         scope: the retrieval scope; the request retrieves only documents of this scope.
+        answer: the reply the data records for this request, or ``None``; a multi-turn replay
+            shows it in the conversation history of the next turn.
     """
 
     id: str
     query: str
     conversation_id: str | None = None
     scope: str = ""
+    answer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -392,7 +400,7 @@ def _mtrag_collections(tasks: Sequence[dict[str, Any]]) -> dict[str, dict[str, s
     return collections
 
 
-def _load_mtrag(root: Path) -> Workload:
+def _load_mtrag(root: Path, *, name: str = "mtrag", answers: bool = False) -> Workload:
     tasks = _read_jsonl(root / _MTRAG_FILE)
     corpus = tuple(
         Document(id=doc_id, text=text, scope=collection)
@@ -402,23 +410,49 @@ def _load_mtrag(root: Path) -> Workload:
     requests: list[Request] = []
     for task in tasks:
         conv_id = str(task["conversation_id"])
-        user_turns = [m["text"] for m in task["input"] if m["speaker"] == "user"]
-        requests.extend(
-            Request(
-                id=f"{conv_id}::{i}",
-                query=text,
-                conversation_id=conv_id,
-                scope=str(task["Collection"]),
+        messages = task["input"]
+        number = 0
+        for position, message in enumerate(messages):
+            if message["speaker"] != "user":
+                continue
+            number += 1
+            reply = messages[position + 1] if position + 1 < len(messages) else None
+            answer = None
+            if answers and reply is not None and reply["speaker"] == "agent":
+                answer = str(reply["text"])
+            requests.append(
+                Request(
+                    id=f"{conv_id}::{number}",
+                    query=message["text"],
+                    conversation_id=conv_id,
+                    scope=str(task["Collection"]),
+                    answer=answer,
+                )
             )
-            for i, text in enumerate(user_turns, start=1)
-        )
-    return Workload("mtrag", corpus, tuple(requests))
+    return Workload(name, corpus, tuple(requests))
+
+
+def _load_mtrag_conversations(root: Path) -> Workload:
+    return _load_mtrag(root, name="mtrag-conversations", answers=True)
 
 
 register_workload(
     WorkloadSpec(
         name="mtrag",
         loader=_load_mtrag,
+        files=(_MTRAG_FILE,),
+        upstream=(
+            "github.com/IBM/mt-rag-benchmark@cc5b1d481b391181b89f7ced860308482e785463, "
+            "path mtragun-human/generation_tasks/reference.jsonl (Apache-2.0)"
+        ),
+    )
+)
+
+
+register_workload(
+    WorkloadSpec(
+        name="mtrag-conversations",
+        loader=_load_mtrag_conversations,
         files=(_MTRAG_FILE,),
         upstream=(
             "github.com/IBM/mt-rag-benchmark@cc5b1d481b391181b89f7ced860308482e785463, "
