@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,9 @@ class RecordedPrompt:
     prompt_tokens: int | None = None
 
 
+_CHAT_DEPTH: ContextVar[int] = ContextVar("prompt_recorder_chat_depth", default=0)
+
+
 class PromptRecorder(BaseEventHandler):
     """Records the prompts of every LLM call (LlamaIndex instrumentation), in call order.
 
@@ -190,12 +194,19 @@ class PromptRecorder(BaseEventHandler):
             return list(self._records)
 
     def handle(self, event: BaseEvent, **kwargs: Any) -> None:
-        if isinstance(event, LLMCompletionStartEvent):
-            self._add(RecordedPrompt(event.prompt))
-        elif isinstance(event, LLMChatStartEvent):
+        # A chat call that an LLM serves through its own completion call (MockLLM, completion
+        # models behind a chat interface) is one request: the inner completion is skipped.
+        if isinstance(event, LLMChatStartEvent):
+            _CHAT_DEPTH.set(_CHAT_DEPTH.get() + 1)
             text = "".join(f"{m.role.value}: {m.content}\n" for m in event.messages)
             self._add(RecordedPrompt(text))
-        elif isinstance(event, (LLMChatEndEvent, LLMCompletionEndEvent)):
+        elif isinstance(event, LLMCompletionStartEvent):
+            if not _CHAT_DEPTH.get():
+                self._add(RecordedPrompt(event.prompt))
+        elif isinstance(event, LLMChatEndEvent):
+            _CHAT_DEPTH.set(max(0, _CHAT_DEPTH.get() - 1))
+            self._usage(getattr(event.response, "raw", None))
+        elif isinstance(event, LLMCompletionEndEvent) and not _CHAT_DEPTH.get():
             self._usage(getattr(event.response, "raw", None))
 
     def _add(self, record: RecordedPrompt) -> None:
