@@ -1,0 +1,512 @@
+"""``ContextPilotMemory``: Mem0's ``Memory`` (and ``AsyncMemory``) with aligned, de-duplicated
+search results.
+
+Wrap a Mem0 memory and keep using it as before (one line changes)::
+
+    memory = ContextPilotMemory(Memory.from_config(config))
+    found = memory.search("what does Alice eat?", filters={"user_id": "alice"},
+                          conversation_id="chat-7")
+    for result in found["results"]:
+        result["memory"], result["score"], result["contextpilot"]
+
+``search`` has Mem0's signature and returns Mem0's shape, ``{"results": [...]}`` (every other
+key of Mem0's answer kept), with each memory dict as Mem0 returned it plus one key,
+``"contextpilot"`` (:data:`MARK_KEYS`). What changes is the order: the results come in the
+order the memories should be placed in the prompt (ContextPilot, MLSys 2026: memories that
+recent requests already placed first, in the same order, are put first, so the engine's prefix
+cache reuses their KV; the rest follow in Mem0's order). Mem0's relevance order is kept in
+``original_rank`` and in the order annotation of the rendered context. Memories already shown in
+an earlier turn of the same conversation (``conversation_id=``, else the ``run_id``,
+:mod:`.scope`) are marked with a location hint instead of being placed again.
+
+The results, in order:
+
+1. memories placed in the prompt, in prompt order (``position`` 0, 1, ...);
+2. memories replaced by a hint (their exact text stands in an earlier turn of this conversation
+   that the prompt still holds), in the order of their hints;
+3. repeats of a memory text already in this answer (``duplicate_of``), by original rank;
+4. memories with empty or whitespace-only text (never placed; Mem0 can return them), by rank.
+
+Nothing is dropped: every result Mem0 returned comes back once. Every other method (``add``,
+``get``, ``get_all``, ``update``, ``delete``, ``delete_all``, ``history``, ``reset``, ...) and
+attribute is the wrapped memory's own (attribute delegation). Errors Mem0 raises (bad filters,
+store unavailable) reach the caller unchanged: the search runs before any planning.
+
+A memory's text is its block text: its block id is the hash of the exact text, so a memory that
+Mem0 updates (``update``, or ``add`` with ``infer=True``) gets a new block id and is never
+de-duplicated against its old text.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from contextpilot_integrations.core.blocks import block_id
+from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.pilot import ContextPilot, Plan
+from contextpilot_integrations.mem0.layout import MEMORY_LAYOUT, memory_context
+from contextpilot_integrations.mem0.scope import MemoryScope, memory_scope
+
+__all__ = [
+    "MARK_KEY",
+    "MARK_KEYS",
+    "AsyncContextPilotMemory",
+    "ContextPilotMemory",
+    "MemorySearch",
+    "Planner",
+    "plan_search_results",
+]
+
+MARK_KEY = "contextpilot"
+"""The key added to every result dict."""
+
+MARK_KEYS = (
+    "original_rank",
+    "block_id",
+    "rid",
+    "position",
+    "label",
+    "hint",
+    "duplicate_of",
+    "rendered_text",
+)
+"""Keys of ``result["contextpilot"]``:
+
+- ``original_rank`` (int): 0-based rank in Mem0's answer (relevance order);
+- ``block_id`` (int | None): 64-bit id of the memory text; ``None`` for an empty text;
+- ``rid`` (str): the request id of the plan; send it with the LLM call;
+- ``position`` (int | None): 0-based position in the prompt; ``None`` when not placed;
+- ``label`` (str | None): the label the prompt shows (``"[Memory 2]"``); ``None`` when not placed;
+- ``hint`` (str | None): the location hint that replaces the memory (already shown earlier in
+  this conversation); ``None`` otherwise;
+- ``duplicate_of`` (int | None): ``original_rank`` of the result with the same text that is
+  placed or hinted instead; ``None`` otherwise;
+- ``rendered_text`` (str | None): the text as placed in the prompt (the memory text, or with a
+  passage shown earlier in the conversation replaced by a pointer); ``None`` when not placed.
+"""
+
+
+class Planner(Protocol):
+    """What the wrapper needs from ContextPilot: the in-process
+    :class:`~contextpilot_integrations.core.pilot.ContextPilot` or the service client."""
+
+    def plan(
+        self,
+        query: str,
+        blocks: Sequence[str],
+        *,
+        rid: str | None = None,
+        conversation_id: str | None = None,
+        tenant: str = "",
+        turn: int | None = None,
+        visibility: TurnVisibility | None = None,
+    ) -> Plan: ...
+
+
+@dataclass(frozen=True)
+class MemorySearch:
+    """One aligned search.
+
+    Attributes:
+        response: Mem0's answer with the results marked and in prompt order (what
+            ``search`` returns).
+        plan: the ContextPilot plan of the memories (``plan.rid``, ``plan.segments``).
+        scope: the tenant and conversation the search was de-duplicated in.
+    """
+
+    response: dict[str, Any]
+    plan: Plan
+    scope: MemoryScope
+
+    @property
+    def results(self) -> list[dict[str, Any]]:
+        """The marked results (``response["results"]``)."""
+        return self.response["results"]
+
+    @property
+    def context(self) -> str:
+        """The memory context: system prompt, placed memories, hints, order annotation (the
+        plan's prompt without the question), to put before the conversation's messages."""
+        return memory_context(self.plan)
+
+
+def _marked(result: Mapping[str, Any], **mark: Any) -> dict[str, Any]:
+    marked = dict(result)
+    marked[MARK_KEY] = {key: mark.get(key) for key in MARK_KEYS}
+    return marked
+
+
+def plan_search_results(
+    pilot: Planner,
+    query: str,
+    response: Mapping[str, Any],
+    filters: Mapping[str, Any] | None,
+    *,
+    conversation_id: str | None = None,
+    rid: str | None = None,
+    turn: int | None = None,
+    visibility: TurnVisibility | None = None,
+) -> MemorySearch:
+    """Align and de-duplicate one Mem0 search answer.
+
+    Args:
+        pilot: the planner (its index is shared by every request to the same engine).
+        query: the search query (the plan's question).
+        response: Mem0's answer, ``{"results": [{"memory": str, ...}, ...], ...}``.
+        filters: the search's filters (the scope, :func:`~.scope.memory_scope`).
+        conversation_id: the conversation (default: the filters' ``run_id``).
+        rid: the request id for the plan (default: a new one).
+        turn: the conversation turn (default: one after the latest).
+        visibility: which earlier turns the prompt still holds (default: all).
+
+    Returns:
+        The :class:`MemorySearch`; its ``response`` has every result exactly once (module
+        docstring for the order and the marks).
+
+    Raises:
+        TypeError: ``response`` is not a mapping with a ``"results"`` list of mappings, or a
+            bad ``filters`` / ``conversation_id``.
+        TypeError / ValueError: from the pilot, for a bad ``rid``, ``turn`` or ``visibility``.
+    """
+    if not isinstance(response, Mapping) or not isinstance(response.get("results"), list):
+        raise TypeError(
+            f"a Mem0 search answer must be a dict with a 'results' list, got {response!r:.200}"
+        )
+    results = response["results"]
+    texts: list[str] = []
+    ranks: list[int] = []  # Mem0 rank of each planned text
+    empty: list[int] = []
+    for rank, result in enumerate(results):
+        if not isinstance(result, Mapping):
+            raise TypeError(
+                f"Mem0 search results[{rank}] must be a dict, got {type(result).__name__}: "
+                f"{result!r:.200}"
+            )
+        text = result.get("memory")
+        if isinstance(text, str) and text.strip():
+            texts.append(text)
+            ranks.append(rank)
+        else:
+            empty.append(rank)
+    scope = memory_scope(filters, conversation_id)
+    plan = pilot.plan(
+        query,
+        texts,
+        rid=rid,
+        conversation_id=scope.conversation_id,
+        tenant=scope.tenant,
+        turn=turn,
+        visibility=visibility,
+    )
+    marked: list[dict[str, Any]] = []
+    for position, block in enumerate(plan.blocks):
+        rank = ranks[block.original_rank]
+        marked.append(
+            _marked(
+                results[rank],
+                original_rank=rank,
+                block_id=block.block_id,
+                rid=plan.rid,
+                position=position,
+                label=plan.layout.label(position),
+                rendered_text=block.rendered_text,
+            )
+        )
+    for index, hint in plan.replaced.items():
+        rank = ranks[index]
+        marked.append(
+            _marked(
+                results[rank],
+                original_rank=rank,
+                block_id=block_id(texts[index]),
+                rid=plan.rid,
+                hint=hint,
+            )
+        )
+    for index in sorted(plan.duplicates):
+        rank = ranks[index]
+        marked.append(
+            _marked(
+                results[rank],
+                original_rank=rank,
+                block_id=block_id(texts[index]),
+                rid=plan.rid,
+                duplicate_of=ranks[plan.duplicates[index]],
+            )
+        )
+    marked.extend(_marked(results[rank], original_rank=rank, rid=plan.rid) for rank in empty)
+    return MemorySearch({**response, "results": marked}, plan, scope)
+
+
+class _MemoryWrapper:
+    """Holds the wrapped memory and the planner; delegates every other attribute."""
+
+    def __init__(
+        self,
+        memory: Any,
+        *,
+        pilot: Planner | None = None,
+        visibility: TurnVisibility | None = None,
+    ) -> None:
+        search = getattr(memory, "search", None)
+        if not callable(search):
+            raise TypeError(
+                f"memory must be a Mem0 Memory or AsyncMemory (an object with search()), got "
+                f"{type(memory).__name__}"
+            )
+        if pilot is not None and not callable(getattr(pilot, "plan", None)):
+            raise TypeError(f"pilot must have a plan() method, got {type(pilot).__name__}")
+        if visibility is not None and not isinstance(visibility, TurnVisibility):
+            raise TypeError(
+                f"visibility must be a TurnVisibility or None, got {type(visibility).__name__}"
+            )
+        self._memory = memory
+        self._pilot: Planner = pilot if pilot is not None else ContextPilot(layout=MEMORY_LAYOUT)
+        self._visibility = visibility
+
+    @property
+    def memory(self) -> Any:
+        """The wrapped Mem0 memory."""
+        return self._memory
+
+    @property
+    def pilot(self) -> Planner:
+        """The planner (shared index, conversation store)."""
+        return self._pilot
+
+    def __getattr__(self, name: str) -> Any:
+        """Every attribute not defined here is the wrapped memory's (``add``, ``get_all``,
+        ``update``, ``delete``, ``history``, ``config``, ...)."""
+        memory = self.__dict__.get("_memory")
+        if memory is None or (name.startswith("__") and name.endswith("__")):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(memory, name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._memory!r})"
+
+
+class ContextPilotMemory(_MemoryWrapper):
+    """A Mem0 ``Memory`` whose ``search`` returns aligned, de-duplicated, marked results.
+
+    Args:
+        memory: a ``mem0.Memory`` (or any object with Mem0's synchronous ``search``).
+        pilot: the planner; default a new in-process
+            :class:`~contextpilot_integrations.core.pilot.ContextPilot` with
+            :data:`~contextpilot_integrations.mem0.layout.MEMORY_LAYOUT`. Give the same pilot
+            (or a service client) to every wrapper whose requests go to the same engine.
+        visibility: which earlier turns the application's prompt still holds (default: all);
+            a search can override it.
+
+    Raises:
+        TypeError: ``memory`` has no ``search``, or its ``search`` is a coroutine function
+            (use :class:`AsyncContextPilotMemory`); a bad ``pilot`` or ``visibility``.
+    """
+
+    def __init__(
+        self,
+        memory: Any,
+        *,
+        pilot: Planner | None = None,
+        visibility: TurnVisibility | None = None,
+    ) -> None:
+        super().__init__(memory, pilot=pilot, visibility=visibility)
+        if inspect.iscoroutinefunction(memory.search):
+            raise TypeError(
+                f"{type(memory).__name__}.search is async (mem0.AsyncMemory): wrap it with "
+                "AsyncContextPilotMemory"
+            )
+
+    def search(
+        self,
+        query: str,
+        *,
+        top_k: int = 20,
+        filters: dict[str, Any] | None = None,
+        threshold: float = 0.1,
+        rerank: bool = False,
+        explain: bool = False,
+        reference_date: Any | None = None,
+        show_expired: bool = False,
+        conversation_id: str | None = None,
+        rid: str | None = None,
+        turn: int | None = None,
+        visibility: TurnVisibility | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """Mem0's ``search``, aligned and de-duplicated.
+
+        Args:
+            query, top_k, filters, threshold, rerank, explain, reference_date, show_expired,
+                kwargs: passed to Mem0's ``search`` unchanged (mem0ai 2.2: ``filters`` must
+                name at least one of user_id / agent_id / run_id; ``threshold`` is the minimum
+                semantic score).
+            conversation_id: the conversation to de-duplicate in (default: the filters'
+                ``run_id``; none: no de-duplication across searches); not sent to Mem0, so
+                memories kept per user (``filters={"user_id": ...}``) can be de-duplicated
+                within one of the user's conversations.
+            rid: request id for the plan (default: a new one); it is in every result's mark.
+            turn: the conversation turn (default: one after the latest of this ``run_id``).
+            visibility: earlier turns the prompt still holds (default: the wrapper's).
+
+        Returns:
+            ``{"results": [...]}`` (and any other key Mem0 returned): every result once, in
+            prompt order, each with ``result["contextpilot"]`` (:data:`MARK_KEYS`).
+
+        Raises:
+            Whatever Mem0's ``search`` raises, unchanged (``ValueError`` for bad filters or
+            parameters, the vector store's error when it is unavailable). TypeError /
+            ValueError for a bad ``rid``, ``turn`` or ``visibility``.
+        """
+        return self.search_with_plan(
+            query,
+            top_k=top_k,
+            filters=filters,
+            threshold=threshold,
+            rerank=rerank,
+            explain=explain,
+            reference_date=reference_date,
+            show_expired=show_expired,
+            conversation_id=conversation_id,
+            rid=rid,
+            turn=turn,
+            visibility=visibility,
+            **kwargs,
+        ).response
+
+    def search_with_plan(
+        self,
+        query: str,
+        *,
+        filters: dict[str, Any] | None = None,
+        conversation_id: str | None = None,
+        rid: str | None = None,
+        turn: int | None = None,
+        visibility: TurnVisibility | None = None,
+        **search_kwargs: Any,
+    ) -> MemorySearch:
+        """:meth:`search`, returning the plan too (for prompt rendering: ``.context``).
+
+        ``search_kwargs`` go to Mem0's ``search`` unchanged (Mem0's defaults apply to the
+        ones not given). Raises as :meth:`search`.
+        """
+        response = self._memory.search(query, filters=filters, **search_kwargs)
+        return plan_search_results(
+            self._pilot,
+            query,
+            response,
+            filters,
+            conversation_id=conversation_id,
+            rid=rid,
+            turn=turn,
+            visibility=visibility if visibility is not None else self._visibility,
+        )
+
+    def __enter__(self) -> ContextPilotMemory:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        close = getattr(self._memory, "close", None)
+        if callable(close):
+            close()
+
+
+class AsyncContextPilotMemory(_MemoryWrapper):
+    """The asynchronous twin of :class:`ContextPilotMemory`, wrapping a ``mem0.AsyncMemory``.
+
+    ``search`` and ``search_with_plan`` are coroutines; everything else is delegated (so
+    ``add``, ``get_all``, ... are the wrapped memory's coroutines). Arguments and errors as
+    :class:`ContextPilotMemory`.
+
+    Raises:
+        TypeError: ``memory.search`` is not a coroutine function (use
+            :class:`ContextPilotMemory`); a bad ``pilot`` or ``visibility``.
+    """
+
+    def __init__(
+        self,
+        memory: Any,
+        *,
+        pilot: Planner | None = None,
+        visibility: TurnVisibility | None = None,
+    ) -> None:
+        super().__init__(memory, pilot=pilot, visibility=visibility)
+        if not inspect.iscoroutinefunction(memory.search):
+            raise TypeError(
+                f"{type(memory).__name__}.search is synchronous (mem0.Memory): wrap it with "
+                "ContextPilotMemory"
+            )
+
+    async def search(
+        self,
+        query: str,
+        *,
+        top_k: int = 20,
+        filters: dict[str, Any] | None = None,
+        threshold: float = 0.1,
+        rerank: bool = False,
+        explain: bool = False,
+        reference_date: Any | None = None,
+        show_expired: bool = False,
+        conversation_id: str | None = None,
+        rid: str | None = None,
+        turn: int | None = None,
+        visibility: TurnVisibility | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """Mem0's ``AsyncMemory.search``, aligned and de-duplicated (see
+        :meth:`ContextPilotMemory.search`)."""
+        found = await self.search_with_plan(
+            query,
+            top_k=top_k,
+            filters=filters,
+            threshold=threshold,
+            rerank=rerank,
+            explain=explain,
+            reference_date=reference_date,
+            show_expired=show_expired,
+            conversation_id=conversation_id,
+            rid=rid,
+            turn=turn,
+            visibility=visibility,
+            **kwargs,
+        )
+        return found.response
+
+    async def search_with_plan(
+        self,
+        query: str,
+        *,
+        filters: dict[str, Any] | None = None,
+        conversation_id: str | None = None,
+        rid: str | None = None,
+        turn: int | None = None,
+        visibility: TurnVisibility | None = None,
+        **search_kwargs: Any,
+    ) -> MemorySearch:
+        """:meth:`search`, returning the plan too (see
+        :meth:`ContextPilotMemory.search_with_plan`)."""
+        response = await self._memory.search(query, filters=filters, **search_kwargs)
+        return plan_search_results(
+            self._pilot,
+            query,
+            response,
+            filters,
+            conversation_id=conversation_id,
+            rid=rid,
+            turn=turn,
+            visibility=visibility if visibility is not None else self._visibility,
+        )
+
+    async def __aenter__(self) -> AsyncContextPilotMemory:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        close = getattr(self._memory, "close", None)
+        if callable(close):
+            result = close()
+            if inspect.isawaitable(result):
+                await result

@@ -1,0 +1,331 @@
+"""ContextPilotMemory on a real Mem0 memory (local Qdrant, offline embeddings)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+from langchain_core.embeddings import DeterministicFakeEmbedding
+from mem0 import AsyncMemory, Memory
+
+from contextpilot_integrations.core.blocks import block_id
+from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.mem0 import (
+    MARK_KEY,
+    MARK_KEYS,
+    MEMORY_LAYOUT,
+    AsyncContextPilotMemory,
+    ContextPilotMemory,
+    plan_search_results,
+)
+
+ALL = {"top_k": 100, "threshold": 0.0}  # every memory of the scope, best first
+
+# Long enough (> 30 tokens) that a location hint saves tokens, so the de-duplication replaces
+# a memory already shown in the conversation.
+FACTS = [
+    "Alice has been vegetarian since 2015 and avoids fish as well; when she cooks for friends "
+    "she makes lentil curry, roasted vegetables and flatbread from her grandmother's recipe.",
+    "Alice moved from Lyon to Montreal in March 2021 for a research position in computational "
+    "biology at McGill, and she rents a small apartment near the Plateau with her cat Miso.",
+    "Alice drinks green tea every morning, never coffee after noon, and keeps a shelf of "
+    "Japanese sencha and gyokuro that her brother sends her from Shizuoka twice a year.",
+    "Alice runs the Montreal half marathon every September and trains on Tuesday and Thursday "
+    "evenings along the Lachine canal with a running club from her laboratory.",
+]
+
+
+def _add_all(memory: Any, texts: list[str], **scope: str) -> list[str]:
+    return [memory.add(t, infer=False, **scope)["results"][0]["id"] for t in texts]
+
+
+def _placed(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in results if r[MARK_KEY]["position"] is not None]
+
+
+def _hinted(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in results if r[MARK_KEY]["hint"] is not None]
+
+
+def _without_mark(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.items() if k != MARK_KEY}
+
+
+# --- Mem0's shape ---------------------------------------------------------------------------
+
+
+def test_search_returns_mem0_shape_with_the_same_results(tmp_path: Path, mem0_config: Any) -> None:
+    # DeterministicFakeEmbedding: random but repeatable vectors, so Mem0 returns some subset.
+    raw = Memory.from_config(mem0_config(tmp_path, DeterministicFakeEmbedding(size=64)))
+    memory = ContextPilotMemory(raw)
+    _add_all(memory, FACTS + ["Bob likes chess."], user_id="alice")
+    expected = raw.search("What does Alice drink?", filters={"user_id": "alice"}, **ALL)
+    found = memory.search("What does Alice drink?", filters={"user_id": "alice"}, **ALL)
+    raw.close()
+
+    assert set(found) == set(expected) == {"results"}
+    assert expected["results"], "the fake embedding returned nothing: the test would be empty"
+    by_id = {r["id"]: r for r in expected["results"]}
+    assert sorted(r["id"] for r in found["results"]) == sorted(by_id)
+    for result in found["results"]:
+        assert _without_mark(result) == by_id[result["id"]]
+        assert isinstance(result["memory"], str) and isinstance(result["score"], float)
+        assert set(result[MARK_KEY]) == set(MARK_KEYS)
+        assert result[MARK_KEY]["block_id"] == block_id(result["memory"])
+        assert expected["results"][result[MARK_KEY]["original_rank"]]["id"] == result["id"]
+
+
+def test_search_keeps_mem0_signature() -> None:
+    for wrapper, wrapped in ((ContextPilotMemory, Memory), (AsyncContextPilotMemory, AsyncMemory)):
+        ours = inspect.signature(wrapper.search).parameters
+        for name, param in inspect.signature(wrapped.search).parameters.items():
+            assert name in ours, f"{wrapper.__name__}.search lacks Mem0's {name}"
+            assert ours[name].kind == param.kind, name
+            assert ours[name].default == param.default, name
+
+
+def test_results_in_prompt_order_and_context_matches(mem0_memory: Memory) -> None:
+    memory = ContextPilotMemory(mem0_memory)
+    _add_all(memory, FACTS, user_id="alice")
+    found = memory.search_with_plan("Where does Alice live?", filters={"user_id": "alice"}, **ALL)
+    placed = _placed(found.results)
+    assert [r[MARK_KEY]["position"] for r in placed] == list(range(len(FACTS)))
+    assert sorted(r[MARK_KEY]["original_rank"] for r in placed) == list(range(len(FACTS)))
+    assert all(r[MARK_KEY]["rid"] == found.plan.rid for r in found.results)
+    context = found.context
+    assert context.startswith(MEMORY_LAYOUT.system_prompt)
+    for r in placed:
+        assert f"{r[MARK_KEY]['label']}\n{r['memory']}\n" in context
+    # The annotation names the placed memories in Mem0's relevance order.
+    by_rank = sorted(placed, key=lambda r: r[MARK_KEY]["original_rank"])
+    annotation = MEMORY_LAYOUT.annotation([r[MARK_KEY]["label"] for r in by_rank])
+    assert context.endswith(annotation)
+    assert "Question:" not in context
+
+
+def test_second_search_reuses_the_first_order(mem0_memory: Memory) -> None:
+    memory = ContextPilotMemory(mem0_memory)
+    _add_all(memory, FACTS, user_id="alice")
+    first = memory.search("green tea sencha gyokuro", filters={"user_id": "alice"}, **ALL)
+    question = "half marathon canal running club"
+    raw_second = mem0_memory.search(question, filters={"user_id": "alice"}, **ALL)
+    second = memory.search(question, filters={"user_id": "alice"}, **ALL)
+    raw_orders = [r["memory"] for r in raw_second["results"]]
+    first_order = [r["memory"] for r in _placed(first["results"])]
+    assert raw_orders != first_order, "Mem0 ranked both queries alike: nothing to align"
+    assert [r["memory"] for r in _placed(second["results"])] == first_order
+
+
+# --- de-duplication within a conversation and isolation ---------------------------------------
+
+
+def test_memories_shown_earlier_in_the_conversation_become_hints(mem0_memory: Memory) -> None:
+    memory = ContextPilotMemory(mem0_memory)
+    _add_all(memory, FACTS, user_id="alice")
+    scope = {"filters": {"user_id": "alice"}, "conversation_id": "chat-1"}
+    first = memory.search_with_plan("What does Alice eat?", **scope, **ALL)
+    assert not _hinted(first.results)
+    second = memory.search_with_plan("What does Alice drink?", **scope, **ALL)
+    hinted = _hinted(second.results)
+    assert {r["memory"] for r in hinted} == set(FACTS)
+    for r in hinted:
+        mark = r[MARK_KEY]
+        assert mark["position"] is None and mark["rendered_text"] is None
+        assert "turn 1" in mark["hint"] and mark["hint"] in second.context
+        assert r["memory"] not in second.context
+    # Every result is still there, once.
+    assert sorted(r["id"] for r in second.results) == sorted(r["id"] for r in first.results)
+
+
+def test_a_turn_that_drops_earlier_turns_gets_the_memories_again(mem0_memory: Memory) -> None:
+    memory = ContextPilotMemory(mem0_memory)
+    _add_all(memory, FACTS, user_id="alice")
+    scope = {"filters": {"user_id": "alice"}, "conversation_id": "chat-1"}
+    memory.search("What does Alice eat?", **scope, **ALL)
+    again = memory.search(
+        "What does Alice drink?", **scope, visibility=TurnVisibility.last(0), **ALL
+    )
+    assert not _hinted(again["results"])
+    assert len(_placed(again["results"])) == len(FACTS)
+
+
+ALICE_RUN_1 = ({"user_id": "alice", "run_id": "run-1"}, None)
+
+
+@pytest.mark.parametrize(
+    ("scope", "other"),
+    [
+        (ALICE_RUN_1, ({"user_id": "bob", "run_id": "run-1"}, None)),
+        (ALICE_RUN_1, ({"user_id": "alice", "run_id": "run-2"}, None)),
+        (ALICE_RUN_1, ({"user_id": "alice", "agent_id": "travel", "run_id": "run-1"}, None)),
+        (({"user_id": "alice"}, "chat-1"), ({"user_id": "bob"}, "chat-1")),
+        (({"user_id": "alice"}, "chat-1"), ({"user_id": "alice", "agent_id": "travel"}, "chat-1")),
+    ],
+    ids=[
+        "user_id",
+        "run_id",
+        "agent_id",
+        "user_id-same-conversation",
+        "agent_id-same-conversation",
+    ],
+)
+def test_scopes_never_deduplicate_against_each_other(
+    mem0_memory: Memory,
+    scope: tuple[dict[str, str], str | None],
+    other: tuple[dict[str, str], str | None],
+) -> None:
+    memory = ContextPilotMemory(mem0_memory)
+    # The same texts in both scopes (Mem0 matches every entity id of the filter).
+    for filters, _ in (scope, other):
+        _add_all(memory, FACTS, **filters)
+
+    def search(where: tuple[dict[str, str], str | None], query: str) -> list[dict[str, Any]]:
+        return memory.search(query, filters=where[0], conversation_id=where[1], **ALL)["results"]
+
+    search(scope, "What does Alice eat?")
+    in_other = search(other, "What does Alice eat?")
+    assert len(in_other) == len(FACTS)
+    assert not _hinted(in_other)
+    # The same conversation does de-duplicate (the test can fail).
+    assert len(_hinted(search(scope, "What does Alice drink?"))) == len(FACTS)
+
+
+def test_an_updated_memory_is_not_deduplicated_against_its_old_text(mem0_memory: Memory) -> None:
+    memory = ContextPilotMemory(mem0_memory)
+    ids = _add_all(memory, FACTS, user_id="alice")
+    scope = {"filters": {"user_id": "alice"}, "conversation_id": "chat-1"}
+    first = memory.search("Where does Alice live?", **scope, **ALL)
+    old = next(r for r in first["results"] if r["id"] == ids[1])
+    new_text = FACTS[1].replace("Montreal", "Quebec City").replace("McGill", "Laval")
+    memory.update(ids[1], text=new_text)
+    second = memory.search("Where does Alice live?", **scope, **ALL)
+    updated = next(r for r in second["results"] if r["id"] == ids[1])
+    assert updated["memory"] == new_text
+    assert updated[MARK_KEY]["block_id"] == block_id(new_text) != old[MARK_KEY]["block_id"]
+    assert updated[MARK_KEY]["hint"] is None and updated[MARK_KEY]["position"] == 0
+    # The memories that did not change are hinted.
+    assert {r["id"] for r in _hinted(second["results"])} == set(ids) - {ids[1]}
+
+
+def test_identical_texts_are_placed_once(mem0_memory: Memory) -> None:
+    memory = ContextPilotMemory(mem0_memory)
+    ids = _add_all(memory, [FACTS[0], FACTS[0], FACTS[2]], user_id="alice")
+    found = memory.search("vegetarian", filters={"user_id": "alice"}, **ALL)["results"]
+    assert sorted(r["id"] for r in found) == sorted(ids)
+    duplicates = [r for r in found if r[MARK_KEY]["duplicate_of"] is not None]
+    assert len(duplicates) == 1 and len(_placed(found)) == 2
+    twin = duplicates[0][MARK_KEY]["duplicate_of"]
+    assert [r["memory"] for r in found if r[MARK_KEY]["original_rank"] == twin] == [FACTS[0]]
+
+
+# --- edge cases and errors ------------------------------------------------------------------
+
+
+def test_no_memories_gives_empty_results(mem0_memory: Memory) -> None:
+    memory = ContextPilotMemory(mem0_memory)
+    _add_all(memory, FACTS, user_id="alice")
+    found = memory.search_with_plan("anything", filters={"user_id": "nobody"}, **ALL)
+    assert found.response == {"results": []}
+    assert found.plan.blocks == [] and found.plan.hints == []
+
+
+def test_memories_with_empty_text_come_back_unplaced(mem0_memory: Memory) -> None:
+    memory = ContextPilotMemory(mem0_memory)
+    _add_all(memory, [FACTS[0], "   ", "\n", FACTS[1]], user_id="alice")
+    expected = mem0_memory.search("Alice", filters={"user_id": "alice"}, **ALL)["results"]
+    found = memory.search_with_plan("Alice", filters={"user_id": "alice"}, **ALL)
+    blank = [r for r in found.results if not r["memory"].strip()]
+    assert len(blank) == len([r for r in expected if not r["memory"].strip()]) == 2
+    assert found.results[-2:] == blank  # after every placed memory
+    for r in blank:
+        assert r[MARK_KEY]["block_id"] is None and r[MARK_KEY]["position"] is None
+    assert [r["memory"] for r in _placed(found.results)] == [
+        r["memory"] for r in expected if r["memory"].strip()
+    ]
+    assert len(found.plan.blocks) == 2
+
+
+def test_bad_filters_raise_mem0s_error(mem0_memory: Memory) -> None:
+    memory = ContextPilotMemory(mem0_memory)
+    for call in (
+        lambda m: m.search("tea"),
+        lambda m: m.search("tea", user_id="alice"),
+        lambda m: m.search("tea", filters={"user_id": "has space"}),
+        lambda m: m.search("tea", filters={"user_id": "alice"}, threshold=2.0),
+    ):
+        with pytest.raises(ValueError) as expected:
+            call(mem0_memory)
+        with pytest.raises(ValueError) as raised:
+            call(memory)
+        assert str(raised.value) == str(expected.value)
+    assert memory.pilot.stats()["requests"] == 0
+
+
+def test_store_unavailable_raises_the_stores_error(mem0_memory: Memory) -> None:
+    memory = ContextPilotMemory(mem0_memory)
+    _add_all(memory, FACTS, user_id="alice")
+    mem0_memory.vector_store.client.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        memory.search("tea", filters={"user_id": "alice"})
+    assert memory.pilot.stats()["requests"] == 0
+
+
+def test_bad_answers_and_arguments_are_named(mem0_memory: Memory) -> None:
+    pilot = ContextPilot(layout=MEMORY_LAYOUT)
+    with pytest.raises(TypeError, match="'results' list"):
+        plan_search_results(pilot, "q", [{"memory": "x"}], {"user_id": "a"})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"results\[1\] must be a dict"):
+        plan_search_results(pilot, "q", {"results": [{"memory": "x"}, "y"]}, {"user_id": "a"})
+    with pytest.raises(TypeError, match="search"):
+        ContextPilotMemory(object())
+    with pytest.raises(TypeError, match="plan"):
+        ContextPilotMemory(mem0_memory, pilot=object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="visibility"):
+        ContextPilotMemory(mem0_memory, visibility="all")  # type: ignore[arg-type]
+
+
+def test_wrong_wrapper_for_sync_or_async(mem0_memory: Memory, mem0_async_memory: Any) -> None:
+    with pytest.raises(TypeError, match="AsyncContextPilotMemory"):
+        ContextPilotMemory(mem0_async_memory)
+    with pytest.raises(TypeError, match="ContextPilotMemory"):
+        AsyncContextPilotMemory(mem0_memory)
+
+
+# --- everything else passes through ----------------------------------------------------------
+
+
+def test_other_methods_pass_through(mem0_memory: Memory) -> None:
+    memory = ContextPilotMemory(mem0_memory)
+    assert memory.config is mem0_memory.config and memory.memory is mem0_memory
+    added = memory.add(FACTS[0], user_id="alice", infer=False)
+    memory_id = added["results"][0]["id"]
+    assert added["results"][0]["memory"] == FACTS[0]
+    assert memory.get(memory_id)["memory"] == FACTS[0]
+    assert [m["id"] for m in memory.get_all(filters={"user_id": "alice"})["results"]] == [memory_id]
+    memory.update(memory_id, text=FACTS[1])
+    assert [h["event"] for h in memory.history(memory_id)] == ["ADD", "UPDATE"]
+    memory.delete(memory_id)
+    assert memory.get_all(filters={"user_id": "alice"})["results"] == []
+    with pytest.raises(AttributeError):
+        memory.no_such_method  # noqa: B018
+
+
+def test_async_memory_search(mem0_async_memory: Any) -> None:
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        memory = AsyncContextPilotMemory(mem0_async_memory)
+        for text in FACTS:
+            await memory.add(text, user_id="alice", infer=False)
+        scope = {"filters": {"user_id": "alice"}}
+        raw = await mem0_async_memory.search("What does Alice eat?", **scope, **ALL)
+        first = await memory.search("What does Alice eat?", conversation_id="c", **scope, **ALL)
+        second = await memory.search("What does Alice drink?", conversation_id="c", **scope, **ALL)
+        return raw, first, second
+
+    raw, first, second = asyncio.run(scenario())
+    assert sorted(r["id"] for r in first["results"]) == sorted(r["id"] for r in raw["results"])
+    assert len(_placed(first["results"])) == len(FACTS)
+    assert {r["memory"] for r in _hinted(second["results"])} == set(FACTS)
