@@ -132,9 +132,10 @@ class RAGInputs(RunnableSerializable[Any, dict[str, Any]]):
     def _batch(
         self,
         inputs: list[Any],
-        run_managers: list[CallbackManagerForChainRun],
-        configs: list[RunnableConfig],
+        run_manager: list[CallbackManagerForChainRun],
+        config: list[RunnableConfig],
     ) -> list[Any]:
+        run_managers, configs = run_manager, config  # one per input (names set by LangChain)
         questions, valid = self._questions(inputs)
         documents = self.retriever.batch(
             [questions[i] for i in valid],
@@ -146,9 +147,10 @@ class RAGInputs(RunnableSerializable[Any, dict[str, Any]]):
     async def _abatch(
         self,
         inputs: list[Any],
-        run_managers: list[AsyncCallbackManagerForChainRun],
-        configs: list[RunnableConfig],
+        run_manager: list[AsyncCallbackManagerForChainRun],
+        config: list[RunnableConfig],
     ) -> list[Any]:
+        run_managers, configs = run_manager, config  # one per input (names set by LangChain)
         questions, valid = self._questions(inputs)
         documents = await self.retriever.abatch(
             [questions[i] for i in valid],
