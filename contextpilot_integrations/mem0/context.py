@@ -1,0 +1,121 @@
+"""Search a Mem0 memory and render the memory context for one model call (the agent hooks'
+shared step).
+
+Works with a wrapped memory (:class:`~.memory.ContextPilotMemory`,
+:class:`~.memory.AsyncContextPilotMemory`: aligned, de-duplicated, annotated) and with a plain
+``mem0.Memory`` / ``mem0.AsyncMemory`` (memories in Mem0's order, the same layout): wrapping the
+memory is the one line an application changes.
+
+The memory context is rendered again for every model call and replaces the previous one, so an
+earlier call's memories are not in the next prompt: searches made here use
+``TurnVisibility.last(0)``, so no memory is ever replaced by a hint pointing at an earlier turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.mem0.layout import MEMORY_LAYOUT, plain_memory_context
+from contextpilot_integrations.mem0.memory import AsyncContextPilotMemory, ContextPilotMemory
+
+__all__ = ["MemoryContext", "asearch_memory_context", "search_memory_context"]
+
+_NOT_KEPT_IN_PROMPT = TurnVisibility.last(0)
+
+
+@dataclass(frozen=True)
+class MemoryContext:
+    """The memories for one model call.
+
+    Attributes:
+        text: the memory context (system prompt, memories, hints, annotation); ``""`` when
+            the search found no memory with text.
+        rid: the plan's request id (send it with the model call); ``None`` for a plain memory.
+        results: the search results (marked, in prompt order, for a wrapped memory).
+    """
+
+    text: str
+    rid: str | None
+    results: list[dict[str, Any]]
+
+
+def _plain(response: Any, layout: PromptLayout) -> MemoryContext:
+    if not isinstance(response, Mapping) or not isinstance(response.get("results"), list):
+        raise TypeError(
+            f"a Mem0 search answer must be a dict with a 'results' list, got {response!r:.200}"
+        )
+    results = list(response["results"])
+    texts = [
+        r["memory"]
+        for r in results
+        if isinstance(r, Mapping) and isinstance(r.get("memory"), str) and r["memory"].strip()
+    ]
+    return MemoryContext(plain_memory_context(texts, layout) if texts else "", None, results)
+
+
+def search_memory_context(
+    memory: Any,
+    query: str,
+    filters: Mapping[str, Any],
+    *,
+    layout: PromptLayout = MEMORY_LAYOUT,
+    **search_kwargs: Any,
+) -> MemoryContext:
+    """Search a synchronous memory and render the memory context.
+
+    Args:
+        memory: a :class:`~.memory.ContextPilotMemory` or a plain ``mem0.Memory``.
+        query: the search query (the latest user message).
+        filters: Mem0 filters (the scope).
+        layout: the layout for a plain memory (a wrapped one renders with its pilot's).
+        search_kwargs: passed to Mem0's ``search`` (``top_k``, ``threshold``, ...).
+
+    Raises:
+        TypeError: ``memory`` is asynchronous (use :func:`asearch_memory_context`).
+        Whatever the memory's ``search`` raises.
+    """
+    if isinstance(memory, AsyncContextPilotMemory) or inspect.iscoroutinefunction(
+        getattr(memory, "search", None)
+    ):
+        raise TypeError(
+            f"{type(memory).__name__} is asynchronous: use asearch_memory_context (or the "
+            "agent's async API)"
+        )
+    if isinstance(memory, ContextPilotMemory):
+        found = memory.search_with_plan(
+            query, filters=dict(filters), visibility=_NOT_KEPT_IN_PROMPT, **search_kwargs
+        )
+        text = found.context if found.plan.blocks or found.plan.hints else ""
+        return MemoryContext(text, found.plan.rid, found.results)
+    return _plain(memory.search(query, filters=dict(filters), **search_kwargs), layout)
+
+
+async def asearch_memory_context(
+    memory: Any,
+    query: str,
+    filters: Mapping[str, Any],
+    *,
+    layout: PromptLayout = MEMORY_LAYOUT,
+    **search_kwargs: Any,
+) -> MemoryContext:
+    """:func:`search_memory_context` for an async caller: awaits an asynchronous memory
+    (:class:`~.memory.AsyncContextPilotMemory`, ``mem0.AsyncMemory``) and runs a synchronous
+    one in a worker thread."""
+    if isinstance(memory, AsyncContextPilotMemory):
+        found = await memory.search_with_plan(
+            query, filters=dict(filters), visibility=_NOT_KEPT_IN_PROMPT, **search_kwargs
+        )
+        text = found.context if found.plan.blocks or found.plan.hints else ""
+        return MemoryContext(text, found.plan.rid, found.results)
+    if inspect.iscoroutinefunction(getattr(memory, "search", None)):
+        response = await memory.search(query, filters=dict(filters), **search_kwargs)
+        return _plain(response, layout)
+    return await asyncio.to_thread(
+        search_memory_context, memory, query, filters, layout=layout, **search_kwargs
+    )

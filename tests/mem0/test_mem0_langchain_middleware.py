@@ -1,0 +1,179 @@
+"""Mem0MemoryMiddleware in a real LangChain agent (create_agent) with a fake chat model."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from langchain.agents import create_agent
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
+from mem0 import Memory
+
+from contextpilot_integrations.mem0 import (
+    MEMORY_LAYOUT,
+    AsyncContextPilotMemory,
+    ContextPilotMemory,
+)
+from contextpilot_integrations.mem0.langchain_middleware import (
+    Mem0MemoryMiddleware,
+    openai_compatible_rid_settings,
+)
+from contextpilot_integrations.mem0.layout import plain_memory_context
+
+FACTS = [
+    "Alice drinks green tea every morning.",
+    "Alice lives in Montreal with her cat Miso.",
+    "Alice runs the half marathon every September.",
+    "Alice is vegetarian and cooks lentil curry.",
+]
+SYSTEM = "You are Alice's assistant."
+SEARCH = {"threshold": 0.0}
+
+
+class PromptRecorder(BaseCallbackHandler):
+    """Keeps the messages and invocation parameters of every chat model call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[BaseMessage], dict[str, Any]]] = []
+
+    def on_chat_model_start(
+        self, serialized: dict[str, Any], messages: list[list[BaseMessage]], **kwargs: Any
+    ) -> None:
+        self.calls.append((messages[0], kwargs.get("invocation_params") or {}))
+
+
+def _agent(middleware: Mem0MemoryMiddleware, answers: int = 4) -> Any:
+    model = GenericFakeChatModel(messages=iter([AIMessage(f"answer {i}") for i in range(answers)]))
+    return create_agent(model, system_prompt=SYSTEM, middleware=[middleware])
+
+
+def _ask(agent: Any, question: str, recorder: PromptRecorder, **context: str) -> None:
+    agent.invoke(
+        {"messages": [{"role": "user", "content": question}]},
+        context=context or None,
+        config={"callbacks": [recorder]},
+    )
+
+
+def _store(memory: Any) -> None:
+    for text in FACTS:
+        memory.add(text, user_id="alice", infer=False)
+
+
+def test_plain_memory_gets_mem0_order(mem0_memory: Memory) -> None:
+    _store(mem0_memory)
+    recorder = PromptRecorder()
+    agent = _agent(Mem0MemoryMiddleware(mem0_memory, search_kwargs=SEARCH))
+    _ask(agent, "What does Alice drink?", recorder, user_id="alice")
+    expected = mem0_memory.search("What does Alice drink?", filters={"user_id": "alice"}, **SEARCH)
+    ((messages, _),) = recorder.calls
+    assert [type(m) for m in messages] == [SystemMessage, HumanMessage]
+    texts = [r["memory"] for r in expected["results"]]
+    assert messages[0].content == f"{SYSTEM}\n\n{plain_memory_context(texts)}"
+    assert messages[1].content == "What does Alice drink?"
+
+
+def test_wrapping_the_memory_aligns_and_annotates(mem0_memory: Memory) -> None:
+    _store(mem0_memory)
+    memory = ContextPilotMemory(mem0_memory)  # the one line
+    recorder = PromptRecorder()
+    agent = _agent(
+        Mem0MemoryMiddleware(
+            memory, search_kwargs=SEARCH, request_id_settings=openai_compatible_rid_settings
+        )
+    )
+    _ask(agent, "What does Alice drink?", recorder, user_id="alice")
+    _ask(agent, "Where does Alice live with her cat?", recorder, user_id="alice")
+    (first, first_params), (second, second_params) = recorder.calls
+    for messages in (first, second):
+        assert [type(m) for m in messages] == [SystemMessage, HumanMessage]
+        assert messages[0].content.startswith(f"{SYSTEM}\n\n{MEMORY_LAYOUT.system_prompt}\n")
+        assert "Most relevant memories first: [Memory" in messages[0].content
+    # The second call starts with the first call's system prompt and memories, in that order.
+    blocks = first[0].content.split("Most relevant memories first")[0]
+    assert second[0].content.startswith(blocks)
+    raw = mem0_memory.search(
+        "Where does Alice live with her cat?", filters={"user_id": "alice"}, **SEARCH
+    )
+    assert (
+        second[0].content
+        != f"{SYSTEM}\n\n{plain_memory_context([r['memory'] for r in raw['results']])}"
+    )
+    # Each call sent its own plan's rid.
+    rids = [params["extra_body"]["rid"] for _, params in recorder.calls]
+    assert len(set(rids)) == 2 and all(r.startswith("cp-") for r in rids)
+    assert memory.pilot.stats()["requests"] == 2
+
+
+def test_scope_comes_from_filters_or_context(mem0_memory: Memory) -> None:
+    _store(mem0_memory)
+    mem0_memory.add("Bob collects stamps.", user_id="bob", infer=False)
+    memory = ContextPilotMemory(mem0_memory)
+    recorder = PromptRecorder()
+    _ask(
+        _agent(Mem0MemoryMiddleware(memory, filters={"user_id": "bob"}, search_kwargs=SEARCH)),
+        "What does Bob collect?",
+        recorder,
+    )
+    _ask(
+        _agent(Mem0MemoryMiddleware(memory, search_kwargs=SEARCH)),
+        "Hobbies?",
+        recorder,
+        user_id="bob",
+    )
+    for messages, _ in recorder.calls:
+        assert "Bob collects stamps." in messages[0].content
+        assert not any(fact in messages[0].content for fact in FACTS)
+    with pytest.raises(ValueError, match="no memory scope"):
+        _ask(_agent(Mem0MemoryMiddleware(memory)), "Hobbies?", recorder)
+
+
+def test_no_memory_leaves_the_request_unchanged(mem0_memory: Memory) -> None:
+    recorder = PromptRecorder()
+    agent = _agent(Mem0MemoryMiddleware(ContextPilotMemory(mem0_memory), search_kwargs=SEARCH))
+    _ask(agent, "Hello?", recorder, user_id="nobody")
+    ((messages, _),) = recorder.calls
+    assert messages[0].content == SYSTEM
+    assert len(messages) == 2
+
+
+def test_mem0_errors_reach_the_caller(mem0_memory: Memory) -> None:
+    agent = _agent(
+        Mem0MemoryMiddleware(ContextPilotMemory(mem0_memory), filters={"user_id": "a b"})
+    )
+    with pytest.raises(ValueError, match="whitespace"):
+        _ask(agent, "Hello?", PromptRecorder())
+
+
+def test_async_agent_with_async_memory(mem0_async_memory: Any) -> None:
+    memory = AsyncContextPilotMemory(mem0_async_memory)
+    recorder = PromptRecorder()
+    agent = _agent(Mem0MemoryMiddleware(memory, search_kwargs=SEARCH))
+
+    async def scenario() -> None:
+        for text in FACTS:
+            await memory.add(text, user_id="alice", infer=False)
+        await agent.ainvoke(
+            {"messages": [{"role": "user", "content": "What does Alice drink?"}]},
+            context={"user_id": "alice"},
+            config={"callbacks": [recorder]},
+        )
+
+    asyncio.run(scenario())
+    ((messages, _),) = recorder.calls
+    for text in FACTS:
+        assert f"\n{text}\n-----\n" in messages[0].content
+    with pytest.raises(TypeError, match="asynchronous"):
+        _ask(agent, "What does Alice drink?", recorder, user_id="alice")
+
+
+def test_bad_arguments_are_named(mem0_memory: Memory) -> None:
+    with pytest.raises(TypeError, match="search"):
+        Mem0MemoryMiddleware(object())
+    with pytest.raises(ValueError, match="top_k"):
+        Mem0MemoryMiddleware(mem0_memory, top_k=0)
+    with pytest.raises(TypeError, match="filters"):
+        Mem0MemoryMiddleware(mem0_memory, filters="alice")  # type: ignore[arg-type]
