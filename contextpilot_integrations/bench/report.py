@@ -67,6 +67,18 @@ def summarize(results: Sequence[MethodResult]) -> list[dict[str, Any]]:
     return rows
 
 
+_COLUMNS = (
+    ("method", "method", "str"),
+    ("requests", "requests", "int"),
+    ("prompt tokens", "prompt_tokens", "int"),
+    ("cached tokens", "cached_tokens", "int"),
+    ("prefill tokens", "prefill_tokens", "int"),
+    ("hit ratio", "hit_ratio", "ratio"),
+    ("vs upper bound", "vs_upper_bound", "ratio"),
+    ("vs baseline", "vs_baseline", "x"),
+)
+
+
 def _fmt(value: Any, kind: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
@@ -78,21 +90,22 @@ def _fmt(value: Any, kind: str) -> str:
         return f"{value:.2f}x"
     if kind == "s":
         return f"{value:.4f}"
+    if kind == "ms":
+        return f"{value:.3f}"
     return str(value)
 
 
-def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """A fixed-width text table of :func:`summarize` rows (TTFT columns when present)."""
-    columns = [
-        ("method", "method", "str"),
-        ("requests", "requests", "int"),
-        ("prompt tokens", "prompt_tokens", "int"),
-        ("cached tokens", "cached_tokens", "int"),
-        ("prefill tokens", "prefill_tokens", "int"),
-        ("hit ratio", "hit_ratio", "ratio"),
-        ("vs upper bound", "vs_upper_bound", "ratio"),
-        ("vs baseline", "vs_baseline", "x"),
-    ]
+def format_table(
+    rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, str]] | None = None
+) -> str:
+    """A fixed-width text table of :func:`summarize` rows (TTFT columns when present).
+
+    Args:
+        rows: the rows.
+        columns: ``(title, row key, kind)`` per column, kind one of ``str``, ``int``,
+            ``ratio``, ``x``, ``s``, ``ms``; default the columns of :func:`summarize`.
+    """
+    columns = list(columns) if columns is not None else list(_COLUMNS)
     if any("ttft_mean_s" in r for r in rows):
         columns += [("TTFT mean s", "ttft_mean_s", "s"), ("TTFT p50 s", "ttft_p50_s", "s")]
     cells = [[_fmt(r.get(key), kind) for _, key, kind in columns] for r in rows]
