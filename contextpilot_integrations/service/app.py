@@ -53,7 +53,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from contextpilot_integrations import __version__
-from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
+from contextpilot_integrations.service.index_service import (
+    IndexService,
+    RequestConflictError,
+    ServiceConfig,
+)
 from contextpilot_integrations.service.schemas import (
     BatchPlanResponse,
     ErrorResponse,
@@ -68,6 +72,7 @@ from contextpilot_integrations.service.schemas import (
     PlanResponse,
     UsageReport,
     UsageResponse,
+    visibility_to_core,
 )
 
 logger = logging.getLogger(__name__)
@@ -76,7 +81,9 @@ T = TypeVar("T")
 
 API_PREFIX = "/v1"
 _ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "The body cannot be read as JSON."},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key."},
+    409: {"model": ErrorResponse, "description": "The rid is already indexed or being planned."},
     413: {"model": ErrorResponse, "description": "Request body too large."},
     422: {"model": ErrorResponse, "description": "Invalid input (the message names it)."},
 }
@@ -174,8 +181,10 @@ def create_app(
         422, anything else a 500."""
         try:
             return call() if inline else await in_thread(call, batch=batch)
+        except RequestConflictError as exc:
+            raise _InvalidInput(exc, 409) from exc
         except (TypeError, ValueError) as exc:
-            raise _InvalidInput(exc) from exc
+            raise _InvalidInput(exc, 422) from exc
 
     @app.post(
         f"{API_PREFIX}/plan",
@@ -193,7 +202,7 @@ def create_app(
             conversation_id=body.conversation_id,
             tenant=body.tenant,
             turn=body.turn,
-            visibility=body.visibility.to_core() if body.visibility is not None else None,
+            visibility=visibility_to_core(body.visibility),
         )
         inline = sum(map(len, body.blocks)) <= settings.inline_plan_chars
         return _json(PlanResponse.encode(await run(call, inline=inline)))
@@ -287,7 +296,18 @@ def create_app(
     async def stats() -> Response:
         return _json(await in_thread(service.stats))
 
-    @app.get("/metrics", dependencies=guarded, summary="Prometheus metrics", responses=_ERRORS)
+    @app.get(
+        "/metrics",
+        dependencies=guarded,
+        summary="Prometheus metrics (text exposition format)",
+        responses={
+            **_ERRORS,
+            200: {
+                "description": "Prometheus text exposition format.",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            },
+        },
+    )
     async def metrics() -> Response:
         body, content_type = await in_thread(service.metrics.exposition)
         return Response(content=body, media_type=content_type)
@@ -326,9 +346,10 @@ def _error(
 class _InvalidInput(Exception):
     """A TypeError / ValueError the service raised for the request's input."""
 
-    def __init__(self, cause: TypeError | ValueError) -> None:
+    def __init__(self, cause: TypeError | ValueError, status_code: int) -> None:
         super().__init__(str(cause))
         self.cause = cause
+        self.status_code = status_code
 
 
 def _field_path(location: tuple[Any, ...]) -> str:
@@ -376,12 +397,20 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def invalid_input(_: Request, exc: Exception) -> Response:
         # The core names the field and the value in its TypeError / ValueError messages.
         assert isinstance(exc, _InvalidInput)
-        return _error(422, str(exc.cause)[:1000], type(exc.cause).__name__)
+        error_type = "ValueError" if isinstance(exc.cause, ValueError) else "TypeError"
+        return _error(exc.status_code, str(exc.cause)[:1000], error_type)
 
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
+        if isinstance(exc.__cause__, _BodyTooLarge):  # FastAPI wraps it as a parse error
+            return _error(413, str(exc.__cause__), "ValueError")
         error_type = "PermissionError" if exc.status_code in (401, 403) else "HTTPError"
-        response = _error(exc.status_code, str(exc.detail), error_type)
+        message = str(exc.detail)
+        if exc.status_code == 400 and exc.__cause__ is not None:
+            error_type = "ValueError"
+            message = f"body: cannot be read as JSON ({type(exc.__cause__).__name__})"
+        response = _error(exc.status_code, message, error_type)
+        response.headers.update(exc.headers or {})  # e.g. Allow on a 405
         if exc.status_code == 401:
             response.headers["WWW-Authenticate"] = "Bearer"
         return response
@@ -402,7 +431,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 class _BodyTooLarge(Exception):
-    pass
+    """The streamed body went over the limit (a body without Content-Length)."""
 
 
 class _MeteringMiddleware:
@@ -444,7 +473,9 @@ class _MeteringMiddleware:
                 if message["type"] == "http.request":
                     received[0] += len(message.get("body", b""))
                     if received[0] > self.max_body_bytes:
-                        raise _BodyTooLarge
+                        raise _BodyTooLarge(
+                            f"body: more than the limit of {self.max_body_bytes} bytes"
+                        )
                 return message
 
             await self.app(scope, receive_limited, send_metered)

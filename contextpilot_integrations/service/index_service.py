@@ -68,6 +68,10 @@ from contextpilot_integrations.sync.ttl_model import TTLModel
 logger = logging.getLogger(__name__)
 
 
+class RequestConflictError(ValueError):
+    """A rid that is already indexed, or that a concurrent call is planning (HTTP 409)."""
+
+
 @dataclass
 class ServiceConfig:
     """Settings of one index service.
@@ -175,8 +179,9 @@ class IndexService:
         """``ContextPilot.plan``, then the request is recorded with the cache-state source.
 
         Raises:
-            TypeError / ValueError: as ``ContextPilot.plan``; ValueError also when ``rid`` is
-                being planned by a concurrent call.
+            TypeError / ValueError: as ``ContextPilot.plan``.
+            RequestConflictError: ``rid`` is already indexed or being planned by a
+                concurrent call.
         """
         with self._reserved([rid] if rid is not None else []):
             plan = self.pilot.plan(
@@ -204,8 +209,9 @@ class IndexService:
         """``ContextPilot.plan_batch``, then each request is recorded with the source.
 
         Raises:
-            TypeError / ValueError: as ``ContextPilot.plan_batch``, or a rid being planned by a
-                concurrent call.
+            TypeError / ValueError: as ``ContextPilot.plan_batch``.
+            RequestConflictError: a rid is already indexed or being planned by a concurrent
+                call.
         """
         with self._reserved(rids or []):
             batch = self.pilot.plan_batch(
@@ -387,7 +393,12 @@ class IndexService:
         with self._planning_lock:
             busy = [rid for rid in wanted if rid in self._planning]
             if busy:
-                raise ValueError(f"rid {busy[0]!r} is being planned by a concurrent request")
+                raise RequestConflictError(
+                    f"rid {busy[0]!r} is being planned by a concurrent request"
+                )
+            indexed = [rid for rid in wanted if rid in self.pilot.index]
+            if indexed:
+                raise RequestConflictError(f"rid {indexed[0]!r} is already indexed")
             self._planning.update(wanted)
         try:
             yield

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from contextpilot_integrations.core.conversation import TurnVisibility
 from contextpilot_integrations.core.pilot import (
@@ -56,6 +56,18 @@ def _utf8_encodable(value: str) -> str:
     return value
 
 
+def _integral_number(value: Any) -> Any:
+    # JSON Schema counts 1.0 as an integer; strict validation would refuse it.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Integers: JSON 1.0 is taken as 1; true, "1" and 1.5 are refused.
+TurnNumber = Annotated[int, Field(ge=0, le=MAX_TURN), BeforeValidator(_integral_number)]
+TokenCount = Annotated[int, Field(ge=0, le=2**62), BeforeValidator(_integral_number)]
+
+
 Text = Annotated[str, AfterValidator(_utf8_encodable)]
 """A string that UTF-8 can encode."""
 
@@ -66,7 +78,10 @@ Identifier = Annotated[
 
 Tenant = Annotated[str, Field(max_length=MAX_ID_CHARS), AfterValidator(_utf8_encodable)]
 
-Blocks = Annotated[list[Text], Field(max_length=MAX_BLOCKS_PER_REQUEST)]
+BlockText = Annotated[str, Field(pattern=r"[^\s\x1c-\x1f]"), AfterValidator(_utf8_encodable)]
+"""A block: at least one character that is not whitespace (``str.isspace``)."""
+
+Blocks = Annotated[list[BlockText], Field(max_length=MAX_BLOCKS_PER_REQUEST)]
 
 
 class _Strict(BaseModel):
@@ -78,40 +93,38 @@ class _Strict(BaseModel):
 # --------------------------------------------------------------------------------------------
 
 
-class VisibilityModel(_Strict):
-    """Which earlier turns of the conversation the app's prompt still holds.
+class LastTurns(_Strict):
+    """Only the ``last`` turns before this one are still in the app's prompt."""
 
-    Give ``last`` (the last ``n`` turns before this one), or ``turns`` (an explicit list), or
-    neither (every earlier turn: the default).
-    """
+    last: TurnNumber
 
-    last: Annotated[int, Field(ge=0, le=MAX_TURN)] | None = None
-    turns: (
-        Annotated[list[Annotated[int, Field(ge=0, le=MAX_TURN)]], Field(max_length=10_000)] | None
-    ) = None
 
-    @model_validator(mode="after")
-    def _one_of(self) -> VisibilityModel:
-        if self.last is not None and self.turns is not None:
-            raise ValueError(
-                f"give visibility.last or visibility.turns, not both "
-                f"(got last={self.last}, turns={self.turns[:10]})"
-            )
-        return self
+class OnlyTurns(_Strict):
+    """Only these earlier turns are still in the app's prompt (others were dropped)."""
 
-    def to_core(self) -> TurnVisibility:
-        """The core's :class:`TurnVisibility`."""
-        if self.last is not None:
-            return TurnVisibility.last(self.last)
-        if self.turns is not None:
-            return TurnVisibility.only(self.turns)
-        return TurnVisibility.all()
+    turns: Annotated[list[TurnNumber], Field(max_length=10_000)]
 
-    @classmethod
-    def from_core(cls, visibility: TurnVisibility) -> VisibilityModel:
-        """From the core's :class:`TurnVisibility`."""
-        turns = sorted(visibility.turns) if visibility.turns is not None else None
-        return cls(last=visibility.last_turns, turns=turns)
+
+Visibility = LastTurns | OnlyTurns
+"""Which earlier turns the app's prompt still holds (``null``: every earlier turn)."""
+
+
+def visibility_to_core(visibility: Visibility | None) -> TurnVisibility | None:
+    """The core's :class:`TurnVisibility` (None: all turns)."""
+    if isinstance(visibility, LastTurns):
+        return TurnVisibility.last(visibility.last)
+    if isinstance(visibility, OnlyTurns):
+        return TurnVisibility.only(visibility.turns)
+    return None
+
+
+def visibility_from_core(visibility: TurnVisibility) -> dict[str, Any] | None:
+    """The JSON form of the core's :class:`TurnVisibility` (None: all turns)."""
+    if visibility.last_turns is not None:
+        return {"last": visibility.last_turns}
+    if visibility.turns is not None:
+        return {"turns": sorted(visibility.turns)}
+    return None
 
 
 class PlanRequest(_Strict):
@@ -124,10 +137,10 @@ class PlanRequest(_Strict):
         None, description="Conversation for multi-turn de-duplication; null: none."
     )
     tenant: Tenant = Field("", description="Owner of the conversation.")
-    turn: Annotated[int, Field(ge=0, le=MAX_TURN)] | None = Field(
+    turn: TurnNumber | None = Field(
         None, description="Turn number; null: one after the conversation's latest."
     )
-    visibility: VisibilityModel | None = Field(
+    visibility: Visibility | None = Field(
         None, description="Earlier turns the app's prompt still holds; null: all."
     )
 
@@ -165,8 +178,8 @@ class UsageReport(_Strict):
     """Token usage the engine reported for a planned request (OpenAI ``usage``)."""
 
     rid: Identifier
-    prompt_tokens: Annotated[int, Field(ge=0, le=2**62)]
-    cached_tokens: Annotated[int, Field(ge=0, le=2**62)]
+    prompt_tokens: TokenCount
+    cached_tokens: TokenCount
 
     @model_validator(mode="after")
     def _cached_within_prompt(self) -> UsageReport:

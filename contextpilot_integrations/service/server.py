@@ -1,0 +1,206 @@
+"""``contextpilot-server``: run the index service with uvicorn.
+
+Examples::
+
+    # beside an SGLang or vLLM engine started with --kv-events-config (see the README)
+    contextpilot-server --port 8765 \\
+        --kv-events tcp://127.0.0.1:5557 --kv-events-replay tcp://127.0.0.1:5558 \\
+        --snapshot /var/lib/contextpilot/index.json
+
+    # an engine that publishes nothing: a 200k-token capacity model
+    contextpilot-server --cache-model capacity --capacity-tokens 200000
+
+    # a hosted API with prompt caching
+    contextpilot-server --cache-model ttl --ttl-provider openai
+
+The API key comes from ``--api-key`` or, better (a command line is visible to other users),
+the environment variable ``CONTEXTPILOT_API_KEY``. One process holds the index: uvicorn runs
+one worker, and many app processes share it through
+:class:`~contextpilot_integrations.service.client.ContextPilotClient`. SIGTERM or Ctrl-C stops
+it gracefully: in-flight requests finish, then the snapshot is saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from contextpilot_integrations import __version__
+from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.service.app import create_app
+from contextpilot_integrations.service.index_service import ServiceConfig
+
+API_KEY_ENV = "CONTEXTPILOT_API_KEY"
+DEFAULT_PORT = 8765
+_CACHE_MODELS = {"events": "kv-events", "capacity": "capacity", "ttl": "ttl"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``contextpilot-server``."""
+    parser = argparse.ArgumentParser(
+        prog="contextpilot-server",
+        description="Serve one shared ContextPilot index over HTTP, following the engine's "
+        "KV cache.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default 8765)")
+
+    sync = parser.add_argument_group("engine sync")
+    sync.add_argument(
+        "--cache-model",
+        choices=sorted(_CACHE_MODELS),
+        help="where evictions come from: the engine's KV events, a capacity model (engines "
+        "that publish nothing) or a TTL model (hosted APIs); default: events with "
+        "--kv-events, else none (the index's own LRU bound only)",
+    )
+    sync.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="the engine's KV-event publisher, tcp://HOST:PORT or ipc://PATH (its "
+        "--kv-events-config endpoint)",
+    )
+    sync.add_argument("--kv-events-replay", metavar="ENDPOINT", help="its replay_endpoint")
+    sync.add_argument("--kv-events-topic", default="", help="its topic (vLLM: kv-events)")
+    sync.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks to follow")
+    sync.add_argument("--page-size", type=int, help="engine page size (default: from events)")
+    sync.add_argument("--capacity-tokens", type=int, help="capacity model: KV cache tokens")
+    sync.add_argument(
+        "--ttl-provider",
+        choices=["openai", "anthropic", "anthropic-1h"],
+        help="TTL model: the provider's documented cache lifetime",
+    )
+    sync.add_argument("--ttl-seconds", type=float, help="TTL model: lifetime in seconds")
+    sync.add_argument("--min-cached-tokens", type=int, help="TTL model: shortest cached prompt")
+    sync.add_argument(
+        "--engine-grace",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds the publisher may stay unconnected before it counts as unreachable",
+    )
+
+    state = parser.add_argument_group("index and state")
+    state.add_argument(
+        "--snapshot",
+        metavar="PATH",
+        type=Path,
+        help="restore the index from PATH on start (then resync with the engine), save on shutdown",
+    )
+    state.add_argument(
+        "--snapshot-interval",
+        type=float,
+        metavar="SECONDS",
+        help="also save the snapshot every SECONDS (survives a hard kill)",
+    )
+    state.add_argument("--max-requests", type=int, default=100_000, help="index LRU bound")
+    state.add_argument(
+        "--layout",
+        type=Path,
+        metavar="JSON",
+        help="a JSON file of PromptLayout fields (system_prompt, block_template, ...)",
+    )
+
+    serving = parser.add_argument_group("serving")
+    serving.add_argument(
+        "--api-key",
+        help=f"shared secret clients must send (default: ${API_KEY_ENV}; none: no auth)",
+    )
+    serving.add_argument(
+        "--max-body-bytes", type=int, default=64 * 1024 * 1024, help="largest request body"
+    )
+    serving.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+    )
+    serving.add_argument("--access-log", action="store_true", help="log every request")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> ServiceConfig:
+    """The :class:`ServiceConfig` the parsed arguments describe.
+
+    Raises:
+        ValueError: inconsistent options (the message names them).
+    """
+    model = args.cache_model or ("events" if args.kv_events else None)
+    cache_sync: dict[str, Any] | None = None
+    if model == "events":
+        if not args.kv_events:
+            raise ValueError("--cache-model events needs --kv-events ENDPOINT")
+        cache_sync = {
+            "kind": "kv-events",
+            "endpoint": args.kv_events,
+            "replay_endpoint": args.kv_events_replay,
+            "topic": args.kv_events_topic,
+            "dp_size": args.dp_size,
+            "page_size": args.page_size,
+            "max_requests": args.max_requests,
+        }
+    elif model == "capacity":
+        cache_sync = {"kind": "capacity", "capacity_tokens": args.capacity_tokens}
+    elif model == "ttl":
+        cache_sync = {
+            "kind": "ttl",
+            "provider": args.ttl_provider,
+            "ttl_s": args.ttl_seconds,
+            "min_cached_tokens": args.min_cached_tokens,
+            "max_requests": args.max_requests,
+        }
+    if model != "events" and (args.kv_events_replay or args.kv_events):
+        raise ValueError(f"--kv-events options need --cache-model events, got {model!r}")
+    layout = None
+    if args.layout is not None:
+        try:
+            layout = PromptLayout(**json.loads(args.layout.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"--layout {str(args.layout)!r}: {exc}") from exc
+    api_key = args.api_key or environ.get(API_KEY_ENV) or None
+    return ServiceConfig(
+        cache_sync=cache_sync,
+        snapshot_path=args.snapshot,
+        snapshot_interval_s=args.snapshot_interval,
+        max_requests=args.max_requests,
+        layout=layout,
+        api_key=api_key,
+        engine_grace_s=args.engine_grace,
+        max_body_bytes=args.max_body_bytes,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``contextpilot-server``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args, dict(os.environ))
+        app = create_app(config)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        workers=1,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=30,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
