@@ -38,8 +38,10 @@ for number, seeded_rid in enumerate(SEEDED_RIDS):
     )
 
 schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+# CONTEXTPILOT_FUZZ_EXAMPLES=400 for a longer run (400 per operation passed when written).
+EXAMPLES = int(os.environ.get("CONTEXTPILOT_FUZZ_EXAMPLES", "60"))
 schema.config.generation.update(
-    modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE], max_examples=int(os.environ.get("CONTEXTPILOT_FUZZ_EXAMPLES", "60"))
+    modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE], max_examples=EXAMPLES
 )
 
 
