@@ -36,27 +36,35 @@ if [[ ! -x "$venv/bin/python" ]]; then
     echo "setup-sglang-env: creating $venv"
     "$python_bin" -m venv "$venv"
 fi
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+# pip reports the pins of sglang's GPU requirements as conflicts (it is installed --no-deps on
+# purpose) and the local index prints location warnings: keep the log to what matters.
+pip() {
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$@" 2> >(
+        grep -v -e "^WARNING: Location" -e "^sglang 0.5.23 requires" \
+            -e "dependency resolver does not currently" >&2 || true
+    )
+}
 
 # Pin torch for every later resolution so that no dependency can swap in a CUDA build, and make
 # any request for torchvision fail loudly instead of installing it.
 constraints="$venv/contextpilot-constraints.txt"
 printf 'torch==2.13.0\ntorchvision==0.0.0.dev0\n' > "$constraints"
 
-"${pip[@]}" "torch==2.13.0"
-"${pip[@]}" --no-deps "sglang==0.5.23"
+pip "torch==2.13.0"
+pip --no-deps "sglang==0.5.23"
 # Import-time needs of sglang.srt.mem_cache and sglang.srt.disaggregation.kv_events.
-"${pip[@]}" -c "$constraints" \
+pip -c "$constraints" \
     numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq \
     tqdm IPython aiohttp dill transformers tokenizers safetensors huggingface_hub regex pyyaml \
     triton apache-tvm-ffi sentencepiece compressed-tensors loguru gguf
 # This package and the test tooling of the sync tests.
-"${pip[@]}" -c "$constraints" -e "$repo_root" scipy pytest pytest-timeout pytest-asyncio hypothesis
+pip -c "$constraints" -e "$repo_root" scipy pytest pytest-timeout pytest-asyncio hypothesis
 
 old_module="$venv/sglang-0.5.18/kv_events.py"
 if [[ ! -f "$old_module" ]]; then
     download="$(mktemp -d)"
-    "$venv/bin/python" -m pip download --quiet --no-deps --dest "$download" "sglang==0.5.18"
+    "$venv/bin/python" -m pip download --quiet --no-deps --dest "$download" "sglang==0.5.18" \
+        2> >(grep -v "^WARNING: Location" >&2 || true)
     mkdir -p "$(dirname "$old_module")"
     "$venv/bin/python" - "$download" "$old_module" <<'PY'
 import pathlib

@@ -265,6 +265,12 @@ class CacheMirror:
                 "media": sorted(block.media),
             }
 
+    def is_cached(self, rid: str) -> bool:
+        """Whether ``rid`` has an attributed block present (O(1))."""
+        with self._lock:
+            request = self._requests.get(rid)
+            return request is not None and bool(request.attached)
+
     def cached_requests(self) -> set[str]:
         """The rids with at least one attributed block present."""
         with self._lock:

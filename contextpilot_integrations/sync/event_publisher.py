@@ -162,29 +162,39 @@ class KVEventPublisher:
             while True:
                 if router is not None and router.poll(0):
                     self._serve_replay(router)
+                items: list[object] = []
                 try:
-                    item = self._outbox.get(timeout=0.001)
+                    items.append(self._outbox.get(timeout=0.001))
+                    while True:  # drain what is queued: one replay poll per burst
+                        items.append(self._outbox.get_nowait())
                 except queue.Empty:
-                    continue
-                if item is _STOP:
+                    pass
+                if items and not self._send(pub, items):
                     break
-                if isinstance(item, threading.Event):
-                    item.set()
-                elif isinstance(item, list):
-                    pub.send_multipart(item)
-                else:
-                    seq, payload, drop = item  # type: ignore[misc]
-                    self._buffer.append((seq, payload))
-                    if drop:
-                        self.dropped += 1
-                    else:
-                        pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-                        self.sent += 1
         finally:
             pub.close()
             if router is not None:
                 router.close()
             context.term()
+
+    def _send(self, pub: zmq.Socket, items: list[object]) -> bool:
+        """Send queued items in order; False once the stop marker is reached."""
+        for item in items:
+            if item is _STOP:
+                return False
+            if isinstance(item, threading.Event):
+                item.set()
+            elif isinstance(item, list):
+                pub.send_multipart(item)
+            else:
+                seq, payload, drop = item  # type: ignore[misc]
+                self._buffer.append((seq, payload))
+                if drop:
+                    self.dropped += 1
+                else:
+                    pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                    self.sent += 1
+        return True
 
     def _serve_replay(self, router: zmq.Socket) -> None:
         frames = router.recv_multipart()

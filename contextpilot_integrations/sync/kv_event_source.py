@@ -59,6 +59,16 @@ class KVEventCacheState:
             self.mirror.register_request(request.rid, request.token_ids)
         return []
 
+    def touch(self, rid: str) -> bool:
+        """Cache hits are the engine's business (its LRU, seen through its events): nothing
+        to do; returns whether ``rid`` is believed cached."""
+        return self.mirror.is_cached(rid)
+
+    def forget(self, rid: str) -> bool:
+        """Stop tracking ``rid`` without ``on_evict`` (e.g. the index dropped it by itself);
+        False if it was not tracked."""
+        return self.mirror.forget_request(rid)
+
     def start(self) -> None:
         """Start the subscriber thread (the engine may start later)."""
         if not self.subscriber.running:

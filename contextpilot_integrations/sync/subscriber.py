@@ -18,9 +18,12 @@ Sequence tracking, per rank:
 - first message (or first after a restart) with seq > 0: the batches before it are fetched
   from the replay socket starting at 0; when that fails the rank is resynchronised;
 - seq > expected: a gap; the missing range is fetched from the replay socket and applied in
-  order before the live batch (``repaired``); when replay is not configured, times out or no
-  longer holds the whole range, ``on_resync(rank)`` is called (the receiver forgets what it
-  believes cached on that rank), then the contiguous tail the replay did return is applied;
+  order before the live batch (``repaired``). The replay returns everything buffered from the
+  missing seq on, so the batches after the live one are applied at once too, and their live
+  copies (same seq, same payload) skipped: one replay covers every gap up to the publisher's
+  head. When replay is not configured, times out or no longer holds the whole range,
+  ``on_resync(rank)`` is called (the receiver forgets what it believes cached on that rank),
+  then the contiguous tail the replay did return is applied;
 - seq < expected: the publisher restarted (a new engine process, empty cache): ``on_resync``
   then the first-message rule;
 - after the SUB socket reconnects (a ZMQ socket monitor reports it), the new stream may have
@@ -111,6 +114,7 @@ class _RankStream:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.expected: int | None = None
+        self.joined = False  # the first batch received and the replay before it applied
         self.sub: zmq.Socket | None = None
         self.replay: zmq.Socket | None = None
         self.next_probe = 0.0
@@ -119,6 +123,8 @@ class _RankStream:
         self.connected = False
         self.suspect = False  # reconnected: the publisher may be a new process
         self.last_payload: bytes | None = None
+        # Batches applied from a replay that the SUB socket may still deliver: seq -> payload.
+        self.duplicates: dict[int, bytes] = {}
 
 
 class KVEventSubscriber:
@@ -136,7 +142,8 @@ class KVEventSubscriber:
             ``CacheMirror.apply_batch``.
         on_resync: ``on_resync(rank)`` when continuity is lost, e.g. ``CacheMirror.resync``.
         dp_size: number of data-parallel ranks to follow (ranks 0 .. dp_size - 1).
-        replay_timeout_s: how long a replay request may take before it counts as failed.
+        replay_timeout_s: how long the replay socket may stay silent (before its first answer
+            or between two) before the request counts as failed.
         poll_interval_s: longest wait between checks of the stop flag (bounds ``stop()``).
         idle_probe_interval_s: silence after which the replay socket is probed for missed
             batches (see the module docstring); None disables probing.
@@ -269,10 +276,13 @@ class KVEventSubscriber:
     def stats(self) -> dict[str, Any]:
         """Counters (received, applied, replayed, gaps, repaired, probes, resyncs, restarts,
         connects, disconnects, malformed, handler_errors, unknown_events), and per rank
-        ``expected_seq`` and ``connected`` (whether the SUB socket is connected now)."""
+        ``expected_seq``, ``joined`` (the first batch and the replay of what preceded it are
+        applied: the mirror reflects the engine) and ``connected`` (SUB socket connected now).
+        """
         out: dict[str, Any] = dict(self._counters)
         out["unknown_events"] = self._decoder.unknown_events
         out["expected_seq"] = [stream.expected for stream in self._streams]
+        out["joined"] = [stream.joined for stream in self._streams]
         out["connected"] = [stream.connected for stream in self._streams]
         return out
 
@@ -288,6 +298,9 @@ class KVEventSubscriber:
                 stream.sub = context.socket(zmq.SUB)
                 stream.sub.setsockopt(zmq.LINGER, 0)
                 stream.sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+                # ZMQ's default of 1,000 queued messages drops silently under a burst; the
+                # engines' PUB side queues 100,000 (SGLang and vLLM ``hwm``).
+                stream.sub.setsockopt(zmq.RCVHWM, 100_000)
                 stream.monitor = stream.sub.get_monitor_socket(
                     zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED
                 )
@@ -375,10 +388,28 @@ class KVEventSubscriber:
         if seq is None:
             self._count_malformed(stream, f"{len(frames)} frames / bad sequence frame")
             return
+        payload = frames[2]
         if stream.suspect:
             self._check_same_publisher(stream)
+        if stream.expected is not None and seq < stream.expected:
+            if stream.duplicates.pop(seq, None) == payload:
+                return  # already applied from a replay
+            self._counters["restarts"] += 1
+            logger.warning(
+                "KV events rank %d: seq went back from %d to %d: publisher restarted",
+                stream.rank,
+                stream.expected,
+                seq,
+            )
+            self._resync(stream)
+            stream.expected = None
+            stream.joined = False
+        stream.duplicates.clear()
         if stream.expected is None:
-            self._join(stream, seq)
+            stream.expected = seq
+            if seq > 0:  # batches 0 .. seq - 1 were missed
+                self._counters["gaps"] += 1
+                self._repair(stream, 0, seq)
         elif seq > stream.expected:
             self._counters["gaps"] += 1
             logger.info(
@@ -388,17 +419,9 @@ class KVEventSubscriber:
                 seq,
             )
             self._repair(stream, stream.expected, seq)
-        elif seq < stream.expected:
-            self._counters["restarts"] += 1
-            logger.warning(
-                "KV events rank %d: seq went back from %d to %d: publisher restarted",
-                stream.rank,
-                stream.expected,
-                seq,
-            )
-            self._resync(stream)
-            self._join(stream, seq)
-        self._apply(stream, seq, frames[2])
+        if seq >= stream.expected:  # else the repair applied it from the replay
+            self._apply(stream, seq, payload)
+        stream.joined = True
 
     def _check_same_publisher(self, stream: _RankStream) -> None:
         """After a reconnect: compare the publisher's batch ``expected - 1`` with the payload
@@ -420,35 +443,36 @@ class KVEventSubscriber:
         )
         self._resync(stream)
         stream.expected = None
+        stream.joined = False
         stream.last_payload = None
-
-    def _join(self, stream: _RankStream, seq: int) -> None:
-        """First message of a stream: batches 0 .. seq - 1 were missed."""
-        stream.expected = seq
-        if seq > 0:
-            self._counters["gaps"] += 1
-            self._repair(stream, 0, seq)
+        stream.duplicates.clear()
 
     def _repair(self, stream: _RankStream, start: int, end: int) -> None:
-        """Fetch and apply batches ``start .. end - 1``; resync when they cannot all be had."""
+        """Fill batches ``start .. end - 1`` (``end``: the live batch in hand) from the replay
+        socket; resync when they cannot all be had.
+
+        The replay returns every buffered batch from ``start`` on, also those after ``end``
+        that the SUB socket will deliver again: they are applied at once (one replay covers
+        every gap up to the publisher's head) and their live copies are skipped.
+        """
         replayed = self._request_replay(stream, start) if stream.replay_endpoint else None
-        if replayed is not None and all(seq in replayed for seq in range(start, end)):
-            self._apply_run(stream, replayed, start, end)
+        replayed = replayed or {}
+        run_start = end
+        while run_start > start and run_start - 1 in replayed:
+            run_start -= 1
+        if run_start == start:
             self._counters["repaired"] += 1
-            return
-        logger.warning(
-            "KV events rank %d: batches %d..%d could not be replayed; resynchronising",
-            stream.rank,
-            start,
-            end - 1,
-        )
-        self._resync(stream)
-        # What the replay still returned up to the live batch is a true (partial) history.
-        tail_start = end
-        while replayed is not None and tail_start - 1 in replayed and tail_start > start:
-            tail_start -= 1
-        if replayed is not None:
-            self._apply_run(stream, replayed, tail_start, end)
+        else:
+            logger.warning(
+                "KV events rank %d: batches %d..%d could not be replayed; resynchronising",
+                stream.rank,
+                start,
+                run_start - 1,
+            )
+            self._resync(stream)
+        # After a resync, what the replay returned up to the live batch is still a true
+        # (partial) history, so it is applied too.
+        self._apply_replayed(stream, replayed, run_start, live=end)
 
     def _probing(self, stream: _RankStream) -> bool:
         return self._idle_probe_s is not None and stream.replay_endpoint is not None
@@ -468,7 +492,7 @@ class KVEventSubscriber:
             stream.probe_backoff_s = self._idle_probe_s
         stream.next_probe = time.monotonic() + stream.probe_backoff_s
         newer = sorted(seq for seq in (replayed or {}) if seq >= start)
-        if not newer:
+        if not newer or replayed is None:
             return
         self._counters["gaps"] += 1
         if newer[0] == start:
@@ -482,17 +506,21 @@ class KVEventSubscriber:
                 newer[0],
             )
             self._resync(stream)
-        end = newer[0]
-        while end in replayed:  # type: ignore[operator]
-            end += 1
-        self._apply_run(stream, replayed, newer[0], end)  # type: ignore[arg-type]
+        self._apply_replayed(stream, replayed, newer[0], live=newer[0] - 1)
+        stream.joined = True
 
-    def _apply_run(
-        self, stream: _RankStream, replayed: dict[int, bytes], start: int, end: int
+    def _apply_replayed(
+        self, stream: _RankStream, replayed: dict[int, bytes], start: int, *, live: int
     ) -> None:
-        for seq in range(start, end):
+        """Apply the contiguous run of replayed batches from ``start``; remember those after
+        ``live`` (the newest seq the SUB socket delivered) to skip their live copies."""
+        seq = start
+        while seq in replayed:
             self._counters["replayed"] += 1
             self._apply(stream, seq, replayed[seq])
+            if seq > live:
+                stream.duplicates[seq] = replayed[seq]
+            seq += 1
 
     def _request_replay(
         self,
@@ -510,6 +538,8 @@ class KVEventSubscriber:
             stream.replay.setsockopt(zmq.SNDTIMEO, 0)
             stream.replay.connect(stream.replay_endpoint)
         socket = stream.replay
+        # An inactivity timeout: a long replay (up to the publisher's whole buffer) is fine as
+        # long as frames keep coming.
         timeout_s = self._replay_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         batches: dict[int, bytes] = {}
@@ -520,6 +550,7 @@ class KVEventSubscriber:
                 if remaining_ms <= 0 or not socket.poll(remaining_ms):
                     raise TimeoutError(f"no end marker within {timeout_s} s")
                 frames = socket.recv_multipart()
+                deadline = time.monotonic() + timeout_s
                 if frames and frames[0] == b"":
                     frames = frames[1:]
                 # (seq, payload) or (topic, seq, payload): see the module docstring.

@@ -70,10 +70,13 @@ def test_kv_event_source_follows_the_engine_into_the_index(endpoints, wait_for) 
             # Nothing else is published: the idle probe fetches the batch from the replay
             # socket if the subscription missed it.
             wait_for(lambda: source.stats()["mirror"]["attributed_requests"] == 2)
+            assert source.touch("by-tokens") and not source.touch("unknown")
+            assert source.stats()["subscriber"]["joined"] == [True]
             engine.publish(KVEventBatch(ts=time.time(), events=[BlockRemoved([11])]))
             wait_for(lambda: index.rids() == ["by-session"])
             engine.publish(KVEventBatch(ts=time.time(), events=[BlockRemoved([20])]))
             wait_for(lambda: index.rids() == [])
+            assert not source.forget("by-session")  # already evicted
     finally:
         source.stop()
     assert source.stats()["subscriber"]["malformed"] == 0
