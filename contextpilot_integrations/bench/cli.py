@@ -3,6 +3,11 @@
 With no arguments: MultiHop-RAG (500 questions), offline (one batch, ContextPilot's schedule),
 BM25 top-10, on the embedded prefix-cache model with a capacity of 5% of the workload's unique
 block tokens; prints the table and writes ``results/multihop-rag-offline.png``.
+
+``--workload mtrag-conversations`` replays MTRAG-UN conversations turn by turn, the whole
+conversation so far in every prompt (:mod:`~contextpilot_integrations.bench.multiturn`), with the
+methods ``baseline``, ``alignment`` and ``alignment+dedup`` on an unlimited cache by default;
+``--sessions 2,8,32`` interleaves that many conversations at a time (one run per value).
 """
 
 from __future__ import annotations
@@ -25,6 +30,18 @@ from contextpilot_integrations.bench.methods import (
     resolve_cache_tokens,
     run_methods,
 )
+from contextpilot_integrations.bench.multiturn import (
+    MULTITURN_COLUMNS,
+    MULTITURN_METHODS,
+    MULTITURN_WORKLOADS,
+    PREFILL_TARGET,
+    RETRIEVAL_QUERIES,
+    MultiTurnResult,
+    prepare_conversations,
+    run_multiturn,
+    summarize_multiturn,
+    write_multiturn_json,
+)
 from contextpilot_integrations.bench.report import (
     format_table,
     plot_results,
@@ -37,10 +54,12 @@ from contextpilot_integrations.core.blocks import (
     TokenCounter,
     TokenizerCounter,
 )
+from contextpilot_integrations.core.rendering import PromptLayout
 
 __all__ = ["build_parser", "main"]
 
 DEFAULT_CACHE_TOKENS = "0.05"
+DEFAULT_MULTITURN_CACHE_TOKENS = "unlimited"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-tokens",
         default=None,
         help="embedded cache capacity: an int is tokens, a decimal (0.05) a fraction of the "
-        f"workload's unique block tokens, 'unlimited' no limit (default {DEFAULT_CACHE_TOKENS})",
+        f"workload's unique block tokens, 'unlimited' no limit (default {DEFAULT_CACHE_TOKENS}; "
+        f"{DEFAULT_MULTITURN_CACHE_TOKENS} for a multi-turn workload)",
     )
     parser.add_argument(
         "--block-size",
@@ -79,8 +99,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--methods",
-        default=",".join(METHODS),
-        help=f"comma-separated, from {', '.join(METHODS)} (default: all)",
+        help=f"comma-separated, from {', '.join(METHODS)}; for a multi-turn workload from "
+        f"{', '.join(MULTITURN_METHODS)} (default: all)",
+    )
+    parser.add_argument(
+        "--sessions",
+        default="1",
+        help="multi-turn workloads: conversations open at a time, their turns sent round robin; "
+        "comma-separated for one run per value, e.g. 2,8,32 (default 1: one after the other)",
+    )
+    parser.add_argument(
+        "--history-turns",
+        type=int,
+        help="multi-turn workloads: earlier turns each prompt keeps, the latest ones "
+        "(default: the whole conversation)",
+    )
+    parser.add_argument(
+        "--retrieval-query",
+        choices=RETRIEVAL_QUERIES,
+        default="turn",
+        help="multi-turn workloads: retrieve for the new user turn (default) or for the user "
+        "turns so far, joined",
     )
     parser.add_argument("--limit", type=int, help="only the first N requests")
     parser.add_argument(
@@ -120,14 +159,28 @@ def _load_tokenizer(path: str) -> TokenizerCounter:
     return TokenizerCounter(Tokenizer.from_file(path))
 
 
-def _parse_methods(text: str) -> list[str]:
+def _parse_methods(text: str | None, allowed: Sequence[str]) -> list[str]:
+    if text is None:
+        return list(allowed)
     methods = [m.strip() for m in text.split(",") if m.strip()]
     if not methods:
         raise ValueError(f"--methods is empty: {text!r}")
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in allowed]
     if unknown:
-        raise ValueError(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
+        raise ValueError(f"--methods: unknown {unknown}; choose from {list(allowed)}")
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"--methods must not repeat, got {methods}")
     return methods
+
+
+def _parse_sessions(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--sessions must be integers separated by commas, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"--sessions must be integers >= 1, got {text!r}")
+    return values
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,7 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    methods = _parse_methods(args.methods)
+    if args.workload in MULTITURN_WORKLOADS:
+        return _run_multiturn(args)
+    methods = _parse_methods(args.methods, METHODS)
     if args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
@@ -170,43 +225,9 @@ def _run(args: argparse.Namespace) -> int:
         "token_counter": repr(counter) if tokenizer is None else f"tokenizer {args.tokenizer}",
         "unique_block_tokens": prepared.unique_block_tokens,
     }
-    client: EngineClient | None = None
-    if args.engine_url:
-        if args.cache_tokens is not None:
-            logging.getLogger(__name__).warning(
-                "--cache-tokens is ignored with --engine-url: the engine's memory decides"
-            )
-        client = EngineClient(args.engine_url, model=args.model, api_key=args.api_key)
-        engine_client = client
-
-        def engine_factory() -> Engine:
-            engine_client.flush_cache()
-            return OpenAIEngine(engine_client, prepared.layout)
-
-        run.update(engine=args.engine_url, model=client.model)
-        engine_line = f"engine: {args.engine_url} (model {client.model})"
-    else:
-        spec = parse_cache_tokens(args.cache_tokens or DEFAULT_CACHE_TOKENS)
-        capacity = resolve_cache_tokens(spec, prepared.unique_block_tokens)
-        run.update(
-            engine="embedded",
-            cache_tokens_arg=args.cache_tokens or DEFAULT_CACHE_TOKENS,
-            cache_tokens=capacity,
-            block_size=args.block_size,
-        )
-        engine_factory = _embedded_factory(capacity, counter, tokenizer, args.block_size)
-        if capacity is None:
-            size = "unlimited"
-        elif isinstance(spec, float):
-            size = (
-                f"{capacity:,} tokens ({spec:g} of {prepared.unique_block_tokens:,} unique "
-                "block tokens)"
-            )
-        else:
-            size = f"{capacity:,} tokens"
-        engine_line = (
-            f"engine: embedded prefix-cache model, capacity {size}, block size {args.block_size}"
-        )
+    client, engine_factory, engine_line = _engines(
+        args, run, prepared.layout, counter, tokenizer, prepared.unique_block_tokens
+    )
     try:
         results = run_methods(
             methods,
@@ -239,6 +260,156 @@ def _run(args: argparse.Namespace) -> int:
         plot_path = args.plot or f"results/{workload.name}-{args.mode}.png"
         title = f"{workload.name}, {args.mode}, k={args.k}, {engine_line.removeprefix('engine: ')}"
         print(f"wrote {plot_results(plot_path, results, title)}")
+    return 0
+
+
+def _engines(
+    args: argparse.Namespace,
+    run: dict[str, object],
+    layout: PromptLayout,
+    counter: TokenCounter,
+    tokenizer: TokenizerCounter | None,
+    unique_block_tokens: int,
+    default_cache: str = DEFAULT_CACHE_TOKENS,
+) -> tuple[EngineClient | None, Callable[[], Engine], str]:
+    """The engine factory of a run (a real engine with ``--engine-url``, else the embedded
+    cache model), the client to close, and the line describing the engine; adds the engine
+    settings to ``run``."""
+    if args.engine_url:
+        if args.cache_tokens is not None:
+            logging.getLogger(__name__).warning(
+                "--cache-tokens is ignored with --engine-url: the engine's memory decides"
+            )
+        client = EngineClient(args.engine_url, model=args.model, api_key=args.api_key)
+
+        def engine_factory() -> Engine:
+            client.flush_cache()
+            return OpenAIEngine(client, layout)
+
+        run.update(engine=args.engine_url, model=client.model)
+        return client, engine_factory, f"engine: {args.engine_url} (model {client.model})"
+    spec = parse_cache_tokens(args.cache_tokens or default_cache)
+    capacity = resolve_cache_tokens(spec, unique_block_tokens)
+    run.update(
+        engine="embedded",
+        cache_tokens_arg=args.cache_tokens or default_cache,
+        cache_tokens=capacity,
+        block_size=args.block_size,
+    )
+    if capacity is None:
+        size = "unlimited"
+    elif isinstance(spec, float):
+        size = f"{capacity:,} tokens ({spec:g} of {unique_block_tokens:,} unique block tokens)"
+    else:
+        size = f"{capacity:,} tokens"
+    line = f"engine: embedded prefix-cache model, capacity {size}, block size {args.block_size}"
+    return None, _embedded_factory(capacity, counter, tokenizer, args.block_size), line
+
+
+def _run_multiturn(args: argparse.Namespace) -> int:
+    """The multi-turn replay: one run per ``--sessions`` value, each method through a fresh
+    engine; prints the table and the prefill target, writes JSON and plots."""
+    methods = _parse_methods(args.methods, MULTITURN_METHODS)
+    sessions = _parse_sessions(args.sessions)
+    if args.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
+    if args.history_turns is not None and args.history_turns < 0:
+        raise ValueError(f"--history-turns must be >= 0, got {args.history_turns}")
+    tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
+    counter: TokenCounter = tokenizer if tokenizer is not None else ApproxTokenCounter()
+    workload = load_workload(args.workload, args.data_dir).head(args.limit)
+    started = time.perf_counter()
+    prepared = prepare_conversations(
+        workload, args.k, counter=counter, retrieval_query=args.retrieval_query
+    )
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    repeats = prepared.repeat_share
+    history = "all earlier turns" if args.history_turns is None else f"last {args.history_turns}"
+    run: dict[str, object] = {
+        "workload": workload.name,
+        "conversations": len(prepared.conversations),
+        "requests": prepared.turns,
+        "documents": len(workload.corpus),
+        "k": args.k,
+        "retrieval_query": args.retrieval_query,
+        "history_turns": args.history_turns,
+        "sessions": sessions,
+        "methods": methods,
+        "token_counter": repr(counter) if tokenizer is None else f"tokenizer {args.tokenizer}",
+        "unique_block_tokens": prepared.unique_block_tokens,
+        "repeat_share": {
+            "blocks": repeats.blocks,
+            "repeated_blocks": repeats.repeated_blocks,
+            "tokens": repeats.tokens,
+            "repeated_tokens": repeats.repeated_tokens,
+        },
+    }
+    client, engine_factory, engine_line = _engines(
+        args,
+        run,
+        prepared.layout,
+        counter,
+        tokenizer,
+        prepared.unique_block_tokens,
+        DEFAULT_MULTITURN_CACHE_TOKENS,
+    )
+    results: list[MultiTurnResult] = []
+    try:
+        for n in sessions:
+            for method in methods:
+                results.append(
+                    run_multiturn(
+                        method,
+                        prepared,
+                        engine_factory=engine_factory,
+                        sessions=n,
+                        history_turns=args.history_turns,
+                        progress=progress,
+                    )
+                )
+    finally:
+        if client is not None:
+            client.close()
+    run["seconds"] = round(time.perf_counter() - started, 3)
+
+    query = "the new user turn" if args.retrieval_query == "turn" else "the user turns so far"
+    print(
+        f"workload {workload.name}: {len(prepared.conversations):,} conversations, "
+        f"{prepared.turns:,} turns, {len(workload.corpus):,} documents, BM25 top-{args.k} for "
+        f"{query}; prompts hold {history}"
+    )
+    print(
+        "retrieved blocks an earlier turn of the same conversation also retrieved: "
+        f"{repeats.repeated_blocks:,} of {repeats.blocks:,} ({100 * repeats.block_share:.1f}%), "
+        f"{100 * repeats.token_share:.1f}% of their tokens"
+    )
+    print(engine_line)
+    print()
+    rows = summarize_multiturn(results)
+    print(format_table(rows, MULTITURN_COLUMNS))
+    print()
+    unlimited = args.engine_url is None and run.get("cache_tokens") is None
+    setting = "" if unlimited and args.k == 10 else " (the target is for k=10, unlimited cache)"
+    for row in rows:
+        if row["method"] == "alignment+dedup" and row["prefill_vs_baseline"] is not None:
+            verdict = "ok" if row["prefill_vs_baseline"] <= PREFILL_TARGET else "MISSED"
+            print(
+                f"sessions {row['sessions']}: alignment+dedup prefill tokens = "
+                f"{row['prefill_vs_baseline']:.3f} of the baseline's "
+                f"(target <= {PREFILL_TARGET}: {verdict}){setting}"
+            )
+    if args.out:
+        print(f"wrote {write_multiturn_json(args.out, run, results)}")
+    if not args.no_plot:
+        base = Path(args.plot or f"results/{workload.name}.png")
+        for n in sessions:
+            path = base if len(sessions) == 1 else base.with_stem(f"{base.stem}-sessions{n}")
+            title = (
+                f"{workload.name}, {n} session(s) at a time, k={args.k}, "
+                f"{engine_line.removeprefix('engine: ')}"
+            )
+            chosen = [r.result for r in results if r.sessions == n]
+            print(f"wrote {plot_results(path, chosen, title)}")
     return 0
 
 

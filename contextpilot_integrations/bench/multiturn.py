@@ -1,0 +1,588 @@
+"""Multi-turn replay: each conversation turn by turn, every prompt holding the conversation so far.
+
+Workload ``mtrag-conversations`` (:mod:`~contextpilot_integrations.bench.workloads`): the 507
+MTRAG-UN conversations, their 2,191 user turns in order. Turn ``t`` retrieves the top-``k`` BM25
+blocks of its collection (:mod:`~contextpilot_integrations.bench.retrieval`) for the new user
+turn (``retrieval_query="turn"``, the default) or for the user turns so far joined by spaces
+(``"conversation"``, the input of MTRAG's own ``questions`` retrieval task). Its prompt is what a
+chat application sends today, the whole conversation so far, then the new turn::
+
+    [system prompt]
+    [### Turn 1\\n][block 1]...[block n][hints][annotation][Question: q1\\nAnswer:][ a1\\n]
+    ...
+    [### Turn t\\n][block 1]...[block n][hints][annotation][Question: qt\\nAnswer:]
+
+Each earlier turn is rendered exactly as it was sent (its blocks, hints, annotation and
+question, :meth:`PromptLayout.render_segments`), followed by the agent's answer recorded in the
+data (``Request.answer``). So the prompt of turn ``t - 1`` is a byte-identical prefix of the
+prompt of turn ``t`` and the engine's prefix cache reuses it (RadixAttention, Zheng et al. 2024).
+The answer segment starts with a space after ``Answer:`` and ends with a newline before the next
+``###``: pre-tokenizers of the GPT-2 / Llama 3 family cut at both, so the prefix is stable in
+tokens too. With ``history_turns=n`` the application keeps only the last ``n`` earlier turns
+(then the prefix moves as the window slides).
+
+Methods (one fresh engine, and one fresh :class:`ContextPilot`, per method):
+
+``baseline``
+    Each turn's blocks in retriever order, no annotation, no de-duplication.
+``alignment``
+    :meth:`ContextPilot.plan` per turn without a conversation id: blocks ordered against the
+    context index, the order annotation, no de-duplication.
+``alignment+dedup``
+    The same with ``conversation_id`` (the MTRAG conversation id) and ``turn`` (the turn
+    number): a block an earlier turn already shows is replaced by a location hint naming the
+    turn and label where it stands, repeated sub-blocks by pointers (ContextPilot paper,
+    "multi-turn de-duplication"; :mod:`~contextpilot_integrations.core.dedup`).
+
+The context index mirrors prompts whose blocks follow the system prompt and the first turn's
+header: only those can share a cached prefix with another conversation. A later turn's blocks
+sit behind its own conversation's history in the engine's cache, so its request is taken out of
+the index right after planning (:meth:`ContextPilot.evict`; its blocks still count for the
+popularity order). With a limited cache, request ids the engine model evicts are passed to
+:meth:`ContextPilot.evict` (paper, section 4.3).
+
+Interleaving (``sessions=N``): ``N`` conversations are open at a time; each round sends the next
+turn of every open conversation in turn, and a finished conversation's slot goes to the next one
+in file order (the paper's hybrid multi-session setting). ``N=1`` replays conversations one
+after the other.
+
+Figures (:func:`summarize_multiturn`): prompt tokens, cached tokens, prefill tokens (prompt
+minus cached), hit ratio, prefill against the baseline's, the median planning time per request,
+and the de-duplication counts; :attr:`PreparedConversations.repeat_share` is the share of
+retrieved blocks that an earlier turn of the same conversation also retrieved.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from contextpilot_integrations.bench.methods import (
+    EmbeddedEngine,
+    Engine,
+    MethodResult,
+    RequestRecord,
+)
+from contextpilot_integrations.bench.report import summarize
+from contextpilot_integrations.bench.retrieval import ScopedBM25
+from contextpilot_integrations.bench.workloads import Request, Workload
+from contextpilot_integrations.core.blocks import TokenCounter, block_id
+from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.pilot import ContextPilot, Plan
+from contextpilot_integrations.core.rendering import PromptLayout
+
+__all__ = [
+    "ANSWER_TEMPLATE",
+    "MULTITURN_METHODS",
+    "MULTITURN_WORKLOADS",
+    "PREFILL_TARGET",
+    "RETRIEVAL_QUERIES",
+    "TURN_HEADER",
+    "MultiTurnResult",
+    "PreparedConversations",
+    "RepeatShare",
+    "ReplayTurn",
+    "ReplayedTurn",
+    "interleave",
+    "prepare_conversations",
+    "replay",
+    "run_multiturn",
+    "summarize_multiturn",
+    "write_multiturn_json",
+]
+
+logger = logging.getLogger(__name__)
+
+MULTITURN_METHODS = ("baseline", "alignment", "alignment+dedup")
+MULTITURN_WORKLOADS = ("mtrag-conversations",)
+RETRIEVAL_QUERIES = ("turn", "conversation")
+TURN_HEADER = "### Turn {turn}\n"
+"""Opens each turn of the prompt; the hints name turns by these numbers."""
+ANSWER_TEMPLATE = " {answer}\n"
+"""The recorded answer after an earlier turn's ``Answer:`` (stripped of outer whitespace)."""
+PREFILL_TARGET = 0.6
+"""Issue 3: prefill tokens with de-duplication at most this share of the baseline's
+(``mtrag-conversations``, k=10, unlimited cache)."""
+
+
+# --- the prepared conversations ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayTurn:
+    """One user turn with its retrieval done.
+
+    Attributes:
+        request_index: position of the request in the workload's arrival order.
+        request_id: the workload's request id.
+        conversation_id: the conversation.
+        number: 1-based turn number within the conversation (the prompt's ``### Turn n``).
+        question: the user's turn, rendered as the question.
+        answer: the agent's recorded answer (shown in later turns' history), or ``None``.
+        blocks: the retrieved block texts in retriever order (best first).
+    """
+
+    request_index: int
+    request_id: str
+    conversation_id: str
+    number: int
+    question: str
+    answer: str | None
+    blocks: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RepeatShare:
+    """Retrieved blocks that an earlier turn of the same conversation also retrieved.
+
+    Counted per turn over its distinct block texts; tokens by the run's token counter.
+    """
+
+    blocks: int
+    repeated_blocks: int
+    tokens: int
+    repeated_tokens: int
+
+    @property
+    def block_share(self) -> float:
+        return self.repeated_blocks / self.blocks if self.blocks else 0.0
+
+    @property
+    def token_share(self) -> float:
+        return self.repeated_tokens / self.tokens if self.tokens else 0.0
+
+
+@dataclass
+class PreparedConversations:
+    """A conversation workload with its retrieval done, shared by all methods of a run.
+
+    Attributes:
+        workload: the workload.
+        k: blocks retrieved per turn.
+        retrieval_query: ``"turn"`` or ``"conversation"`` (see the module docstring).
+        conversations: each conversation's turns in order; conversations in first-seen order.
+        layout: the prompt layout every method renders with.
+        counter: the token counter every method counts with.
+    """
+
+    workload: Workload
+    k: int
+    retrieval_query: str
+    conversations: list[list[ReplayTurn]]
+    layout: PromptLayout
+    counter: TokenCounter
+
+    @property
+    def turns(self) -> int:
+        """Number of turns (requests) in all conversations."""
+        return sum(len(c) for c in self.conversations)
+
+    @property
+    def unique_block_tokens(self) -> int:
+        """Sum of the token counts of the distinct retrieved block texts."""
+        texts = {b for conv in self.conversations for turn in conv for b in turn.blocks}
+        return sum(self.counter.count(t) for t in texts)
+
+    @property
+    def repeat_share(self) -> RepeatShare:
+        """The share of retrieved blocks an earlier turn of the same conversation retrieved."""
+        blocks = repeated = tokens = repeated_tokens = 0
+        for conversation in self.conversations:
+            earlier: set[int] = set()
+            for turn in conversation:
+                this_turn = {block_id(b): b for b in turn.blocks}
+                for bid, text in this_turn.items():
+                    count = self.counter.count(text)
+                    blocks += 1
+                    tokens += count
+                    if bid in earlier:
+                        repeated += 1
+                        repeated_tokens += count
+                earlier |= this_turn.keys()
+        return RepeatShare(blocks, repeated, tokens, repeated_tokens)
+
+
+def prepare_conversations(
+    workload: Workload,
+    k: int,
+    *,
+    counter: TokenCounter,
+    layout: PromptLayout | None = None,
+    retrieval_query: str = "turn",
+) -> PreparedConversations:
+    """Group the workload's requests into conversations and retrieve each turn's top-``k``.
+
+    Turns are numbered 1, 2, ... in arrival order within their conversation.
+
+    Raises:
+        ValueError: a request without ``conversation_id``, an unknown ``retrieval_query``,
+            ``k <= 0``.  TypeError: ``k`` is not an int.
+    """
+    if retrieval_query not in RETRIEVAL_QUERIES:
+        raise ValueError(
+            f"retrieval_query must be one of {RETRIEVAL_QUERIES}, got {retrieval_query!r}"
+        )
+    grouped: dict[str, list[tuple[int, Request]]] = {}
+    for i, request in enumerate(workload.requests):
+        if request.conversation_id is None:
+            raise ValueError(
+                f"workload {workload.name!r}: request {request.id!r} has no conversation_id; "
+                "a multi-turn replay needs one per request"
+            )
+        grouped.setdefault(request.conversation_id, []).append((i, request))
+    retriever = ScopedBM25(workload)
+    conversations: list[list[ReplayTurn]] = []
+    for conversation_id, requests in grouped.items():
+        turns: list[ReplayTurn] = []
+        asked: list[str] = []
+        for number, (i, request) in enumerate(requests, start=1):
+            asked.append(request.query)
+            query = request
+            if retrieval_query == "conversation":
+                query = Request(request.id, " ".join(asked), conversation_id, request.scope)
+            blocks = tuple(d.text for d in retriever.retrieve(query, k))
+            turns.append(
+                ReplayTurn(
+                    i, request.id, conversation_id, number, request.query, request.answer, blocks
+                )
+            )
+        conversations.append(turns)
+    logger.info(
+        "prepared %d conversations, %d turns, top-%d by %s",
+        len(conversations),
+        len(workload.requests),
+        k,
+        retrieval_query,
+    )
+    return PreparedConversations(
+        workload, k, retrieval_query, conversations, layout or PromptLayout(), counter
+    )
+
+
+def interleave(conversations: Sequence[Sequence[ReplayTurn]], sessions: int) -> list[ReplayTurn]:
+    """The send order with ``sessions`` conversations open at a time (round robin).
+
+    Each round sends the next turn of every open conversation, in the order they were opened; a
+    finished conversation's slot goes to the next unopened one before the next round.
+
+    Returns:
+        Every turn once; each conversation's turns in their own order.
+
+    Raises:
+        TypeError: ``sessions`` is not an int.  ValueError: ``sessions < 1``.
+    """
+    if isinstance(sessions, bool) or not isinstance(sessions, int):
+        raise TypeError(f"sessions must be an int, got {type(sessions).__name__}: {sessions!r}")
+    if sessions < 1:
+        raise ValueError(f"sessions must be >= 1, got {sessions}")
+    waiting = deque(c for c in conversations if c)
+    open_: list[deque[ReplayTurn]] = []
+    order: list[ReplayTurn] = []
+    while waiting or open_:
+        while len(open_) < sessions and waiting:
+            open_.append(deque(waiting.popleft()))
+        for conversation in open_:
+            order.append(conversation.popleft())
+        open_ = [c for c in open_ if c]
+    return order
+
+
+# --- the replay -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplayedTurn:
+    """One turn's prompt as a method sends it.
+
+    Attributes:
+        turn: the turn.
+        rid: the request id sent to the engine.
+        segments: the whole prompt: ``[system, <each earlier turn the prompt holds: header,
+            blocks..., tail, answer>, header, blocks..., tail]``; ``"".join(segments)`` is the
+            plain-text prompt (the chat form puts everything after the system prompt in one user
+            message).
+        turns: the turn numbers the prompt holds, in order (the last is ``turn.number``).
+        starts: index in ``segments`` of each of those turns' header.
+        plan: the ContextPilot plan of this turn (``None`` for the baseline).
+        plan_seconds: wall time of planning it (``plan`` and the index bookkeeping).
+    """
+
+    turn: ReplayTurn
+    rid: str
+    segments: list[str]
+    turns: tuple[int, ...]
+    starts: tuple[int, ...]
+    plan: Plan | None
+    plan_seconds: float
+
+
+def _answer_segment(answer: str | None) -> str:
+    return ANSWER_TEMPLATE.format(answer=answer.strip()) if answer is not None else "\n"
+
+
+def _check_method(method: str) -> None:
+    if method not in MULTITURN_METHODS:
+        raise ValueError(f"method must be one of {MULTITURN_METHODS}, got {method!r}")
+
+
+def replay(
+    prepared: PreparedConversations,
+    method: str,
+    *,
+    sessions: int = 1,
+    pilot: ContextPilot | None = None,
+    history_turns: int | None = None,
+) -> Iterator[ReplayedTurn]:
+    """Build every turn's prompt, in the send order of :func:`interleave`.
+
+    Lazy: each turn is planned when it is asked for, so a caller can pass the engine's
+    evictions to ``pilot`` between turns.
+
+    Args:
+        prepared: the conversations.
+        method: one of :data:`MULTITURN_METHODS`.
+        sessions: conversations open at a time.
+        pilot: the ContextPilot of ``alignment`` / ``alignment+dedup`` (default: a new one with
+            the run's layout and counter); ignored by the baseline.
+        history_turns: earlier turns the prompt keeps (the last ones); ``None``: all.
+
+    Yields:
+        One :class:`ReplayedTurn` per turn.
+
+    Raises:
+        ValueError: unknown method, ``sessions < 1`` or ``history_turns < 0``.
+    """
+    _check_method(method)
+    if history_turns is not None and (isinstance(history_turns, bool) or history_turns < 0):
+        raise ValueError(f"history_turns must be None or an int >= 0, got {history_turns!r}")
+    order = interleave(prepared.conversations, sessions)
+    layout = prepared.layout
+    if method != "baseline" and pilot is None:
+        pilot = ContextPilot(layout=layout, token_counter=prepared.counter)
+    dedup = method == "alignment+dedup"
+    visibility = None if history_turns is None else TurnVisibility.last(history_turns)
+    # conversation -> (turn number, segments: header, blocks..., tail, answer) of sent turns
+    sent: dict[str, list[tuple[int, list[str]]]] = {}
+    for turn in order:
+        earlier = sent.setdefault(turn.conversation_id, [])
+        shown = (
+            earlier if history_turns is None else earlier[max(0, len(earlier) - history_turns) :]
+        )
+        rid = f"{method}-{turn.request_id}"
+        plan: Plan | None = None
+        elapsed = 0.0
+        if pilot is None:
+            own = layout.render_segments(list(turn.blocks), turn.question)
+        else:
+            start = time.perf_counter()
+            plan = pilot.plan(
+                turn.question,
+                list(turn.blocks),
+                rid=rid,
+                conversation_id=turn.conversation_id if dedup else None,
+                turn=turn.number if dedup else None,
+                visibility=visibility if dedup else None,
+            )
+            if shown or turn.number != 1:
+                # Not at the root of the engine's cache: nothing else can share its prefix.
+                pilot.evict(plan.rid)
+            elapsed = time.perf_counter() - start
+            own = plan.segments
+        header = TURN_HEADER.format(turn=turn.number)
+        segments = [own[0]]
+        starts: list[int] = []
+        for _, group in shown:
+            starts.append(len(segments))
+            segments.extend(group)
+        starts.append(len(segments))
+        segments.append(header)
+        segments.extend(own[1:])
+        turns = (*(number for number, _ in shown), turn.number)
+        yield ReplayedTurn(turn, rid, segments, turns, tuple(starts), plan, elapsed)
+        earlier.append((turn.number, [header, *own[1:], _answer_segment(turn.answer)]))
+
+
+# --- running a method through an engine -------------------------------------------------------
+
+
+@dataclass
+class MultiTurnResult:
+    """One method's multi-turn run.
+
+    Attributes:
+        result: the per-request records (send order), planning time and cache counters.
+        sessions: conversations open at a time.
+        plan_ms: planning time per request in milliseconds (empty for the baseline).
+        dedup: the de-duplication figures summed over the requests (``Plan.dedup`` keys).
+        evicted_from_index: engine evictions passed to :meth:`ContextPilot.evict` that
+            removed a request the index still held.
+    """
+
+    result: MethodResult
+    sessions: int
+    plan_ms: list[float] = field(default_factory=list)
+    dedup: dict[str, int] = field(default_factory=dict)
+    evicted_from_index: int = 0
+
+    @property
+    def method(self) -> str:
+        return self.result.method
+
+
+def run_multiturn(
+    method: str,
+    prepared: PreparedConversations,
+    *,
+    engine_factory: Callable[[], Engine],
+    sessions: int = 1,
+    history_turns: int | None = None,
+    pilot_factory: Callable[[], ContextPilot] | None = None,
+    progress: bool = False,
+) -> MultiTurnResult:
+    """Replay the conversations with one method through a fresh engine.
+
+    Args:
+        method: one of :data:`MULTITURN_METHODS`.
+        prepared: the conversations.
+        engine_factory: returns a fresh (empty-cache) engine.
+        sessions: conversations open at a time (:func:`interleave`).
+        history_turns: earlier turns each prompt keeps (``None``: all).
+        pilot_factory: returns a fresh ContextPilot (default: the run's layout and counter).
+        progress: show a tqdm progress bar on stderr.
+
+    Returns:
+        The :class:`MultiTurnResult`.
+
+    Raises:
+        ValueError: unknown method, ``sessions < 1`` or ``history_turns < 0``.
+    """
+    _check_method(method)
+    pilot = None
+    if method != "baseline":
+        pilot = (
+            pilot_factory()
+            if pilot_factory is not None
+            else ContextPilot(layout=prepared.layout, token_counter=prepared.counter)
+        )
+    engine = engine_factory()
+    records: list[RequestRecord] = []
+    plan_ms: list[float] = []
+    dedup: dict[str, int] = {}
+    evicted = 0
+    turns = replay(prepared, method, sessions=sessions, pilot=pilot, history_turns=history_turns)
+    label = f"{method} x{sessions}"
+    with tqdm(
+        total=prepared.turns, desc=label, unit="req", disable=not progress, leave=False
+    ) as bar:
+        for sent in turns:
+            served = engine.serve(sent.rid, sent.segments)
+            records.append(
+                RequestRecord(
+                    sent.turn.request_index,
+                    sent.rid,
+                    served.prompt_tokens,
+                    served.cached_tokens,
+                    served.ttft_s,
+                )
+            )
+            if sent.plan is not None and pilot is not None:
+                start = time.perf_counter()
+                evicted += sum(pilot.evict(rid) for rid in engine.take_evicted_rids())
+                plan_ms.append(1000 * (sent.plan_seconds + time.perf_counter() - start))
+                for key, value in sent.plan.dedup.items():
+                    dedup[key] = dedup.get(key, 0) + value
+            bar.update()
+    result = MethodResult(
+        method,
+        records,
+        plan_seconds=sum(plan_ms) / 1000,
+        index=pilot.stats() if pilot is not None else {},
+    )
+    if isinstance(engine, EmbeddedEngine):
+        result.cache = engine.model.stats()
+    return MultiTurnResult(result, sessions, plan_ms, dedup, evicted)
+
+
+# --- figures ----------------------------------------------------------------------------------
+
+
+def summarize_multiturn(results: Sequence[MultiTurnResult]) -> list[dict[str, Any]]:
+    """One row per result, in order: :func:`~contextpilot_integrations.bench.report.summarize`'s
+    figures plus ``sessions``, ``prefill_vs_baseline`` (prefill tokens over the baseline's with
+    the same ``sessions``; ``None`` without one), ``plan_ms_median``, ``blocks_replaced``,
+    ``sub_blocks_replaced`` and ``tokens_saved`` (``None`` for the baseline)."""
+    rows = []
+    baseline_prefill = {
+        r.sessions: r.result.prefill_tokens for r in results if r.method == "baseline"
+    }
+    for r in results:
+        row = summarize([r.result])[0]
+        reference = baseline_prefill.get(r.sessions)
+        row.pop("vs_upper_bound")
+        row.pop("vs_baseline")
+        row["sessions"] = r.sessions
+        row["prefill_vs_baseline"] = r.result.prefill_tokens / reference if reference else None
+        row["plan_ms_median"] = statistics.median(r.plan_ms) if r.plan_ms else None
+        for key in ("blocks_replaced", "sub_blocks_replaced", "tokens_saved"):
+            row[key] = r.dedup.get(key) if r.method != "baseline" else None
+        rows.append(row)
+    return rows
+
+
+MULTITURN_COLUMNS = (
+    ("method", "method", "str"),
+    ("sessions", "sessions", "int"),
+    ("requests", "requests", "int"),
+    ("prompt tokens", "prompt_tokens", "int"),
+    ("cached tokens", "cached_tokens", "int"),
+    ("prefill tokens", "prefill_tokens", "int"),
+    ("hit ratio", "hit_ratio", "ratio"),
+    ("prefill vs baseline", "prefill_vs_baseline", "ratio"),
+    ("plan ms p50", "plan_ms_median", "ms"),
+    ("blocks replaced", "blocks_replaced", "int"),
+    ("sub-blocks replaced", "sub_blocks_replaced", "int"),
+)
+"""Columns of :func:`~contextpilot_integrations.bench.report.format_table` for the rows of
+:func:`summarize_multiturn`."""
+
+
+def write_multiturn_json(
+    path: str | Path, run: Mapping[str, Any], results: Sequence[MultiTurnResult]
+) -> Path:
+    """Write the run settings, the summary rows and every per-request record as JSON.
+
+    Layout: ``{"run": {...}, "summary": [rows], "results": [{"method", "sessions",
+    "plan_ms": [...], "dedup": {...}, "cache": {...} | null, "index": {...},
+    "records": [{request_index, rid, prompt_tokens, cached_tokens, ttft_s}]}]}``; records in
+    send order. Parent directories are created.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "run": dict(run),
+        "summary": summarize_multiturn(results),
+        "results": [
+            {
+                "method": r.method,
+                "sessions": r.sessions,
+                "plan_ms": r.plan_ms,
+                "dedup": r.dedup,
+                "evicted_from_index": r.evicted_from_index,
+                "cache": asdict(r.result.cache) if r.result.cache is not None else None,
+                "index": r.result.index,
+                "records": [asdict(x) for x in r.result.records],
+            }
+            for r in results
+        ],
+    }
+    path.write_text(json.dumps(document, indent=1, default=str) + "\n", encoding="utf-8")
+    return path
