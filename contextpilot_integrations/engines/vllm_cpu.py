@@ -532,11 +532,15 @@ class VllmCpuServer:
             raise ValueError(f"kv_cache_space_gib must be a positive int, got {kv_cache_space_gib}")
         if omp_threads <= 0:
             raise ValueError(f"omp_threads must be positive, got {omp_threads}")
+        self._requested_work_dir = Path(work_dir).resolve() if work_dir is not None else None
+        if self._requested_work_dir is not None:
+            self._check_ipc_path_length(self._requested_work_dir)
         python = Path(vllm_python) if vllm_python is not None else find_vllm_python()
         if python is None or not python.is_file():
+            looked_at = vllm_python or os.environ.get(VLLM_PYTHON_ENV) or DEFAULT_VLLM_PYTHON
             raise FileNotFoundError(
-                f"no vLLM environment ({vllm_python or DEFAULT_VLLM_PYTHON}); run "
-                f"scripts/setup-vllm-env.sh or set {VLLM_PYTHON_ENV}"
+                f"no vLLM environment ({looked_at}); run scripts/setup-vllm-env.sh or set "
+                f"{VLLM_PYTHON_ENV}"
             )
         self.vllm_python = python
         self.block_size = block_size
@@ -550,9 +554,6 @@ class VllmCpuServer:
         self.stop_timeout = stop_timeout
         self.extra_args = tuple(extra_args)
         self._requested_port = port
-        self._requested_work_dir = Path(work_dir).resolve() if work_dir is not None else None
-        if self._requested_work_dir is not None:
-            self._check_ipc_path_length(self._requested_work_dir)
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self._process: subprocess.Popen[bytes] | None = None
         self._pid: int | None = None

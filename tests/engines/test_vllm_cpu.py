@@ -25,9 +25,11 @@ import msgspec
 import pytest
 import zmq
 
-from contextpilot_integrations.bench.workloads import resolve_data_dir
-from contextpilot_integrations.core.rendering import PromptLayout
-from contextpilot_integrations.engines.vllm_cpu import (
+pytest.importorskip("tokenizers", reason="the engines extra needs `tokenizers`")
+
+from contextpilot_integrations.bench.workloads import resolve_data_dir  # noqa: E402
+from contextpilot_integrations.core.rendering import PromptLayout  # noqa: E402
+from contextpilot_integrations.engines.vllm_cpu import (  # noqa: E402
     BOS_TOKEN,
     CHAT_TEMPLATE,
     MESSAGE_END,
@@ -204,6 +206,8 @@ def test_server_rejects_bad_arguments_before_starting(model_dir: Path, tmp_path:
         VllmCpuServer(tmp_path)
     with pytest.raises(ValueError, match="work_dir too long"):
         VllmCpuServer(model_dir, work_dir=tmp_path / ("x" * 120))
+    with pytest.raises(FileNotFoundError, match=r"no vLLM environment \(/nowhere/python\)"):
+        VllmCpuServer(model_dir, vllm_python="/nowhere/python")
 
 
 # ---------------------------------------------------------------------------------------------
