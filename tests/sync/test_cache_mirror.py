@@ -206,16 +206,21 @@ def test_the_context_index_drops_exactly_the_evicted_requests() -> None:
 operation = st.one_of(
     st.tuples(st.just("store"), st.integers(0, 1_000), st.integers(1, 4), st.booleans()),
     st.tuples(st.just("remove"), st.integers(0, 1_000), st.integers(1, 3), st.booleans()),
+    st.tuples(st.just("register"), st.integers(0, 1_000), st.integers(0, 2), st.booleans()),
     st.tuples(st.just("clear"), st.just(0), st.just(0), st.just(False)),
 )
 
 
 class Reference:
-    """The engine's cache as a dict, with the eviction rule walked upwards from attachments."""
+    """The engine's cache as a dict; the attribution rules restated plainly: a session store
+    attaches its rid at once; a registered request is attached once every page of its tokens
+    is present as a chain from the root (checked after every event); an attached request is
+    evicted when a block on the present chain above its attachment is removed."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
-        self.attached: dict[str, int] = {}  # session rid -> deepest block
+        self.attached: dict[str, int] = {}  # rid -> deepest block
+        self.registered: dict[str, list[tuple[int, ...]]] = {}  # rid -> pages, not yet cached
         self.evicted: list[str] = []
 
     def store(self, parent: int | None, hashes: list[int], session: str | None) -> None:
@@ -225,18 +230,34 @@ class Reference:
             previous = h
         if session is not None:
             self.attached[session] = hashes[-1]
+        self.arm()
 
     def remove(self, hashes: list[int]) -> None:
         for h in hashes:
             if h not in self.blocks:
                 continue
-            broken = sorted(
-                rid for rid, deepest in self.attached.items() if self._above(h, deepest)
-            )
+            attached = self.attached.items()
+            broken = sorted(rid for rid, deepest in attached if self._above(h, deepest))
             del self.blocks[h]
             for rid in broken:
                 del self.attached[rid]
             self.evicted.extend(broken)
+
+    def register(self, rid: str, pages: list[tuple[int, ...]]) -> None:
+        self.registered[rid] = pages
+        self.arm()
+
+    def arm(self) -> None:
+        by_tokens = {(parent, tokens): h for h, (parent, tokens) in self.blocks.items()}
+        for rid, pages in list(self.registered.items()):
+            node = None
+            for page in pages:
+                node = by_tokens.get((node, page))
+                if node is None:
+                    break
+            if node is not None:
+                self.attached[rid] = node
+                del self.registered[rid]
 
     def _above(self, removed: int, deepest: int) -> bool:
         node: int | None = deepest
@@ -246,13 +267,21 @@ class Reference:
             node = self.blocks[node][0]
         return False
 
+    def chain(self, block: int) -> list[tuple[int, ...]]:
+        pages = []
+        node: int | None = block
+        while node is not None and node in self.blocks:
+            pages.append(self.blocks[node][1])
+            node = self.blocks[node][0]
+        return pages[::-1] if node is None else []
+
     def clear(self) -> None:
         self.evicted.extend(sorted(self.attached))
         self.attached.clear()
         self.blocks.clear()
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(operation, max_size=60), st.integers(1, 5))
 def test_mirror_equals_reference(ops: list[tuple[str, int, int, bool]], batch_size: int) -> None:
     recorder = Recorder()
@@ -260,6 +289,12 @@ def test_mirror_equals_reference(ops: list[tuple[str, int, int, bool]], batch_si
     reference = Reference()
     next_hash = 1
     pending: list = []
+
+    def flush() -> None:
+        # Events reach the mirror in batches; the reference sees them one by one.
+        mirror.apply_batch(0, KVEventBatch(ts=0.0, events=list(pending)))
+        pending.clear()
+
     for step, (kind, pick, count, flag) in enumerate(ops):
         present = sorted(reference.blocks)
         if kind == "store":
@@ -278,13 +313,20 @@ def test_mirror_equals_reference(ops: list[tuple[str, int, int, bool]], batch_si
                 victims = present[start : start + count]
             reference.remove(victims)
             pending.append(BlockRemoved(victims))
+        elif kind == "register":
+            flush()
+            pages = reference.chain(present[pick % len(present)]) if present else []
+            # Pages still to come: the hashes the next stores will create.
+            pages += [(next_hash + k, -(next_hash + k)) for k in range(count)]
+            tokens = [t for page in pages for t in page] + ([7] if flag else [])
+            reference.register(f"t{step}", pages)
+            mirror.register_request(f"t{step}", tokens)
         else:
             reference.clear()
             pending.append(AllBlocksCleared())
         if len(pending) >= batch_size:
-            mirror.apply_batch(0, KVEventBatch(ts=0.0, events=pending))
-            pending = []
-    mirror.apply_events(0, pending)
+            flush()
+    flush()
     assert mirror.block_hashes(0) == set(reference.blocks)
     for h, (parent, tokens) in reference.blocks.items():
         block = mirror.block(h)
@@ -292,3 +334,5 @@ def test_mirror_equals_reference(ops: list[tuple[str, int, int, bool]], batch_si
         assert tuple(block["token_ids"]) == tokens
     assert recorder.evicted == reference.evicted
     assert mirror.cached_requests() == set(reference.attached)
+    for rid, deepest in reference.attached.items():
+        assert mirror.request_blocks(rid) == {0: {deepest}}
