@@ -340,7 +340,8 @@ def test_cli_prints_figures_target_and_writes_json(
     text = capsys.readouterr().out
     assert "capacity 40,000 tokens" in text
     assert "sessions 2: alignment+dedup" in text and "sessions 8: alignment+dedup" in text
-    assert "(the target is for k=10, unlimited cache)" in text
+    assert "(the target <= 0.6 is for k=10 on an unlimited cache)" in text
+    assert "MISSED" not in text and ": ok" not in text
 
     assert main([*args, "--sessions", "0"]) == 2
     assert "--sessions must be integers >= 1" in capsys.readouterr().err
