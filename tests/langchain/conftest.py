@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 from langchain_core.documents import Document
-from langchain_support import TOPICS, ChatServerState, MiniLMEmbeddings, chat_app
+from langchain_support import TOPICS, ChatServerState, MiniLMEmbeddings, chat_app, minilm_embeddings
 
 from contextpilot_integrations.bench.workloads import load_workload, resolve_data_dir
 
@@ -48,7 +48,7 @@ def multihop_questions(data_dir: Path) -> list[str]:
 
 @pytest.fixture(scope="session")
 def minilm() -> MiniLMEmbeddings:
-    return MiniLMEmbeddings()
+    return minilm_embeddings()
 
 
 @pytest.fixture

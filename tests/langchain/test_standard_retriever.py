@@ -6,7 +6,6 @@ many documents as the base retriever (the corpora hold no repeated text).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
@@ -14,7 +13,7 @@ from langchain_core.documents import Document
 from langchain_core.embeddings import DeterministicFakeEmbedding
 from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_qdrant import QdrantVectorStore
-from langchain_support import TOPICS, Bm25sRetriever, MiniLMEmbeddings
+from langchain_support import TOPICS, Bm25sRetriever, minilm_embeddings
 from langchain_tests.integration_tests import RetrieversIntegrationTests
 
 from contextpilot_integrations.langchain import ContextPilotRetriever
@@ -29,11 +28,6 @@ def _documents() -> list[Document]:
 # The suite's async test lacks pytest-asyncio's marker (strict mode here) and the suite forbids
 # overriding its tests: mark the suite's own function (the same object stays in place).
 pytest.mark.asyncio(RetrieversIntegrationTests.test_ainvoke_returns_documents)
-
-
-@functools.cache
-def _minilm() -> MiniLMEmbeddings:
-    return MiniLMEmbeddings()
 
 
 class _Standard(RetrieversIntegrationTests):
@@ -65,11 +59,12 @@ class TestOverBm25(_Standard):
         return "BM25 term frequency ranking"
 
 
+@pytest.mark.slow  # loads MiniLM
 class TestOverQdrantWithMiniLM(_Standard):
     @property
     def retriever_constructor_params(self) -> dict[str, Any]:
         store = QdrantVectorStore.from_documents(
-            _documents(), _minilm(), location=":memory:", collection_name="standard"
+            _documents(), minilm_embeddings(), location=":memory:", collection_name="standard"
         )
         return {"base_retriever": store.as_retriever(search_kwargs={"k": 4})}
 
