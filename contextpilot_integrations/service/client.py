@@ -247,8 +247,13 @@ class _ClientCore:
                 layout = self._layout or self._fallback_layout or PromptLayout()
                 self._local = ContextPilot(layout=layout)
                 self._fallback_layout = layout
-            self._counters["fallback_plans"] += 1
             return self._local
+
+    def fallback_planner(self) -> ContextPilot:
+        """:meth:`local`, counting one fallback plan (or batch)."""
+        with self._lock:
+            self._counters["fallback_plans"] += 1
+        return self.local()
 
     def counters(self) -> dict[str, Any]:
         with self._lock:
@@ -336,7 +341,7 @@ class ContextPilotClient:
                 return core.decode_plan(response, layout)
             except _UNAVAILABLE as exc:
                 core.failed("POST /v1/plan", exc)
-        return core.local().plan(
+        return core.fallback_planner().plan(
             query,
             blocks,
             rid=rid,
@@ -367,7 +372,7 @@ class ContextPilotClient:
                 return core.decode_batch(response, layout)
             except _UNAVAILABLE as exc:
                 core.failed("POST /v1/plan_batch", exc)
-        return core.local().plan_batch(
+        return core.fallback_planner().plan_batch(
             queries, blocks, rids=rids, conversation_ids=conversation_ids, tenants=tenants
         )
 
@@ -512,7 +517,7 @@ class AsyncContextPilotClient:
                 return core.decode_plan(response, layout)
             except _UNAVAILABLE as exc:
                 core.failed("POST /v1/plan", exc)
-        return core.local().plan(
+        return core.fallback_planner().plan(
             query,
             blocks,
             rid=rid,
@@ -543,7 +548,7 @@ class AsyncContextPilotClient:
                 return core.decode_batch(response, layout)
             except _UNAVAILABLE as exc:
                 core.failed("POST /v1/plan_batch", exc)
-        local = core.local()
+        local = core.fallback_planner()
         return await anyio.to_thread.run_sync(
             lambda: local.plan_batch(
                 queries, blocks, rids=rids, conversation_ids=conversation_ids, tenants=tenants
