@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=MODES,
         default="offline",
         help="offline: the workload is one batch (plan_batch + schedule); online: one request "
-        "at a time in arrival order",
+        "at a time in arrival order (a multi-turn workload is always planned turn by turn)",
     )
     parser.add_argument(
         "--cache-tokens",
