@@ -36,6 +36,10 @@ rank. Note that a request's tail (question, output tokens) is its deepest part: 
 tokens of the shared part (system prompt and context blocks) to ``register_request`` if the
 tail should not count; session-echoed chains include whatever the engine stored.
 
+Data-parallel ranks keep separate mirrors; a registered request matches on every rank (it is
+not known which rank serves it), so a cached request is evicted when its chain breaks on any
+rank that holds it: conservative (less believed reuse), never wrong reuse.
+
 Thread-safety: all public methods take one lock; ``on_evict`` runs after the lock is released,
 on the calling thread (the subscriber's thread for events).
 """

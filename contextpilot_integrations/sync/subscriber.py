@@ -24,13 +24,12 @@ Sequence tracking, per rank:
   head. When replay is not configured, times out or no longer holds the whole range,
   ``on_resync(rank)`` is called (the receiver forgets what it believes cached on that rank),
   then the contiguous tail the replay did return is applied;
-- seq < expected: the publisher restarted (a new engine process, empty cache): ``on_resync``
-  then the first-message rule;
+- seq < expected (and not the live copy of a batch a replay already applied): the publisher
+  restarted (a new engine process, empty cache): ``on_resync`` then the first-message rule;
 - after the SUB socket reconnects (a ZMQ socket monitor reports it), the new stream may have
   passed the old sequence number already, which seq alone cannot tell from a gap. So the
   replay socket is asked for batch ``expected - 1``: the same publisher returns the very
-  payload last applied; anything else is a restart, handled as above.
-
+  payload last applied; anything else is a restart, handled as above;
 - idle: when a rank has been silent for ``idle_probe_interval_s``, the replay socket is asked
   for anything from the expected seq on. This finds a lost *last* message (no later message
   would reveal the gap) and the batches a subscriber missed by joining after the engine went
