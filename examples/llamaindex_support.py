@@ -12,8 +12,9 @@
   (``CONTEXTPILOT_LLM_MODEL``, ``CONTEXTPILOT_LLM_API_KEY`` optional).
 - :class:`PromptRecorder`: records every prompt the LLM receives (LlamaIndex instrumentation
   events), with the cached-token count the engine reported when it reports one.
-- :func:`hit_ratio`: replays recorded prompts through the benchmark's embedded prefix-cache model
-  (``contextpilot_integrations.bench.methods.EmbeddedEngine``), token by token.
+- :class:`PrefixCacheReplay` / :func:`hit_ratio`: prompts through the benchmark's embedded
+  prefix-cache model (``contextpilot_integrations.bench.methods.EmbeddedEngine``), token by
+  token, with the request ids it evicts (to hand back to ``ContextPilot.evict``).
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class RecordedPrompt:
     prompt_tokens: int | None = None
 
 
-_CHAT_DEPTH: ContextVar[int] = ContextVar("prompt_recorder_chat_depth", default=0)
+_CALL_DEPTH: ContextVar[int] = ContextVar("prompt_recorder_call_depth", default=0)
 
 
 class PromptRecorder(BaseEventHandler):
@@ -194,20 +195,23 @@ class PromptRecorder(BaseEventHandler):
             return list(self._records)
 
     def handle(self, event: BaseEvent, **kwargs: Any) -> None:
-        # A chat call that an LLM serves through its own completion call (MockLLM, completion
-        # models behind a chat interface) is one request: the inner completion is skipped.
-        if isinstance(event, LLMChatStartEvent):
-            _CHAT_DEPTH.set(_CHAT_DEPTH.get() + 1)
-            text = "".join(f"{m.role.value}: {m.content}\n" for m in event.messages)
+        # One request may show as nested calls (a chat served by the LLM's own completion, an
+        # async call served by the sync one): only the outermost call is recorded.
+        if isinstance(event, (LLMChatStartEvent, LLMCompletionStartEvent)):
+            depth = _CALL_DEPTH.get()
+            _CALL_DEPTH.set(depth + 1)
+            if depth:
+                return
+            if isinstance(event, LLMChatStartEvent):
+                text = "".join(f"{m.role.value}: {m.content}\n" for m in event.messages)
+            else:
+                text = event.prompt
             self._add(RecordedPrompt(text))
-        elif isinstance(event, LLMCompletionStartEvent):
-            if not _CHAT_DEPTH.get():
-                self._add(RecordedPrompt(event.prompt))
-        elif isinstance(event, LLMChatEndEvent):
-            _CHAT_DEPTH.set(max(0, _CHAT_DEPTH.get() - 1))
-            self._usage(getattr(event.response, "raw", None))
-        elif isinstance(event, LLMCompletionEndEvent) and not _CHAT_DEPTH.get():
-            self._usage(getattr(event.response, "raw", None))
+        elif isinstance(event, (LLMChatEndEvent, LLMCompletionEndEvent)):
+            depth = max(0, _CALL_DEPTH.get() - 1)
+            _CALL_DEPTH.set(depth)
+            if not depth:
+                self._usage(getattr(event.response, "raw", None))
 
     def _add(self, record: RecordedPrompt) -> None:
         with self._lock:
@@ -241,23 +245,52 @@ def tiktoken_counter() -> TokenizerCounter:
     return TokenizerCounter(get_tokenizer())
 
 
-def hit_ratio(
-    prompts: Sequence[str],
-    *,
-    capacity_tokens: int | None = None,
-    block_size: int = 16,
-    tokenizer: TokenizerCounter | None = None,
-) -> float:
-    """Prefix-cache hit ratio (cached prompt tokens / prompt tokens) of ``prompts`` sent in
-    order to the embedded prefix-cache model, tokenized with ``tokenizer`` (default
-    cl100k_base), hits counted in whole ``block_size``-token blocks."""
-    tokenizer = tokenizer or tiktoken_counter()
-    engine = EmbeddedEngine(
-        capacity_tokens, counter=tokenizer, tokenizer=tokenizer, block_size=block_size
-    )
-    prompt_tokens = cached = 0
-    for i, prompt in enumerate(prompts):
-        served = engine.serve(f"prompt-{i}", [prompt])
-        prompt_tokens += served.prompt_tokens
-        cached += served.cached_tokens or 0
-    return cached / prompt_tokens if prompt_tokens else 0.0
+class PrefixCacheReplay:
+    """Prompts sent one by one to the embedded prefix-cache model
+    (``contextpilot_integrations.bench.methods.EmbeddedEngine``), token by token.
+
+    Args:
+        capacity_tokens: cache capacity in tokens (``None``: unlimited).
+        block_size: hits count in whole blocks of this many tokens (vLLM's GPU default, 16).
+        tokenizer: default cl100k_base.
+    """
+
+    def __init__(
+        self,
+        capacity_tokens: int | None = None,
+        *,
+        block_size: int = 16,
+        tokenizer: TokenizerCounter | None = None,
+    ) -> None:
+        tokenizer = tokenizer or tiktoken_counter()
+        self.engine = EmbeddedEngine(
+            capacity_tokens, counter=tokenizer, tokenizer=tokenizer, block_size=block_size
+        )
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self._served = 0
+
+    def serve(self, prompt: str, rid: str | None = None) -> int:
+        """Send one prompt; returns its cached tokens."""
+        self._served += 1
+        served = self.engine.serve(rid or f"prompt-{self._served}", [prompt])
+        self.prompt_tokens += served.prompt_tokens
+        self.cached_tokens += served.cached_tokens or 0
+        return served.cached_tokens or 0
+
+    def take_evicted_rids(self) -> list[str]:
+        """Request ids whose cached prompt the model evicted since the last call."""
+        return self.engine.take_evicted_rids()
+
+    @property
+    def hit_ratio(self) -> float:
+        """Cached prompt tokens / prompt tokens."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def hit_ratio(prompts: Sequence[str], capacity_tokens: int | None = None) -> float:
+    """Hit ratio of ``prompts`` replayed in order through :class:`PrefixCacheReplay`."""
+    replay = PrefixCacheReplay(capacity_tokens)
+    for prompt in prompts:
+        replay.serve(prompt)
+    return replay.hit_ratio

@@ -32,6 +32,11 @@ TOP_K = 4
 
 
 @pytest.fixture(scope="session")
+def top_k() -> int:
+    return TOP_K
+
+
+@pytest.fixture(scope="session")
 def documents():  # type: ignore[no-untyped-def]
     try:
         return support.multihop_documents()[:N_DOCUMENTS]
