@@ -205,7 +205,13 @@ TOPICS = {
 
 @dataclass
 class ChatServerState:
+    """What the test server saw. It stands in for an engine, not for our code: prompts are
+    tokenized by whitespace and every prompt served stays in an unlimited prefix cache
+    (``cached_tokens`` = longest token prefix shared with an earlier prompt)."""
+
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    history: list[list[str]] = field(default_factory=list)
+    flushes: int = 0
     delay_s: float = 0.0
     in_flight: int = 0
     max_in_flight: int = 0
@@ -214,6 +220,17 @@ class ChatServerState:
 
 def chat_app(state: ChatServerState) -> FastAPI:
     app = FastAPI()
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "test-model", "object": "model"}]}
+
+    @app.post("/flush_cache")
+    def flush() -> dict[str, Any]:
+        with state.lock:
+            state.history.clear()
+            state.flushes += 1
+        return {"ok": True}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
@@ -227,13 +244,23 @@ def chat_app(state: ChatServerState) -> FastAPI:
         finally:
             with state.lock:
                 state.in_flight -= 1
-        prompt_tokens = sum(len(m["content"].split()) for m in body["messages"])
+        tokens = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in body["messages"]).split()
+        with state.lock:
+            cached = 0
+            for old in state.history:
+                n = 0
+                while n < min(len(old), len(tokens)) and old[n] == tokens[n]:
+                    n += 1
+                cached = max(cached, n)
+            state.history.append(tokens)
+        prompt_tokens = len(tokens)
+        cached = min(cached, prompt_tokens - 1)
         answer = f"answer {len(state.bodies)}"
         usage = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": 2,
             "total_tokens": prompt_tokens + 2,
-            "prompt_tokens_details": {"cached_tokens": 0},
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
         if body.get("stream"):
 
