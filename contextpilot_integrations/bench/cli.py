@@ -339,6 +339,11 @@ def _run_multiturn(args: argparse.Namespace) -> int:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     if args.history_turns is not None and args.history_turns < 0:
         raise ValueError(f"--history-turns must be >= 0, got {args.history_turns}")
+    if args.retriever != "bm25":
+        raise ValueError(
+            f"--retriever {args.retriever} is not supported with --workload {args.workload} "
+            "(the multi-turn replay retrieves with BM25)"
+        )
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
     counter: TokenCounter = tokenizer if tokenizer is not None else ApproxTokenCounter()
     workload = load_workload(args.workload, args.data_dir).head(args.limit)

@@ -347,3 +347,5 @@ def test_cli_prints_figures_target_and_writes_json(
     assert "--sessions must be integers >= 1" in capsys.readouterr().err
     assert main([*args, "--methods", "contextpilot"]) == 2
     assert "--methods: unknown ['contextpilot']" in capsys.readouterr().err
+    assert main([*args, "--retriever", "mem0"]) == 2
+    assert "--retriever mem0 is not supported" in capsys.readouterr().err
