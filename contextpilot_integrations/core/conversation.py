@@ -336,6 +336,9 @@ class ConversationStore:
                 turn = 1 if latest is None else latest + 1
             elif latest is not None and turn <= latest:
                 conversation.drop_turns_from(turn)
+            # The turn counts even if it records nothing (every block replaced by a hint), so
+            # the next turn gets the next number and its hints name the right turns.
+            conversation.turns.setdefault(turn, [])
             handle = ConversationTurn(conversation, key[0], key[1], turn, visibility)
             try:
                 yield handle

@@ -234,3 +234,13 @@ def test_concurrent_conversations_see_only_their_own_records() -> None:
         thread.join()
     assert errors == []
     assert store.stats()["conversations"] == 16
+
+
+def test_a_turn_that_records_nothing_still_takes_its_number():
+    store = ConversationStore()
+    with store.open_turn("", "c") as first:
+        first.record_block(1, "[Doc 1]")
+    with store.open_turn("", "c") as second:
+        assert second.turn == 2  # records nothing: every block was replaced by a hint
+    with store.open_turn("", "c") as third:
+        assert third.turn == 3

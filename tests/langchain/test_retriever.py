@@ -184,11 +184,6 @@ def test_turn_and_visible_turns_from_metadata(topic_documents):
     assert all(entry(d)["replaced"] for d in docs) and entry(docs[0])["turn"] == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: a turn whose blocks were all replaced records nothing, so the next turn reuses "
-    "its number and its hints name the wrong turn (ConversationStore.latest_turn)",
-)
 def test_turn_after_a_fully_replaced_turn_gets_the_next_number(topic_documents):
     retriever = ContextPilotRetriever(
         base_retriever=ListRetriever(results={"x": topic_documents[:2], "y": topic_documents[4:6]})
