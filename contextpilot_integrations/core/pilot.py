@@ -315,6 +315,8 @@ class ContextPilot:
         rids: Sequence[str] | None = None,
         conversation_ids: Sequence[str | None] | None = None,
         tenants: Sequence[str] | None = None,
+        turns: Sequence[int | None] | None = None,
+        visibilities: Sequence[TurnVisibility | None] | None = None,
     ) -> BatchPlan:
         """Order a batch jointly, de-duplicate, index and schedule it.
 
@@ -330,6 +332,9 @@ class ContextPilot:
             conversation_ids: optional ``B`` conversation ids (``None`` entries: none); each
                 conversation at most once per batch, since its turns are sequential.
             tenants: optional ``B`` tenants (default ``""``).
+            turns: optional ``B`` turn numbers (``None``: next turn), as in :meth:`plan`.
+            visibilities: optional ``B`` :class:`TurnVisibility` (``None``: all earlier
+                turns), as in :meth:`plan`.
 
         Returns:
             :class:`BatchPlan` with plans in input order and the schedule.
@@ -345,7 +350,12 @@ class ContextPilot:
             raise ValueError(f"rids has {len(rids)} entries for {len(queries)} queries")
         if rids is not None and len(set(rids)) != len(rids):
             raise ValueError("rids must be unique within a batch")
-        for name, values in (("conversation_ids", conversation_ids), ("tenants", tenants)):
+        for name, values in (
+            ("conversation_ids", conversation_ids),
+            ("tenants", tenants),
+            ("turns", turns),
+            ("visibilities", visibilities),
+        ):
             if values is not None and len(values) != len(queries):
                 raise ValueError(f"{name} has {len(values)} entries for {len(queries)} queries")
         conversations = [
@@ -410,8 +420,8 @@ class ContextPilot:
                     prefix_tokens,
                     conversation_ids[i] if conversation_ids else None,
                     tenants[i] if tenants else "",
-                    None,
-                    None,
+                    turns[i] if turns else None,
+                    visibilities[i] if visibilities else None,
                 )
             )
         # Paths are read after every insert: a later insert can split a node on an earlier

@@ -169,3 +169,22 @@ def test_batch_with_conversations():
     assert list(batch.plans[0].replaced) == [0] and not batch.plans[1].replaced
     with pytest.raises(ValueError, match="appears twice"):
         pilot.plan_batch(["x", "y"], [[LONG[3]], [LONG[4]]], conversation_ids=["z", "z"])
+
+
+def test_batch_takes_turns_and_visibility_per_request():
+    from contextpilot_integrations.core.conversation import TurnVisibility
+
+    pilot = ContextPilot()
+    pilot.plan("q1", [LONG[0]], conversation_id="a", turn=1)
+    pilot.plan("q2", [LONG[1]], conversation_id="a", turn=2)
+    batch = pilot.plan_batch(
+        ["q3", "q4"],
+        [[LONG[0], LONG[1]], [LONG[0]]],
+        conversation_ids=["a", "b"],
+        turns=[3, None],
+        visibilities=[TurnVisibility.last(1), None],
+    )
+    assert batch.plans[0].turn == 3 and list(batch.plans[0].replaced) == [1]
+    assert batch.plans[1].turn == 1 and not batch.plans[1].replaced
+    with pytest.raises(ValueError, match="turns has 1 entries"):
+        pilot.plan_batch(["x", "y"], [[LONG[3]], [LONG[4]]], turns=[1])
