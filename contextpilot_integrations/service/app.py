@@ -25,11 +25,11 @@ value (``body.blocks[2]: Input should be a valid string, got 5``); invalid input
 never changes the index. With an API key set, other endpoints than ``/health`` answer 401
 without ``Authorization: Bearer <key>``.
 
-Concurrency: handlers are coroutines. A single plan whose blocks hold at most
-``ServiceConfig.inline_plan_chars`` characters runs on the event loop (a thread hop would cost
-more than the plan); larger plans and every batch build run in worker threads
-(``anyio.to_thread``; batches at most ``max_batch_threads`` at once), so a long batch does not
-hold up other requests.
+Concurrency: handlers are coroutines. A single plan whose body is at most
+``ServiceConfig.inline_plan_bytes`` bytes is parsed, planned and encoded on the event loop (a
+thread hop would cost more than the plan); larger plans and every batch are parsed, built and
+encoded in worker threads (``anyio.to_thread``; batches at most ``max_batch_threads`` at once),
+so a long batch does not hold up other requests (``tests/service/test_concurrency.py``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
 
@@ -50,6 +50,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from contextpilot_integrations import __version__
@@ -78,6 +79,7 @@ from contextpilot_integrations.service.schemas import (
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 API_PREFIX = "/v1"
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -186,26 +188,33 @@ def create_app(
         except (TypeError, ValueError) as exc:
             raise _InvalidInput(exc, 422) from exc
 
+    # The plan bodies are read raw and validated where the work runs: a large body's JSON
+    # parse and validation would otherwise hold the event loop as long as the build itself.
     @app.post(
         f"{API_PREFIX}/plan",
         response_model=PlanResponse,
         responses=_ERRORS,
         dependencies=guarded,
         summary="Plan one request",
+        openapi_extra=_json_body(PlanRequest),
     )
-    async def plan(body: PlanRequest) -> Response:
-        call = functools.partial(
-            service.plan,
-            body.query,
-            body.blocks,
-            rid=body.rid,
-            conversation_id=body.conversation_id,
-            tenant=body.tenant,
-            turn=body.turn,
-            visibility=visibility_to_core(body.visibility),
-        )
-        inline = sum(map(len, body.blocks)) <= settings.inline_plan_chars
-        return _json(PlanResponse.encode(await run(call, inline=inline)))
+    async def plan(request: Request) -> Response:
+        raw = await request.body()
+
+        def parse_plan_encode() -> Response:
+            body = _validate(PlanRequest, raw)
+            plan = service.plan(
+                body.query,
+                body.blocks,
+                rid=body.rid,
+                conversation_id=body.conversation_id,
+                tenant=body.tenant,
+                turn=body.turn,
+                visibility=visibility_to_core(body.visibility),
+            )
+            return _json(PlanResponse.encode(plan))
+
+        return await run(parse_plan_encode, inline=len(raw) <= settings.inline_plan_bytes)
 
     @app.post(
         f"{API_PREFIX}/plan_batch",
@@ -213,23 +222,27 @@ def create_app(
         responses=_ERRORS,
         dependencies=guarded,
         summary="Plan and schedule a batch",
+        openapi_extra=_json_body(PlanBatchRequest),
     )
-    async def plan_batch(body: PlanBatchRequest) -> Response:
-        items = body.requests
-        rids: list[str] | None = None
-        if any(item.rid is not None for item in items):
-            # The core takes every rid or none: the missing ones get new ids, as it would.
-            rids = [item.rid or f"cp-{uuid.uuid4().hex}" for item in items]
-        call = functools.partial(
-            service.plan_batch,
-            [item.query for item in items],
-            [item.blocks for item in items],
-            rids=rids,
-            conversation_ids=[item.conversation_id for item in items],
-            tenants=[item.tenant for item in items],
-        )
-        result = await run(call, inline=False, batch=True)
-        return _json(BatchPlanResponse.encode(result))
+    async def plan_batch(request: Request) -> Response:
+        raw = await request.body()
+
+        def parse_plan_encode() -> Response:
+            items = _validate(PlanBatchRequest, raw).requests
+            rids: list[str] | None = None
+            if any(item.rid is not None for item in items):
+                # The core takes every rid or none: the missing ones get new ids, as it would.
+                rids = [item.rid or f"cp-{uuid.uuid4().hex}" for item in items]
+            batch = service.plan_batch(
+                [item.query for item in items],
+                [item.blocks for item in items],
+                rids=rids,
+                conversation_ids=[item.conversation_id for item in items],
+                tenants=[item.tenant for item in items],
+            )
+            return _json(BatchPlanResponse.encode(batch))
+
+        return await run(parse_plan_encode, inline=False, batch=True)
 
     @app.post(
         f"{API_PREFIX}/evict",
@@ -322,6 +335,7 @@ def create_app(
             resync_pending=service.resync_pending,
         )
 
+    _add_body_schemas(app, [PlanRequest, PlanBatchRequest])
     return app
 
 
@@ -341,6 +355,39 @@ def _error(
 ) -> Response:
     body = {"message": message, "error_type": error_type, "fields": fields or []}
     return _json(body, status_code)
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of an endpoint that validates ``model`` itself."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {_JSON: {"schema": schema}}}}
+
+
+def _validate(model: type[M], raw: bytes) -> M:
+    """Validate a JSON body; errors become a RequestValidationError located in ``body``."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = [{**error, "loc": ("body", *error["loc"])} for error in exc.errors()]
+        raise RequestValidationError(errors) from None
+
+
+def _add_body_schemas(app: FastAPI, models: Sequence[type[BaseModel]]) -> None:
+    """Put the models of :func:`_json_body` bodies into the OpenAPI components."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(model_schema.pop("$defs", {}))
+                components[model.__name__] = model_schema
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 class _InvalidInput(Exception):

@@ -89,9 +89,9 @@ class ServiceConfig:
             ``Authorization: Bearer <key>``; None: no authentication.
         engine_grace_s: how long the KV-event publisher may stay unconnected before the
             engine counts as unreachable.
-        inline_plan_chars: single plans whose blocks hold at most this many characters run
-            on the event loop (a thread hop costs more than the plan); larger plans and every
-            batch run in a worker thread.
+        inline_plan_bytes: a single plan whose request body is at most this many bytes is
+            parsed, planned and encoded on the event loop (a thread hop would cost more than
+            the plan); larger ones, and every batch, in a worker thread.
         max_body_bytes: largest request body accepted (413 above).
         max_batch_threads: batch builds running at once (others wait their turn).
     """
@@ -103,7 +103,7 @@ class ServiceConfig:
     layout: PromptLayout | None = None
     api_key: str | None = None
     engine_grace_s: float = 5.0
-    inline_plan_chars: int = 65_536
+    inline_plan_bytes: int = 65_536
     max_body_bytes: int = 64 * 1024 * 1024
     max_batch_threads: int = 2
 
@@ -118,9 +118,9 @@ class ServiceConfig:
             raise ValueError("api_key must be a non-empty str or None, got ''")
         if not self.engine_grace_s > 0:
             raise ValueError(f"engine_grace_s must be positive, got {self.engine_grace_s!r}")
-        for name in ("inline_plan_chars", "max_body_bytes", "max_batch_threads"):
+        for name in ("inline_plan_bytes", "max_body_bytes", "max_batch_threads"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < (0 if name == "inline_plan_chars" else 1):
+            if not isinstance(value, int) or value < (0 if name == "inline_plan_bytes" else 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.cache_sync is not None and not isinstance(self.cache_sync, CacheSyncConfig):
             self.cache_sync = CacheSyncConfig.from_mapping(self.cache_sync)

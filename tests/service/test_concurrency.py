@@ -1,0 +1,150 @@
+"""Many clients at once against one real server: threads, separate processes, the same rid
+raced, and a long batch build that must not hold up single plans."""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from service_testing import blocks_of
+
+from contextpilot_integrations.service.client import ContextPilotClient
+
+
+def _lossless(plan, count: int) -> bool:  # type: ignore[no-untyped-def]
+    """Every input index is in exactly one of order, duplicates and replaced."""
+    seen = [*plan.order, *plan.duplicates, *plan.replaced]
+    return sorted(seen) == list(range(count))
+
+
+def test_threads_share_one_client(server_factory) -> None:  # type: ignore[no-untyped-def]
+    server = server_factory()
+    client = ContextPilotClient(server.base_url, fallback=False)
+
+    def work(worker: int) -> list[str]:
+        rids = []
+        for i in range(25):
+            texts = blocks_of(worker * 100 + i % 5)
+            plan = client.plan(f"q {worker} {i}", texts, rid=f"w{worker}-{i}")
+            assert _lossless(plan, len(texts))
+            rids.append(plan.rid)
+        return rids
+
+    with ThreadPoolExecutor(8) as pool:
+        rids = [rid for chunk in pool.map(work, range(8)) for rid in chunk]
+    stats = client.stats()
+    client.close()
+    assert len(set(rids)) == 200
+    assert stats["requests"] == 200 and stats["inserts"] == 200
+    assert stats["client"]["service_failures"] == 0
+
+
+def _process_worker(base_url: str, worker: int, count: int, queue) -> None:  # type: ignore[no-untyped-def]
+    with ContextPilotClient(base_url, fallback=False) as client:
+        rids = []
+        for i in range(count):
+            texts = blocks_of(worker * 1000 + i % 3)
+            plan = client.plan(f"p{worker} {i}", texts, rid=f"p{worker}-{i}")
+            if not _lossless(plan, len(texts)):
+                raise AssertionError(f"lost a block in {plan.rid}")
+            rids.append(plan.rid)
+        batch = client.plan_batch(
+            [f"b{worker} {j}" for j in range(5)], [blocks_of(worker + j) for j in range(5)]
+        )
+        rids.extend(p.rid for p in batch.plans)
+    queue.put(rids)
+
+
+def test_separate_processes_share_one_index(server_factory) -> None:  # type: ignore[no-untyped-def]
+    server = server_factory()
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    workers = [
+        context.Process(target=_process_worker, args=(server.base_url, w, 30, queue))
+        for w in range(4)
+    ]
+    for process in workers:
+        process.start()
+    results = [queue.get(timeout=120) for _ in workers]
+    for process in workers:
+        process.join(60)
+        assert process.exitcode == 0
+    rids = [rid for chunk in results for rid in chunk]
+    assert len(set(rids)) == 4 * 35
+    stats = httpx.get(f"{server.base_url}/v1/stats").json()
+    assert stats["requests"] == 4 * 35
+    # Every process reused the prefix the others had indexed: the index is shared.
+    with ContextPilotClient(server.base_url) as client:
+        again = client.plan("again", blocks_of(2 * 1000))
+    assert again.matched_prefix_blocks == len(blocks_of(0))
+
+
+def test_the_same_rid_raced_is_planned_exactly_once(server_factory) -> None:  # type: ignore[no-untyped-def]
+    server = server_factory()
+    client = ContextPilotClient(server.base_url, fallback=False)
+    barrier = threading.Barrier(8)
+
+    def race(worker: int) -> str:
+        barrier.wait()
+        try:
+            client.plan(
+                f"q{worker}", blocks_of(worker), rid="contested", conversation_id=f"c{worker}"
+            )
+        except ValueError as error:
+            return str(error)
+        return "planned"
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(race, range(8)))
+    stats = client.stats()
+    client.close()
+    assert outcomes.count("planned") == 1, outcomes
+    assert all("contested" in o for o in outcomes if o != "planned")
+    assert stats["requests"] == 1
+    # Only the winner recorded a conversation turn (a refused plan leaves no trace).
+    assert stats["conversations"]["conversations"] == 1
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in the metrics")
+
+
+def test_a_long_batch_build_does_not_hold_up_single_plans(server_factory) -> None:  # type: ignore[no-untyped-def]
+    server = server_factory()
+    rng = random.Random(0)
+    pool = [f"passage {i} " + "y" * 40 for i in range(3000)]
+    size = 4000
+    queries = [f"q{i}" for i in range(size)]
+    blocks = [rng.sample(pool, 20) for _ in range(size)]
+    finished = threading.Event()
+
+    def batch() -> None:
+        with ContextPilotClient(server.base_url, fallback=False, timeout=300) as client:
+            client.plan_batch(queries, blocks)
+        finished.set()
+
+    runner = threading.Thread(target=batch)
+    latencies: list[float] = []
+    with ContextPilotClient(server.base_url, fallback=False) as client:
+        client.plan("warm up", ["a block"])
+        runner.start()
+        while not finished.is_set():
+            start = time.perf_counter()
+            client.plan(f"single {len(latencies)}", blocks_of(len(latencies) % 7))
+            latencies.append(time.perf_counter() - start)
+        runner.join()
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    build_s = _metric(
+        metrics, 'contextpilot_http_request_duration_seconds_sum{endpoint="/v1/plan_batch"}'
+    )
+    # On the event loop, the build would stall every request that arrives meanwhile: one
+    # single plan would wait about the whole build. In a worker thread they keep going.
+    assert build_s > 1.0, build_s
+    assert max(latencies) < 0.5 * build_s, (max(latencies), build_s, len(latencies))
