@@ -140,27 +140,6 @@ class SimulatedEngine:
         self.publisher.shutdown()
 
 
-def free_ports(count: int) -> int:
-    import socket
-
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20_000, 60_000)
-        try:
-            sockets = []
-            for offset in range(count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError("no free ports")
-
-
 def sglang_config(base: int, topic: str = "kv") -> str:
     return json.dumps(
         {
@@ -207,8 +186,10 @@ def assert_mirror_equals_engine(mirror: CacheMirror, engine: SimulatedEngine) ->
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_mirror_follows_inserts_lru_evictions_and_reset_exactly(page_size: int) -> None:
-    base = free_ports(2)
+def test_mirror_follows_inserts_lru_evictions_and_reset_exactly(
+    page_size: int, free_port_range
+) -> None:
+    base = free_port_range(2)
     mirror = CacheMirror()
     # The subscriber starts before the engine exists (its first batches may be lost to the
     # PUB/SUB join and come back through the replay socket).
@@ -242,8 +223,8 @@ def test_mirror_follows_inserts_lru_evictions_and_reset_exactly(page_size: int) 
         engine.shutdown()
 
 
-def test_context_index_drops_exactly_the_evicted_requests() -> None:
-    base = free_ports(2)
+def test_context_index_drops_exactly_the_evicted_requests(free_port_range) -> None:
+    base = free_port_range(2)
     index = ContextIndex(max_requests=None)
     mirror = CacheMirror(index.evict)
     subscriber = KVEventSubscriber(
@@ -283,8 +264,8 @@ def test_context_index_drops_exactly_the_evicted_requests() -> None:
         engine.shutdown()
 
 
-def test_gap_repaired_from_the_real_replay_socket() -> None:
-    base = free_ports(2)
+def test_gap_repaired_from_the_real_replay_socket(free_port_range) -> None:
+    base = free_port_range(2)
     mirror = CacheMirror()
     resyncs: list[int] = []
     subscriber = KVEventSubscriber(
@@ -400,8 +381,8 @@ def save_frames(name: str, frames: list[list[bytes]]) -> None:
         path.write_bytes(msgspec.msgpack.encode(frames))
 
 
-def test_map_shape_captured_from_sglang_0523() -> None:
-    base = free_ports(2)
+def test_map_shape_captured_from_sglang_0523(free_port_range) -> None:
+    base = free_port_range(2)
     engine = SimulatedEngine(
         sglang_kv_events.EventPublisherFactory.create(sglang_config(base, topic="kv"), 0),
         page_size=2,
@@ -430,9 +411,11 @@ def test_map_shape_captured_from_sglang_0523() -> None:
     assert {"BlockStored", "BlockRemoved"} <= kinds
 
 
-def test_positional_shape_from_the_sglang_0518_publisher_is_followed_exactly() -> None:
+def test_positional_shape_from_the_sglang_0518_publisher_is_followed_exactly(
+    free_port_range,
+) -> None:
     old = load_sglang_0518()
-    base = free_ports(2)
+    base = free_port_range(2)
     # 0.5.18 binds only wildcard, ipc and inproc endpoints (a tcp://127.0.0.1 endpoint makes
     # it connect): use ipc for the PUB socket, tcp on loopback for the replay ROUTER.
     endpoint = f"ipc:///tmp/contextpilot-sglang0518-{base}.ipc"
