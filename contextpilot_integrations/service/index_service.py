@@ -432,7 +432,7 @@ class IndexService:
             first = kind not in self._warned
             self._warned.add(kind)
         level = logging.WARNING if first else logging.DEBUG
-        logger.log(level, "engine sync (%s): %s; plans are still served", kind, detail)
+        logger.log(level, "sync path failure (%s): %s; plans are still served", kind, detail)
 
     def _engine_unreachable(self, endpoint: str) -> None:
         self._sync_failure(
@@ -477,7 +477,7 @@ class IndexService:
             aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
             with contextlib.suppress(OSError):
                 path.rename(aside)
-                logger.warning("moved the unreadable snapshot to %s", aside)
+                logger.info("moved the unreadable snapshot to %s", aside)
 
     def _resync(self, restored: list[dict[str, Any]]) -> None:
         source = self.cache_source
