@@ -160,12 +160,14 @@ def make_llm() -> LLM:
 
 @dataclass
 class RecordedPrompt:
-    """One LLM call: the prompt text (chat messages joined as ``role: content`` lines) and the
-    cached prompt tokens the engine reported (``None`` when it reported none)."""
+    """One LLM call: the prompt text (chat messages joined as ``role: content`` lines), and
+    what the engine reported: prompt and cached prompt tokens, the response id (``None`` when
+    it reported none, as with ``MockLLM``)."""
 
     text: str
     cached_tokens: int | None = None
     prompt_tokens: int | None = None
+    response_id: str | None = None
 
 
 _CALL_DEPTH: ContextVar[int] = ContextVar("prompt_recorder_call_depth", default=0)
@@ -218,15 +220,18 @@ class PromptRecorder(BaseEventHandler):
             self._records.append(record)
 
     def _usage(self, raw: Any) -> None:
-        usage = getattr(raw, "usage", None) if raw is not None else None
-        if usage is None:
+        if raw is None:
             return
+        usage = getattr(raw, "usage", None)
         details = getattr(usage, "prompt_tokens_details", None)
-        cached = getattr(details, "cached_tokens", None) if details is not None else None
         with self._lock:
-            if self._records:
-                self._records[-1].cached_tokens = cached
-                self._records[-1].prompt_tokens = getattr(usage, "prompt_tokens", None)
+            if not self._records:
+                return
+            record = self._records[-1]
+            record.response_id = getattr(raw, "id", None)
+            if usage is not None:
+                record.prompt_tokens = getattr(usage, "prompt_tokens", None)
+                record.cached_tokens = getattr(details, "cached_tokens", None)
 
     def __enter__(self) -> PromptRecorder:
         get_dispatcher().add_event_handler(self)

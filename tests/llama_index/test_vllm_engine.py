@@ -1,0 +1,104 @@
+"""A real engine (vLLM's CPU build, random weights) behind ``ContextPilotOpenAILike``: the plan's
+rid reaches the engine (it names the response and the engine's KV-cache events carry it as the
+session id), and a second query sharing the nodes hits the engine's prefix cache.
+
+Needs ``.venv-vllm`` (``scripts/setup-vllm-env.sh``); skipped without it. Marked ``vllm``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+from llama_index.core.query_engine import RetrieverQueryEngine
+
+from contextpilot_integrations.engines.vllm_cpu import (
+    VllmCpuServer,
+    find_vllm_python,
+    prepare_model_dir,
+)
+from contextpilot_integrations.llama_index import (
+    ContextPilotNodePostprocessor,
+    ContextPilotOpenAILike,
+    text_qa_template,
+)
+from contextpilot_integrations.sync.kv_events import BlockStored, KVEventDecoder
+
+BLOCK_SIZE = 32
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        find_vllm_python() is None,
+        reason="no vLLM environment: run scripts/setup-vllm-env.sh (makes .venv-vllm)",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCpuServer]:
+    model_dir = prepare_model_dir(tmp_path_factory.mktemp("model"), seed=0)
+    with VllmCpuServer(model_dir, block_size=BLOCK_SIZE, max_model_len=4096) as running:
+        yield running
+
+
+def _stored_sessions(socket: zmq.Socket, topic: bytes, want: set[str], timeout: float) -> set[str]:  # type: ignore[type-arg]
+    decoder, seen = KVEventDecoder(), set()
+    deadline = time.monotonic() + timeout
+    while not want <= seen and time.monotonic() < deadline:
+        if socket.poll(200):
+            frame_topic, _, payload = socket.recv_multipart()
+            assert frame_topic == topic
+            for event in decoder.decode(payload).events:
+                if isinstance(event, BlockStored) and event.session_id:
+                    seen.add(event.session_id)
+    return seen
+
+
+def test_rid_reaches_vllm_and_shared_nodes_hit_its_prefix_cache(
+    server: VllmCpuServer, bm25, questions, recorder
+) -> None:
+    socket = zmq.Context.instance().socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SUBSCRIBE, server.kv_events_topic.encode())
+    socket.connect(server.kv_events_endpoint)
+    time.sleep(0.5)  # ZMQ slow joiner
+    try:
+        llm = ContextPilotOpenAILike(
+            model=server.model_name,
+            api_base=f"{server.base_url}/v1",
+            api_key="none",
+            is_chat_model=True,
+            context_window=4096,
+            max_tokens=2,
+            timeout=120,
+        )
+        pp = ContextPilotNodePostprocessor()
+        engine = RetrieverQueryEngine.from_args(
+            bm25, llm=llm, node_postprocessors=[pp], text_qa_template=text_qa_template(pp)
+        )
+        server.reset_prefix_cache()
+        # Questions 0 and 13 retrieve the same articles in different orders.
+        responses = [engine.query(questions[0]), engine.query(questions[13])]
+        rids = [r.source_nodes[0].node.metadata["contextpilot_rid"] for r in responses]
+        first, second = recorder.records
+        # vLLM names the response after the request_id it was sent.
+        assert first.response_id == f"chatcmpl-{rids[0]}"
+        assert second.response_id == f"chatcmpl-{rids[1]}"
+        # The second prompt repeats the first one's system prompt and blocks byte for byte:
+        # the engine serves them from its prefix cache, in whole 32-token blocks.
+        shared = first.text[: first.text.index("Read the documents")]
+        assert second.text.startswith(shared)
+        plans = [pp.plan_for(r.source_nodes) for r in responses]
+        tokens = [server.tokenize(plan.messages) for plan in plans]  # type: ignore[union-attr]
+        common = next((i for i, (a, b) in enumerate(zip(*tokens)) if a != b), min(map(len, tokens)))
+        assert common >= len(server.tokenize(shared)) - 16  # the blocks, in tokens
+        assert first.cached_tokens == 0
+        assert second.cached_tokens == common // BLOCK_SIZE * BLOCK_SIZE
+        # The KV-cache events attribute the stored blocks to each plan's rid (session_id).
+        topic = server.kv_events_topic.encode()
+        assert _stored_sessions(socket, topic, set(rids), timeout=20) >= set(rids)
+    finally:
+        socket.close()
