@@ -143,6 +143,7 @@ class KVEventSubscriber:
         dp_size: number of data-parallel ranks to follow (ranks 0 .. dp_size - 1).
         replay_timeout_s: how long the replay socket may stay silent (before its first answer
             or between two) before the request counts as failed.
+        replay_attempts: replay requests made for one gap before resynchronising.
         poll_interval_s: longest wait between checks of the stop flag (bounds ``stop()``).
         idle_probe_interval_s: silence after which the replay socket is probed for missed
             batches (see the module docstring); None disables probing.
@@ -166,6 +167,7 @@ class KVEventSubscriber:
         on_resync: ResyncHandler | None = None,
         dp_size: int = 1,
         replay_timeout_s: float = 2.0,
+        replay_attempts: int = 3,
         poll_interval_s: float = 0.1,
         idle_probe_interval_s: float | None = 1.0,
         bind: bool = False,
@@ -174,6 +176,8 @@ class KVEventSubscriber:
             raise ValueError(f"dp_size must be at least 1, got {dp_size!r}")
         if replay_timeout_s <= 0:
             raise ValueError(f"replay_timeout_s must be positive, got {replay_timeout_s!r}")
+        if replay_attempts < 1:
+            raise ValueError(f"replay_attempts must be at least 1, got {replay_attempts!r}")
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be positive, got {poll_interval_s!r}")
         if idle_probe_interval_s is not None and idle_probe_interval_s <= 0:
@@ -193,6 +197,7 @@ class KVEventSubscriber:
         self._on_batch = on_batch
         self._on_resync = on_resync
         self._replay_timeout_s = replay_timeout_s
+        self._replay_attempts = replay_attempts
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._idle_probe_s = idle_probe_interval_s
         self._decoder = KVEventDecoder()
@@ -454,7 +459,12 @@ class KVEventSubscriber:
         that the SUB socket will deliver again: they are applied at once (one replay covers
         every gap up to the publisher's head) and their live copies are skipped.
         """
-        replayed = self._request_replay(stream, start) if stream.replay_endpoint else None
+        replayed = None
+        for _ in range(self._replay_attempts if stream.replay_endpoint else 0):
+            # A resync drops everything believed cached: worth a retry on a busy machine.
+            replayed = self._request_replay(stream, start)
+            if replayed is not None:
+                break
         replayed = replayed or {}
         run_start = end
         while run_start > start and run_start - 1 in replayed:
