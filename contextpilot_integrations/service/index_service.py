@@ -16,11 +16,12 @@ index from the file; :meth:`IndexService.stop` (and a periodic timer, if set) sa
 restored requests were indexed by an earlier process, so what the engine still caches is
 re-established with the engine:
 
-- KV events: the subscriber's first message triggers a replay of the engine's buffered events
-  (:class:`~contextpilot_integrations.sync.subscriber.KVEventSubscriber`), which re-attributes
-  cached blocks to the restored rids by their echoed ``session_id``; once that first message
-  and its replay have been applied, every restored rid the mirror does not hold is evicted.
-  Until the engine publishes, the restored index is kept (``resync_pending`` in the stats).
+- KV events: the subscriber joins the engine's stream by replaying its buffered events
+  (:class:`~contextpilot_integrations.sync.subscriber.KVEventSubscriber`: on the first live
+  batch, or an idle probe of the replay socket), which re-attributes cached blocks to the
+  restored rids by their echoed ``session_id``; once every rank has joined, each restored rid
+  the mirror does not hold is evicted. Until then the restored index is kept
+  (``resync_pending`` in the stats).
 - capacity model: the restored requests are recorded again, least recently used first, so the
   model's token budget holds them (evicting the oldest when it does not).
 - TTL model: when the service was down for ``ttl_s`` or longer, every restored request is
@@ -49,7 +50,6 @@ from contextpilot_integrations.core.context_index import ContextIndex
 from contextpilot_integrations.core.conversation import TurnVisibility
 from contextpilot_integrations.core.pilot import BatchPlan, ContextPilot, Plan
 from contextpilot_integrations.core.rendering import PromptLayout
-from contextpilot_integrations.service.engine_link import EngineLinkMonitor
 from contextpilot_integrations.service.metrics import ServiceMetrics
 from contextpilot_integrations.service.snapshot import (
     ServiceSnapshot,
@@ -88,7 +88,8 @@ class ServiceConfig:
         api_key: shared secret every request but ``/health`` must present as
             ``Authorization: Bearer <key>``; None: no authentication.
         engine_grace_s: how long the KV-event publisher may stay unconnected before the
-            engine counts as unreachable.
+            engine counts as unreachable (and the resync after a restore may wait before
+            that counts as a failure; it goes on waiting).
         inline_plan_bytes: a single plan whose request body is at most this many bytes is
             parsed, planned and encoded on the event loop (a thread hop would cost more than
             the plan); larger ones, and every batch, in a worker thread.
@@ -147,7 +148,6 @@ class IndexService:
         self.cache_source: CacheStateSource | None = None
         if sync is not None:
             self.cache_source = build_cache_state_source(sync, self._evict_from_sync)
-        self.engine_link: EngineLinkMonitor | None = None
         self._planning: set[str] = set()
         self._planning_lock = threading.Lock()
         self._warned: set[str] = set()
@@ -303,8 +303,11 @@ class IndexService:
 
     @property
     def engine_connected(self) -> bool | None:
-        """Whether the KV-event publisher is connected; None without an event stream."""
-        return self.engine_link.connected if self.engine_link is not None else None
+        """Whether the KV-event subscriber is connected to every rank's publisher (the
+        subscriber's ZMQ socket monitor); None without an event stream."""
+        if not isinstance(self.cache_source, KVEventCacheState):
+            return None
+        return all(self.cache_source.subscriber.stats()["connected"])
 
     @property
     def resync_pending(self) -> bool:
@@ -329,12 +332,7 @@ class IndexService:
         if self.cache_source is not None:
             self.cache_source.start()
         if isinstance(self.cache_source, KVEventCacheState):
-            self.engine_link = EngineLinkMonitor(
-                self.cache_source.subscriber.endpoints,
-                on_unreachable=self._engine_unreachable,
-                on_reachable=self._engine_reachable,
-                grace_s=self.config.engine_grace_s,
-            ).start()
+            self._spawn("engine-link-watch", self._watch_engine_link)
         if restored:
             self._resync(restored)
         if self.config.snapshot_path is not None and self.config.snapshot_interval_s:
@@ -349,8 +347,6 @@ class IndexService:
         for thread in self._threads:
             thread.join(5.0)
         self._threads.clear()
-        if self.engine_link is not None:
-            self.engine_link.stop()
         if self.cache_source is not None:
             self._guard("stop", self.cache_source.stop)
         self.save_snapshot()
@@ -434,14 +430,32 @@ class IndexService:
         level = logging.WARNING if first else logging.DEBUG
         logger.log(level, "sync path failure (%s): %s; plans are still served", kind, detail)
 
-    def _engine_unreachable(self, endpoint: str) -> None:
-        self._sync_failure(
-            "engine_unreachable",
-            f"KV-event publisher {endpoint} not connected after {self.config.engine_grace_s} s",
-        )
+    def _watch_engine_link(self) -> None:
+        """Count an outage of the KV-event publisher (not connected for ``engine_grace_s``,
+        from start or from a disconnection) once, and warn about the first one."""
+        grace = self.config.engine_grace_s
+        down_since: float | None = time.monotonic()
+        reported = False
+        while not self._stop.wait(0.1):
+            connected = self.engine_connected
+            now = time.monotonic()
+            if connected:
+                if reported:
+                    logger.info("KV-event publisher connected again")
+                down_since, reported = None, False
+            elif down_since is None:
+                down_since = now
+            elif not reported and now - down_since >= grace:
+                reported = True
+                endpoints = ", ".join(self._kv_events().subscriber.endpoints)
+                self._sync_failure(
+                    "engine_unreachable",
+                    f"KV-event publisher {endpoints} not connected for {grace} s",
+                )
 
-    def _engine_reachable(self, endpoint: str) -> None:
-        logger.info("KV-event publisher %s connected", endpoint)
+    def _kv_events(self) -> KVEventCacheState:
+        assert isinstance(self.cache_source, KVEventCacheState)
+        return self.cache_source
 
     def _spawn(self, name: str, target: Any) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -507,39 +521,24 @@ class IndexService:
                     self._guard("resync", source.record, SentRequest(entry["rid"], blocks))
 
     def _resync_with_events(self) -> None:
-        """Wait until the subscriber has joined the engine's stream (its first message and
-        the replay before it applied), then evict the restored rids the mirror does not
-        hold."""
-        source = self.cache_source
-        assert isinstance(source, KVEventCacheState)
+        """Wait until the subscriber has joined every rank's stream (its first batch and the
+        replay of what preceded it applied: the mirror reflects the engine), then evict the
+        restored rids the mirror does not hold."""
+        source = self._kv_events()
         deadline = time.monotonic() + self.config.engine_grace_s
         reported = False
-        previous: tuple[int, int] | None = None
-        while not self._stop.wait(0.05):
-            stats = source.subscriber.stats()
-            joined = all(seq is not None for seq in stats["expected_seq"])
-            # Replayed batches are counted before they are applied; a live batch applied
-            # (or skipped as malformed) after them means the join's replay is done.
-            progress = (stats["applied"] + stats["malformed"], stats["replayed"])
-            if joined and progress[0] > progress[1] and progress == previous:
-                break
-            previous = progress if joined else None
+        while not all(source.subscriber.stats()["joined"]):
+            if self._stop.wait(0.05):
+                return
             if not reported and time.monotonic() > deadline:
                 reported = True
                 self._sync_failure(
                     "resync_timeout",
-                    f"no KV events within {self.config.engine_grace_s} s of the restore; "
-                    f"{len(self._restored)} restored requests are kept until the engine "
-                    f"publishes",
+                    f"the KV-event stream not joined within {self.config.engine_grace_s} s of "
+                    f"the restore; {len(self._restored)} restored requests are kept until it is",
                 )
-        else:
-            return
-        cached = source.mirror.cached_requests()
-        stale = sorted(self._restored - cached)
-        evicted = 0
-        for rid in stale:
-            if self.pilot.evict(rid):
-                evicted += 1
+        stale = sorted(self._restored - source.mirror.cached_requests())
+        evicted = sum(1 for rid in stale if self.pilot.evict(rid))
         self.metrics.evictions.labels("resync").inc(evicted)
         logger.info(
             "resync with the engine: %d restored requests still cached, %d evicted",

@@ -162,6 +162,6 @@ def _numeric_gauges(prefix: str, values: Mapping[str, Any]) -> Iterator[Metric]:
         elif isinstance(value, (list, tuple)):
             family = GaugeMetricFamily(name, f"Sync counter {key}, per rank.", labels=["rank"])
             for rank, item in enumerate(value):
-                if isinstance(item, (int, float)) and not isinstance(item, bool):
-                    family.add_metric([str(rank)], item)
+                if isinstance(item, (int, float)):  # bools (joined, connected) as 0/1
+                    family.add_metric([str(rank)], float(item))
             yield family
