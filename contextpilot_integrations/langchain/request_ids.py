@@ -32,21 +32,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 from langchain_core.runnables import (
     Runnable,
-    RunnableBinding,
     RunnableConfig,
+    RunnableSequence,
     RunnableSerializable,
+    RunnableWithFallbacks,
 )
+from langchain_core.runnables.base import RunnableBindingBase
 from langchain_core.runnables.config import get_config_list, get_executor_for_config
-from pydantic import ConfigDict, field_validator
+from pydantic import ConfigDict, PrivateAttr, field_validator
 
 from .prompts import ContextPilotPromptValue
 
 __all__ = ["REQUEST_ID_FIELDS", "RequestIdChatModel", "with_request_id"]
+
+logger = logging.getLogger(__name__)
 
 REQUEST_ID_FIELDS = ("rid", "request_id", "session_id")
 """Body fields that carry the request id by default (SGLang ``rid``; vLLM ``request_id``;
@@ -65,7 +70,8 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
             (``None``: the executor's default).
 
     An input that is not a :class:`~.prompts.ContextPilotPromptValue` with a ``rid`` is passed
-    through unchanged.
+    through unchanged (a warning is logged once when it is not a ContextPilot prompt value at
+    all: the chain's prompt template is not ContextPilot's).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -73,6 +79,7 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
     bound: Runnable[Any, Any]
     fields: tuple[str, ...] = REQUEST_ID_FIELDS
     max_concurrency: int | None = None
+    _warned: bool = PrivateAttr(default=False)
 
     @field_validator("fields")
     @classmethod
@@ -121,7 +128,17 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
 
     def call_kwargs(self, input: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """The call keywords for ``input``: ``kwargs`` plus the merged ``extra_body``."""
-        rid = input.rid if isinstance(input, ContextPilotPromptValue) else None
+        if not isinstance(input, ContextPilotPromptValue):
+            if not self._warned:
+                self._warned = True
+                logger.warning(
+                    "with_request_id got a %s, not a ContextPilotPromptValue: no request id is "
+                    "sent (build the prompt with CONTEXTPILOT_PROMPT or "
+                    "ContextPilotChatPromptTemplate); warned once",
+                    type(input).__name__,
+                )
+            return dict(kwargs)
+        rid = input.rid
         if rid is None or not self.fields:
             return dict(kwargs)
         extra_body = {
@@ -226,10 +243,20 @@ def with_request_id(
 
 
 def _extra_body_of(runnable: Runnable[Any, Any]) -> dict[str, Any]:
-    """The ``extra_body`` a call would send without ours: a binding's, else the model's field."""
-    while isinstance(runnable, RunnableBinding):
-        if "extra_body" in runnable.kwargs:
-            return dict(runnable.kwargs["extra_body"] or {})
-        runnable = runnable.bound
+    """The ``extra_body`` a call would send without ours: the innermost binding's
+    (``.bind``, ``.with_retry``, ``.with_config``), else the model's own field. Wrappers are
+    followed to the model: a binding's ``bound``, a sequence's first step (``bind_tools`` and
+    ``with_structured_output`` put the model first), a fallback chain's primary runnable."""
+    for _ in range(32):  # wrappers nest a few levels; never loop on a cycle
+        if isinstance(runnable, RunnableBindingBase):
+            if "extra_body" in runnable.kwargs:
+                return dict(runnable.kwargs["extra_body"] or {})
+            runnable = runnable.bound
+        elif isinstance(runnable, RunnableSequence):
+            runnable = runnable.first
+        elif isinstance(runnable, RunnableWithFallbacks):
+            runnable = runnable.runnable
+        else:
+            break
     extra_body = getattr(runnable, "extra_body", None)
     return dict(extra_body) if isinstance(extra_body, Mapping) else {}

@@ -145,6 +145,7 @@ class ContextPilotRetriever(BaseRetriever):
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
+        self._limit(kwargs)  # a bad k fails before the base retriever runs
         documents = self.base_retriever.invoke(
             query, patch_config(ensure_config(), callbacks=run_manager.get_child()), **kwargs
         )
@@ -157,6 +158,7 @@ class ContextPilotRetriever(BaseRetriever):
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
+        self._limit(kwargs)
         documents = await self.base_retriever.ainvoke(
             query, patch_config(ensure_config(), callbacks=run_manager.get_child()), **kwargs
         )
@@ -185,11 +187,11 @@ class ContextPilotRetriever(BaseRetriever):
 
         Raises:
             ValueError: two inputs name the same conversation (its turns are sequential: call
-                ``invoke`` per turn), or ``contextpilot_turn``/``contextpilot_visible_turns``
-                is set (not supported by batch planning). Else as :meth:`invoke`.
+                ``invoke`` per turn). Else as :meth:`invoke`.
         """
         if not inputs:
             return []
+        self._limit(kwargs)
         configs = get_config_list(config, len(inputs))
         run_managers = [
             self._start_run(CallbackManager, query, cfg, kwargs)
@@ -223,6 +225,7 @@ class ContextPilotRetriever(BaseRetriever):
         """The async twin of :meth:`batch`."""
         if not inputs:
             return []
+        self._limit(kwargs)
         configs = get_config_list(config, len(inputs))
         run_managers = [
             await self._start_run(AsyncCallbackManager, query, cfg, kwargs)
@@ -283,10 +286,19 @@ class ContextPilotRetriever(BaseRetriever):
                     f"base_retriever result [{i}] (id={doc.id!r}) has empty page_content: "
                     "every context block needs its text"
                 )
-        limit = kwargs.get("k", self.k)
-        if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0:
-            documents = documents[:limit]
-        return documents
+        limit = self._limit(kwargs)
+        return documents if limit is None else documents[:limit]
+
+    def _limit(self, kwargs: Mapping[str, Any]) -> int | None:
+        """The call's ``k`` keyword (checked), else the ``k`` field."""
+        limit = kwargs.get("k")
+        if limit is None:
+            return self.k
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise TypeError(f"k must be an int, got {type(limit).__name__}: {limit!r:.80}")
+        if limit < 1:
+            raise ValueError(f"k must be >= 1, got {limit}")
+        return limit
 
     def _prepare_batch(
         self,
@@ -296,8 +308,7 @@ class ContextPilotRetriever(BaseRetriever):
         kwargs: Mapping[str, Any],
     ) -> _Batch:
         batch = _Batch()
-        conversation_ids: list[str | None] = []
-        tenants: list[str] = []
+        scopes: list[_Scope] = []
         for i, (result, run_manager) in enumerate(zip(results, run_managers)):
             if isinstance(result, BaseException):
                 batch.outputs.append(result)
@@ -305,20 +316,25 @@ class ContextPilotRetriever(BaseRetriever):
             try:
                 documents = self._kept(result, kwargs)
                 scope = _Scope.read(run_manager.metadata, self)
-                scope.check_batchable()
             except (TypeError, ValueError) as exc:
                 batch.outputs.append(exc)
                 continue
             batch.outputs.append(documents)
             batch.planned.append(i)
-            conversation_ids.append(scope.conversation_id)
-            tenants.append(scope.tenant)
+            scopes.append(scope)
         batch.args = (
             [inputs[i] for i in batch.planned],
             [[d.page_content for d in batch.outputs[i]] for i in batch.planned],
         )
-        if any(c is not None for c in conversation_ids):
-            batch.kwargs = {"conversation_ids": conversation_ids, "tenants": tenants}
+        if any(scope.conversation_id is not None for scope in scopes):
+            batch.kwargs = {
+                "conversation_ids": [scope.conversation_id for scope in scopes],
+                "tenants": [scope.tenant for scope in scopes],
+            }
+            if any(scope.turn is not None for scope in scopes):
+                batch.kwargs["turns"] = [scope.turn for scope in scopes]
+            if any(scope.visible_turns is not None for scope in scopes):
+                batch.kwargs["visibilities"] = [scope.visibility() for scope in scopes]
         return batch
 
     def _plan_batch(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> BatchPlan:
@@ -378,6 +394,11 @@ class _Scope:
                     )
         return cls(conversation_id, tenant, turn, visible)
 
+    def visibility(self) -> TurnVisibility | None:
+        if self.visible_turns is None:
+            return None
+        return TurnVisibility.last(self.visible_turns)
+
     def plan_kwargs(self) -> dict[str, Any]:
         if self.conversation_id is None:
             return {}
@@ -385,16 +406,8 @@ class _Scope:
         if self.turn is not None:
             kwargs["turn"] = self.turn
         if self.visible_turns is not None:
-            kwargs["visibility"] = TurnVisibility.last(self.visible_turns)
+            kwargs["visibility"] = self.visibility()
         return kwargs
-
-    def check_batchable(self) -> None:
-        for key, value in ((TURN_KEY, self.turn), (VISIBLE_TURNS_KEY, self.visible_turns)):
-            if value is not None:
-                raise ValueError(
-                    f"metadata {key}={value!r} is not supported by batch(); plan the turns of "
-                    "a conversation one at a time with invoke()"
-                )
 
 
 def _first_id(metadata: Mapping[str, Any], keys: Sequence[str]) -> str | None:

@@ -181,3 +181,27 @@ def test_fake_chat_model_in_the_chain_is_untouched_by_the_extra_body(topic_docum
     assert chain.invoke("cache") == "one"
     docs = retriever.invoke("cache")
     assert docs[0].metadata[METADATA_KEY]["rid"].startswith("cp-")
+
+
+def test_extra_body_is_found_through_wrappers(chat_server, topic_documents):
+    url, server = chat_server
+    retriever = ContextPilotRetriever(base_retriever=Bm25sRetriever(documents=topic_documents))
+    model = openai_model(url, extra_body={"top_k": 3})
+    for wrapped in (
+        model.with_retry(stop_after_attempt=2),
+        model.with_config(tags=["x"]),
+        model.with_fallbacks([openai_model(url)]),
+        model.bind(temperature=0.5).with_retry(stop_after_attempt=1),
+    ):
+        rag_chain(retriever, with_request_id(wrapped)).invoke("cache")
+        body = server.bodies[-1]
+        assert body["top_k"] == 3 and body["rid"].startswith("cp-"), type(wrapped).__name__
+
+
+def test_a_prompt_that_is_not_contextpilots_is_warned_about_once(chat_server, caplog):
+    url, server = chat_server
+    llm = with_request_id(openai_model(url))
+    with caplog.at_level("WARNING"):
+        llm.invoke("hello")
+        llm.invoke("again")
+    assert caplog.text.count("no request id is sent") == 1

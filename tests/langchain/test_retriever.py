@@ -330,20 +330,30 @@ def test_bad_results_and_bad_arguments_get_clear_errors(topic_documents):
         ContextPilotRetriever(base_retriever=RunnableLambda(lambda q: [])).invoke(3)  # type: ignore[arg-type]
 
 
-def test_batch_rejects_one_conversation_twice_and_per_turn_settings(topic_documents):
+def test_batch_rejects_one_conversation_twice_and_takes_per_turn_settings(topic_documents):
     retriever = ContextPilotRetriever(
-        base_retriever=ListRetriever(results={"a": topic_documents[:2], "b": topic_documents[2:4]})
+        base_retriever=ListRetriever(
+            results={"a": topic_documents[:2], "b": topic_documents[2:4], "c": topic_documents[:4]}
+        )
     )
     meta = {"metadata": {"contextpilot_conversation_id": "c"}}
     with pytest.raises(ValueError, match="appears twice in one batch"):
         retriever.batch(["a", "b"], config=[meta, meta])
-    turn = {"metadata": {"contextpilot_conversation_id": "d", "contextpilot_turn": 2}}
-    with pytest.raises(ValueError, match="contextpilot_turn=2 is not supported by batch"):
-        retriever.batch(["a"], config=[turn])
     # Different conversations in one batch are fine.
     other = {"metadata": {"contextpilot_conversation_id": "e"}}
     out = retriever.batch(["a", "b"], config=[meta, other])
     assert [entry(docs[0])["conversation_id"] for docs in out] == ["c", "e"]
+    retriever.batch(["b"], config=[meta])  # turn 2 of c
+    # Turn 3 of c keeps only turn 2 in its prompt: a and b's turn-1 blocks stay, b's are hints.
+    last = {"metadata": {**meta["metadata"], "contextpilot_visible_turns": 1}}
+    plain = {"metadata": {"contextpilot_conversation_id": "f", "contextpilot_turn": 4}}
+    out = retriever.batch(["c", "c"], config=[last, plain])
+    replaced = {d.page_content for d in out[0] if entry(d)["replaced"]}
+    assert {entry(d)["original_page_content"] for d in out[0] if entry(d)["replaced"]} == {
+        d.page_content for d in topic_documents[2:4]
+    }
+    assert replaced and entry(out[0][0])["turn"] == 3
+    assert entry(out[1][0])["turn"] == 4 and not any(entry(d)["replaced"] for d in out[1])
 
 
 def test_async_and_batch_paths_give_the_same_documents_as_sync(
@@ -387,3 +397,14 @@ def test_async_and_batch_paths_give_the_same_documents_as_sync(
     assert [sorted(d.page_content for d in docs) for docs in inner] == [
         sorted(d.page_content for d in docs) for docs in sync
     ]
+
+
+@pytest.mark.parametrize(("k", "error"), [(0, ValueError), ("3", TypeError), (True, TypeError)])
+def test_bad_k_fails_before_the_base_retriever_runs(topic_documents, k, error):
+    base = ListRetriever(results={"q": topic_documents})
+    retriever = ContextPilotRetriever(base_retriever=base)
+    with pytest.raises(error, match="k must be"):
+        retriever.invoke("q", k=k)
+    with pytest.raises(error, match="k must be"):
+        retriever.batch(["q"], k=k)
+    assert base.calls == []
