@@ -438,6 +438,10 @@ class KVEventSubscriber:
         if replayed is None:
             return  # cannot tell; the seq rules still apply
         if replayed.get(last) == stream.last_payload:
+            # Same publisher: what it sent while we were away is in the same answer.
+            if stream.expected in replayed:
+                self._counters["repaired"] += 1
+                self._apply_replayed(stream, replayed, stream.expected, live=last)
             return
         self._counters["restarts"] += 1
         logger.warning(
