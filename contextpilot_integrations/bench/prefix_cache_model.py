@@ -24,6 +24,23 @@ What it models (SGLang ``mem_cache/radix_cache.py``, RadixAttention, Zheng et al
 
 Capacity is in tokens (the sum of unit weights held by the tree); ``None`` means unlimited.
 Storage is counted per unit weight, not rounded up to blocks.
+
+Paged mode (``paged=True``) models vLLM v1's block pool instead (``vllm/v1/core/block_pool.py``,
+``kv_cache_manager.py``; checked against the real engine by ``tests/engines/test_vllm_e2e.py``).
+Units are token ids, and the tree's units become whole *blocks* of ``block_size`` tokens:
+
+* only full blocks are cached (vLLM hashes full blocks only); a trailing partial block takes a
+  block while the request runs and is free again right after (``free_blocks`` puts blocks
+  without a hash at the front of the free queue, to be reused first);
+* capacity is in whole blocks (``capacity_tokens // block_size``; vLLM's pool has
+  ``num_gpu_blocks - 1`` usable blocks, one being the reserved null block);
+* eviction frees single blocks, not whole nodes: a request allocates one block per block it
+  lacks, and each allocation evicts the least recently freed cached block (``get_new_blocks``
+  pops the head of the free queue); a finished request's blocks are freed tail first
+  (``free_blocks(reversed(...))``), so the least recently used leaf is trimmed from its end,
+  and only as many blocks as are needed go.
+
+Hits follow the same formula (the last-token rule, whole blocks).
 """
 
 from __future__ import annotations
@@ -84,15 +101,19 @@ class PrefixCacheModel:
     Args:
         capacity_tokens: the most tokens the cache holds (``None``: unlimited).
         block_size: the engine's KV block (page) size in tokens; hits count in whole blocks.
+        paged: model vLLM's paged block pool (see the module docstring): units are token ids
+            (``serve`` takes no weights), full blocks only, block-wise LRU eviction.
 
     Raises:
         ValueError: ``capacity_tokens < 0`` or ``block_size < 1``.
-        TypeError: either is not an int.
+        TypeError: either is not an int, or ``paged`` is not a bool.
 
     Not thread-safe: one benchmark run drives one model.
     """
 
-    def __init__(self, capacity_tokens: int | None, block_size: int = 1) -> None:
+    def __init__(
+        self, capacity_tokens: int | None, block_size: int = 1, *, paged: bool = False
+    ) -> None:
         if capacity_tokens is not None:
             if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int):
                 raise TypeError(f"capacity_tokens must be an int or None, got {capacity_tokens!r}")
@@ -102,8 +123,13 @@ class PrefixCacheModel:
             raise TypeError(f"block_size must be an int, got {block_size!r}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not isinstance(paged, bool):
+            raise TypeError(f"paged must be a bool, got {paged!r}")
         self.capacity_tokens = capacity_tokens
         self.block_size = block_size
+        self.paged = paged
+        if paged and capacity_tokens is not None:
+            self.capacity_tokens = capacity_tokens - capacity_tokens % block_size
         self._clock = itertools.count(1)
         self._root = _Node((), (), None, 0)
         self._stats = CacheStats(capacity_tokens, block_size, nodes=0)
@@ -122,9 +148,10 @@ class PrefixCacheModel:
 
         Args:
             units: the prompt as units (token ids, or segment block ids), in prompt order.
-            weights: tokens per unit (``None``: one token each), non-negative ints.
+            weights: tokens per unit (``None``: one token each), non-negative ints; must be
+                ``None`` in paged mode.
             rid: the request id; it is reported by :meth:`take_evicted_rids` once the node where
-                its cached prompt ends is evicted.
+                its cached prompt ends is evicted (paged mode: once any block of it is).
 
         Returns:
             cached tokens of this request (see the module docstring for the formula).
@@ -133,17 +160,16 @@ class PrefixCacheModel:
         evicts LRU leaves, inserts the unmatched rest.
 
         Raises:
-            ValueError: ``weights`` has a different length than ``units`` or a negative weight.
+            ValueError: ``weights`` has a different length than ``units`` or a negative weight,
+                or weights are given in paged mode.
             TypeError: a weight is not an int.
         """
-        units = tuple(units)
-        weights = self._check_weights(units, weights)
+        units, weights, reserve, prompt_tokens = self._prompt_units(units, weights)
         now = next(self._clock)
         end, matched = self._match(units, now)
         matched_tokens = sum(weights[:matched])
-        prompt_tokens = sum(weights)
 
-        leaf = self._insert(end, units[matched:], weights[matched:], now)
+        leaf = self._insert(end, units[matched:], weights[matched:], now, reserve=reserve)
         if rid is not None and leaf is not self._root:
             leaf.rids.append(rid)
 
@@ -158,10 +184,10 @@ class PrefixCacheModel:
     def match_tokens(self, units: Sequence[Hashable], weights: Sequence[int] | None = None) -> int:
         """Tokens of the longest cached prefix of ``units``, without changing the cache.
 
-        Not capped and not rounded to blocks (compare :meth:`serve`).
+        Not capped and not rounded to blocks (compare :meth:`serve`); in paged mode only
+        whole cached blocks count.
         """
-        units = tuple(units)
-        weights = self._check_weights(units, weights)
+        units, weights, _, _ = self._prompt_units(units, weights)
         node, pos = self._root, 0
         while pos < len(units):
             child = node.children.get(units[pos])
@@ -186,6 +212,26 @@ class PrefixCacheModel:
         return CacheStats(**vars(s))
 
     # --- Internals ------------------------------------------------------------------------------
+
+    def _prompt_units(
+        self, units: Sequence[Hashable], weights: Sequence[int] | None
+    ) -> tuple[tuple[Hashable, ...], tuple[int, ...], int, int]:
+        """(tree units, their weights, tokens reserved while the request runs, prompt tokens).
+
+        Paged mode: the tree units are the full blocks (tuples of ``block_size`` token ids);
+        a trailing partial block is reserved, not stored.
+        """
+        units = tuple(units)
+        if not self.paged:
+            weights = self._check_weights(units, weights)
+            return units, weights, 0, sum(weights)
+        if weights is not None:
+            raise ValueError("weights must be None in paged mode (units are token ids)")
+        size = self.block_size
+        full = len(units) // size
+        blocks = tuple(units[i * size : (i + 1) * size] for i in range(full))
+        reserve = size if len(units) % size else 0
+        return blocks, (size,) * full, reserve, len(units)
 
     @staticmethod
     def _check_weights(
@@ -239,17 +285,27 @@ class PrefixCacheModel:
         key: tuple[Hashable, ...],
         weights: tuple[int, ...],
         now: int,
+        *,
+        reserve: int = 0,
     ) -> _Node:
-        """Add ``key`` as a new leaf under ``parent``, evicting to make room; return its end."""
+        """Add ``key`` as a new leaf under ``parent``, evicting to make room; return its end.
+
+        ``reserve`` tokens must be free too while the request runs, but are not stored (paged
+        mode: the trailing partial block).
+        """
+        stats = self._stats
         if not key:
+            if reserve and self.capacity_tokens is not None:
+                overflow = stats.used_tokens + reserve - self.capacity_tokens
+                if overflow > 0:
+                    self._evict(overflow, protect=parent)
             return parent
         need = sum(weights)
-        stats = self._stats
         if self.capacity_tokens is not None:
-            overflow = stats.used_tokens + need - self.capacity_tokens
+            overflow = stats.used_tokens + need + reserve - self.capacity_tokens
             if overflow > 0:
                 self._evict(overflow, protect=parent)
-            free = self.capacity_tokens - stats.used_tokens
+            free = self.capacity_tokens - stats.used_tokens - reserve
             if need > free:
                 stats.truncated_inserts += 1
                 keep = 0
@@ -275,7 +331,8 @@ class PrefixCacheModel:
 
         ``protect`` (the node where the running request's match ends) and so its ancestors stay.
         Access times of leaves are distinct (one request touches one root path), so the order
-        does not depend on tie-breaking.
+        does not depend on tie-breaking. Paged mode: the last leaf taken is trimmed from its
+        end to free only what is still needed.
         """
         heap = [
             (leaf.last_access, id(leaf), leaf) for leaf in self._leaves() if leaf is not protect
@@ -285,6 +342,9 @@ class PrefixCacheModel:
         freed = 0
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
+            if self.paged and leaf.tokens > num_tokens - freed:
+                freed += self._trim(leaf, num_tokens - freed)
+                break
             parent = leaf.parent
             assert parent is not None
             del parent.children[leaf.key[0]]
@@ -297,6 +357,23 @@ class PrefixCacheModel:
             self._pending_evicted_rids.extend(leaf.rids)
             if parent is not self._root and not parent.children and parent is not protect:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+
+    def _trim(self, leaf: _Node, num_tokens: int) -> int:
+        """Drop units from the end of ``leaf`` until ``num_tokens`` are freed (paged mode:
+        the leaf keeps at least one unit); its rids lose their cached end. Returns tokens freed."""
+        keep, dropped = len(leaf.key), 0
+        while dropped < num_tokens:
+            keep -= 1
+            dropped += leaf.weights[keep]
+        leaf.key, leaf.weights = leaf.key[:keep], leaf.weights[:keep]
+        leaf.tokens -= dropped
+        stats = self._stats
+        stats.used_tokens -= dropped
+        stats.evicted_tokens += dropped
+        stats.evicted_rids += len(leaf.rids)
+        self._pending_evicted_rids.extend(leaf.rids)
+        leaf.rids = []
+        return dropped
 
     def _leaves(self) -> list[_Node]:
         leaves = []
