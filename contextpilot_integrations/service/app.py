@@ -428,9 +428,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         for error in exc.errors():
             path = _field_path(tuple(error.get("loc", ())))
             message = str(error.get("msg", "invalid"))
-            if error.get("type") == "json_invalid":
+            value = _echo(error.get("input"))
+            if error.get("type") == "json_invalid":  # the input is the whole body: not echoed
                 message = f"invalid JSON: {error.get('ctx', {}).get('error', message)}"
-            fields.append({"field": path, "message": message, "value": _echo(error.get("input"))})
+                value = None
+            fields.append({"field": path, "message": message, "value": value})
         if not fields:
             fields.append({"field": "body", "message": "invalid request", "value": None})
         first = fields[0]
@@ -467,7 +469,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error(500, f"internal error: {type(exc).__name__}", "InternalError")
 
     app.add_exception_handler(RequestValidationError, invalid_request)
+
+    async def body_too_large(_: Request, exc: Exception) -> Response:
+        return _error(413, str(exc), "ValueError")
+
     app.add_exception_handler(_InvalidInput, invalid_input)
+    app.add_exception_handler(_BodyTooLarge, body_too_large)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, server_error)
 

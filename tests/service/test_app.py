@@ -1,0 +1,170 @@
+"""The app in process (ASGI, no network): error bodies, body limits, metrics, health, the
+layout, the snapshot endpoint, and the service object's own checks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from service_testing import blocks_of
+
+from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.service.app import create_app
+from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
+
+
+@pytest.fixture
+def client(tmp_path) -> Iterator[TestClient]:  # type: ignore[no-untyped-def]
+    config = ServiceConfig(
+        snapshot_path=tmp_path / "index.json",
+        max_body_bytes=20_000,
+        layout=PromptLayout(system_prompt="Custom system prompt."),
+    )
+    with TestClient(create_app(config)) as test_client:
+        yield test_client
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({"query": "q", "blocks": ["a", 5]}, "body.blocks[1]", "valid string"),
+        ({"query": "q", "blocks": ["a", "\t "]}, "body.blocks[1]", "pattern"),
+        ({"query": "q"}, "body.blocks", "Field required"),
+        ({"query": "q", "blocks": [], "turn": -2}, "body.turn", "greater than or equal to 0"),
+        ({"query": "q", "blocks": [], "turn": True}, "body.turn", "valid integer"),
+        ({"query": "q", "blocks": [], "rid": ""}, "body.rid", "at least 1 character"),
+        ({"query": "q", "blocks": [], "colour": "red"}, "body.colour", "Extra inputs"),
+        (
+            {"query": "q", "blocks": [], "visibility": {"last": 1, "turns": [1]}},
+            "body.visibility",
+            "",
+        ),
+        # JSON with a lone surrogate escape is refused by the parser itself.
+        ({"query": "q\ud800", "blocks": []}, "body", "invalid JSON"),
+    ],
+)
+def test_invalid_plans_get_a_422_naming_the_field_and_value(client, body, field, words) -> None:  # type: ignore[no-untyped-def]
+    raw = json.dumps(body).encode()  # json.dumps keeps a lone surrogate as \\ud800
+    response = client.post("/v1/plan", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 422
+    error = response.json()
+    assert error["message"].startswith(field) and words in error["message"], error
+    assert error["error_type"] == "ValueError"
+    assert error["fields"][0]["field"].startswith(field)
+    assert client.get("/v1/stats").json()["inserts"] == 0
+
+
+def test_malformed_json_and_oversized_bodies_are_refused(client) -> None:  # type: ignore[no-untyped-def]
+    bad = client.post(
+        "/v1/plan",
+        content=b'{"query": "q", "blocks": [',
+        headers={"content-type": "application/json"},
+    )
+    assert bad.status_code == 422 and "invalid JSON" in bad.json()["message"]
+    not_utf8 = client.post(
+        "/v1/plan", content=b'{"query": "\xff"}', headers={"content-type": "application/json"}
+    )
+    assert not_utf8.status_code == 422 and not_utf8.json()["message"].startswith("body")
+    big = {"query": "q", "blocks": ["x" * 30_000]}
+    declared = client.post("/v1/plan", json=big)
+    assert declared.status_code == 413 and "20000 bytes" in declared.json()["message"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit is counted as it streams
+        yield json.dumps(big).encode()[:15_000]
+        yield json.dumps(big).encode()[15_000:]
+
+    streamed = client.post(
+        "/v1/plan_batch", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert streamed.status_code == 413 and "limit" in streamed.json()["message"]
+    unknown = client.get("/v1/nothing")
+    assert unknown.status_code == 404 and unknown.json()["error_type"] == "HTTPError"
+    wrong_method = client.get("/v1/plan")
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+
+
+def test_metrics_count_requests_evictions_and_index_size(client) -> None:  # type: ignore[no-untyped-def]
+    for number in range(3):
+        assert (
+            client.post(
+                "/v1/plan", json={"query": "q", "blocks": blocks_of(number), "rid": f"m{number}"}
+            ).status_code
+            == 200
+        )
+    assert client.post("/v1/plan", json={"query": 1, "blocks": []}).status_code == 422
+    assert client.post("/v1/evict", json={"rid": "m1"}).json() == {"evicted": True}
+    assert client.post(
+        "/v1/usage", json={"rid": "m0", "prompt_tokens": 100, "cached_tokens": 40}
+    ).json() == {"indexed": True}
+    text = client.get("/metrics").text
+    for line in (
+        'contextpilot_http_requests_total{endpoint="/v1/plan",status="200"} 3.0',
+        'contextpilot_http_requests_total{endpoint="/v1/plan",status="422"} 1.0',
+        'contextpilot_plans_total{kind="single"} 3.0',
+        'contextpilot_evictions_total{source="api"} 1.0',
+        "contextpilot_index_requests 2.0",
+        "contextpilot_index_evictions_total 1.0",
+        "contextpilot_usage_prompt_tokens_total 100.0",
+        "contextpilot_usage_cached_tokens_total 40.0",
+        "contextpilot_conversations 0.0",
+    ):
+        assert line in text, line
+    assert 'contextpilot_http_request_duration_seconds_count{endpoint="/v1/plan"} 4.0' in text
+
+
+def test_health_layout_and_snapshot_endpoints(client, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["cache_model"] == "none"
+    assert health["engine_connected"] is None and health["resync_pending"] is False
+    layout = client.get("/v1/layout").json()
+    assert (
+        layout["system_prompt"] == "Custom system prompt."
+        and layout["label_template"] == "[Doc {position}]"
+    )
+    plan = client.post("/v1/plan", json={"query": "q", "blocks": blocks_of(0)}).json()
+    assert plan["segments"][0] == "Custom system prompt.\n"
+    assert client.post("/v1/snapshot").json() == {"saved": True}
+    saved = json.loads((tmp_path / "index.json").read_text())
+    assert [entry["rid"] for entry in saved["index"]["requests"]] == [plan["rid"]]
+
+
+def test_a_batch_with_some_rids_gets_new_ones_for_the_rest(client) -> None:  # type: ignore[no-untyped-def]
+    body = {
+        "requests": [
+            {"query": "a", "blocks": blocks_of(1), "rid": "given"},
+            {"query": "b", "blocks": blocks_of(2)},
+        ]
+    }
+    plans = client.post("/v1/plan_batch", json=body).json()["plans"]
+    assert plans[0]["rid"] == "given" and plans[1]["rid"].startswith("cp-")
+    again = client.post("/v1/plan_batch", json=body)
+    assert again.status_code == 409 and "already indexed" in again.json()["message"]
+
+
+def test_service_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="max_requests"):
+        ServiceConfig(max_requests=0)
+    with pytest.raises(ValueError, match="api_key"):
+        ServiceConfig(api_key="")
+    with pytest.raises(ValueError, match="capacity_tokens"):
+        IndexService(ServiceConfig(cache_sync={"kind": "capacity"}))
+    with pytest.raises(ValueError, match="unknown|colour"):
+        ServiceConfig(cache_sync={"kind": "ttl", "ttl_s": 5, "colour": 1})
+
+
+def test_the_service_object_plans_without_http() -> None:
+    service = IndexService(
+        ServiceConfig(cache_sync={"kind": "capacity", "capacity_tokens": 10_000})
+    )
+    service.start()
+    try:
+        plans = [service.plan(f"q{i}", blocks_of(i), rid=f"x{i}") for i in range(40)]
+        stats = service.stats()
+    finally:
+        service.stop()
+    # The capacity model keeps the index within the engine's token budget.
+    assert stats["sync"]["source"]["used_tokens"] <= 10_000
+    assert stats["requests"] == stats["sync"]["source"]["requests"] < 40
+    assert plans[-1].rid in service.pilot.index and plans[0].rid not in service.pilot.index

@@ -1,0 +1,78 @@
+"""The ``contextpilot-server`` command line: options wired to the service configuration, and
+inconsistent options refused with a message naming them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from contextpilot_integrations.service.server import build_parser, config_from_args, main
+from contextpilot_integrations.sync.configuration import CacheSyncConfig
+
+
+def _config(argv: list[str], environ: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    return config_from_args(build_parser().parse_args(argv), environ or {})
+
+
+def test_kv_events_options_build_the_event_source_config() -> None:
+    config = _config(
+        [
+            "--kv-events", "tcp://127.0.0.1:5557",
+            "--kv-events-replay", "tcp://127.0.0.1:5558",
+            "--kv-events-topic", "kv-events",
+            "--dp-size", "2",
+            "--max-requests", "500",
+        ]
+    )  # fmt: skip
+    assert isinstance(config.cache_sync, CacheSyncConfig)
+    assert config.cache_sync.kind == "kv-events"
+    assert config.cache_sync.endpoint == "tcp://127.0.0.1:5557"
+    assert config.cache_sync.replay_endpoint == "tcp://127.0.0.1:5558"
+    assert (config.cache_sync.topic, config.cache_sync.dp_size) == ("kv-events", 2)
+    assert config.max_requests == 500 and config.api_key is None
+
+
+def test_capacity_ttl_and_no_model() -> None:
+    capacity = _config(["--cache-model", "capacity", "--capacity-tokens", "200000"]).cache_sync
+    assert (capacity.kind, capacity.capacity_tokens) == ("capacity", 200_000)
+    ttl = _config(["--cache-model", "ttl", "--ttl-provider", "anthropic"]).cache_sync
+    assert (ttl.kind, ttl.provider) == ("ttl", "anthropic")
+    assert _config([]).cache_sync is None
+
+
+def test_api_key_from_the_environment_or_the_flag() -> None:
+    assert _config([], {"CONTEXTPILOT_API_KEY": "from-env"}).api_key == "from-env"
+    assert _config(["--api-key", "flag"], {"CONTEXTPILOT_API_KEY": "env"}).api_key == "flag"
+
+
+def test_layout_from_a_json_file(tmp_path: Path) -> None:
+    path = tmp_path / "layout.json"
+    path.write_text(json.dumps({"system_prompt": "Be brief."}))
+    assert _config(["--layout", str(path)]).layout.system_prompt == "Be brief."
+    path.write_text(json.dumps({"block_template": "{text}"}))
+    with pytest.raises(ValueError, match="--layout .*block_template must contain"):
+        _config(["--layout", str(path)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--cache-model", "events"], "--cache-model events needs --kv-events"),
+        (["--cache-model", "capacity"], "capacity_tokens"),
+        (["--cache-model", "ttl"], "'provider' or 'ttl_s'"),
+        (
+            ["--cache-model", "capacity", "--capacity-tokens", "5", "--kv-events", "tcp://h:1"],
+            "--kv-events options need",
+        ),
+        (["--snapshot-interval", "0"], "snapshot_interval_s must be positive"),
+        (["--max-requests", "0"], "max_requests"),
+        (["--kv-events", "tcp://127.0.0.1:x"], "tcp://host:port"),
+    ],
+)
+def test_inconsistent_options_exit_with_a_message(argv, words, capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert words in capsys.readouterr().err
