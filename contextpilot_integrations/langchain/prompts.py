@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from langchain_core.documents import Document
 from langchain_core.messages import SystemMessage
@@ -235,7 +235,8 @@ def contextpilot_prompt(
     # The layout's question template is a str.format template, the same syntax as the
     # prompt template's f-strings; only the context field is added in front of it.
     messages.append(("human", "{" + context_key + "}" + layout.question_template))
-    return ContextPilotChatPromptTemplate.from_messages(messages)
+    template = ContextPilotChatPromptTemplate.from_messages(messages)  # from_messages uses cls
+    return cast("ContextPilotChatPromptTemplate", template)
 
 
 _DEFAULT_LAYOUT = PromptLayout()
