@@ -2,13 +2,14 @@
 
 Needs ``llama-index-llms-openai-like``. The mechanism is described in :mod:`.request_ids`: the
 post-processor (and the ContextPilot templates) arm the plan's rid in the caller's context;
-each ``chat``/``complete`` call (sync, async, streaming; the LlamaIndex entry points) takes it
-once, before the client's retries, and ``_get_model_kwargs`` merges
-``{field: rid for field in request_id_fields}`` into the request body's ``extra_body``, on top of
-any ``extra_body`` the user set in ``additional_kwargs``. Calls with no armed request are sent
-unchanged. Field names default to SGLang's ``rid``, vLLM's ``request_id`` and ``session_id``
-(both engines; ``../shared/notes/engine-kv-events.md``). An endpoint that rejects unknown body
-fields (the hosted OpenAI API) needs ``request_id_fields=()``, or the plain ``OpenAI`` class.
+each ``chat``/``complete`` call (sync, async, streaming; the LlamaIndex entry points) whose
+prompt shows the plan's first block takes it once, before the client's retries, and
+``_get_model_kwargs`` merges ``{field: rid for field in request_id_fields}`` into the request
+body's ``extra_body``, on top of any ``extra_body`` the user set in ``additional_kwargs``.
+Calls that take no request are sent unchanged. Field names default to SGLang's ``rid``,
+vLLM's ``request_id`` and ``session_id`` (both engines; ``../shared/notes/engine-kv-events.md``).
+An endpoint that rejects unknown body fields (the hosted OpenAI API) needs
+``request_id_fields=()``, or the plain ``OpenAI`` class.
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ class ContextPilotOpenAILike(OpenAILike):
     def class_name(cls) -> str:
         return "ContextPilotOpenAILike"
 
-    def _with_request(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _with_request(self, kwargs: dict[str, Any], prompt_text: str) -> dict[str, Any]:
         if _REQUEST_KWARG in kwargs or not self.request_id_fields:
             return kwargs
-        rid = take_request()
+        rid = take_request(prompt_text)
         if rid is None:
             return kwargs
         return {**kwargs, _REQUEST_KWARG: request_id_fields(rid, self.request_id_fields)}
@@ -74,35 +75,44 @@ class ContextPilotOpenAILike(OpenAILike):
 
     # --- entry points: take the armed request once, then delegate --------------------------
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return super().chat(messages, **self._with_request(kwargs))
+        return super().chat(messages, **self._with_request(kwargs, _text(messages)))
 
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return super().stream_chat(messages, **self._with_request(kwargs))
+        return super().stream_chat(messages, **self._with_request(kwargs, _text(messages)))
 
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return super().complete(prompt, formatted=formatted, **self._with_request(kwargs))
+        return super().complete(prompt, formatted=formatted, **self._with_request(kwargs, prompt))
 
     def stream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseGen:
-        return super().stream_complete(prompt, formatted=formatted, **self._with_request(kwargs))
+        return super().stream_complete(
+            prompt, formatted=formatted, **self._with_request(kwargs, prompt)
+        )
 
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await super().achat(messages, **self._with_request(kwargs))
+        return await super().achat(messages, **self._with_request(kwargs, _text(messages)))
 
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
-        return await super().astream_chat(messages, **self._with_request(kwargs))
+        return await super().astream_chat(messages, **self._with_request(kwargs, _text(messages)))
 
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
-        return await super().acomplete(prompt, formatted=formatted, **self._with_request(kwargs))
+        return await super().acomplete(
+            prompt, formatted=formatted, **self._with_request(kwargs, prompt)
+        )
 
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
         return await super().astream_complete(
-            prompt, formatted=formatted, **self._with_request(kwargs)
+            prompt, formatted=formatted, **self._with_request(kwargs, prompt)
         )
+
+
+def _text(messages: Sequence[ChatMessage]) -> str:
+    """The messages' text contents joined (what the request's prompt shows)."""
+    return "\n".join(m.content for m in messages if isinstance(m.content, str))

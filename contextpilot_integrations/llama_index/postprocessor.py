@@ -60,7 +60,7 @@ from contextpilot_integrations.core.pilot import ContextPilot, Plan
 from contextpilot_integrations.core.rendering import PromptLayout
 
 from .plan_store import PlanStore, StoredPlan
-from .request_ids import RID_METADATA_KEY, arm_request
+from .request_ids import RID_METADATA_KEY, arm_request, plan_markers
 
 __all__ = [
     "METADATA_KEYS",
@@ -357,7 +357,7 @@ class ContextPilotNodePostprocessor(BaseNodePostprocessor):
             for i, meta in placed
         ]
         self._store.put(StoredPlan(plan, prepared.sections), context)
-        arm_request(plan.rid)
+        arm_request(plan.rid, plan_markers(plan))
         logger.debug(
             "plan %s: %d kept, %d replaced, %d repeated, %d without text; prefix %d blocks",
             plan.rid,

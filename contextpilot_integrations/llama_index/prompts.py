@@ -48,7 +48,7 @@ from contextpilot_integrations.core.rendering import PromptLayout
 
 from .plan_store import PlanStore, StoredPlan
 from .postprocessor import ContextPilotNodePostprocessor
-from .request_ids import arm_request
+from .request_ids import arm_request, plan_markers
 
 __all__ = [
     "DEFAULT_TURN_HEADER",
@@ -158,7 +158,7 @@ class PlanRenderer:
                 )
             return None
         if arm:
-            arm_request(stored.plan.rid)
+            arm_request(stored.plan.rid, plan_markers(stored.plan))
         return stored
 
 
@@ -202,7 +202,8 @@ def chat_context_template(
 ) -> PromptTemplate:
     """The context (system message) template for ``condense_plus_context``/``context`` chat
     engines: system prompt, context (earlier turns' sections first), hints, annotation. Pass it
-    as ``context_prompt``; the engine appends its own ``system_prompt`` after it.
+    as ``context_prompt`` (``condense_plus_context``) or ``context_template`` (``context``);
+    the engine appends its own ``system_prompt`` after it.
 
     Raises:
         TypeError: ``postprocessor`` is not a :class:`ContextPilotNodePostprocessor`.

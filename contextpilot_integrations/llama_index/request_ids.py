@@ -11,12 +11,13 @@ LLM; so the id travels beside the call instead of through it:
    :class:`contextvars.ContextVar` of the caller's context (the thread, or the asyncio task,
    that runs the query). The ContextPilot prompt templates arm it again when they render a
    plan, so the id follows the prompt that shows the plan's blocks.
-2. The next LLM request made in that context *takes* it, exactly once:
-   :class:`~contextpilot_integrations.llama_index.llms.ContextPilotOpenAILike` (an
-   ``OpenAILike`` that adds the fields to ``extra_body``) takes it when ``chat``/``complete``
+2. The next LLM request made in that context whose prompt shows the plan's blocks *takes*
+   it, exactly once: :class:`~contextpilot_integrations.llama_index.llms.ContextPilotOpenAILike`
+   (an ``OpenAILike`` that adds the fields to ``extra_body``) takes it when ``chat``/``complete``
    (sync, async, streaming) is called, before the client's retries, so a retried request keeps
-   its id and the following, unrelated request (for example the next turn's question
-   condensing) carries none.
+   its id; the following request (the next turn's question condensing) carries none, and so
+   does a request whose prompt does not contain the start of the plan's first block (a call
+   that has nothing to do with the plan, made after a retrieval that was never answered).
 
 The armed request is a shared holder, not a value: a copied context (LlamaIndex runs streamed
 answers in a context-copying thread) takes the same holder, so the id is still sent once.
@@ -34,12 +35,15 @@ from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 
+from contextpilot_integrations.core.pilot import Plan
+
 __all__ = [
     "DEFAULT_REQUEST_ID_FIELDS",
     "RID_METADATA_KEY",
     "PendingRequest",
     "arm_request",
     "pending_request",
+    "plan_markers",
     "request_id_fields",
     "request_id_kwargs",
     "take_request",
@@ -59,17 +63,31 @@ class PendingRequest:
 
     Attributes:
         rid: the plan's request id.
+        markers: texts of which at least one stands in the prompt of the request that may
+            take it (the start of the plan's first block); empty: any request may.
     """
 
-    __slots__ = ("_lock", "_taken", "rid")
+    __slots__ = ("_lock", "_taken", "markers", "rid")
 
-    def __init__(self, rid: str) -> None:
+    def __init__(self, rid: str, markers: Sequence[str] = ()) -> None:
         self.rid = rid
+        self.markers = tuple(m for m in markers if m)
         self._taken = False
         self._lock = threading.Lock()
 
-    def take(self) -> str | None:
-        """The rid the first time, ``None`` afterwards."""
+    def take(self, prompt_text: str | None = None) -> str | None:
+        """The rid the first time a matching prompt asks, ``None`` otherwise.
+
+        Args:
+            prompt_text: the outgoing prompt (chat message contents joined); ``None`` when
+                unknown (then only the take-once rule applies).
+        """
+        if (
+            prompt_text is not None
+            and self.markers
+            and not any(marker in prompt_text for marker in self.markers)
+        ):
+            return None
         with self._lock:
             if self._taken:
                 return None
@@ -89,9 +107,23 @@ _PENDING: ContextVar[PendingRequest | None] = ContextVar(
     "contextpilot_pending_request", default=None
 )
 
+MARKER_CHARS = 64
+"""Characters of the first block's start used as the marker of a plan's prompt."""
 
-def arm_request(rid: str | None) -> None:
-    """Make ``rid`` the request the next LLM call in this context sends (``None`` disarms).
+
+def plan_markers(plan: Plan) -> tuple[str, ...]:
+    """Texts that stand in any prompt rendering ``plan``: the start of its first block as the
+    ContextPilot templates render it and as LlamaIndex's stock templates do; else its first
+    hint; empty for a plan with neither."""
+    if plan.blocks:
+        first = plan.blocks[0]
+        return tuple(dict.fromkeys((first.rendered_text[:MARKER_CHARS], first.text[:MARKER_CHARS])))
+    return (plan.hints[0],) if plan.hints else ()
+
+
+def arm_request(rid: str | None, markers: Sequence[str] = ()) -> None:
+    """Make ``rid`` the request the next matching LLM call in this context sends (``None``
+    disarms). See :class:`PendingRequest` for ``markers``.
 
     Arming the rid that is already armed keeps the holder (and whether it was taken), so a
     template rendering the same plan twice does not send the id twice.
@@ -103,7 +135,7 @@ def arm_request(rid: str | None) -> None:
         return
     if current is not None and current.rid == rid:
         return
-    _PENDING.set(PendingRequest(rid))
+    _PENDING.set(PendingRequest(rid, markers))
 
 
 def pending_request() -> PendingRequest | None:
@@ -111,11 +143,12 @@ def pending_request() -> PendingRequest | None:
     return _PENDING.get()
 
 
-def take_request() -> str | None:
-    """Take the armed request's rid for the LLM call being made now (``None``: none armed, or
-    already taken by an earlier call)."""
+def take_request(prompt_text: str | None = None) -> str | None:
+    """Take the armed request's rid for the LLM call being made now, whose prompt is
+    ``prompt_text`` (``None``: none armed, already taken, or the prompt does not show the
+    plan)."""
     current = _PENDING.get()
-    return current.take() if current is not None else None
+    return current.take(prompt_text) if current is not None else None
 
 
 def request_id_fields(

@@ -141,6 +141,26 @@ def test_async_chat_engine_two_turns(bm25, recorder, top_k) -> None:
     _check_two_turns(pp, asyncio.run(talk()), recorder.prompts, top_k)
 
 
+def test_context_chat_engine_repeats_turn_one_and_hints_the_repeats(bm25, recorder) -> None:
+    from llama_index.core.chat_engine import ContextChatEngine
+
+    pp = ContextPilotNodePostprocessor().for_conversation()
+    chat = ContextChatEngine.from_defaults(
+        retriever=bm25,
+        llm=MockLLM(),
+        node_postprocessors=[pp],
+        context_template=chat_context_template(pp),
+    )
+    first = chat.chat(TURN_1)
+    second = chat.chat(TURN_1)  # the same documents again: every one is already shown
+    assert set(_status(second)) == {STATUS_REPLACED}
+    head = recorder.prompts[0][: recorder.prompts[0].index("Read the documents")]
+    assert head.startswith("system: ") and recorder.prompts[1].startswith(head)
+    assert {n.node.node_id for n in first.source_nodes} == {
+        n.node.node_id for n in second.source_nodes
+    }
+
+
 def test_conversations_and_tenants_are_isolated(bm25, recorder) -> None:
     shared = ContextPilotNodePostprocessor()
     alice = shared.for_conversation("same-id", tenant="alice")

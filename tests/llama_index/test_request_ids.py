@@ -60,6 +60,7 @@ def _llm(capture: BodyCapture, **kwargs: object) -> ContextPilotOpenAILike:
 
 def test_arm_and_take_once_shared_across_copied_contexts() -> None:
     def scenario() -> None:
+        arm_request(None)  # whatever an earlier test left in this thread's context
         assert take_request() is None
         arm_request("r-1")
         copied = contextvars.copy_context()
@@ -71,8 +72,32 @@ def test_arm_and_take_once_shared_across_copied_contexts() -> None:
         assert pending_request().rid == "r-2" and not pending_request().taken  # type: ignore[union-attr]
         arm_request(None)
         assert pending_request() is None and take_request() is None
+        # With markers, only a prompt that shows one of them takes the request.
+        arm_request("r-3", ["[Doc 1]\nApple defends"])
+        assert take_request("Say hello.") is None
+        assert take_request("...[Doc 1]\nApple defends Google Search deal...") == "r-3"
 
     contextvars.copy_context().run(scenario)
+
+
+def test_an_unanswered_plan_does_not_tag_an_unrelated_call(retrieved, questions) -> None:
+    capture = BodyCapture()
+    llm = _llm(capture)
+    pp = ContextPilotNodePostprocessor()
+    synthesizer = get_response_synthesizer(llm=llm, text_qa_template=text_qa_template(pp))
+
+    def run() -> str:
+        out = pp.postprocess_nodes(retrieved[0], query_str=questions[0])  # retrieval only ...
+        with pytest.raises(Exception, match="Connection error"):
+            llm.chat([ChatMessage(role="user", content="An unrelated question.")])
+        with pytest.raises(Exception, match="Connection error"):  # ... answered later
+            synthesizer.synthesize(questions[0], out)
+        return out[0].node.metadata["contextpilot_rid"]
+
+    rid = contextvars.copy_context().run(run)
+    unrelated, answer = capture.bodies
+    assert "rid" not in unrelated
+    assert answer["rid"] == rid
 
 
 def test_request_id_fields_and_kwargs(retrieved) -> None:
@@ -170,3 +195,31 @@ def test_retries_keep_the_rid_and_no_fields_sends_none(retrieved, questions) -> 
     contextvars.copy_context().run(run_silent)
     assert "rid" not in silent.bodies[0] and "extra_body" not in silent.bodies[0]
     assert ContextPilotOpenAILike.class_name() == "ContextPilotOpenAILike"
+
+
+def test_concurrent_requests_send_the_rid_of_the_prompt_they_carry(retrieved, questions) -> None:
+    """Eight threads, identical and different questions mixed: every request body carries the
+    rid of the plan whose messages it holds, and every rid is sent once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    capture = BodyCapture()
+    pp = ContextPilotNodePostprocessor()
+    synthesizer = get_response_synthesizer(llm=_llm(capture), text_qa_template=text_qa_template(pp))
+    jobs = [i % 5 for i in range(40)]
+
+    def ask(i: int) -> str:
+        def run() -> str:
+            out = pp.postprocess_nodes(retrieved[i], query_str=questions[i])
+            with pytest.raises(Exception, match="Connection error"):
+                synthesizer.synthesize(questions[i], out)
+            return out[0].node.metadata["contextpilot_rid"]
+
+        return contextvars.copy_context().run(run)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        rids = list(pool.map(ask, jobs))
+    sent = [body["rid"] for body in capture.bodies]
+    assert sorted(sent) == sorted(rids)  # each plan's rid, once
+    for body in capture.bodies:
+        plan = pp.store.get(body["rid"]).plan  # type: ignore[union-attr]
+        assert [m["content"] for m in body["messages"]] == [m["content"] for m in plan.messages]
