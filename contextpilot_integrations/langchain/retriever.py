@@ -145,12 +145,13 @@ class ContextPilotRetriever(BaseRetriever):
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
-        self._limit(kwargs)  # a bad k fails before the base retriever runs
+        # A bad k or metadata value fails before the base retriever runs.
+        self._limit(kwargs)
+        scope = _Scope.read(run_manager.metadata, self)
         documents = self.base_retriever.invoke(
             query, patch_config(ensure_config(), callbacks=run_manager.get_child()), **kwargs
         )
         documents = self._kept(documents, kwargs)
-        scope = _Scope.read(run_manager.metadata, self)
         plan = self.pilot.plan(query, [d.page_content for d in documents], **scope.plan_kwargs())
         logger.debug("planned %s: %d documents", plan.rid, len(documents))
         return planned_documents(documents, plan)
@@ -159,11 +160,11 @@ class ContextPilotRetriever(BaseRetriever):
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
         self._limit(kwargs)
+        scope = _Scope.read(run_manager.metadata, self)
         documents = await self.base_retriever.ainvoke(
             query, patch_config(ensure_config(), callbacks=run_manager.get_child()), **kwargs
         )
         documents = self._kept(documents, kwargs)
-        scope = _Scope.read(run_manager.metadata, self)
         texts = [d.page_content for d in documents]
         # Planning is short CPU work in process, or an HTTP call with the service client:
         # either way, not on the event loop.

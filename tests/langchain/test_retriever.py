@@ -219,9 +219,15 @@ def test_turn_after_a_fully_replaced_turn_gets_the_next_number(topic_documents):
     ],
 )
 def test_bad_metadata_values_get_errors_naming_the_key(topic_documents, metadata, error, names):
-    retriever = ContextPilotRetriever(base_retriever=ListRetriever(results={"q": topic_documents}))
+    base = ListRetriever(results={"q": topic_documents})
+    retriever = ContextPilotRetriever(base_retriever=base)
     with pytest.raises(error, match=names):
         retriever.invoke("q", config={"metadata": metadata})
+    with pytest.raises(error, match=names):
+        asyncio.run(retriever.ainvoke("q", config={"metadata": metadata}))
+    assert base.calls == []  # checked before the base retriever ran
+    with pytest.raises(error, match=names):
+        retriever.batch(["q"], config={"metadata": metadata})
 
 
 class Boom(RuntimeError):
