@@ -190,7 +190,7 @@ class ContextPilotNodePostprocessor(BaseNodePostprocessor):
             raise TypeError(f"pilot must have a plan(...) method, got {type(pilot).__name__}")
         if store is not None and not isinstance(store, PlanStore):
             raise TypeError(f"store must be a PlanStore, got {type(store).__name__}")
-        super().__init__(conversation_id=conversation_id, tenant=tenant, **kwargs)
+        super().__init__(conversation_id=conversation_id, tenant=tenant, **kwargs)  # type: ignore[call-arg]
         self._pilot = pilot if pilot is not None else ContextPilot()
         counter = getattr(self._pilot, "token_counter", None)
         self._store = store if store is not None else PlanStore(token_counter=counter)
@@ -240,7 +240,7 @@ class ContextPilotNodePostprocessor(BaseNodePostprocessor):
         Raises:
             ValueError: the nodes come from several plans.
         """
-        rids = {n.node.metadata.get(RID_METADATA_KEY) for n in nodes} - {None}
+        rids = {rid for n in nodes if isinstance(rid := n.node.metadata.get(RID_METADATA_KEY), str)}
         if len(rids) > 1:
             raise ValueError(f"nodes come from {len(rids)} plans: {sorted(rids)[:4]!r}")
         if not rids:
