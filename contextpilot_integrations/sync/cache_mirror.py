@@ -393,6 +393,12 @@ class CacheMirror:
         """(cached rids attached, matching rids whose partial match ends) at ``root`` or at a
         present descendant of it (usually none: LRU removes leaves first); sorted, so that
         the eviction order is deterministic."""
+        block = state.blocks[root]
+        if root not in state.children:  # a leaf: the common case, no walk
+            attached_here = sorted(block.rids) if block.rids else []
+            if not block.matching:
+                return attached_here, []
+            return attached_here, sorted(block.matching - set(attached_here))
         attached: set[str] = set()
         matching: set[str] = set()
         stack = [root]
