@@ -27,7 +27,7 @@ the chat-templated prompt (a line is cached only when it and everything before i
 cache is flushed before each run when it allows it. With a real engine, evictions reach the
 pilot through the KV-event subscriber (``contextpilot_integrations.sync``: ``KVEventSubscriber``
 feeding ``CacheMirror(on_evict=pilot.evict)``), which this example does not start;
-``tests/langchain/test_vllm_engine.py`` runs that loop against vLLM.
+``tests/langchain/test_langchain_vllm_engine.py`` runs that loop against vLLM.
 
 Run: ``python examples/langchain_rag.py [--limit 500] [--k 5] [--cache-tokens unlimited]``;
 data from ``--data-dir``, ``$CONTEXTPILOT_DATA_DIR`` or ``../shared/data``.
