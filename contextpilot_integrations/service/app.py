@@ -161,13 +161,13 @@ def create_app(
     async def require_key(
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
     ) -> None:
-        if expected is None:
-            return
+        assert expected is not None  # only installed when a key is set
         given = credentials.credentials.encode("utf-8") if credentials is not None else b""
         if not hmac.compare_digest(given, expected):
             raise StarletteHTTPException(401, "missing or wrong API key (Authorization: Bearer)")
 
-    guarded = [Depends(require_key)]
+    # Without a key there is nothing to check (and no dependency to resolve per request).
+    guarded = [Depends(require_key)] if expected is not None else []
     batch_limiter: list[anyio.CapacityLimiter] = []  # made on first use, inside the loop
 
     async def in_thread(call: Callable[[], T], *, batch: bool = False) -> T:
