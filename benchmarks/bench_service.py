@@ -18,9 +18,9 @@ Figures (milliseconds):
   core's ``Plan``): median and p99;
 * added latency = service median - in-process median; **target <= 1 ms**;
 * the same in CPU time per plan (client process + server process - in-process; the server's
-  from ``psutil``), which does not depend on what else runs on the machine: on a shared,
-  loaded machine the wall-clock figures include the waits for a CPU at each of the two process
-  wake-ups of a round trip, which the in-process call does not have;
+  from ``/proc/<pid>/stat``, so Linux only), which does not depend on what else runs on the
+  machine: on a shared, loaded machine the wall-clock figures include the waits for a CPU at
+  each of the two process wake-ups of a round trip, which the in-process call does not have;
 * where it goes: a bare HTTP round trip (``GET /health`` through httpx), the server's JSON
   encoding of a plan and the client's decoding of it, each measured alone.
 """
@@ -40,7 +40,6 @@ from collections.abc import Callable, Sequence
 
 import httpx
 import numpy as np
-import psutil
 import pydantic_core
 
 from contextpilot_integrations import ContextPilot, PromptLayout
@@ -103,9 +102,11 @@ def timed(call: Callable[[], object]) -> float:
     return (time.perf_counter() - start) * 1000.0
 
 
-def _cpu_s(process: psutil.Process) -> float:
-    times = process.cpu_times()
-    return float(times.user + times.system)
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (``/proc/<pid>/stat`` fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -126,7 +127,6 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
             in_process: list[float] = []
             service: list[float] = []
             cpu = {"in_process": 0.0, "client": 0.0, "server": 0.0}
-            server_process = psutil.Process(server.pid)
             rounds = max(1, args.requests // args.round_size)
             for r in range(rounds):
                 span = range(
@@ -136,11 +136,11 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
                 for i in span:
                     in_process.append(timed(lambda i=i: local.plan(queries[i], requests[i])))
                 cpu["in_process"] += time.process_time() - started
-                started, server_started = time.process_time(), _cpu_s(server_process)
+                started, server_started = time.process_time(), _cpu_s(server.pid)
                 for i in span:
                     service.append(timed(lambda i=i: client.plan(queries[i], requests[i])))
                 cpu["client"] += time.process_time() - started
-                cpu["server"] += _cpu_s(server_process) - server_started
+                cpu["server"] += _cpu_s(server.pid) - server_started
             http = httpx.Client()
             health_url = f"http://127.0.0.1:{port}/health"
             round_trip = [timed(lambda: http.get(health_url)) for _ in range(500)]
