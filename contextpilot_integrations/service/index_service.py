@@ -279,7 +279,7 @@ class IndexService:
         ``service``."""
         index = self.pilot.stats()
         with self._state_lock:
-            usage = dict(self._usage)
+            usage: dict[str, float] = dict(self._usage)
             failures = dict(self._failures)
         usage["hit_ratio"] = (
             usage["cached_tokens"] / usage["prompt_tokens"] if usage["prompt_tokens"] else 0.0
