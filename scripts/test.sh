@@ -43,7 +43,7 @@ sglang_tier() {
 vllm_tier() {
     bash scripts/setup-vllm-env.sh || return 1
     bash scripts/setup-venv.sh all,dev || return 1
-    .venv/bin/python -m pytest -m vllm tests/engines
+    .venv/bin/python -m pytest -m vllm tests
 }
 
 for tier in "${tiers[@]}"; do

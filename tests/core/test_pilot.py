@@ -188,3 +188,12 @@ def test_batch_takes_turns_and_visibility_per_request():
     assert batch.plans[1].turn == 1 and not batch.plans[1].replaced
     with pytest.raises(ValueError, match="turns has 1 entries"):
         pilot.plan_batch(["x", "y"], [[LONG[3]], [LONG[4]]], turns=[1])
+
+
+def test_unencodable_text_and_context_tail():
+    pilot = ContextPilot()
+    with pytest.raises(ValueError, match=r"blocks\[1\] cannot be encoded as UTF-8"):
+        pilot.plan("q", ["fine", "bad \ud800"])
+    plan = pilot.plan("the question", ["a text", "b text"])
+    assert plan.segments[-1] == plan.context_tail + "Question: the question\nAnswer:"
+    assert plan.context_tail.startswith("Read the documents")
