@@ -75,6 +75,8 @@ class Plan:
             (``conversation_id`` and ``turn`` are ``None`` without one).
         dedup: per-request figures: blocks_kept, blocks_replaced, sub_blocks_replaced,
             tokens_in, tokens_saved (all zero savings without a conversation).
+        annotation_labels: how the order annotation names the blocks, highest relevance
+            first (empty when annotation is off).
         layout: the layout that rendered the plan.
     """
 
@@ -93,11 +95,18 @@ class Plan:
     tenant: str = ""
     turn: int | None = None
     dedup: dict[str, int] = field(default_factory=dict)
+    annotation_labels: list[str] = field(default_factory=list)
 
     @property
     def prompt(self) -> str:
         """The plain-text prompt (``"".join(segments)``)."""
         return "".join(self.segments)
+
+    @property
+    def context_tail(self) -> str:
+        """Hints and order annotation: the tail without the question (for adapters that
+        render the question themselves)."""
+        return self.layout.context_tail(annotation_labels=self.annotation_labels, hints=self.hints)
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -463,7 +472,13 @@ class ContextPilot:
         duplicates: dict[int, int] = {}
         for rank, text in enumerate(blocks):
             validate_block_text(text, field=f"{field_name}[{rank}]")
-            bid, count = self._identify(text)
+            try:
+                bid, count = self._identify(text)
+            except UnicodeEncodeError as error:
+                raise ValueError(
+                    f"{field_name}[{rank}] cannot be encoded as UTF-8 ({error.reason} at "
+                    f"character {error.start}): {text!r:.80}"
+                ) from None
             if bid in first_seen:
                 duplicates[rank] = first_seen[bid]
                 continue
@@ -567,4 +582,5 @@ class ContextPilot:
             tenant=dedup.tenant,
             turn=dedup.turn,
             dedup=dedup.figures(),
+            annotation_labels=annotation_labels,
         )

@@ -108,12 +108,15 @@ class PromptLayout:
         hints: Sequence[str] = (),
     ) -> str:
         """Everything after the blocks: hints, order annotation, question."""
+        context = self.context_tail(annotation_labels=annotation_labels, hints=hints)
+        return context + self.question_template.format(question=question)
+
+    def context_tail(
+        self, *, annotation_labels: Sequence[str] = (), hints: Sequence[str] = ()
+    ) -> str:
+        """The part of the tail that belongs to the context: hints, then the annotation."""
         hint_text = "".join(self.hint_template.format(hint=h) for h in hints)
-        return (
-            hint_text
-            + self.annotation(annotation_labels)
-            + self.question_template.format(question=question)
-        )
+        return hint_text + self.annotation(annotation_labels)
 
     # ------------------------------------------------------------------ whole prompts
     def render_segments(

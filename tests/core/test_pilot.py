@@ -58,7 +58,7 @@ def test_shared_blocks_form_a_byte_identical_prefix_and_annotation_comes_after()
 
 def test_batch_schedule_runs_requests_sharing_a_prefix_back_to_back():
     pilot = ContextPilot()
-    a, b, c = "shared block A " * 10, "shared block B " * 10, "other block C " * 10
+    a, c = "shared block A " * 10, "other block C " * 10
     batch = pilot.plan_batch(
         ["q0", "q1", "q2", "q3"],
         [[a, "u0"], [c, "u1"], ["u2", a], [c, "u3"]],
