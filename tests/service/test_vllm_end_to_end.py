@@ -65,7 +65,10 @@ def _passages(count: int, words: int, seed: int) -> list[str]:
 
 def test_the_service_follows_a_real_engine(tmp_path, server_factory) -> None:  # type: ignore[no-untyped-def]
     model_dir = prepare_model_dir(tmp_path / "model", seed=0)
-    with VllmCpuServer(model_dir, block_size=BLOCK_SIZE, max_model_len=4096) as engine:
+    # A generous start timeout: the engine starts in ~30 s alone, minutes on a loaded machine.
+    with VllmCpuServer(
+        model_dir, block_size=BLOCK_SIZE, max_model_len=4096, startup_timeout=600
+    ) as engine:
         service = server_factory(
             "--kv-events", engine.kv_events_endpoint,
             "--kv-events-replay", engine.replay_endpoint,
