@@ -27,6 +27,7 @@ import pytest  # noqa: E402
 from langchain_core.embeddings import Embeddings  # noqa: E402
 from mem0 import AsyncMemory, Memory  # noqa: E402
 
+from contextpilot_integrations.bench.workloads import resolve_data_dir  # noqa: E402
 from contextpilot_integrations.mem0.local_config import local_mem0_config  # noqa: E402
 
 DIMENSIONS = 64
@@ -82,3 +83,12 @@ def mem0_async_memory(tmp_path: Path) -> Iterator[AsyncMemory]:
     memory = AsyncMemory.from_config(fast_config(tmp_path / "async"))
     yield memory
     memory.close()
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The real datasets (tests that need them skip when they are absent)."""
+    try:
+        return resolve_data_dir()
+    except FileNotFoundError as exc:
+        pytest.skip(f"real data not available: {exc}")
