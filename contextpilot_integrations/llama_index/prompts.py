@@ -122,10 +122,7 @@ class PlanRenderer:
         """
         plan = stored.plan
         own = "".join(plan.segments[1:-1])
-        tail = plan.segments[-1]
-        question = plan.layout.question_template.format(question=plan.query)
-        if tail.endswith(question):
-            tail = tail[: len(tail) - len(question)]
+        tail = plan.context_tail  # hints and annotation; the question comes from the template
         if plan.conversation_id is None or plan.turn is None:
             return own + tail
         parts = [self.turn_header.format(turn=t) + text for t, text in stored.earlier_sections]
