@@ -239,6 +239,8 @@ def create_app(
                 rids=rids,
                 conversation_ids=[item.conversation_id for item in items],
                 tenants=[item.tenant for item in items],
+                turns=[item.turn for item in items],
+                visibilities=[visibility_to_core(item.visibility) for item in items],
             )
             return _json(BatchPlanResponse.encode(batch))
 

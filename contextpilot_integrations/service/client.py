@@ -153,11 +153,7 @@ class _ClientCore:
         if turn is not None:
             body["turn"] = turn
         if visibility is not None:
-            if not isinstance(visibility, TurnVisibility):
-                raise TypeError(
-                    f"visibility must be a TurnVisibility or None, got {type(visibility).__name__}"
-                )
-            body["visibility"] = visibility_from_core(visibility)
+            body["visibility"] = _visibility_json(visibility)
         return _encode(body)
 
     @staticmethod
@@ -167,15 +163,22 @@ class _ClientCore:
         rids: Sequence[str] | None,
         conversation_ids: Sequence[str | None] | None,
         tenants: Sequence[str] | None,
+        turns: Sequence[int | None] | None,
+        visibilities: Sequence[TurnVisibility | None] | None,
     ) -> bytes:
         # The same checks and messages as ContextPilot.plan_batch, before anything is zipped.
         if len(queries) != len(blocks):
             raise ValueError(f"queries has {len(queries)} entries but blocks has {len(blocks)}")
-        for name, values in (("rids", rids), ("conversation_ids", conversation_ids)):
+        columns: dict[str, Sequence[Any] | None] = {
+            "rids": rids,
+            "conversation_ids": conversation_ids,
+            "tenants": tenants,
+            "turns": turns,
+            "visibilities": visibilities,
+        }
+        for name, values in columns.items():
             if values is not None and len(values) != len(queries):
                 raise ValueError(f"{name} has {len(values)} entries for {len(queries)} queries")
-        if tenants is not None and len(tenants) != len(queries):
-            raise ValueError(f"tenants has {len(tenants)} entries for {len(queries)} queries")
         items = []
         for i, (query, texts) in enumerate(zip(queries, blocks)):
             _check_texts(query, texts, f"blocks[{i}]")
@@ -186,6 +189,10 @@ class _ClientCore:
                 item["conversation_id"] = conversation_ids[i]
             if tenants is not None and tenants[i]:
                 item["tenant"] = tenants[i]
+            if turns is not None and turns[i] is not None:
+                item["turn"] = turns[i]
+            if visibilities is not None and visibilities[i] is not None:
+                item["visibility"] = _visibility_json(visibilities[i])
             items.append(item)
         return _encode({"requests": items})
 
@@ -370,10 +377,14 @@ class ContextPilotClient:
         rids: Sequence[str] | None = None,
         conversation_ids: Sequence[str | None] | None = None,
         tenants: Sequence[str] | None = None,
+        turns: Sequence[int | None] | None = None,
+        visibilities: Sequence[TurnVisibility | None] | None = None,
     ) -> BatchPlan:
         """As :meth:`ContextPilot.plan_batch`, on the shared index (errors as :meth:`plan`)."""
         core = self._core
-        body = core.batch_body(queries, blocks, rids, conversation_ids, tenants)
+        body = core.batch_body(
+            queries, blocks, rids, conversation_ids, tenants, turns, visibilities
+        )
         core.count_call()
         if not core.service_skipped():
             try:
@@ -384,7 +395,13 @@ class ContextPilotClient:
             except _UNAVAILABLE as exc:
                 core.failed("POST /v1/plan_batch", exc)
         return core.fallback_planner().plan_batch(
-            queries, blocks, rids=rids, conversation_ids=conversation_ids, tenants=tenants
+            queries,
+            blocks,
+            rids=rids,
+            conversation_ids=conversation_ids,
+            tenants=tenants,
+            turns=turns,
+            visibilities=visibilities,
         )
 
     def evict(self, rid: str) -> bool:
@@ -551,10 +568,14 @@ class AsyncContextPilotClient:
         rids: Sequence[str] | None = None,
         conversation_ids: Sequence[str | None] | None = None,
         tenants: Sequence[str] | None = None,
+        turns: Sequence[int | None] | None = None,
+        visibilities: Sequence[TurnVisibility | None] | None = None,
     ) -> BatchPlan:
         """As :meth:`ContextPilotClient.plan_batch`."""
         core = self._core
-        body = core.batch_body(queries, blocks, rids, conversation_ids, tenants)
+        body = core.batch_body(
+            queries, blocks, rids, conversation_ids, tenants, turns, visibilities
+        )
         core.count_call()
         if not core.service_skipped():
             try:
@@ -567,7 +588,13 @@ class AsyncContextPilotClient:
         local = core.fallback_planner()
         return await anyio.to_thread.run_sync(
             lambda: local.plan_batch(
-                queries, blocks, rids=rids, conversation_ids=conversation_ids, tenants=tenants
+                queries,
+                blocks,
+                rids=rids,
+                conversation_ids=conversation_ids,
+                tenants=tenants,
+                turns=turns,
+                visibilities=visibilities,
             )
         )
 
@@ -671,6 +698,14 @@ def _check_texts(query: object, blocks: object, field_name: str) -> None:
             raise TypeError(
                 f"{field_name}[{i}] must be a str, got {type(text).__name__}: {text!r:.80}"
             )
+
+
+def _visibility_json(visibility: object) -> dict[str, Any] | None:
+    if not isinstance(visibility, TurnVisibility):
+        raise TypeError(
+            f"visibility must be a TurnVisibility or None, got {type(visibility).__name__}"
+        )
+    return visibility_from_core(visibility)
 
 
 def _encode(body: dict[str, Any]) -> bytes:

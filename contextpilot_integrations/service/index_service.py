@@ -205,6 +205,8 @@ class IndexService:
         rids: Sequence[str] | None = None,
         conversation_ids: Sequence[str | None] | None = None,
         tenants: Sequence[str] | None = None,
+        turns: Sequence[int | None] | None = None,
+        visibilities: Sequence[TurnVisibility | None] | None = None,
     ) -> BatchPlan:
         """``ContextPilot.plan_batch``, then each request is recorded with the source.
 
@@ -215,7 +217,13 @@ class IndexService:
         """
         with self._reserved(rids or []):
             batch = self.pilot.plan_batch(
-                queries, blocks, rids=rids, conversation_ids=conversation_ids, tenants=tenants
+                queries,
+                blocks,
+                rids=rids,
+                conversation_ids=conversation_ids,
+                tenants=tenants,
+                turns=turns,
+                visibilities=visibilities,
             )
         self.metrics.plans.labels("batch").inc(len(batch.plans))
         self._record_sent(batch.plans)

@@ -19,6 +19,7 @@ Every error body is an :class:`ErrorResponse` whose ``message`` names the field 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -146,13 +147,16 @@ class PlanRequest(_Strict):
 
 
 class BatchItem(_Strict):
-    """One request of a batch."""
+    """One request of a batch (the arguments of ``plan`` but the rid, which the batch's
+    ``plan_batch`` takes for all its requests or none; a missing one gets a new id)."""
 
     query: Text
     blocks: Blocks
     rid: Identifier | None = None
     conversation_id: Identifier | None = None
     tenant: Tenant = ""
+    turn: TurnNumber | None = None
+    visibility: Visibility | None = None
 
 
 class PlanBatchRequest(_Strict):
@@ -222,6 +226,7 @@ class PlanResponse(BaseModel):
     tenant: str
     turn: int | None
     dedup: dict[str, int]
+    annotation_labels: list[str]
 
     @staticmethod
     def encode(plan: Plan) -> dict[str, Any]:
@@ -250,6 +255,7 @@ class PlanResponse(BaseModel):
             "tenant": plan.tenant,
             "turn": plan.turn,
             "dedup": plan.dedup,
+            "annotation_labels": plan.annotation_labels,
         }
 
     def to_plan(self, layout: PromptLayout) -> Plan:
@@ -279,6 +285,7 @@ class PlanResponse(BaseModel):
             tenant=self.tenant,
             turn=self.turn,
             dedup=self.dedup,
+            annotation_labels=self.annotation_labels,
         )
 
 
@@ -302,7 +309,10 @@ class BatchPlanResponse(BaseModel):
 
 
 class LayoutModel(BaseModel):
-    """The server's :class:`PromptLayout` (every field), to render plans client-side."""
+    """The server's :class:`PromptLayout`: every field of it (templates are strings), to
+    render plans client-side. Fields the layout gains later travel as extra keys."""
+
+    model_config = ConfigDict(extra="allow")
 
     system_prompt: str
     block_template: str
@@ -315,8 +325,8 @@ class LayoutModel(BaseModel):
 
     @classmethod
     def from_core(cls, layout: PromptLayout) -> LayoutModel:
-        """From the core's layout."""
-        return cls(**{name: getattr(layout, name) for name in cls.model_fields})
+        """From the core's layout (all its dataclass fields)."""
+        return cls(**dataclasses.asdict(layout))
 
     def to_core(self) -> PromptLayout:
         """The core's layout."""

@@ -4,18 +4,21 @@ async twin, and the local fallback when the service is down."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import pytest
 from service_testing import blocks_of, free_port
 
 from contextpilot_integrations.core.conversation import TurnVisibility
-from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.pilot import ContextPilot, Plan, PlannedBlock
+from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.service.client import (
     AsyncContextPilotClient,
     ContextPilotClient,
     ServiceUnavailableError,
 )
+from contextpilot_integrations.service.schemas import LayoutModel, PlannedBlockModel, PlanResponse
 
 
 def _scenario(pilot):  # type: ignore[no-untyped-def]
@@ -44,7 +47,17 @@ def _scenario(pilot):  # type: ignore[no-untyped-def]
         [blocks_of(30 + i % 2) for i in range(5)],
         rids=[f"b{i}" for i in range(5)],
     )
-    return plans, batch
+    # A batch of next turns, one per conversation, with turn numbers and visibilities.
+    turns = pilot.plan_batch(
+        ["turn three", "other conversation"],
+        [conversation[1:], blocks_of(20)],
+        rids=["t3", "d1"],
+        conversation_ids=["c", "d"],
+        tenants=["a", "a"],
+        turns=[3, None],
+        visibilities=[TurnVisibility.only([1]), None],
+    )
+    return plans, [batch, turns]
 
 
 def test_client_plans_equal_in_process_plans(server_factory) -> None:  # type: ignore[no-untyped-def]
@@ -56,8 +69,11 @@ def test_client_plans_equal_in_process_plans(server_factory) -> None:  # type: i
     assert remote == local  # every field, the layout included
     assert remote_batch == local_batch
     assert remote[6].replaced and remote[6].hints  # the conversation turn was de-duplicated
+    assert remote_batch[1].plans[0].turn == 3 and remote_batch[1].plans[0].replaced
+    assert any(p.annotation_labels for p in remote)
+    assert [p.context_tail for p in remote] == [p.context_tail for p in local]
     assert remote[4].duplicates
-    assert stats["requests"] == ContextPilot().stats()["requests"] + len(remote) + 5
+    assert stats["requests"] == len(remote) + 5 + 2
     assert stats["service_reachable"] is True
     assert remote[0].messages[0]["content"] == local[0].layout.system_prompt
 
@@ -205,3 +221,12 @@ def httpx_get_stats(base_url: str) -> dict:  # type: ignore[type-arg]
     import httpx
 
     return httpx.get(f"{base_url}/v1/stats").json()
+
+
+def test_the_wire_format_carries_every_field_of_the_core_plan() -> None:
+    """Fails when the core's Plan, PlannedBlock or PromptLayout gains a field the service does
+    not send (the client would rebuild it with its default)."""
+    plan_fields = {f.name for f in dataclasses.fields(Plan)} - {"layout"}
+    assert set(PlanResponse.model_fields) == plan_fields
+    assert set(PlannedBlockModel.model_fields) == {f.name for f in dataclasses.fields(PlannedBlock)}
+    assert set(LayoutModel.model_fields) == {f.name for f in dataclasses.fields(PromptLayout)}
