@@ -550,16 +550,18 @@ class ContextPilot:
         if planned:
             # The index mirrors what the engine will cache: the blocks as rendered.
             ids = [
-                b.block_id if b.rendered_text is b.text else self._identify(b.rendered_text)[0]
+                b.block_id if b.rendered_text == b.text else self._identify(b.rendered_text)[0]
                 for b in planned
             ]
             tokens = [
-                b.tokens if b.rendered_text is b.text else self._identify(b.rendered_text)[1]
+                b.tokens if b.rendered_text == b.text else self._identify(b.rendered_text)[1]
                 for b in planned
             ]
             self.index.insert(rid, ids, tokens)
             self._history.add(ids)
         annotation_labels = [labels[r] for r in sorted(labels)] if self.annotate else []
+        if annotation_labels == [self.layout.label(i) for i in range(len(planned))]:
+            annotation_labels = []  # the prompt already shows relevance order: say nothing
         segments = self.layout.render_segments(
             [b.rendered_text for b in planned],
             request.query,

@@ -194,6 +194,15 @@ def test_unencodable_text_and_context_tail():
     pilot = ContextPilot()
     with pytest.raises(ValueError, match=r"blocks\[1\] cannot be encoded as UTF-8"):
         pilot.plan("q", ["fine", "bad \ud800"])
-    plan = pilot.plan("the question", ["a text", "b text"])
+    pilot.plan("warm", ["b text"])
+    plan = pilot.plan("the question", ["a text", "b text"])  # "b text" is moved first
+    assert plan.order == [1, 0]
     assert plan.segments[-1] == plan.context_tail + "Question: the question\nAnswer:"
     assert plan.context_tail.startswith("Read the documents")
+
+
+def test_no_annotation_when_the_prompt_already_shows_relevance_order():
+    pilot = ContextPilot()
+    plan = pilot.plan("q", ["first text", "second text"])
+    assert plan.order == [0, 1] and plan.annotation_labels == []
+    assert "priority order" not in plan.prompt

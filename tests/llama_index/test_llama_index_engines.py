@@ -75,7 +75,7 @@ def test_retriever_query_engine_over_bm25(bm25, questions, recorder, top_k) -> N
     # Question 13 retrieves the same four articles as question 0: full prefix reuse.
     again = engine.query(questions[13])
     assert pp.plan_for(again.source_nodes).matched_prefix_blocks == top_k  # type: ignore[union-attr]
-    head = recorder.prompts[0][: recorder.prompts[0].index("Read the documents")]
+    head = recorder.prompts[0][: recorder.prompts[0].rindex("-----\n") + len("-----\n")]
     assert recorder.prompts[-1].startswith(head)
 
 
@@ -154,7 +154,7 @@ def test_context_chat_engine_repeats_turn_one_and_hints_the_repeats(bm25, record
     first = chat.chat(TURN_1)
     second = chat.chat(TURN_1)  # the same documents again: every one is already shown
     assert set(_status(second)) == {STATUS_REPLACED}
-    head = recorder.prompts[0][: recorder.prompts[0].index("Read the documents")]
+    head = recorder.prompts[0][: recorder.prompts[0].rindex("-----\n") + len("-----\n")]
     assert head.startswith("system: ") and recorder.prompts[1].startswith(head)
     assert {n.node.node_id for n in first.source_nodes} == {
         n.node.node_id for n in second.source_nodes
