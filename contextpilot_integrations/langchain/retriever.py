@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from langchain_core.callbacks import (
     AsyncCallbackManager,
@@ -61,7 +61,8 @@ from langchain_core.runnables.config import get_config_list, patch_config, run_i
 from pydantic import Field, field_validator
 
 from contextpilot_integrations.core.conversation import TurnVisibility
-from contextpilot_integrations.core.pilot import BatchPlan, ContextPilot, Plan
+from contextpilot_integrations.core.pilot import BatchPlan, ContextPilot
+from contextpilot_integrations.core.planner import Planner
 
 from .documents import planned_documents
 
@@ -80,18 +81,6 @@ CONVERSATION_ID_KEY = "contextpilot_conversation_id"
 TENANT_KEY = "contextpilot_tenant"
 TURN_KEY = "contextpilot_turn"
 VISIBLE_TURNS_KEY = "contextpilot_visible_turns"
-
-
-@runtime_checkable
-class Planner(Protocol):
-    """What the retriever needs from a planner: the in-process :class:`ContextPilot` or the
-    service client (``contextpilot_integrations.service.client.ContextPilotClient``)."""
-
-    def plan(self, query: str, blocks: Sequence[str], **kwargs: Any) -> Plan: ...
-
-    def plan_batch(
-        self, queries: Sequence[str], blocks: Sequence[Sequence[str]], **kwargs: Any
-    ) -> BatchPlan: ...
 
 
 class ContextPilotRetriever(BaseRetriever):

@@ -49,7 +49,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
@@ -57,6 +57,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
 from contextpilot_integrations.core.conversation import TurnVisibility
 from contextpilot_integrations.core.pilot import ContextPilot, Plan
+from contextpilot_integrations.core.planner import Planner
 from contextpilot_integrations.core.rendering import PromptLayout
 
 from .plan_store import PlanStore, StoredPlan
@@ -99,27 +100,6 @@ STATUS_KEPT = "kept"
 STATUS_REPLACED = "replaced"
 STATUS_DUPLICATE = "duplicate"
 STATUS_NO_TEXT = "no_text"
-
-
-@runtime_checkable
-class Planner(Protocol):
-    """What the post-processor needs from a planner: the in-process
-    :class:`~contextpilot_integrations.ContextPilot`, or the service client with the same
-    interface. An ``async def aplan`` with the same arguments is used by the async path when
-    present; otherwise ``plan`` runs in a worker thread (in-process ``ContextPilot`` runs
-    inline: it does no I/O)."""
-
-    def plan(
-        self,
-        query: str,
-        blocks: Sequence[str],
-        *,
-        rid: str | None = None,
-        conversation_id: str | None = None,
-        tenant: str = "",
-        turn: int | None = None,
-        visibility: TurnVisibility | None = None,
-    ) -> Plan: ...
 
 
 @dataclass(frozen=True)
