@@ -9,6 +9,8 @@ Figures:
   schedule and rendering), median of 5 runs, target <= 0.5 s;
 * offline build of 100,000 contexts, wall time and peak memory (RSS of a child process),
   targets <= 60 s and <= 4 GB;
+Each timing is also given in CPU seconds, which other processes on a busy machine do not inflate.
+
 * online hot path (search, align, insert, annotate, render: ``ContextPilot.plan``) with
   10,000 contexts already indexed: median and p99 per request, targets <= 0.2 ms and
   <= 2 ms; and the same with 100,000 indexed, to show the cost does not grow with the index.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -45,34 +48,42 @@ def synthetic_requests(n: int, seed: int) -> list[list[str]]:
     return out
 
 
-def build_seconds(n: int, seed: int = 0) -> float:
+def build_seconds(n: int, seed: int = 0) -> tuple[float, float]:
+    """Wall and CPU seconds of ``plan_batch`` over ``n`` synthetic contexts."""
     requests = synthetic_requests(n, seed)
     queries = [f"q{i}" for i in range(n)]
     pilot = ContextPilot(max_requests=None)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     pilot.plan_batch(queries, requests)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - start_cpu
 
 
 def child_build(n: int) -> None:
     """Run in a child process so its peak RSS is the build's alone."""
-    seconds = build_seconds(n)
+    seconds, cpu = build_seconds(n)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"seconds": seconds, "peak_gb": peak_kib / 1024**2}))
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_gb": peak_kib / 1024**2}))
 
 
-def hot_path(indexed: int, probes: int = 2_000) -> tuple[float, float]:
+def hot_path(indexed: int, probes: int = 2_000) -> tuple[float, float, float, float]:
+    """Median and p99 per ``plan()`` in ms: wall clock, then this thread's CPU time."""
     pilot = ContextPilot(max_requests=None)
     for i, blocks in enumerate(synthetic_requests(indexed, seed=1)):
         pilot.plan(f"warm {i}", blocks)
     probe_requests = synthetic_requests(probes, seed=2)
-    times = []
+    times, cpu_times = [], []
     for i, blocks in enumerate(probe_requests):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         pilot.plan(f"probe {i}", blocks)
+        cpu_times.append(time.thread_time() - start_cpu)
         times.append(time.perf_counter() - start)
-    ms = np.array(times) * 1000
-    return float(np.median(ms)), float(np.percentile(ms, 99))
+    ms, cpu_ms = np.array(times) * 1000, np.array(cpu_times) * 1000
+    return (
+        float(np.median(ms)),
+        float(np.percentile(ms, 99)),
+        float(np.median(cpu_ms)),
+        float(np.percentile(cpu_ms, 99)),
+    )
 
 
 def main() -> None:
@@ -87,13 +98,10 @@ def main() -> None:
     rows = []
     build_seconds(200)  # warm imports and numpy
     runs = [build_seconds(2_000, seed) for seed in range(5)]
-    rows.append(
-        (
-            "offline build, 2,000 contexts (median of 5)",
-            f"{statistics.median(runs):.3f} s",
-            "<= 0.5 s",
-        )
-    )
+    wall = statistics.median(r[0] for r in runs)
+    cpu = statistics.median(r[1] for r in runs)
+    rows.append(("offline build, 2,000 contexts (median of 5)", f"{wall:.3f} s", "<= 0.5 s"))
+    rows.append(("  CPU time", f"{cpu:.3f} s", ""))
     if not args.quick:
         out = subprocess.run(
             [sys.executable, __file__, "--child-build", "100000"],
@@ -103,14 +111,18 @@ def main() -> None:
         )
         big = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(("offline build, 100,000 contexts", f"{big['seconds']:.1f} s", "<= 60 s"))
+        rows.append(("  CPU time", f"{big['cpu']:.1f} s", ""))
         rows.append(("  peak memory (RSS)", f"{big['peak_gb']:.2f} GB", "<= 4 GB"))
     for indexed in (10_000, 100_000) if not args.quick else (10_000,):
-        median, p99 = hot_path(indexed)
-        rows.append(
-            (f"online plan(), {indexed:,} indexed: median", f"{median:.3f} ms", "<= 0.2 ms")
-        )
-        rows.append((f"online plan(), {indexed:,} indexed: p99", f"{p99:.3f} ms", "<= 2 ms"))
+        median, p99, cpu_median, cpu_p99 = hot_path(indexed)
+        label = f"online plan(), {indexed:,} indexed"
+        rows.append((f"{label}: median", f"{median:.3f} ms", "<= 0.2 ms"))
+        rows.append((f"{label}: p99", f"{p99:.3f} ms", "<= 2 ms"))
+        rows.append(("  CPU time: median / p99", f"{cpu_median:.3f} / {cpu_p99:.3f} ms", ""))
 
+    load = os.getloadavg()[0]
+    print(f"load average (1 min) at the end: {load:.2f} on {os.cpu_count()} CPUs; wall-clock")
+    print("figures are inflated when other processes compete for the cores, CPU times are not")
     width = max(len(r[0]) for r in rows)
     print(f"{'figure':<{width}}  {'measured':>12}  target")
     for name, value, target in rows:

@@ -518,35 +518,61 @@ class ContextPilot:
         """De-duplicate the aligned blocks, index what the prompt shows, render the plan."""
         position = {bid: i for i, bid in enumerate(request.ids)}
         ordered = [position[bid] for bid in order]
-        dedup: DedupPlan = self.deduplicator.plan(
-            tenant,
-            conversation_id,
-            [request.texts[p] for p in ordered],
-            turn=turn,
-            visibility=visibility,
-            block_ids=list(order),
-            block_tokens=[request.tokens[p] for p in ordered],
-        )
         planned: list[PlannedBlock] = []
         replaced: dict[int, str] = {}
         labels: dict[int, str] = {}  # original rank -> how the annotation names it
-        for p, decision in zip(ordered, dedup.blocks):
-            rank = request.ranks[p]
-            if decision.text is None:
-                assert decision.hint is not None
-                replaced[rank] = decision.hint
-                labels[rank] = decision.reference
-                continue
-            labels[rank] = decision.reference
-            planned.append(
-                PlannedBlock(
-                    text=request.texts[p],
-                    block_id=request.ids[p],
-                    original_rank=rank,
-                    tokens=request.tokens[p],
-                    rendered_text=decision.text,
+        if conversation_id is None:
+            # No conversation: nothing to look up or record; every block is shown as given.
+            if not isinstance(tenant, str):
+                raise TypeError(f"tenant must be a str, got {type(tenant).__name__}: {tenant!r}")
+            for p in ordered:
+                labels[request.ranks[p]] = self.layout.label(len(planned))
+                planned.append(
+                    PlannedBlock(
+                        text=request.texts[p],
+                        block_id=request.ids[p],
+                        original_rank=request.ranks[p],
+                        tokens=request.tokens[p],
+                        rendered_text=request.texts[p],
+                    )
                 )
+            hints: list[str] = []
+            figures = {
+                "blocks_kept": len(planned),
+                "blocks_replaced": 0,
+                "sub_blocks_replaced": 0,
+                "tokens_in": sum(b.tokens for b in planned),
+                "tokens_saved": 0,
+            }
+        else:
+            dedup: DedupPlan = self.deduplicator.plan(
+                tenant,
+                conversation_id,
+                [request.texts[p] for p in ordered],
+                turn=turn,
+                visibility=visibility,
+                block_ids=list(order),
+                block_tokens=[request.tokens[p] for p in ordered],
             )
+            for p, decision in zip(ordered, dedup.blocks):
+                rank = request.ranks[p]
+                labels[rank] = decision.reference
+                if decision.text is None:
+                    assert decision.hint is not None
+                    replaced[rank] = decision.hint
+                    continue
+                planned.append(
+                    PlannedBlock(
+                        text=request.texts[p],
+                        block_id=request.ids[p],
+                        original_rank=rank,
+                        tokens=request.tokens[p],
+                        rendered_text=decision.text,
+                    )
+                )
+            hints = dedup.hints
+            figures = dedup.figures()
+            turn = dedup.turn
         if planned:
             # The index mirrors what the engine will cache: the blocks as rendered.
             ids = [
@@ -566,7 +592,7 @@ class ContextPilot:
             [b.rendered_text for b in planned],
             request.query,
             annotation_labels=annotation_labels,
-            hints=dedup.hints,
+            hints=hints,
         )
         return Plan(
             rid=rid,
@@ -579,10 +605,10 @@ class ContextPilot:
             matched_prefix_tokens=prefix_tokens,
             layout=self.layout,
             replaced=replaced,
-            hints=dedup.hints,
-            conversation_id=dedup.conversation_id,
-            tenant=dedup.tenant,
-            turn=dedup.turn,
-            dedup=dedup.figures(),
+            hints=hints,
+            conversation_id=conversation_id,
+            tenant=tenant,
+            turn=turn if conversation_id is not None else None,
+            dedup=figures,
             annotation_labels=annotation_labels,
         )
