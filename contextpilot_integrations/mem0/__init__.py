@@ -16,7 +16,6 @@ from contextpilot_integrations.mem0.memory import (
     AsyncContextPilotMemory,
     ContextPilotMemory,
     MemorySearch,
-    Planner,
     plan_search_results,
 )
 from contextpilot_integrations.mem0.scope import MemoryScope, memory_scope
@@ -29,7 +28,6 @@ __all__ = [
     "ContextPilotMemory",
     "MemoryScope",
     "MemorySearch",
-    "Planner",
     "memory_context",
     "memory_scope",
     "plan_search_results",

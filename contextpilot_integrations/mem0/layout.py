@@ -27,28 +27,13 @@ MEMORY_LAYOUT = PromptLayout(
 pilot: memories labelled ``[Memory i]`` by prompt position."""
 
 
-def _without_question(segments: Sequence[str], question: str, layout: PromptLayout) -> str:
-    tail = segments[-1]
-    question_text = layout.question_template.format(question=question)
-    if not tail.endswith(question_text):
-        raise ValueError(
-            f"the plan's last segment {tail[-200:]!r} does not end with its question "
-            f"{question_text!r}: it was not rendered by this layout"
-        )
-    return "".join(segments[:-1]) + tail[: len(tail) - len(question_text)]
-
-
 def memory_context(plan: Plan) -> str:
     """The plan's prompt without the question: system prompt, memories, hints, annotation.
 
     The system prompt and the memories are byte-identical to the plan's segments, so the
     text starts with the prefix the context index expects the engine to have cached.
-
-    Raises:
-        ValueError: the plan's last segment does not end with its question (not rendered by
-            ``plan.layout``).
     """
-    return _without_question(plan.segments, plan.query, plan.layout)
+    return "".join(plan.segments[:-1]) + plan.context_tail
 
 
 def plain_memory_context(texts: Sequence[str], layout: PromptLayout = MEMORY_LAYOUT) -> str:
@@ -60,4 +45,4 @@ def plain_memory_context(texts: Sequence[str], layout: PromptLayout = MEMORY_LAY
         texts: memory texts in Mem0's order.
         layout: the layout.
     """
-    return _without_question(layout.render_segments(texts, ""), "", layout)
+    return "".join(layout.render_segments(texts, "")[:-1])

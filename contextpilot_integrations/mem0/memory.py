@@ -14,10 +14,10 @@ key of Mem0's answer kept), with each memory dict as Mem0 returned it plus one k
 ``"contextpilot"`` (:data:`MARK_KEYS`). What changes is the order: the results come in the
 order the memories should be placed in the prompt (ContextPilot, MLSys 2026: memories that
 recent requests already placed first, in the same order, are put first, so the engine's prefix
-cache reuses their KV; the rest follow in Mem0's order). Mem0's relevance order is kept in
-``original_rank`` and in the order annotation of the rendered context. Memories already shown in
-an earlier turn of the same conversation (``conversation_id=``, else the ``run_id``,
-:mod:`.scope`) are marked with a location hint instead of being placed again.
+cache reuses their KV; the rest follow). Mem0's relevance order is kept in ``original_rank``
+and, when the prompt order differs from it, in the order annotation of the rendered context.
+Memories already shown in an earlier turn of the same conversation (``conversation_id=``, else
+the ``run_id``, :mod:`.scope`) are marked with a location hint instead of being placed again.
 
 The results, in order:
 
@@ -40,13 +40,14 @@ de-duplicated against its old text.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from contextpilot_integrations.core.blocks import block_id
 from contextpilot_integrations.core.conversation import TurnVisibility
 from contextpilot_integrations.core.pilot import ContextPilot, Plan
+from contextpilot_integrations.core.planner import Planner
 from contextpilot_integrations.mem0.layout import MEMORY_LAYOUT, memory_context
 from contextpilot_integrations.mem0.scope import MemoryScope, memory_scope
 
@@ -56,7 +57,6 @@ __all__ = [
     "AsyncContextPilotMemory",
     "ContextPilotMemory",
     "MemorySearch",
-    "Planner",
     "plan_search_results",
 ]
 
@@ -87,23 +87,6 @@ MARK_KEYS = (
 - ``rendered_text`` (str | None): the text as placed in the prompt (the memory text, or with a
   passage shown earlier in the conversation replaced by a pointer); ``None`` when not placed.
 """
-
-
-class Planner(Protocol):
-    """What the wrapper needs from ContextPilot: the in-process
-    :class:`~contextpilot_integrations.core.pilot.ContextPilot` or the service client."""
-
-    def plan(
-        self,
-        query: str,
-        blocks: Sequence[str],
-        *,
-        rid: str | None = None,
-        conversation_id: str | None = None,
-        tenant: str = "",
-        turn: int | None = None,
-        visibility: TurnVisibility | None = None,
-    ) -> Plan: ...
 
 
 @dataclass(frozen=True)
@@ -296,8 +279,9 @@ class ContextPilotMemory(_MemoryWrapper):
         memory: a ``mem0.Memory`` (or any object with Mem0's synchronous ``search``).
         pilot: the planner; default a new in-process
             :class:`~contextpilot_integrations.core.pilot.ContextPilot` with
-            :data:`~contextpilot_integrations.mem0.layout.MEMORY_LAYOUT`. Give the same pilot
-            (or a service client) to every wrapper whose requests go to the same engine.
+            :data:`~contextpilot_integrations.mem0.layout.MEMORY_LAYOUT`; any
+            :class:`~contextpilot_integrations.core.planner.Planner` (the service client too).
+            Give the same one to every wrapper whose requests go to the same engine.
         visibility: which earlier turns the application's prompt still holds (default: all);
             a search can override it.
 

@@ -34,7 +34,7 @@ def _run(*args: str) -> tuple[str, float]:
 @pytest.mark.slow
 def test_example_runs_and_the_one_line_helps() -> None:
     source = EXAMPLE.read_text()
-    assert source.count("ContextPilotMemory(memory)") == 1
+    assert source.count("memory = ContextPilotMemory(memory)  # the one line") == 1
     wrapped, wrapped_shared = _run()
     plain, plain_shared = _run("--plain")
     assert "memory: ContextPilotMemory(Mem0)" in wrapped and "memory: plain Mem0" in plain

@@ -91,10 +91,11 @@ def test_wrapping_the_memory_aligns_and_annotates(mem0_memory: Memory) -> None:
     for messages in (first, second):
         assert [type(m) for m in messages] == [SystemMessage, HumanMessage]
         assert messages[0].content.startswith(f"{SYSTEM}\n\n{MEMORY_LAYOUT.system_prompt}\n")
-        assert "Most relevant memories first: [Memory" in messages[0].content
-    # The second call starts with the first call's system prompt and memories, in that order.
-    blocks = first[0].content.split("Most relevant memories first")[0]
-    assert second[0].content.startswith(blocks)
+    # The first call shows Mem0's order (no annotation needed); the second starts with the
+    # first call's system prompt and memories, in that order, and annotates Mem0's order.
+    assert first[0].content.endswith("-----\n")
+    assert second[0].content.startswith(first[0].content)
+    assert "Most relevant memories first: [Memory" in second[0].content
     raw = mem0_memory.search(
         "Where does Alice live with her cat?", filters={"user_id": "alice"}, **SEARCH
     )

@@ -52,11 +52,12 @@ def test_chat_engine_prompt_is_system_memories_history(mem0_memory: Memory) -> N
     assert question.startswith("What does Alice drink?")
     for text in FACTS:
         assert f"\n{text}\n-----\n" in context
-    assert "Most relevant memories first: [Memory 1] > " in context
     assert block.last_rid is not None and block.last_rid.startswith("cp-")
-    second = str(engine.chat("Where does Alice live?"))
-    # The second turn's memories come first in the first turn's order (shared prefix).
-    assert second.split("Most relevant")[0] == prompt.split("Most relevant")[0]
+    second = str(engine.chat("Where does Alice live with her cat?"))
+    # The second turn's memories come first in the first turn's order (shared prefix), and the
+    # annotation gives Mem0's ranking, which differs.
+    assert second.startswith(f"system: {SYSTEM}\nsystem: {MEMORY_LAYOUT.system_prompt}\n{context}")
+    assert "Most relevant memories first: [Memory" in second
 
 
 def test_plain_memory_block_renders_mem0_order(mem0_memory: Memory) -> None:

@@ -91,20 +91,27 @@ def test_search_keeps_mem0_signature() -> None:
 def test_results_in_prompt_order_and_context_matches(mem0_memory: Memory) -> None:
     memory = ContextPilotMemory(mem0_memory)
     _add_all(memory, FACTS, user_id="alice")
-    found = memory.search_with_plan("Where does Alice live?", filters={"user_id": "alice"}, **ALL)
-    placed = _placed(found.results)
-    assert [r[MARK_KEY]["position"] for r in placed] == list(range(len(FACTS)))
-    assert sorted(r[MARK_KEY]["original_rank"] for r in placed) == list(range(len(FACTS)))
-    assert all(r[MARK_KEY]["rid"] == found.plan.rid for r in found.results)
-    context = found.context
-    assert context.startswith(MEMORY_LAYOUT.system_prompt)
-    for r in placed:
-        assert f"{r[MARK_KEY]['label']}\n{r['memory']}\n" in context
-    # The annotation names the placed memories in Mem0's relevance order.
-    by_rank = sorted(placed, key=lambda r: r[MARK_KEY]["original_rank"])
-    annotation = MEMORY_LAYOUT.annotation([r[MARK_KEY]["label"] for r in by_rank])
-    assert context.endswith(annotation)
-    assert "Question:" not in context
+    user = {"filters": {"user_id": "alice"}, **ALL}
+    first = memory.search_with_plan("green tea sencha gyokuro", **user)
+    found = memory.search_with_plan("half marathon canal running club", **user)
+    for search in (first, found):
+        placed = _placed(search.results)
+        assert [r[MARK_KEY]["position"] for r in placed] == list(range(len(FACTS)))
+        assert sorted(r[MARK_KEY]["original_rank"] for r in placed) == list(range(len(FACTS)))
+        assert all(r[MARK_KEY]["rid"] == search.plan.rid for r in search.results)
+        context = search.context
+        assert context.startswith(MEMORY_LAYOUT.system_prompt)
+        assert "".join(search.plan.segments).startswith(context.split("Most relevant")[0])
+        for r in placed:
+            assert f"{r[MARK_KEY]['label']}\n{r['memory']}\n" in context
+        assert "Question:" not in context
+    # The first search keeps Mem0's order: no annotation. The second is aligned to the first,
+    # so its annotation names the placed memories in Mem0's relevance order.
+    assert [r[MARK_KEY]["original_rank"] for r in first.results] == list(range(len(FACTS)))
+    assert first.context.endswith("-----\n")
+    by_rank = sorted(_placed(found.results), key=lambda r: r[MARK_KEY]["original_rank"])
+    assert [r[MARK_KEY]["position"] for r in by_rank] != list(range(len(FACTS)))
+    assert found.context.endswith(MEMORY_LAYOUT.annotation([r[MARK_KEY]["label"] for r in by_rank]))
 
 
 def test_second_search_reuses_the_first_order(mem0_memory: Memory) -> None:
