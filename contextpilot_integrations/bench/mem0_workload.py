@@ -221,7 +221,7 @@ def _retrieve(
             made += 1
             doc_ids = []
             for result in found["results"]:
-                doc_id = (result.get("metadata") or {}).get("document_id")
+                doc_id = str((result.get("metadata") or {}).get("document_id"))
                 doc = by_id[request.scope].get(doc_id)
                 if doc is None or doc.text != result["memory"]:
                     raise ValueError(

@@ -17,7 +17,7 @@ order. Changing one line, ``memory = ContextPilotMemory(memory)``, switches betw
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
@@ -47,7 +47,7 @@ def openai_compatible_rid_settings(rid: str) -> dict[str, Any]:
     return {"extra_body": {"rid": rid, "request_id": rid, "session_id": rid}}
 
 
-def _latest_user_text(messages: list[BaseMessage]) -> str | None:
+def _latest_user_text(messages: Sequence[BaseMessage]) -> str | None:
     for message in reversed(messages):
         if isinstance(message, HumanMessage):
             text = message.text
