@@ -336,3 +336,22 @@ def test_async_memory_search(mem0_async_memory: Any) -> None:
     assert sorted(r["id"] for r in first["results"]) == sorted(r["id"] for r in raw["results"])
     assert len(_placed(first["results"])) == len(FACTS)
     assert {r["memory"] for r in _hinted(second["results"])} == set(FACTS)
+
+
+def test_wrappers_sharing_a_pilot_align_against_one_index(tmp_path: Path, mem0_config: Any) -> None:
+    # Two application processes' memories (two Mem0 stores, the same user's facts), one index:
+    # the second wrapper's memories come in the order the first one placed them.
+    stores = [Memory.from_config(mem0_config(tmp_path / name)) for name in ("a", "b")]
+    pilot = ContextPilot(layout=MEMORY_LAYOUT)
+    first, second = (ContextPilotMemory(store, pilot=pilot) for store in stores)
+    for memory in (first, second):
+        _add_all(memory, FACTS, user_id="alice")
+    user = {"filters": {"user_id": "alice"}, **ALL}
+    placed = first.search("green tea sencha gyokuro", **user)["results"]
+    raw = stores[1].search("half marathon canal running club", **user)["results"]
+    again = second.search("half marathon canal running club", **user)["results"]
+    assert [r["memory"] for r in raw] != [r["memory"] for r in placed]
+    assert [r["memory"] for r in again] == [r["memory"] for r in placed]
+    assert pilot.stats()["requests"] == 2
+    for store in stores:
+        store.close()
