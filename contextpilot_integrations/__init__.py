@@ -19,6 +19,7 @@ from .core import (
     TokenizerCounter,
     block_id,
 )
+from .core.conversation import TurnVisibility
 
 try:
     __version__ = version("contextpilot-integrations")
@@ -36,6 +37,7 @@ __all__ = [
     "PromptLayout",
     "TokenCounter",
     "TokenizerCounter",
+    "TurnVisibility",
     "__version__",
     "block_id",
 ]

@@ -4,6 +4,8 @@
 #   scripts/bench.sh --workload mtrag --mode online --cache-tokens unlimited
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$repo_root/scripts/setup-venv.sh" bench
+extras=bench
+[[ " $* " == *" --retriever mem0 "* || " $* " == *" --retriever=mem0 "* ]] && extras=bench,mem0,embeddings
+bash "$repo_root/scripts/setup-venv.sh" "$extras"
 cd "$repo_root"
 exec "$repo_root/.venv/bin/contextpilot-bench" "$@"

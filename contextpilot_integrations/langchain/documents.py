@@ -71,12 +71,23 @@ def planned_documents(
 
     Returns:
         ``len(plan.blocks) + len(plan.replaced)`` documents: the shown blocks in prompt order,
-        then the replaced ones in hint order.
+        then the replaced ones in hint order, then any documents with empty ``page_content``
+        (not planned: marked ``skipped``).
 
     Raises:
         ValueError: ``plan`` does not account for every document exactly once (a plan made
             from other documents).
     """
+    empty = [i for i, d in enumerate(documents) if not has_text(d)]
+    if empty:
+        # Documents without text are not context blocks: they were not planned and come back
+        # last, unchanged but marked, so nothing given in is lost.
+        texted = [d for d in documents if has_text(d)]
+        out = planned_documents(texted, plan, schedule_position=schedule_position)
+        for i in empty:
+            entry = {"rid": plan.rid, "original_rank": i, "skipped": "empty page_content"}
+            out.append(_copy(documents[i], documents[i].page_content, entry))
+        return out
     expected = len(plan.order) + len(plan.duplicates) + len(plan.replaced)
     if expected != len(documents):
         raise ValueError(
@@ -123,6 +134,16 @@ def planned_documents(
         }
         out.append(_copy(source, hint, entry))
     return out
+
+
+def has_text(document: Document) -> bool:
+    """Whether a document is a context block (non-empty, not only whitespace)."""
+    return bool(document.page_content) and not document.page_content.isspace()
+
+
+def block_texts(documents: Sequence[Document]) -> list[str]:
+    """The texts to plan: each document's ``page_content``, skipping empty ones."""
+    return [d.page_content for d in documents if has_text(d)]
 
 
 def planned_entry(document: Document) -> Mapping[str, Any] | None:

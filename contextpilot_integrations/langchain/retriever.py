@@ -31,8 +31,12 @@ key                              value
                                  nothing is de-duplicated across requests (DESIGN.md invariant 2)
 ``contextpilot_tenant``          the tenant owning the conversation (``str``, default ``""``)
 ``contextpilot_turn``            this turn's number (``int``; default: after the latest)
-``contextpilot_visible_turns``   how many earlier turns the app's prompt still holds (``int``;
-                                 default: all); a hint never points at a turn the prompt dropped
+``contextpilot_visible_turns``   how many earlier turns' documents the app's prompt still holds:
+                                 ``int`` (the last n turns) or ``"all"``; default ``0``. A block an
+                                 earlier *visible* turn showed becomes a hint; with the default
+                                 only repeats within this prompt are folded, because the usual
+                                 chain (README) does not resend earlier turns' documents and a
+                                 hint must never point at text the model does not see
 ===============================  ===================================================================
 
 LangGraph's ``thread_id`` and ``user_id`` are *not* read by default: a hint ("Also relevant:
@@ -64,7 +68,7 @@ from contextpilot_integrations.core.conversation import TurnVisibility
 from contextpilot_integrations.core.pilot import BatchPlan, ContextPilot
 from contextpilot_integrations.core.planner import Planner
 
-from .documents import planned_documents
+from .documents import block_texts, planned_documents
 
 __all__ = [
     "CONVERSATION_ID_KEY",
@@ -141,7 +145,7 @@ class ContextPilotRetriever(BaseRetriever):
             query, patch_config(ensure_config(), callbacks=run_manager.get_child()), **kwargs
         )
         documents = self._kept(documents, kwargs)
-        plan = self.pilot.plan(query, [d.page_content for d in documents], **scope.plan_kwargs())
+        plan = self.pilot.plan(query, block_texts(documents), **scope.plan_kwargs())
         logger.debug("planned %s: %d documents", plan.rid, len(documents))
         return planned_documents(documents, plan)
 
@@ -154,7 +158,7 @@ class ContextPilotRetriever(BaseRetriever):
             query, patch_config(ensure_config(), callbacks=run_manager.get_child()), **kwargs
         )
         documents = self._kept(documents, kwargs)
-        texts = [d.page_content for d in documents]
+        texts = block_texts(documents)
         # Planning is short CPU work in process, or an HTTP call with the service client:
         # either way, not on the event loop.
         plan = await run_in_executor(None, self.pilot.plan, query, texts, **scope.plan_kwargs())
@@ -271,11 +275,6 @@ class ContextPilotRetriever(BaseRetriever):
                     f"base_retriever result [{i}] must be a Document, got {type(doc).__name__}: "
                     f"{doc!r:.80}"
                 )
-            if not doc.page_content or doc.page_content.isspace():
-                raise ValueError(
-                    f"base_retriever result [{i}] (id={doc.id!r}) has empty page_content: "
-                    "every context block needs its text"
-                )
         limit = self._limit(kwargs)
         return documents if limit is None else documents[:limit]
 
@@ -314,7 +313,7 @@ class ContextPilotRetriever(BaseRetriever):
             scopes.append(scope)
         batch.args = (
             [inputs[i] for i in batch.planned],
-            [[d.page_content for d in batch.outputs[i]] for i in batch.planned],
+            [block_texts(batch.outputs[i]) for i in batch.planned],
         )
         if any(scope.conversation_id is not None for scope in scopes):
             batch.kwargs = {
@@ -323,7 +322,7 @@ class ContextPilotRetriever(BaseRetriever):
             }
             if any(scope.turn is not None for scope in scopes):
                 batch.kwargs["turns"] = [scope.turn for scope in scopes]
-            if any(scope.visible_turns is not None for scope in scopes):
+            if any(scope.conversation_id is not None for scope in scopes):
                 batch.kwargs["visibilities"] = [scope.visibility() for scope in scopes]
         return batch
 
@@ -364,6 +363,7 @@ class _Scope:
         turn: int | None,
         visible_turns: int | None,
     ) -> None:
+        # ``visible_turns``: earlier turns the prompt holds (None: all of them).
         self.conversation_id = conversation_id
         self.tenant = tenant
         self.turn = turn
@@ -374,9 +374,14 @@ class _Scope:
         conversation_id = _first_id(metadata, retriever.conversation_id_keys)
         tenant = _first_id(metadata, retriever.tenant_keys) or ""
         turn = _optional_int(metadata, TURN_KEY, low=0)
-        visible = _optional_int(metadata, VISIBLE_TURNS_KEY, low=0)
+        visible_given = metadata.get(VISIBLE_TURNS_KEY)
+        visible: int | None = 0
+        if visible_given == "all":
+            visible = None
+        elif visible_given is not None:
+            visible = _optional_int(metadata, VISIBLE_TURNS_KEY, low=0)
         if conversation_id is None:
-            for key, value in ((TURN_KEY, turn), (VISIBLE_TURNS_KEY, visible)):
+            for key, value in ((TURN_KEY, turn), (VISIBLE_TURNS_KEY, visible_given)):
                 if value is not None:
                     raise ValueError(
                         f"metadata {key}={value!r} needs a conversation id "
@@ -385,8 +390,10 @@ class _Scope:
         return cls(conversation_id, tenant, turn, visible)
 
     def visibility(self) -> TurnVisibility | None:
-        if self.visible_turns is None:
+        if self.conversation_id is None:
             return None
+        if self.visible_turns is None:
+            return TurnVisibility.all()
         return TurnVisibility.last(self.visible_turns)
 
     def plan_kwargs(self) -> dict[str, Any]:
@@ -395,8 +402,7 @@ class _Scope:
         kwargs: dict[str, Any] = {"conversation_id": self.conversation_id, "tenant": self.tenant}
         if self.turn is not None:
             kwargs["turn"] = self.turn
-        if self.visible_turns is not None:
-            kwargs["visibility"] = self.visibility()
+        kwargs["visibility"] = self.visibility()
         return kwargs
 
 
@@ -421,7 +427,10 @@ def _optional_int(metadata: Mapping[str, Any], key: str, *, low: int) -> int | N
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"metadata {key} must be an int, got {type(value).__name__}: {value!r:.80}")
+        expected = 'an int or "all"' if key == VISIBLE_TURNS_KEY else "an int"
+        raise TypeError(
+            f"metadata {key} must be {expected}, got {type(value).__name__}: {value!r:.80}"
+        )
     if value < low:
         raise ValueError(f"metadata {key} must be >= {low}, got {value}")
     return value

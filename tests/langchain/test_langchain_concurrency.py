@@ -33,7 +33,11 @@ def test_threads_in_different_conversations_stay_isolated(multihop_documents):
         try:
             barrier.wait()
             for t in range(TURNS):
-                meta = {"contextpilot_conversation_id": f"c{n}", "contextpilot_tenant": f"t{n % 2}"}
+                meta = {
+                    "contextpilot_conversation_id": f"c{n}",
+                    "contextpilot_visible_turns": "all",
+                    "contextpilot_tenant": f"t{n % 2}",
+                }
                 seen[f"c{n}"].append(retriever.invoke(f"turn {t}", config={"metadata": meta}))
         except BaseException as exc:  # reported below
             errors.append(exc)

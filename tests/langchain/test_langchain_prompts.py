@@ -85,7 +85,9 @@ def test_rendered_messages_equal_the_plan_with_hints_and_sub_block_pointers(arti
         pilot=pilot,
     )
     chain = chain_for(retriever)
-    config = {"metadata": {"contextpilot_conversation_id": "conv"}}
+    config = {
+        "metadata": {"contextpilot_conversation_id": "conv", "contextpilot_visible_turns": "all"}
+    }
     first = chain.invoke("one", config=config)
     assert as_dicts(first) == pilot.plans[-1].messages
     second = chain.invoke("two", config=config)
@@ -93,12 +95,27 @@ def test_rendered_messages_equal_the_plan_with_hints_and_sub_block_pointers(arti
     assert as_dicts(second) == plan.messages
     assert plan.replaced and plan.hints  # A was replaced by a hint
     assert any(block.rendered_text != block.text for block in plan.blocks)  # pointers inside B
-    returned = retriever.invoke("two", config={"metadata": {"contextpilot_conversation_id": "x"}})
+    returned = retriever.invoke(
+        "two",
+        config={
+            "metadata": {"contextpilot_conversation_id": "x", "contextpilot_visible_turns": "all"}
+        },
+    )
     assert all(not d.metadata[METADATA_KEY]["replaced"] for d in returned)  # another conversation
 
     # The documents say what happened, and keep the original text.
-    retriever.invoke("one", config={"metadata": {"contextpilot_conversation_id": "z"}})
-    result = retriever.invoke("two", config={"metadata": {"contextpilot_conversation_id": "z"}})
+    retriever.invoke(
+        "one",
+        config={
+            "metadata": {"contextpilot_conversation_id": "z", "contextpilot_visible_turns": "all"}
+        },
+    )
+    result = retriever.invoke(
+        "two",
+        config={
+            "metadata": {"contextpilot_conversation_id": "z", "contextpilot_visible_turns": "all"}
+        },
+    )
     by_name = {d.metadata["name"]: d for d in result}
     b_entry = by_name["b"].metadata[METADATA_KEY]
     assert b_entry["sub_blocks_replaced"] and b_entry["original_page_content"] == b

@@ -98,7 +98,10 @@ def test_conversations_in_a_batch(topic_documents):
         base_retriever=ListRetriever(results={"a": topic_documents[:3], "b": topic_documents[:3]})
     )
     inputs = RAGInputs(retriever=retriever)
-    configs = [{"metadata": {"contextpilot_conversation_id": c}} for c in ("x", "y")]
+    configs = [
+        {"metadata": {"contextpilot_conversation_id": c, "contextpilot_visible_turns": "all"}}
+        for c in ("x", "y")
+    ]
     inputs.batch(["a", "b"], config=configs)
     docs = retriever.invoke("b", config=configs[0])
     assert all(d.metadata[METADATA_KEY]["replaced"] for d in docs)

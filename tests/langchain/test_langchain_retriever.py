@@ -111,7 +111,11 @@ def test_conversation_from_metadata_replaces_repeated_blocks_with_hints(topic_do
         ),
         pilot=pilot,
     )
-    meta = {"contextpilot_conversation_id": "c1", "contextpilot_tenant": "acme"}
+    meta = {
+        "contextpilot_conversation_id": "c1",
+        "contextpilot_visible_turns": "all",
+        "contextpilot_tenant": "acme",
+    }
     retriever.invoke("turn 1", config={"metadata": meta})
     docs = retriever.invoke("turn 2", config={"metadata": meta})
     plan = pilot.plans[-1]
@@ -143,11 +147,32 @@ def test_no_conversation_other_conversation_or_tenant_never_deduplicates(topic_d
         docs = retriever.invoke(query, config={"metadata": metadata})
         return sum(entry(d)["replaced"] for d in docs)
 
-    retriever.invoke("a", config={"metadata": {"contextpilot_conversation_id": "c1"}})
+    retriever.invoke(
+        "a",
+        config={
+            "metadata": {"contextpilot_conversation_id": "c1", "contextpilot_visible_turns": "all"}
+        },
+    )
     assert replaced("b", {}) == 0
-    assert replaced("b", {"contextpilot_conversation_id": "c2"}) == 0
-    assert replaced("b", {"contextpilot_conversation_id": "c1", "contextpilot_tenant": "t"}) == 0
-    assert replaced("b", {"contextpilot_conversation_id": "c1"}) == 3
+    assert (
+        replaced("b", {"contextpilot_conversation_id": "c2", "contextpilot_visible_turns": "all"})
+        == 0
+    )
+    assert (
+        replaced(
+            "b",
+            {
+                "contextpilot_conversation_id": "c1",
+                "contextpilot_visible_turns": "all",
+                "contextpilot_tenant": "t",
+            },
+        )
+        == 0
+    )
+    assert (
+        replaced("b", {"contextpilot_conversation_id": "c1", "contextpilot_visible_turns": "all"})
+        == 3
+    )
 
 
 def test_thread_id_is_read_only_when_opted_in(topic_documents):
@@ -160,6 +185,7 @@ def test_thread_id_is_read_only_when_opted_in(topic_documents):
     opted = ContextPilotRetriever(
         base_retriever=base, conversation_id_keys=("thread_id",), tenant_keys=("user_id",)
     )
+    config["metadata"]["contextpilot_visible_turns"] = "all"
     opted.invoke("a", config=config)
     docs = opted.invoke("a", config=config)
     assert all(entry(d)["replaced"] for d in docs)
@@ -172,7 +198,7 @@ def test_turn_and_visible_turns_from_metadata(topic_documents):
             results={"x": topic_documents[:2], "y": topic_documents[4:6], "z": topic_documents[:2]}
         )
     )
-    meta = {"contextpilot_conversation_id": "c"}
+    meta = {"contextpilot_conversation_id": "c", "contextpilot_visible_turns": "all"}
     retriever.invoke("x", config={"metadata": meta})
     retriever.invoke("y", config={"metadata": meta})
     # The app keeps only the last turn in its prompt: turn 1's blocks must not be pointed at.
@@ -188,7 +214,7 @@ def test_turn_after_a_fully_replaced_turn_gets_the_next_number(topic_documents):
     retriever = ContextPilotRetriever(
         base_retriever=ListRetriever(results={"x": topic_documents[:2], "y": topic_documents[4:6]})
     )
-    meta = {"metadata": {"contextpilot_conversation_id": "c"}}
+    meta = {"metadata": {"contextpilot_conversation_id": "c", "contextpilot_visible_turns": "all"}}
     retriever.invoke("x", config=meta)
     assert all(entry(d)["replaced"] for d in retriever.invoke("x", config=meta))  # turn 2
     third = retriever.invoke("y", config=meta)
@@ -198,20 +224,39 @@ def test_turn_after_a_fully_replaced_turn_gets_the_next_number(topic_documents):
 @pytest.mark.parametrize(
     ("metadata", "error", "names"),
     [
-        ({"contextpilot_conversation_id": 3.5}, TypeError, "contextpilot_conversation_id"),
-        ({"contextpilot_conversation_id": ""}, ValueError, "contextpilot_conversation_id"),
         (
-            {"contextpilot_conversation_id": "c", "contextpilot_tenant": ["x"]},
+            {"contextpilot_conversation_id": 3.5, "contextpilot_visible_turns": "all"},
+            TypeError,
+            "contextpilot_conversation_id",
+        ),
+        (
+            {"contextpilot_conversation_id": "", "contextpilot_visible_turns": "all"},
+            ValueError,
+            "contextpilot_conversation_id",
+        ),
+        (
+            {
+                "contextpilot_conversation_id": "c",
+                "contextpilot_visible_turns": "all",
+                "contextpilot_tenant": ["x"],
+            },
             TypeError,
             "contextpilot_tenant",
         ),
         (
-            {"contextpilot_conversation_id": "c", "contextpilot_turn": "2"},
+            {
+                "contextpilot_conversation_id": "c",
+                "contextpilot_visible_turns": "all",
+                "contextpilot_turn": "2",
+            },
             TypeError,
             "contextpilot_turn",
         ),
         (
-            {"contextpilot_conversation_id": "c", "contextpilot_visible_turns": -1},
+            {
+                "contextpilot_conversation_id": "c",
+                "contextpilot_visible_turns": -1,
+            },
             ValueError,
             "contextpilot_visible_turns",
         ),
@@ -320,8 +365,11 @@ def test_bad_results_and_bad_arguments_get_clear_errors(topic_documents):
     retriever = ContextPilotRetriever(
         base_retriever=ListRetriever(results={"q": [topic_documents[0], empty]})
     )
-    with pytest.raises(ValueError, match=r"result \[1\] \(id='blank'\) has empty page_content"):
-        retriever.invoke("q")
+    # A document without text is not a context block: it comes back last, marked, unplanned.
+    out = retriever.invoke("q")
+    assert [d.id for d in out][-1] == "blank" and out[-1].page_content == "   "
+    assert entry(out[-1])["skipped"] == "empty page_content"
+    assert entry(out[0])["rid"] == entry(out[-1])["rid"]
     not_docs = ContextPilotRetriever(base_retriever=RunnableLambda(lambda q: ["text"]))
     with pytest.raises(TypeError, match=r"result \[0\] must be a Document, got str"):
         not_docs.invoke("q")
@@ -342,17 +390,23 @@ def test_batch_rejects_one_conversation_twice_and_takes_per_turn_settings(topic_
             results={"a": topic_documents[:2], "b": topic_documents[2:4], "c": topic_documents[:4]}
         )
     )
-    meta = {"metadata": {"contextpilot_conversation_id": "c"}}
+    meta = {"metadata": {"contextpilot_conversation_id": "c", "contextpilot_visible_turns": "all"}}
     with pytest.raises(ValueError, match="appears twice in one batch"):
         retriever.batch(["a", "b"], config=[meta, meta])
     # Different conversations in one batch are fine.
-    other = {"metadata": {"contextpilot_conversation_id": "e"}}
+    other = {"metadata": {"contextpilot_conversation_id": "e", "contextpilot_visible_turns": "all"}}
     out = retriever.batch(["a", "b"], config=[meta, other])
     assert [entry(docs[0])["conversation_id"] for docs in out] == ["c", "e"]
     retriever.batch(["b"], config=[meta])  # turn 2 of c
     # Turn 3 of c keeps only turn 2 in its prompt: a and b's turn-1 blocks stay, b's are hints.
     last = {"metadata": {**meta["metadata"], "contextpilot_visible_turns": 1}}
-    plain = {"metadata": {"contextpilot_conversation_id": "f", "contextpilot_turn": 4}}
+    plain = {
+        "metadata": {
+            "contextpilot_conversation_id": "f",
+            "contextpilot_visible_turns": "all",
+            "contextpilot_turn": 4,
+        }
+    }
     out = retriever.batch(["c", "c"], config=[last, plain])
     replaced = {d.page_content for d in out[0] if entry(d)["replaced"]}
     assert {entry(d)["original_page_content"] for d in out[0] if entry(d)["replaced"]} == {

@@ -82,7 +82,13 @@ def test_conversations_through_the_service(service_url, topic_documents):
         base_retriever=ListRetriever(results={"a": topic_documents[:3]}),
         pilot=ContextPilotClient(service_url),
     )
-    meta = {"metadata": {"contextpilot_conversation_id": "svc", "contextpilot_tenant": "t"}}
+    meta = {
+        "metadata": {
+            "contextpilot_conversation_id": "svc",
+            "contextpilot_visible_turns": "all",
+            "contextpilot_tenant": "t",
+        }
+    }
     retriever.invoke("a", config=meta)
     docs = retriever.invoke("a", config=meta)
     assert all(entry(d)["replaced"] for d in docs) and entry(docs[0])["turn"] == 2
