@@ -20,8 +20,10 @@ run_tier() {
     local name="$1"
     shift
     echo "=== tier: $name"
+    local start=$SECONDS
     "$@"
     local rc=$?
+    echo "=== tier $name: exit $rc after $((SECONDS - start)) s"
     if [[ $rc -ne 0 ]]; then
         echo "=== tier $name failed (exit $rc)"
         failed+=("$name")
