@@ -2,15 +2,17 @@
 against the engine, and the context index following the engine's evictions.
 
 One server for the module (block size 32, a KV cache of four requests of ``max_model_len``
-tokens, a tenth of what the slice's prompts take, so that every few requests evict), started through :class:`VllmCpuBench` and stopped at the
-module's end, also when a test fails (the fixture's ``with``); its process group is checked to be
-gone. The CLI tests start their own servers (a normal run, and a run stopped with Ctrl-C). All
-skip without ``.venv-vllm`` (``scripts/setup-vllm-env.sh``) or without the MultiHop-RAG data.
+tokens, a tenth of what the slice's prompts take, so that every few requests evict), started
+through :class:`VllmCpuBench` and stopped at the module's end, also when a test fails (the
+fixture's ``with``); its process group is checked to be gone. The CLI tests start their own
+servers (a normal run, and a run stopped with Ctrl-C). All skip without ``.venv-vllm``
+(``scripts/setup-vllm-env.sh``) or without the MultiHop-RAG data.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -38,6 +40,8 @@ from contextpilot_integrations.engines.vllm_cpu import (  # noqa: E402
     find_vllm_python,
     process_group_members,
 )
+
+logger = logging.getLogger(__name__)
 
 BLOCK_SIZE = 32
 SLICE = 40  # MultiHop-RAG requests
@@ -156,6 +160,8 @@ def test_index_drops_exactly_the_requests_whose_blocks_the_engine_removed(
     pilot = run.pilot
     assert pilot is not None
     assert run.report.evictions_applied > 0, "the cache was meant to be small enough to evict"
+    # Online, the plans depend on the evictions; the paged model still follows the engine.
+    assert [r.model_cached_tokens for r in run.requests] == [r.cached_tokens for r in run.requests]
     held, dropped, unchecked = [], [], []
     bench.evictions.pilot = pilot  # the re-sends' evictions reach the index too
     try:
@@ -176,6 +182,13 @@ def test_index_drops_exactly_the_requests_whose_blocks_the_engine_removed(
                 unchecked.append(request.rid)
     finally:
         bench.evictions.pilot = None
+    logger.info(
+        "re-sent %d requests: %d held (full hit), %d dropped (smaller hit), %d unchecked",
+        len(run.requests),
+        len(held),
+        len(dropped),
+        len(unchecked),
+    )
     # Both sides of the check were exercised.
     assert len(held) >= 3 and len(dropped) >= 10, (held, dropped, unchecked)
 
