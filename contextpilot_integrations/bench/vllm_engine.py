@@ -1071,6 +1071,9 @@ def _run(args: argparse.Namespace, methods: Sequence[str]) -> int:
     results = [r.result for r in runs]
     reports = [r.report for r in runs if r.result.method != "upper-bound"]
     run["engine_reports"] = [asdict(r) for r in reports]
+    run["engine_requests"] = {
+        r.result.method: [asdict(x) for x in r.requests] for r in runs if r.requests
+    }
 
     print(
         f"workload {workload.name}: {len(workload.requests):,} requests, "
