@@ -355,7 +355,12 @@ class ContextIndex:
 
         Returns:
             False when ``rid`` is not indexed (evicting twice is harmless).
+
+        Raises:
+            TypeError: ``rid`` is not a str.
         """
+        if not isinstance(rid, str):
+            raise TypeError(f"rid must be a str, got {type(rid).__name__}: {rid!r:.80}")
         with self._lock:
             return self._evict(rid)
 

@@ -378,7 +378,7 @@ class ContextPilot:
                 "conversation one after the other with plan()"
             )
         requests = [
-            self._prepare(q, b, field_name=f"blocks[{i}]")
+            self._prepare(q, b, field_name=f"blocks[{i}]", query_field=f"queries[{i}]")
             for i, (q, b) in enumerate(zip(queries, blocks))
         ]
         batch_rids = [self._new_rid(rids[i] if rids else None) for i in range(len(requests))]
@@ -451,9 +451,20 @@ class ContextPilot:
         return {f: getattr(s, f) for f in s.__dataclass_fields__}
 
     # ------------------------------------------------------------------ internals
-    def _prepare(self, query: str, blocks: Sequence[str], *, field_name: str) -> _Request:
+    def _prepare(
+        self, query: str, blocks: Sequence[str], *, field_name: str, query_field: str = "query"
+    ) -> _Request:
         if not isinstance(query, str):
-            raise TypeError(f"query must be a str, got {type(query).__name__}: {query!r:.80}")
+            raise TypeError(
+                f"{query_field} must be a str, got {type(query).__name__}: {query!r:.80}"
+            )
+        try:
+            query.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"{query_field} cannot be encoded as UTF-8 ({error.reason} at character "
+                f"{error.start}): {query!r:.80}"
+            ) from None
         if isinstance(blocks, str) or not isinstance(blocks, Sequence):
             raise TypeError(
                 f"{field_name} must be a sequence of str, got {type(blocks).__name__}: "
@@ -499,8 +510,10 @@ class ContextPilot:
     def _new_rid(rid: str | None) -> str:
         if rid is None:
             return f"cp-{uuid.uuid4().hex}"
-        if not isinstance(rid, str) or not rid:
-            raise ValueError(f"rid must be a non-empty str, got {rid!r}")
+        if not isinstance(rid, str):
+            raise TypeError(f"rid must be a str, got {type(rid).__name__}: {rid!r:.80}")
+        if not rid:
+            raise ValueError("rid must be a non-empty str, got ''")
         return rid
 
     def _finish(

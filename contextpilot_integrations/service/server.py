@@ -43,6 +43,26 @@ DEFAULT_PORT = 8765
 _CACHE_MODELS = {"events": "kv-events", "capacity": "capacity", "ttl": "ttl"}
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free port) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int from 0 to 65535, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 65535, got {port}")
+    return port
+
+
+def _zmq_endpoint(text: str) -> str:
+    """argparse type: a ZMQ endpoint the engines publish on (tcp://HOST:PORT or ipc://PATH)."""
+    if not (text.startswith("tcp://") and ":" in text[len("tcp://") :]) and not (
+        text.startswith("ipc://") and len(text) > len("ipc://")
+    ):
+        raise argparse.ArgumentTypeError(f"must be tcp://HOST:PORT or ipc://PATH, got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``contextpilot-server``."""
     parser = argparse.ArgumentParser(
@@ -52,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default 8765)")
+    parser.add_argument("--port", type=_port, default=DEFAULT_PORT, help="port (default 8765)")
 
     sync = parser.add_argument_group("engine sync")
     sync.add_argument(
@@ -65,10 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument(
         "--kv-events",
         metavar="ENDPOINT",
+        type=_zmq_endpoint,
         help="the engine's KV-event publisher, tcp://HOST:PORT or ipc://PATH (its "
         "--kv-events-config endpoint)",
     )
-    sync.add_argument("--kv-events-replay", metavar="ENDPOINT", help="its replay_endpoint")
+    sync.add_argument(
+        "--kv-events-replay", metavar="ENDPOINT", type=_zmq_endpoint, help="its replay_endpoint"
+    )
     sync.add_argument("--kv-events-topic", default="", help="its topic (vLLM: kv-events)")
     sync.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks to follow")
     sync.add_argument("--page-size", type=int, help="engine page size (default: from events)")

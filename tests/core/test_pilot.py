@@ -206,3 +206,15 @@ def test_no_annotation_when_the_prompt_already_shows_relevance_order():
     plan = pilot.plan("q", ["first text", "second text"])
     assert plan.order == [0, 1] and plan.annotation_labels == []
     assert "priority order" not in plan.prompt
+
+
+def test_more_bad_input_names_the_field():
+    pilot = ContextPilot()
+    with pytest.raises(ValueError, match="query cannot be encoded"):
+        pilot.plan("q\udfff", ["a"])
+    with pytest.raises(TypeError, match=r"queries\[1\] must be a str"):
+        pilot.plan_batch(["q1", None], [["a"], ["b"]])
+    with pytest.raises(TypeError, match="rid must be a str, got int"):
+        pilot.plan("q", ["a"], rid=5)
+    with pytest.raises(TypeError, match="rid must be a str"):
+        pilot.evict(None)
