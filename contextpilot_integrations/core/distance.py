@@ -224,7 +224,7 @@ def pairwise_distances(
     # pair indices of the condensed slots never have to be rebuilt.
     overlap = np.bincount(slot, weights=co.weight / np.maximum(co.size[i], co.size[j]), minlength=m)
     gap = np.bincount(slot, weights=co.gap, minlength=m)
-    sharing = count > 0
-    out = np.ones(m, dtype=np.float64)
-    out[sharing] = 1.0 - overlap[sharing] + alpha * gap[sharing] / count[sharing]
+    # Pairs that share nothing have overlap 0 and gap 0, hence exactly 1.0: no masking needed.
+    out = 1.0 - overlap
+    out += alpha * gap / np.maximum(count, 1)
     return out

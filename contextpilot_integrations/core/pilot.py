@@ -599,7 +599,9 @@ class ContextPilot:
             self.index.insert(rid, ids, tokens)
             self._history.add(ids)
         annotation_labels = [labels[r] for r in sorted(labels)] if self.annotate else []
-        if annotation_labels == [self.layout.label(i) for i in range(len(planned))]:
+        if not replaced and all(
+            a.original_rank < b.original_rank for a, b in zip(planned, planned[1:])
+        ):
             annotation_labels = []  # the prompt already shows relevance order: say nothing
         segments = self.layout.render_segments(
             [b.rendered_text for b in planned],

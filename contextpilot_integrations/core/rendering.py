@@ -21,10 +21,18 @@ stable: ``"\\n\\n"`` alone and ``"\\n\\n["`` tokenize differently.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "PromptLayout"]
+
+
+@functools.lru_cache(maxsize=4096)
+def _format_label(template: str, number: int) -> str:
+    # Labels repeat in every prompt ("[Doc 1]", "[Doc 2]", ...): format each once.
+    return template.format(position=number)
+
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the documents below. "
@@ -84,7 +92,7 @@ class PromptLayout:
     # ------------------------------------------------------------------ pieces
     def label(self, position: int) -> str:
         """Label of 0-based prompt position ``position`` (``"[Doc 1]"`` for 0)."""
-        return self.label_template.format(position=position + 1)
+        return _format_label(self.label_template, position + 1)
 
     def render_block(self, position: int, text: str) -> str:
         """The rendered block at 0-based ``position``: label, text, separator."""
