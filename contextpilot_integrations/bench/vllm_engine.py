@@ -58,7 +58,7 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -90,6 +90,8 @@ __all__ = [
     "EngineRequest",
     "EvictionSink",
     "KVCacheSize",
+    "StopSignals",
+    "Terminated",
     "VllmCpuBench",
     "VllmCpuEngine",
     "add_vllm_arguments",
@@ -382,7 +384,7 @@ class VllmCpuEngine:
         self.messages[rid] = messages
         token_ids = self.bench.server.tokenize(messages)
         self.bench.register(rid, token_ids)
-        completion = self.bench.client.chat(messages, rid=rid, max_tokens=ANSWER_TOKENS)
+        completion = self.bench.chat(messages, rid=rid)
         if completion.prompt_tokens != len(token_ids) and not self._warned_mismatch:
             self._warned_mismatch = True
             logger.warning(
@@ -539,6 +541,8 @@ class VllmCpuBench:
         max_model_len: the longest request, tokens.
         work_dir: the server's work directory (None: a temporary one).
         startup_timeout: seconds to wait for the server.
+        stop_check: called before every request; raises to stop the run (see
+            :class:`StopSignals`).
         server_args: more keyword arguments for ``VllmCpuServer``.
 
     Attributes (after start): ``server``, ``client``, ``events`` (the
@@ -556,11 +560,13 @@ class VllmCpuBench:
         max_model_len: int = 4096,
         work_dir: str | os.PathLike[str] | None = None,
         startup_timeout: float = 300.0,
+        stop_check: Callable[[], None] | None = None,
         **server_args: Any,
     ) -> None:
         from contextpilot_integrations.engines.vllm_cpu import VllmCpuServer
 
         self.block_size = block_size
+        self.stop_check = stop_check
         self.server = VllmCpuServer(
             model_dir,
             block_size=block_size,
@@ -650,12 +656,22 @@ class VllmCpuBench:
         return f"{prefix}-{os.getpid()}-{self._sequence}"
 
     def register(self, rid: str, token_ids: Sequence[int]) -> None:
-        """Register a request's prompt tokens with the event mirror (token-match attribution)."""
+        """Tell the KV-event source about a request: its prompt tokens, for attribution by
+        token matching (blocks the engine already held store nothing, so carry no session)."""
+        from contextpilot_integrations.sync.cache_state import SentRequest
+
         if self.events is not None:
-            self.events.mirror.register_request(rid, token_ids)
+            self.events.record(SentRequest(rid, token_ids=tuple(token_ids)))
 
     def chat(self, messages: Sequence[Mapping[str, str]], *, rid: str) -> Any:
-        """One streamed chat request (prefill + 1 token) with ``rid`` as session_id."""
+        """One streamed chat request (prefill + 1 token) with ``rid`` as session_id.
+
+        Raises:
+            KeyboardInterrupt, Terminated: ``stop_check`` found a stop signal.
+            EngineError: the engine failed the request.
+        """
+        if self.stop_check is not None:
+            self.stop_check()
         return self._require_client().chat(
             [dict(m) for m in messages], rid=rid, max_tokens=ANSWER_TOKENS
         )
@@ -924,24 +940,48 @@ def target_lines(reports: Sequence[EngineMethodReport], k: int, kv: KVCacheSize)
     return lines
 
 
-class _Terminated(Exception):
-    """SIGTERM arrived: unwind so that the server is stopped."""
+class Terminated(BaseException):
+    """SIGTERM arrived during a run: unwind (like KeyboardInterrupt) so the server is stopped."""
 
 
-@contextlib.contextmanager
-def _sigterm_unwinds() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+class StopSignals:
+    """SIGINT and SIGTERM during a benchmark run, made reliable.
 
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise _Terminated()
+    The first signal raises ``KeyboardInterrupt`` (SIGINT) or :class:`Terminated` (SIGTERM)
+    at once. Python reports an exception raised while a generator is being finalised as
+    "ignored" (httpx's streaming generators are closed that way), so the raise can be lost;
+    the signal is therefore also recorded, and :meth:`check`, called before every request,
+    raises again. Later signals are only recorded, so that stopping the server is not cut
+    short. Installed in the main thread only (elsewhere a no-op).
+    """
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def check(self) -> None:
+        """Raise if a stop signal arrived."""
+        if self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.signum is not None:
+            raise Terminated
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        first = self.signum is None
+        self.signum = signum
+        if first:
+            self.check()
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
 
 
 def run_vllm_cpu(args: argparse.Namespace, methods: Sequence[str]) -> int:
@@ -955,17 +995,17 @@ def run_vllm_cpu(args: argparse.Namespace, methods: Sequence[str]) -> int:
         EngineError: the engine failed a request.
     """
     try:
-        with _sigterm_unwinds():
-            return _run(args, methods)
+        with StopSignals() as stop:
+            return _run(args, methods, stop)
     except KeyboardInterrupt:
         print("contextpilot-bench: interrupted; the engine was stopped", file=sys.stderr)
         return 130
-    except _Terminated:
+    except Terminated:
         print("contextpilot-bench: terminated; the engine was stopped", file=sys.stderr)
         return 143
 
 
-def _run(args: argparse.Namespace, methods: Sequence[str]) -> int:
+def _run(args: argparse.Namespace, methods: Sequence[str], stop: StopSignals) -> int:
     from tokenizers import Tokenizer
 
     from contextpilot_integrations.bench.multiturn import MULTITURN_WORKLOADS
@@ -1049,6 +1089,7 @@ def _run(args: argparse.Namespace, methods: Sequence[str]) -> int:
         num_gpu_blocks=kv.num_gpu_blocks,
         max_model_len=max_model_len,
         startup_timeout=args.engine_startup_timeout,
+        stop_check=stop.check,
     ) as bench:
         print(
             f"vLLM CPU server ready in {bench.server.startup_seconds:.1f} s "

@@ -7,6 +7,8 @@ The runs on the real engine are in ``tests/engines/test_vllm_e2e.py`` (``vllm`` 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,8 @@ from contextpilot_integrations.bench.vllm_engine import (
     EngineRequest,
     EvictionSink,
     KVCacheSize,
+    StopSignals,
+    Terminated,
     ensure_model_dir,
     max_model_len_for,
     size_kv_cache,
@@ -196,3 +200,21 @@ def test_cli_without_the_vllm_environment_says_how_to_make_it(
     monkeypatch.setenv("CONTEXTPILOT_VLLM_PYTHON", "/nowhere/python")
     assert main(["--engine", "vllm-cpu", "--no-plot"]) == 2
     assert "run scripts/setup-vllm-env.sh" in capsys.readouterr().err
+
+
+def test_stop_signals_raise_once_and_again_at_the_next_check() -> None:
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with StopSignals() as stop:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        # Had that raise been swallowed (a generator's cleanup), the next request raises.
+        with pytest.raises(KeyboardInterrupt):
+            stop.check()
+        os.kill(os.getpid(), signal.SIGINT)  # later signals are only recorded
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    with StopSignals() as stop:
+        with pytest.raises(Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(Terminated):
+            stop.check()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
