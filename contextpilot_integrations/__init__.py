@@ -12,14 +12,19 @@ from .core import (
     BatchPlan,
     ContextIndex,
     ContextPilot,
+    Placement,
+    PlacementStatus,
     Plan,
-    PlannedBlock,
+    Planner,
+    PlanRequest,
     PromptLayout,
+    RidConflictError,
+    Scope,
     TokenCounter,
     TokenizerCounter,
+    TurnVisibility,
     block_id,
 )
-from .core.conversation import TurnVisibility
 
 try:
     __version__ = version("contextpilot-integrations")
@@ -32,9 +37,14 @@ __all__ = [
     "BatchPlan",
     "ContextIndex",
     "ContextPilot",
+    "Placement",
+    "PlacementStatus",
     "Plan",
-    "PlannedBlock",
+    "PlanRequest",
+    "Planner",
     "PromptLayout",
+    "RidConflictError",
+    "Scope",
     "TokenCounter",
     "TokenizerCounter",
     "TurnVisibility",

@@ -34,6 +34,10 @@ main_tier() {
     bash scripts/setup-venv.sh all,dev || return 1
     .venv/bin/python -m ipykernel install --user --name contextpilot --display-name contextpilot \
         > /dev/null || return 1
+    echo "--- ruff check, ruff format --check, mypy (the whole package)"
+    .venv/bin/ruff check . || return 1
+    .venv/bin/ruff format --check . || return 1
+    .venv/bin/mypy contextpilot_integrations || return 1
     .venv/bin/python -m pytest -m "not sglang and not vllm" "$@"
 }
 

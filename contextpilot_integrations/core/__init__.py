@@ -1,9 +1,14 @@
-"""Framework-free core: block identity, the context index, alignment, scheduling, rendering."""
+"""Framework-free core: block identity, the context index, alignment, scheduling, de-duplication,
+rendering, the request and plan types, and the ``ContextPilot`` facade."""
 
 from .blocks import ApproxTokenCounter, ContextBlock, TokenCounter, TokenizerCounter, block_id
 from .context_index import ContextIndex, IndexStats, SearchResult
-from .pilot import BatchPlan, ContextPilot, Plan, PlannedBlock
+from .conversation import TurnVisibility
+from .pilot import ContextPilot
+from .plan import BatchPlan, DedupFigures, Placement, PlacementStatus, Plan
+from .planner_protocol import Planner
 from .rendering import DEFAULT_SYSTEM_PROMPT, PromptLayout
+from .request import PlanRequest, RidConflictError, Scope
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
@@ -12,12 +17,19 @@ __all__ = [
     "ContextBlock",
     "ContextIndex",
     "ContextPilot",
+    "DedupFigures",
     "IndexStats",
+    "Placement",
+    "PlacementStatus",
     "Plan",
-    "PlannedBlock",
+    "PlanRequest",
+    "Planner",
     "PromptLayout",
+    "RidConflictError",
+    "Scope",
     "SearchResult",
     "TokenCounter",
     "TokenizerCounter",
+    "TurnVisibility",
     "block_id",
 ]

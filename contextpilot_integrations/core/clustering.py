@@ -222,3 +222,45 @@ def _order_by_frequency(
     flat_ordered = flat[order]
     bounds = np.cumsum(lengths)[:-1]
     return [part.tolist() for part in np.split(flat_ordered, bounds)]
+
+
+def order_behind_prefixes(
+    contexts: Sequence[Sequence[int]],
+    tokens: Sequence[Sequence[int]],
+    prefixes: Sequence[Sequence[int]],
+    **build: object,
+) -> list[list[int]]:
+    """Order a batch whose requests each already matched an indexed prefix.
+
+    Requests that matched the same prefix keep it first and have the rest of their blocks
+    ordered jointly by :func:`order_batch` (``build``: its keyword arguments), so the blocks
+    they share form common prefixes behind it.
+
+    Args:
+        contexts: ``N`` contexts (block ids, no repeats; an empty one stays empty).
+        tokens: tokens per block, same shape.
+        prefixes: per context, the matched prefix (every id in that context).
+
+    Returns:
+        ``N`` lists; list ``i`` is ``prefixes[i]`` followed by the rest of ``contexts[i]``.
+    """
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, context in enumerate(contexts):
+        if context:
+            groups.setdefault(tuple(prefixes[i]), []).append(i)
+    orders: list[list[int]] = [[] for _ in contexts]
+    for prefix, members in groups.items():
+        in_prefix = set(prefix)
+        rests = [[b for b in contexts[i] if b not in in_prefix] for i in members]
+        token_of = [dict(zip(contexts[i], tokens[i])) for i in members]
+        nonempty = [j for j, rest in enumerate(rests) if rest]
+        ordered_rests = order_batch(
+            [rests[j] for j in nonempty],
+            [[token_of[j][b] for b in rests[j]] for j in nonempty],
+            **build,  # type: ignore[arg-type]
+        )
+        for member in members:
+            orders[member] = list(prefix)
+        for j, ordered in zip(nonempty, ordered_rests):
+            orders[members[j]].extend(ordered)
+    return orders

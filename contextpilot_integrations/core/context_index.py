@@ -31,14 +31,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ContextIndex", "IndexStats", "SearchResult"]
+from .index_snapshot import SNAPSHOT_VERSION, checked_entries
+from .index_types import IndexStats, SearchResult
+from .lru import LRU
 
-SNAPSHOT_VERSION = 1
+__all__ = ["ContextIndex", "IndexStats", "SearchResult"]
 
 
 class _Node:
@@ -68,41 +69,6 @@ class _Node:
         self.rids: set[str] = set()
         self.access_count = 0
         self.last_access = 0.0
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    """Where a request's blocks meet the index.
-
-    Attributes:
-        prefix: block ids of the matched prefix, in index order (all are request blocks).
-        prefix_tokens: tokens of ``prefix`` (by the request's own token counts).
-        path: node ids from the root's child down to the last node the match entered.
-        node_id: the node where the match ended (0 = root: nothing matched).
-        partial: True when the match ended inside that node's edge.
-    """
-
-    prefix: tuple[int, ...]
-    prefix_tokens: int
-    path: tuple[int, ...]
-    node_id: int
-    partial: bool
-
-
-@dataclass(frozen=True)
-class IndexStats:
-    """Counters of a :class:`ContextIndex` (plain numbers; see :meth:`ContextIndex.stats`)."""
-
-    requests: int
-    nodes: int
-    tokens: int
-    height: int
-    inserts: int
-    evictions: int
-    lru_evictions: int
-    searches: int
-    searched_tokens: int
-    matched_tokens: int
 
 
 @dataclass
@@ -153,7 +119,8 @@ class ContextIndex:
         self._node_ids = itertools.count(1)
         self._root = _Node(0, (), (), None)
         self._nodes: dict[int, _Node] = {0: self._root}
-        self._requests: OrderedDict[str, _Request] = OrderedDict()  # LRU order, oldest first
+        # LRU order, oldest first; the bounds are applied by _enforce_bounds (tree surgery).
+        self._requests: LRU[str, _Request] = LRU()
         self._block_requests: dict[int, int] = {}  # live requests holding each block
         self._tokens = 0
         self._inserts = 0
@@ -248,6 +215,17 @@ class ContextIndex:
         with self._lock:
             return _path_of(self._request(rid).node)
 
+    def search_paths(self, rids: Sequence[str]) -> list[tuple[int, ...]]:
+        """:meth:`search_path` of each rid, read in one step; ``()`` for a rid not indexed
+        (evicted meanwhile), so a batch's schedule never races an eviction."""
+        with self._lock:
+            requests = self._requests
+            paths = []
+            for rid in rids:
+                request = requests.peek(rid)
+                paths.append(_path_of(request.node) if request is not None else ())
+            return paths
+
     def __contains__(self, rid: object) -> bool:
         with self._lock:
             return rid in self._requests
@@ -321,7 +299,7 @@ class ContextIndex:
             node.rids.add(rid)
             node.access_count += 1
             node.last_access = now
-            self._requests[rid] = _Request(node, seq, toks)
+            self._requests.put(rid, _Request(node, seq, toks))
             for block in seq:
                 self._block_requests[block] = self._block_requests.get(block, 0) + 1
             self._inserts += 1
@@ -335,10 +313,9 @@ class ContextIndex:
             False when ``rid`` is not indexed.
         """
         with self._lock:
-            request = self._requests.get(rid)
+            request = self._requests.get(rid)  # marks it used
             if request is None:
                 return False
-            self._requests.move_to_end(rid)
             now = self._clock()
             node: _Node | None = request.node
             while node is not None and node is not self._root:
@@ -414,29 +391,38 @@ class ContextIndex:
             }
 
     @classmethod
-    def restore(cls, snapshot: dict[str, Any], **kwargs: Any) -> ContextIndex:
-        """Build an index from :meth:`snapshot` output (same LRU order).
+    def restore(cls, snapshot: object, **kwargs: Any) -> ContextIndex:
+        """A new index (``kwargs`` as for the constructor) loaded with :meth:`snapshot` output.
 
         Raises:
-            ValueError: an unknown snapshot version or malformed entries.
+            ValueError: as :meth:`load`.
         """
-        if not isinstance(snapshot, dict) or snapshot.get("version") != SNAPSHOT_VERSION:
-            raise ValueError(
-                f"snapshot version must be {SNAPSHOT_VERSION}, got "
-                f"{snapshot.get('version') if isinstance(snapshot, dict) else snapshot!r}"
-            )
         index = cls(**kwargs)
-        for entry in snapshot.get("requests", []):
-            try:
-                blocks = [int(b) for b in entry["blocks"]]
-                index.insert(entry["rid"], blocks, entry["tokens"])
-            except (KeyError, TypeError) as error:
-                raise ValueError(f"malformed snapshot entry {entry!r:.200}: {error}") from error
+        index.load(snapshot)
         return index
+
+    def load(self, snapshot: object) -> int:
+        """Replace the indexed contexts with :meth:`snapshot` output (same LRU order; the bounds
+        apply as the entries are inserted); returns how many are indexed.
+
+        Every entry is checked (a str rid of at most 512 characters, block ids in
+        ``0..2**64-1`` as decimal strings, token counts ``0..2**32``, no repeated block) before
+        anything is loaded.
+
+        Raises:
+            ValueError: an unknown version or a malformed entry (the index is left unchanged).
+        """
+        entries = checked_entries(snapshot)
+        with self._lock:
+            self.clear()
+            for rid, blocks, tokens in entries:
+                if rid not in self._requests:
+                    self.insert(rid, blocks, tokens)
+            return len(self._requests)
 
     # ------------------------------------------------------------------ internals
     def _request(self, rid: str) -> _Request:
-        request = self._requests.get(rid)
+        request = self._requests.peek(rid)
         if request is None:
             raise KeyError(f"rid {rid!r} is not indexed")
         return request
@@ -499,7 +485,9 @@ class ContextIndex:
             grandchild.parent = node
         node.rids = child.rids
         for rid in node.rids:
-            self._requests[rid].node = node
+            request = self._requests.peek(rid)
+            assert request is not None
+            request.node = node
         node.access_count = max(node.access_count, child.access_count)
         node.last_access = max(node.last_access, child.last_access)
         del self._nodes[child.node_id]
@@ -510,10 +498,14 @@ class ContextIndex:
             (max_requests is not None and len(self._requests) > max_requests)
             or (max_tokens is not None and self._tokens > max_tokens)
         ):
-            oldest = next(iter(self._requests))
+            entry = self._requests.oldest()
+            assert entry is not None
+            oldest = entry[0]
             if oldest == keep:  # only when ``keep`` was touched back to the front
-                self._requests.move_to_end(keep)
-                oldest = next(iter(self._requests))
+                self._requests.touch(keep)
+                entry = self._requests.oldest()
+                assert entry is not None
+                oldest = entry[0]
             self._evict(oldest, by_lru=True)
             if self._on_evict is not None:
                 self._on_evict(oldest)

@@ -1,4 +1,4 @@
-"""Per-conversation memory of what earlier prompts already showed the model.
+"""Per-conversation memory of what earlier prompts showed the model, recorded only once sent.
 
 Multi-turn de-duplication (ContextPilot, MLSys 2026, "multi-turn de-duplication") replaces a
 context block that an earlier turn of the same conversation already sent by a hint naming where
@@ -8,183 +8,119 @@ that block. :class:`ConversationStore` keeps it:
 
 - keyed by ``(tenant, conversation_id)``; a ``None`` conversation id is never stored or matched
   (there is no shared default conversation, DESIGN.md invariant 2);
+- two-phase: :meth:`ConversationStore.open_turn` reserves the turn's number and gives a
+  consistent view for its lookups; its records are kept aside and enter the history only on
+  :meth:`ConversationTurn.commit`, which the planner calls once the plan is returned (a plan
+  that fails, or a batch that fails, records nothing: no phantom turns);
 - bounded (invariant 6): at most ``max_conversations`` conversations, least recently used
   evicted first; a conversation unused for ``ttl_seconds`` expires; at most ``max_turns`` turns
   per conversation, oldest dropped first;
-- thread-safe: one lock; a turn is read and recorded inside :meth:`ConversationStore.open_turn`,
-  so concurrent requests see whole turns.
+- thread-safe: one lock.
 
 Which earlier turns may be pointed to is the application's call: the prompt it sends may have
 dropped or summarised old turns. :class:`TurnVisibility` says which earlier turns the prompt
-still holds (all of them, the last ``n``, or an explicit set); lookups only return places in
-those turns or in the current one.
+still holds (all of them, the last ``n``, or an explicit set).
+
+Turn numbers that cannot go silently wrong (DESIGN.md invariant 9). A hint "[Doc 1] of turn 1"
+is right only if the app's turn 1 is the turn the store recorded as 1. Numbers the app gives
+(``turn=``) are the app's own. Numbers the store assigns (``turn=None``) agree with the app's
+only while the store has followed the conversation without a break:
+
+- a conversation dropped by the LRU bound, the TTL or :meth:`~ConversationStore.forget` leaves a
+  *tombstone* (its latest turn number), so numbering continues after it and never reuses a
+  number the app has already shown (older turns are simply gone: nothing points to them);
+- a store that may have missed turns (restored from a checkpoint taken while it kept
+  planning, told by its owner that history was lost, or whose tombstones overflowed) is
+  *amnesic*: it cannot know which numbers the app has already shown, so it numbers no turn
+  itself (the plan's ``scope.turn`` is ``None`` and the turn records nothing) until the app
+  gives its own turn number;
+- a checkpoint cannot tell what changed after it (a turn retried with other blocks, a turn
+  forgotten), so a store restored from one keeps only each conversation's latest turn number
+  (as a tombstone) and points to none of its records; a *final* snapshot (taken when planning
+  has stopped, e.g. at shutdown) restores everything.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from typing import Any
+
+from .conversation_records import ConversationRecords, Record, nonnegative_int
+from .lru import LRU
+from .turns import Location, TurnVisibility
 
 __all__ = ["ConversationStore", "ConversationTurn", "Location", "TurnVisibility"]
 
-
-@dataclass(frozen=True, slots=True)
-class Location:
-    """Where a text stands in a conversation's prompts.
-
-    Attributes:
-        turn: the turn number whose prompt shows the text.
-        label: the block's label in that prompt (``"[Doc 3]"``).
-        part: ``None`` when the text is the whole block; else the 0-based index of the
-            sub-block within that block (:class:`~contextpilot_integrations.core.chunking`).
-    """
-
-    turn: int
-    label: str
-    part: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class TurnVisibility:
-    """Which earlier turns the application's prompt still holds.
-
-    The current turn is always visible. Build one with :meth:`all`, :meth:`last` or
-    :meth:`only`.
-
-    Attributes:
-        last_turns: with :meth:`last`, the window size ``n``; else ``None``.
-        turns: with :meth:`only`, the visible earlier turn numbers; else ``None``.
-    """
-
-    last_turns: int | None = None
-    turns: frozenset[int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.last_turns is not None and self.turns is not None:
-            raise ValueError("TurnVisibility takes last_turns or turns, not both")
-
-    @classmethod
-    def all(cls) -> TurnVisibility:
-        """Every earlier turn is still in the prompt (the default)."""
-        return cls()
-
-    @classmethod
-    def last(cls, n: int) -> TurnVisibility:
-        """Only the ``n`` turns before the current one (turn numbers ``current - n`` to
-        ``current - 1``); ``n = 0`` hides every earlier turn.
-
-        Raises:
-            TypeError: ``n`` is not an ``int``.
-            ValueError: ``n < 0``.
-        """
-        _check_int("n", n)
-        if n < 0:
-            raise ValueError(f"n (the number of visible earlier turns) must be >= 0, got {n}")
-        return cls(last_turns=n)
-
-    @classmethod
-    def only(cls, turns: Iterable[int]) -> TurnVisibility:
-        """Only the given earlier turn numbers (others were dropped or summarised).
-
-        Raises:
-            TypeError: ``turns`` is not an iterable of ``int``.
-        """
-        if isinstance(turns, (str, bytes)) or not isinstance(turns, Iterable):
-            raise TypeError(f"turns must be an iterable of int, got {type(turns).__name__}")
-        visible = frozenset(turns)
-        for turn in visible:
-            _check_int("turns[...]", turn)
-        return cls(turns=visible)
-
-    def includes(self, turn: int, current: int) -> bool:
-        """Whether ``turn``'s prompt is visible when ``current`` is being planned."""
-        if turn == current:
-            return True
-        if turn > current:
-            return False
-        if self.last_turns is not None:
-            return turn >= current - self.last_turns
-        if self.turns is not None:
-            return turn in self.turns
-        return True
+SNAPSHOT_VERSION = 1
 
 
 _ALL_TURNS = TurnVisibility()
 
 
-class _Conversation:
-    """Records of one conversation. Only touched with the store's lock held."""
-
-    __slots__ = ("blocks", "last_used", "sub_blocks", "turns")
-
-    def __init__(self, now: float) -> None:
-        # id -> places where the text stands in full, in turn order
-        self.blocks: dict[int, list[Location]] = {}
-        self.sub_blocks: dict[int, list[Location]] = {}
-        # turn -> ids recorded in that turn (is_sub_block, id), to drop a turn in one pass
-        self.turns: dict[int, list[tuple[bool, int]]] = {}
-        self.last_used = now
-
-    def drop_turns_from(self, turn: int) -> None:
-        for old in [t for t in self.turns if t >= turn]:
-            self.drop_turn(old)
-
-    def drop_turn(self, turn: int) -> None:
-        for is_sub, key in self.turns.pop(turn, ()):
-            table = self.sub_blocks if is_sub else self.blocks
-            places = table.get(key)
-            if places is None:
-                continue
-            kept = [place for place in places if place.turn != turn]
-            if kept:
-                table[key] = kept
-            else:
-                del table[key]
-
-    def latest_turn(self) -> int | None:
-        return max(self.turns) if self.turns else None
-
-
 class ConversationTurn:
     """One turn being planned: lookups in the visible history and records for this turn.
 
-    Obtained from :meth:`ConversationStore.open_turn`; valid only inside that ``with`` block
-    (the store's lock is held meanwhile).
+    Obtained from :meth:`ConversationStore.open_turn`. Lookups and records are valid inside
+    that ``with`` block; afterwards the turn is *pending* until :meth:`commit` (its records
+    enter the history) or :meth:`abort` (they are dropped and its number released).
 
     Attributes:
         tenant, conversation_id: the conversation's key.
-        turn: this turn's number.
+        turn: this turn's number; ``None`` when the store cannot number it (an amnesic store,
+            see the module docstring): it then records nothing.
+        number: the number its own places carry (``turn``, or ``-1`` when unnumbered); compare
+            a found place's turn with it to tell "in this message" from an earlier turn.
         visibility: the earlier turns lookups may return.
     """
 
-    __slots__ = ("_conversation", "_open", "conversation_id", "tenant", "turn", "visibility")
+    __slots__ = (
+        "_conversation",
+        "_open",
+        "_own_blocks",
+        "_own_sub_blocks",
+        "_records",
+        "_state",
+        "_store",
+        "conversation_id",
+        "number",
+        "tenant",
+        "turn",
+        "visibility",
+    )
 
     def __init__(
         self,
-        conversation: _Conversation,
-        tenant: str,
-        conversation_id: str,
-        turn: int,
+        store: ConversationStore,
+        conversation: ConversationRecords,
+        key: tuple[str, str],
+        turn: int | None,
         visibility: TurnVisibility,
     ) -> None:
+        self._store = store
         self._conversation = conversation
         self._open = True
-        self.tenant = tenant
-        self.conversation_id = conversation_id
+        self._state = "open"
+        self._records: list[Record] = []
+        self._own_blocks: dict[int, Location] = {}
+        self._own_sub_blocks: dict[int, Location] = {}
+        self.tenant, self.conversation_id = key
         self.turn = turn
+        self.number = -1 if turn is None else turn
         self.visibility = visibility
 
     def find_block(self, block_id: int) -> Location | None:
-        """The first visible place where the block with this id stands in full, or ``None``.
+        """The first visible place where the block with this id stands in full (an earlier
+        turn's, else this turn's own), or ``None``.
 
         Raises:
             RuntimeError: used outside its ``open_turn`` block.
         """
-        return self._first_visible(self._live().blocks.get(block_id))
+        self._live()
+        found = self._first_visible(self._conversation.blocks.get(block_id))
+        return found if found is not None else self._own_blocks.get(block_id)
 
     def find_sub_block(self, sub_block_id: int) -> Location | None:
         """The first visible place where this sub-block stands in full, or ``None``.
@@ -192,7 +128,9 @@ class ConversationTurn:
         Raises:
             RuntimeError: used outside its ``open_turn`` block.
         """
-        return self._first_visible(self._live().sub_blocks.get(sub_block_id))
+        self._live()
+        found = self._first_visible(self._conversation.sub_blocks.get(sub_block_id))
+        return found if found is not None else self._own_sub_blocks.get(sub_block_id)
 
     def record_block(self, block_id: int, label: str) -> None:
         """Record that this turn's prompt shows the block in full under ``label``.
@@ -200,9 +138,9 @@ class ConversationTurn:
         Raises:
             RuntimeError: used outside its ``open_turn`` block.
         """
-        conversation = self._live()
-        conversation.blocks.setdefault(block_id, []).append(Location(self.turn, label))
-        conversation.turns.setdefault(self.turn, []).append((False, block_id))
+        self._live()
+        self._records.append((False, block_id, label, None))
+        self._own_blocks.setdefault(block_id, Location(self.number, label))
 
     def record_sub_block(self, sub_block_id: int, label: str, part: int) -> None:
         """Record that this turn's prompt shows the sub-block, as part ``part`` (0-based) of the
@@ -211,21 +149,42 @@ class ConversationTurn:
         Raises:
             RuntimeError: used outside its ``open_turn`` block.
         """
-        conversation = self._live()
-        place = Location(self.turn, label, part)
-        conversation.sub_blocks.setdefault(sub_block_id, []).append(place)
-        conversation.turns.setdefault(self.turn, []).append((True, sub_block_id))
+        self._live()
+        self._records.append((True, sub_block_id, label, part))
+        self._own_sub_blocks.setdefault(sub_block_id, Location(self.number, label, part))
 
-    def _live(self) -> _Conversation:
+    def commit(self) -> None:
+        """The turn's prompt was handed out: its records enter the history. Idempotent;
+        a no-op after :meth:`abort`."""
+        if self._state == "pending":
+            self._store._commit(self)
+            self._state = "committed"
+
+    def abort(self) -> None:
+        """The turn's plan was not handed out: drop its records, release its number.
+        Idempotent; a no-op after :meth:`commit`."""
+        if self._state in ("open", "pending"):
+            self._store._abort(self)
+            self._state = "aborted"
+
+    def _live(self) -> None:
         if not self._open:
             raise RuntimeError("ConversationTurn used after its open_turn block ended")
-        return self._conversation
 
     def _first_visible(self, places: list[Location] | None) -> Location | None:
-        if places:
-            for place in places:
-                if self.visibility.includes(place.turn, self.turn):
+        if not places:
+            return None
+        visibility = self.visibility
+        for place in places:
+            if self.turn is not None:
+                if visibility.includes(place.turn, self.turn):
                     return place
+            # Unnumbered: the app's current turn is unknown, so a window of the last n turns
+            # cannot be placed; all turns, or an explicit set, still can.
+            elif visibility.last_turns is None and (
+                visibility.turns is None or place.turn in visibility.turns
+            ):
+                return place
         return None
 
 
@@ -238,11 +197,14 @@ class ConversationStore:
             ``None`` for no time limit.
         max_turns: most turns kept per conversation; the oldest turn's records are dropped
             first (hints never point to a dropped turn).
+        max_tombstones: dropped conversations whose latest turn number is remembered (LRU);
+            when one is forgotten, the store becomes amnesic (module docstring).
         clock: monotonic time source in seconds (injectable for tests).
 
     Raises:
         TypeError: a bound is not a number of the right kind.
-        ValueError: ``max_conversations < 1``, ``max_turns < 1`` or ``ttl_seconds <= 0``.
+        ValueError: ``max_conversations < 1``, ``max_turns < 1``, ``max_tombstones < 1`` or
+            ``ttl_seconds <= 0``.
     """
 
     def __init__(
@@ -251,14 +213,17 @@ class ConversationStore:
         max_conversations: int = 10_000,
         ttl_seconds: float | None = 3600.0,
         max_turns: int = 256,
+        max_tombstones: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        _check_int("max_conversations", max_conversations)
-        _check_int("max_turns", max_turns)
-        if max_conversations < 1:
-            raise ValueError(f"max_conversations must be >= 1, got {max_conversations}")
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        for name, value in (
+            ("max_conversations", max_conversations),
+            ("max_turns", max_turns),
+            ("max_tombstones", max_tombstones),
+        ):
+            _check_int(name, value)
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if ttl_seconds is not None:
             if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, (int, float)):
                 raise TypeError(f"ttl_seconds must be a number or None, got {ttl_seconds!r}")
@@ -270,10 +235,13 @@ class ConversationStore:
         self._clock = clock
         self._lock = threading.Lock()
         # least recently used first
-        self._conversations: OrderedDict[tuple[str, str], _Conversation] = OrderedDict()
-        self._evicted = 0
-        self._expired = 0
+        self._conversations: LRU[tuple[str, str], ConversationRecords] = LRU(max_conversations)
+        # dropped conversation -> (latest turn number, continuous)
+        self._tombstones: LRU[tuple[str, str], tuple[int, bool]] = LRU(max_tombstones)
+        self._amnesic = False
+        self._counters = {"evicted": 0, "expired": 0, "aborted": 0, "unnumbered": 0}
 
+    # ------------------------------------------------------------------ Public API
     @contextmanager
     def open_turn(
         self,
@@ -282,26 +250,24 @@ class ConversationStore:
         turn: int | None = None,
         visibility: TurnVisibility | None = None,
     ) -> Iterator[ConversationTurn]:
-        """Hold the store for planning one turn of a conversation.
+        """Hold the store for planning one turn of a conversation; the turn stays pending.
 
         Creates the conversation if needed and marks it used. Planning a turn number that is
-        not after the conversation's latest recorded turn (a retry, or an edited history) first
-        drops the records of that turn and every later one. After the block, turns beyond
-        ``max_turns`` are dropped, oldest first.
+        not after the conversation's latest turn (a retry, or an edited history) first drops
+        the records of that turn and every later one. The caller commits the yielded turn once
+        its plan is handed out, or aborts it; if the block raises, the turn is aborted.
 
         Args:
             tenant: the tenant (``""`` for a single-tenant app).
             conversation_id: the conversation; must be a non-empty ``str`` (callers skip the
                 store when a request has no conversation).
-            turn: this turn's number (``int >= 0``); ``None`` for one after the latest recorded
-                turn (``1`` in a new conversation).
+            turn: this turn's number (``int >= 0``, the app's own); ``None`` for one after the
+                latest turn the store knows (``1`` in a new conversation).
             visibility: the earlier turns the app's prompt still holds; ``None`` for all.
 
         Yields:
             The :class:`ConversationTurn` to look up and record with (the store's lock is held
             until the block ends; keep the work inside short).
-
-        If the block raises, this turn's records are dropped.
 
         Raises:
             TypeError / ValueError: bad ``tenant``, ``conversation_id``, ``turn`` or
@@ -323,38 +289,53 @@ class ConversationStore:
             self._expire(now)
             conversation = self._conversations.get(key)
             if conversation is None:
-                conversation = _Conversation(now)
-                self._conversations[key] = conversation
-                while len(self._conversations) > self.max_conversations:
-                    self._conversations.popitem(last=False)
-                    self._evicted += 1
-            else:
-                self._conversations.move_to_end(key)
-                conversation.last_used = now
+                conversation = self._create(key, now)
+            conversation.last_used = now
             latest = conversation.latest_turn()
             if turn is None:
-                turn = 1 if latest is None else latest + 1
-            elif latest is not None and turn <= latest:
-                conversation.drop_turns_from(turn)
-            # The turn counts even if it records nothing (every block replaced by a hint), so
-            # the next turn gets the next number and its hints name the right turns.
-            conversation.turns.setdefault(turn, [])
-            handle = ConversationTurn(conversation, key[0], key[1], turn, visibility)
+                if conversation.continuous:
+                    turn = 1 if latest is None else latest + 1
+                else:
+                    self._counters["unnumbered"] += 1
+            else:
+                if latest is not None and turn <= latest:
+                    conversation.drop_turns_from(turn)
+                conversation.continuous = True  # from now on the store counts on from the app's
+            if turn is not None:
+                conversation.pending.add(turn)
+            handle = ConversationTurn(self, conversation, key, turn, visibility)
             try:
                 yield handle
             except BaseException:
-                conversation.drop_turn(turn)  # a half-recorded turn must not be pointed to
+                if turn is not None:
+                    conversation.pending.discard(turn)  # the lock is held: no handle.abort()
+                self._counters["aborted"] += 1
+                handle._state = "aborted"
                 raise
             finally:
                 handle._open = False
-                while len(conversation.turns) > self.max_turns:
-                    conversation.drop_turn(min(conversation.turns))
+            handle._state = "pending"
 
     def forget(self, tenant: str, conversation_id: str) -> bool:
-        """Drop a conversation's records (the user deleted it). ``False`` if unknown."""
+        """Drop a conversation's records (the user deleted it). ``False`` if unknown. Its
+        turn numbers are remembered (a tombstone), so a conversation reusing the id never
+        reuses a number."""
         key = _conversation_key(tenant, conversation_id)
         with self._lock:
-            return self._conversations.pop(key, None) is not None
+            conversation = self._conversations.pop(key)
+            if conversation is None:
+                return False
+            self._bury(key, conversation)
+            return True
+
+    def mark_history_lost(self) -> None:
+        """The owner knows turns may have been planned that this store never recorded (a
+        snapshot that could not be read): from now on the store numbers no turn of a
+        conversation until the app gives its own number (module docstring)."""
+        with self._lock:
+            self._amnesic = True
+            for conversation in self._conversations.values():
+                conversation.continuous = False
 
     def __contains__(self, key: object) -> bool:
         """``(tenant, conversation_id) in store``: the conversation is held and not expired."""
@@ -367,10 +348,12 @@ class ConversationStore:
             self._expire(self._clock())
             return len(self._conversations)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | bool]:
         """Counters: ``conversations`` held, ``turns`` and ``blocks``/``sub_blocks`` recorded
-        (distinct ids per conversation, summed), ``evicted`` (LRU) and ``expired`` (TTL) since
-        creation. Walks every conversation: for monitoring, not the hot path."""
+        (distinct ids per conversation, summed), ``tombstones``, ``amnesic``, and since
+        creation ``evicted`` (LRU), ``expired`` (TTL), ``aborted`` turns and ``unnumbered``
+        turns (an amnesic store waiting for the app's number). Walks every conversation: for
+        monitoring."""
         with self._lock:
             self._expire(self._clock())
             held = self._conversations.values()
@@ -379,21 +362,137 @@ class ConversationStore:
                 "turns": sum(len(c.turns) for c in held),
                 "blocks": sum(len(c.blocks) for c in held),
                 "sub_blocks": sum(len(c.sub_blocks) for c in held),
-                "evicted": self._evicted,
-                "expired": self._expired,
+                "tombstones": len(self._tombstones),
+                "amnesic": self._amnesic,
+                **self._counters,
             }
+
+    # ------------------------------------------------------------------ snapshot
+    def snapshot(self, *, final: bool = False) -> dict[str, Any]:
+        """A JSON-serialisable copy: every held conversation's committed turns (ids as decimal
+        strings), tombstones, least recently used first.
+
+        Args:
+            final: the owner plans nothing after this snapshot (taken at shutdown), so a store
+                restored from it misses no turn and is not amnesic. A checkpoint taken while
+                planning goes on (``False``) may miss the turns planned after it.
+        """
+        with self._lock:
+            now = self._clock()
+            conversations = [
+                {"tenant": key[0], "conversation_id": key[1], **c.to_json(now)}
+                for key, c in self._conversations.items()
+            ]
+            tombstones = [
+                [key[0], key[1], latest, continuous]
+                for key, (latest, continuous) in self._tombstones.items()
+            ]
+            return {
+                "version": SNAPSHOT_VERSION,
+                "final": bool(final),
+                "amnesic": self._amnesic,
+                "conversations": conversations,
+                "tombstones": tombstones,
+            }
+
+    def restore(self, snapshot: object) -> int:
+        """Replace the store's content with :meth:`snapshot` output; returns the conversations
+        restored. From a checkpoint (not ``final``) only the turn numbers are kept and the store
+        is amnesic (module docstring).
+
+        Raises:
+            ValueError: a malformed snapshot (the store is then left empty and amnesic).
+        """
+        with self._lock:
+            self._conversations.clear()
+            self._tombstones.clear()
+            self._amnesic = True
+            try:
+                count = self._load(snapshot)
+            except (KeyError, TypeError, ValueError, IndexError) as exc:
+                self._conversations.clear()
+                self._tombstones.clear()
+                raise ValueError(f"malformed conversation snapshot: {exc!r:.200}") from None
+            assert isinstance(snapshot, dict)  # _load checked it
+            self._amnesic = not self._final_of(snapshot) or snapshot.get("amnesic") is not False
+            return count
+
+    @staticmethod
+    def _final_of(snapshot: object) -> bool:
+        return isinstance(snapshot, dict) and snapshot.get("final") is True
+
+    # ------------------------------------------------------------------ internals
+    def _create(self, key: tuple[str, str], now: float) -> ConversationRecords:
+        tombstone = self._tombstones.pop(key)
+        if tombstone is not None:
+            latest, continuous = tombstone
+            conversation = ConversationRecords(
+                now, floor=latest, continuous=continuous and not self._amnesic
+            )
+        else:
+            conversation = ConversationRecords(now, continuous=not self._amnesic)
+        for dropped_key, dropped in self._conversations.put(key, conversation):
+            self._counters["evicted"] += 1
+            self._bury(dropped_key, dropped)
+        return conversation
+
+    def _bury(self, key: tuple[str, str], conversation: ConversationRecords) -> None:
+        latest = conversation.latest_turn()
+        if latest is None:
+            return
+        if self._tombstones.put(key, (latest, conversation.continuous)):
+            # A forgotten tombstone: that conversation could come back numbered from 1.
+            self._amnesic = True
+
+    def _commit(self, handle: ConversationTurn) -> None:
+        if handle.turn is None:  # unnumbered: nothing to point to later
+            return
+        with self._lock:
+            conversation = handle._conversation
+            conversation.pending.discard(handle.turn)
+            conversation.add(handle.turn, handle._records)
+            while len(conversation.turns) > self.max_turns:
+                conversation.drop_turn(min(conversation.turns))
+
+    def _abort(self, handle: ConversationTurn) -> None:
+        with self._lock:
+            if handle.turn is not None:
+                handle._conversation.pending.discard(handle.turn)
+            self._counters["aborted"] += 1
 
     def _expire(self, now: float) -> None:
         """Drop conversations unused for ``ttl_seconds``; they sit at the LRU front."""
         if self.ttl_seconds is None:
             return
         deadline = now - self.ttl_seconds
-        while self._conversations:
-            key, oldest = next(iter(self._conversations.items()))
-            if oldest.last_used > deadline:
+        while (oldest := self._conversations.oldest()) is not None:
+            if oldest[1].last_used > deadline:
                 break
-            del self._conversations[key]
-            self._expired += 1
+            key, conversation = self._conversations.pop_oldest()
+            self._bury(key, conversation)
+            self._counters["expired"] += 1
+
+    def _load(self, snapshot: object) -> int:
+        if not isinstance(snapshot, dict) or snapshot.get("version") != SNAPSHOT_VERSION:
+            raise ValueError(f"conversation snapshot version must be {SNAPSHOT_VERSION}")
+        now = self._clock()
+        for entry in snapshot["tombstones"]:
+            # After a checkpoint the store cannot vouch for its numbering: not continuous.
+            tenant, conversation_id, latest, continuous = entry
+            key = _conversation_key(tenant, conversation_id)
+            latest = nonnegative_int("tombstone turn", latest)
+            self._tombstones.put(key, (latest, self._final_of(snapshot) and continuous is True))
+        final = self._final_of(snapshot)
+        for entry in snapshot["conversations"]:
+            key = _conversation_key(entry["tenant"], entry["conversation_id"])
+            conversation = ConversationRecords.from_json(entry, now, final=final)
+            if final:
+                self._conversations.put(key, conversation)
+            else:  # a checkpoint: keep the numbering, not the records
+                latest = conversation.latest_turn()
+                if latest is not None:
+                    self._tombstones.put(key, (latest, False))
+        return len(self._conversations)
 
 
 def _conversation_key(tenant: object, conversation_id: object) -> tuple[str, str]:

@@ -39,9 +39,8 @@ hint in the block's place). The labels recorded in the store are those.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenCounter, block_id
 from contextpilot_integrations.core.chunking import ContentChunker, SubBlock
@@ -51,6 +50,8 @@ from contextpilot_integrations.core.conversation import (
     Location,
     TurnVisibility,
 )
+from contextpilot_integrations.core.hint_wording import HintWording, line_ending, quote_ends
+from contextpilot_integrations.core.lru import LRU
 
 __all__ = [
     "DedupBlock",
@@ -59,66 +60,6 @@ __all__ = [
     "HintWording",
     "SubBlockPointer",
 ]
-
-_QUOTE_CHARS = 40  # longest quoted end in a sub-block pointer, in characters
-
-
-@dataclass(frozen=True, slots=True)
-class HintWording:
-    """Wording of what replaces repeated text (``str.format`` templates).
-
-    Attributes:
-        earlier_turn: a place in an earlier turn; fields ``{label}``, ``{turn}``.
-        this_turn: a place earlier in the same prompt; field ``{label}``.
-        block_hint: the hint for a replaced block; fields ``{where}`` (one of the two above),
-            ``{label}``, ``{turn}``.
-        sub_block_pointer: what replaces a run of sub-blocks inside a kept block; fields
-            ``{where}``, ``{label}``, ``{turn}``, ``{part}`` (1-based index of the run's first
-            sub-block in the block it points to), ``{head}`` and ``{tail}`` (the run's first
-            and last ``quote_words`` words, at most 40 characters each). The run's final line
-            ending is appended to it.
-        quote_words: words quoted at each end of a replaced run (``>= 1``).
-
-    Raises:
-        ValueError: a template uses an unknown field or is not a valid format string, or
-            ``quote_words < 1``.
-    """
-
-    earlier_turn: str = "{label} of turn {turn}"
-    this_turn: str = "{label} in this message"
-    block_hint: str = "Also relevant: {where}, shown above."
-    sub_block_pointer: str = '[Repeated passage: see {where}, from "{head}" to "{tail}".]'
-    quote_words: int = 6
-
-    def __post_init__(self) -> None:
-        sample = {"label": "[Doc 1]", "turn": 1, "part": 1, "head": "a", "tail": "b", "where": "w"}
-        allowed = {
-            "earlier_turn": ("label", "turn"),
-            "this_turn": ("label",),
-            "block_hint": ("where", "label", "turn"),
-            "sub_block_pointer": ("where", "label", "turn", "part", "head", "tail"),
-        }
-        for name, fields in allowed.items():
-            template = getattr(self, name)
-            if not isinstance(template, str):
-                raise TypeError(f"HintWording.{name} must be a str, got {template!r}")
-            try:
-                template.format(**{f: sample[f] for f in fields})
-            except (KeyError, IndexError, ValueError) as exc:
-                raise ValueError(
-                    f"HintWording.{name} = {template!r} is not a valid template with fields "
-                    f"{', '.join('{' + f + '}' for f in fields)}: {exc!r}"
-                ) from exc
-        if isinstance(self.quote_words, bool) or not isinstance(self.quote_words, int):
-            raise TypeError(f"HintWording.quote_words must be an int, got {self.quote_words!r}")
-        if self.quote_words < 1:
-            raise ValueError(f"HintWording.quote_words must be >= 1, got {self.quote_words}")
-
-    def where(self, place: Location, turn: int) -> str:
-        """How ``place`` is named in a prompt for ``turn``."""
-        if place.turn == turn:
-            return self.this_turn.format(label=place.label)
-        return self.earlier_turn.format(label=place.label, turn=place.turn)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +135,9 @@ class DedupPlan:
         blocks: one decision per input block, in input (prompt) order.
         blocks_kept, blocks_replaced, sub_blocks_replaced: counts.
         tokens_in: tokens of the original blocks; tokens_saved: sum over ``blocks``.
+        pending: the turn's records in the conversation store, pending until
+            ``pending.commit()`` (call it once the plan is handed out; ``abort()`` otherwise);
+            ``None`` without a conversation.
     """
 
     tenant: str
@@ -205,6 +149,7 @@ class DedupPlan:
     sub_blocks_replaced: int
     tokens_in: int
     tokens_saved: int
+    pending: ConversationTurn | None = field(default=None, repr=False, compare=False)
 
     @property
     def kept_texts(self) -> list[str]:
@@ -215,16 +160,6 @@ class DedupPlan:
     def hints(self) -> list[str]:
         """Hints of the replaced blocks, in prompt order (what the renderer adds after them)."""
         return [b.hint for b in self.blocks if b.hint is not None]
-
-    def figures(self) -> dict[str, int]:
-        """The per-request figures as a dict (for ``Plan`` stats and reports)."""
-        return {
-            "blocks_kept": self.blocks_kept,
-            "blocks_replaced": self.blocks_replaced,
-            "sub_blocks_replaced": self.sub_blocks_replaced,
-            "tokens_in": self.tokens_in,
-            "tokens_saved": self.tokens_saved,
-        }
 
 
 _DEFAULT_CHUNKER = ContentChunker()
@@ -315,7 +250,8 @@ class Deduplicator:
         block_ids: Sequence[int] | None = None,
         block_tokens: Sequence[int] | None = None,
     ) -> DedupPlan:
-        """De-duplicate one request's blocks and record this turn in the store.
+        """De-duplicate one request's blocks; this turn's records wait in the store, pending
+        until the caller commits them (:attr:`DedupPlan.pending`).
 
         Args:
             tenant: the tenant (``""`` for a single-tenant app).
@@ -362,6 +298,7 @@ class Deduplicator:
                 sub_blocks_replaced=sum(p.count for b in decided for p in b.pointers),
                 tokens_in=sum(tokens),
                 tokens_saved=sum(b.tokens_saved for b in decided),
+                pending=history,
             )
 
     # --- one block -------------------------------------------------------------------------
@@ -382,7 +319,7 @@ class Deduplicator:
         count = self.token_counter.count
         source = history.find_block(bid)
         if source is not None:
-            where = self.wording.where(source, history.turn)
+            where = self.wording.where(source, history.number)
             hint = self.wording.block_hint.format(where=where, label=source.label, turn=source.turn)
             saved = tokens - count(hint)
             if saved >= self.min_tokens_saved:
@@ -441,16 +378,16 @@ class Deduplicator:
         run_tokens = self.token_counter.count(text[start:stop])
         if run_tokens < self.min_tokens_saved:
             return None
-        head, _ = _quote_ends(parts[first].text, self.wording.quote_words)
-        _, tail = _quote_ends(parts[end - 1].text, self.wording.quote_words)
+        head, _ = quote_ends(parts[first].text, self.wording.quote_words)
+        _, tail = quote_ends(parts[end - 1].text, self.wording.quote_words)
         pointer_text = self.wording.sub_block_pointer.format(
-            where=self.wording.where(source, history.turn),
+            where=self.wording.where(source, history.number),
             label=source.label,
             turn=source.turn,
             part=(source.part or 0) + 1,
             head=head,
             tail=tail,
-        ) + _line_ending(parts[end - 1].text)
+        ) + line_ending(parts[end - 1].text)
         run_saved = run_tokens - self.token_counter.count(pointer_text)
         if run_saved < self.min_tokens_saved:
             return None
@@ -508,29 +445,28 @@ class Deduplicator:
 
 
 class _ChunkCache:
-    """Bounded LRU of ``block id -> (text, sub-blocks)``, thread-safe."""
+    """Bounded LRU of ``block id -> (text, sub-blocks)``, thread-safe (0: disabled)."""
 
     def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
         self._lock = threading.Lock()
-        self._entries: OrderedDict[int, tuple[str, tuple[SubBlock, ...]]] = OrderedDict()
+        self._entries: LRU[int, tuple[str, tuple[SubBlock, ...]]] | None = (
+            LRU(capacity) if capacity else None
+        )
 
     def get(self, bid: int, text: str) -> tuple[SubBlock, ...] | None:
+        if self._entries is None:
+            return None
         with self._lock:
             entry = self._entries.get(bid)
-            if entry is None or entry[0] != text:  # the text check rules out an id collision
-                return None
-            self._entries.move_to_end(bid)
-            return entry[1]
+        if entry is None or entry[0] != text:  # the text check rules out an id collision
+            return None
+        return entry[1]
 
     def put(self, bid: int, text: str, parts: tuple[SubBlock, ...]) -> None:
-        if not self._capacity:
+        if self._entries is None:
             return
         with self._lock:
-            self._entries[bid] = (text, parts)
-            self._entries.move_to_end(bid)
-            while len(self._entries) > self._capacity:
-                self._entries.popitem(last=False)
+            self._entries.put(bid, (text, parts))
 
 
 def _check_blocks(blocks: object) -> list[str]:
@@ -561,32 +497,3 @@ def _run_end(sources: Sequence[Location | None], first: int) -> int:
             break
         end += 1
     return end
-
-
-def _quote_ends(text: str, words: int) -> tuple[str, str]:
-    """First and last ``words`` words of ``text`` (whitespace collapsed), each shortened to
-    whole words within ``_QUOTE_CHARS`` characters (a single longer word is cut)."""
-    tokens = text.split()
-    return _fit(tokens[:words], from_end=False), _fit(tokens[-words:], from_end=True)
-
-
-def _fit(words: list[str], *, from_end: bool) -> str:
-    """Join ``words`` with spaces, keeping those within ``_QUOTE_CHARS`` characters counted
-    from the start (or from the end)."""
-    if not words:
-        return ""
-    order = list(reversed(words)) if from_end else words
-    first = order[0][-_QUOTE_CHARS:] if from_end else order[0][:_QUOTE_CHARS]
-    kept, size = [first], len(first)
-    for word in order[1:]:
-        size += 1 + len(word)
-        if size > _QUOTE_CHARS:
-            break
-        kept.append(word)
-    return " ".join(reversed(kept) if from_end else kept)
-
-
-def _line_ending(text: str) -> str:
-    if text.endswith("\r\n"):
-        return "\r\n"
-    return "\n" if text.endswith("\n") else ""

@@ -1,201 +1,89 @@
 """The facade the adapters call: plan one request, or plan and schedule a batch.
 
-Flow of one request (DESIGN.md): blocks -> index search -> align -> index insert ->
-annotate -> render. A batch is ordered jointly first (:mod:`.clustering`) and scheduled
-(:mod:`.scheduling`). Each plan carries a request id (``rid``) to send with the LLM call, so
-the engine's cache events and evictions can be tied back to it.
+Flow of one request (DESIGN.md): blocks -> index search -> align -> de-duplicate (per
+conversation) -> index insert -> annotate -> render. A batch is ordered jointly first
+(:mod:`.clustering`) and scheduled (:mod:`.scheduling`). Each plan carries a request id
+(``rid``) to send with the LLM call, so the engine's cache events and evictions can be tied
+back to it; with ``cache_sync`` the pilot follows the engine itself
+(:class:`~contextpilot_integrations.sync.engine_link.EngineLink`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import threading
-import uuid
-from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .alignment import RestOrder, align
-from .blocks import ApproxTokenCounter, TokenCounter, block_id, validate_block_text
-from .clustering import DEFAULT_CLUSTER_LIMIT, BuildMethod, order_batch
-from .context_index import ContextIndex
-from .conversation import TurnVisibility
-from .dedup import Deduplicator, DedupPlan
+from .blocks import ApproxTokenCounter, TokenCounter, block_id
+from .clustering import DEFAULT_CLUSTER_LIMIT, BuildMethod, order_behind_prefixes
+from .context_index import ContextIndex, SearchResult
+from .conversation import ConversationTurn
+from .dedup import Deduplicator
 from .distance import DEFAULT_ALPHA
+from .plan import BatchPlan, DedupFigures, Placement, PlacementStatus, Plan
+from .popularity import PopularityMemory
 from .rendering import PromptLayout
+from .request import (
+    NO_SCOPE,
+    PlanRequest,
+    RidConflictError,
+    Scope,
+    check_batch,
+    is_block_text,
+    new_rid,
+)
 from .scheduling import ScheduleMethod, schedule
+from .usage import UsageCounter
 
-__all__ = ["BatchPlan", "ContextPilot", "Plan", "PlannedBlock"]
+if TYPE_CHECKING:
+    from contextpilot_integrations.sync.configuration import CacheSyncConfig
+    from contextpilot_integrations.sync.engine_link import EngineLink
 
-T = TypeVar("T")
+__all__ = ["SNAPSHOT_VERSION", "ContextPilot"]
 
-MAX_BLOCKS_PER_REQUEST = 100_000
+SNAPSHOT_VERSION = 1
+"""Version of :meth:`ContextPilot.snapshot`'s format."""
+
+
+class _Turns:
+    """The conversation turns one call records: committed when the call completes, aborted
+    when it raises, so a failed plan or batch records nothing (no phantom turns)."""
+
+    def __init__(self) -> None:
+        self._pending: list[ConversationTurn] = []
+
+    def add(self, turn: ConversationTurn | None) -> None:
+        if turn is not None:
+            self._pending.append(turn)
+
+    def __enter__(self) -> _Turns:
+        return self
+
+    def __exit__(self, error_type: object, error: object, traceback: object) -> None:
+        for turn in self._pending:
+            if error_type is None:
+                turn.commit()
+            else:
+                turn.abort()
 
 
 @dataclass(frozen=True, slots=True)
-class PlannedBlock:
-    """One block of a plan, in prompt order.
+class _Blocks:
+    """A request's distinct block texts (input order) with their ids, tokens and input index,
+    the duplicates (input index -> input index of the first identical text) and the skipped
+    inputs (empty or whitespace only)."""
 
-    Attributes:
-        text: the block's exact text, as given.
-        block_id: stable 64-bit id of ``text``.
-        original_rank: 0-based index in the input (retriever) order.
-        tokens: token length of ``text`` by the pilot's counter.
-        rendered_text: what the prompt shows: ``text``, or ``text`` with sub-blocks already
-            shown earlier in the conversation replaced by pointers to them.
-    """
-
-    text: str
-    block_id: int
-    original_rank: int
-    tokens: int
-    rendered_text: str
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What to send for one request.
-
-    Attributes:
-        rid: request id for the engine (SGLang ``rid``, vLLM ``request_id``, ``session_id``).
-        query: the question.
-        blocks: the prompt's blocks in prompt order (each distinct text once).
-        order: original indices of ``blocks`` (``order[i] == blocks[i].original_rank``).
-        duplicates: input index -> input index of the earlier identical text.
-        replaced: input index -> the location hint that replaces it (the identical text
-            already stands in an earlier turn of this conversation that the app still sends).
-            Every input index is in exactly one of ``order``, ``duplicates`` and ``replaced``
-            (nothing is lost).
-        hints: the hints in prompt order (rendered after the blocks).
-        segments: ``[system, block 1, ..., block n, tail]``; ``prompt`` is their join.
-        matched_prefix_blocks: blocks of the prefix the index already held.
-        matched_prefix_tokens: their tokens.
-        conversation_id, tenant, turn: the conversation the plan was de-duplicated in
-            (``conversation_id`` and ``turn`` are ``None`` without one).
-        dedup: per-request figures: blocks_kept, blocks_replaced, sub_blocks_replaced,
-            tokens_in, tokens_saved (all zero savings without a conversation).
-        annotation_labels: how the order annotation names the blocks, highest relevance
-            first (empty when annotation is off).
-        layout: the layout that rendered the plan.
-    """
-
-    rid: str
-    query: str
-    blocks: list[PlannedBlock]
-    order: list[int]
-    duplicates: dict[int, int]
-    segments: list[str]
-    matched_prefix_blocks: int
-    matched_prefix_tokens: int
-    layout: PromptLayout = field(repr=False)
-    replaced: dict[int, str] = field(default_factory=dict)
-    hints: list[str] = field(default_factory=list)
-    conversation_id: str | None = None
-    tenant: str = ""
-    turn: int | None = None
-    dedup: dict[str, int] = field(default_factory=dict)
-    annotation_labels: list[str] = field(default_factory=list)
-
-    @property
-    def prompt(self) -> str:
-        """The plain-text prompt (``"".join(segments)``)."""
-        return "".join(self.segments)
-
-    @property
-    def context_tail(self) -> str:
-        """Hints and order annotation: the tail without the question (for adapters that
-        render the question themselves)."""
-        return self.layout.context_tail(annotation_labels=self.annotation_labels, hints=self.hints)
-
-    @property
-    def messages(self) -> list[dict[str, str]]:
-        """The chat form: system message, then one user message."""
-        return self.layout.messages_from_segments(self.segments)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Tokens of the blocks (the system prompt and tail are not counted here)."""
-        return sum(b.tokens for b in self.blocks)
-
-    def reorder(self, items: Sequence[T]) -> list[T]:
-        """Return ``items`` (one per input block, in input order) in prompt order.
-
-        Items at duplicate or replaced positions are not in the prompt order; look them up
-        through :attr:`duplicates` and :attr:`replaced`.
-
-        Raises:
-            ValueError: ``items`` has another length than the input.
-        """
-        expected = len(self.order) + len(self.duplicates) + len(self.replaced)
-        if len(items) != expected:
-            raise ValueError(f"items has {len(items)} entries, the plan was made for {expected}")
-        return [items[i] for i in self.order]
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """Plans for a batch, in input order, and the order to send them in.
-
-    Attributes:
-        plans: one :class:`Plan` per input request, in input order.
-        schedule: indices into ``plans`` in execution order (a permutation).
-    """
-
-    plans: list[Plan]
-    schedule: list[int]
-
-    def scheduled(self) -> list[Plan]:
-        """The plans in execution order."""
-        return [self.plans[i] for i in self.schedule]
-
-
-class _BlockHistory:
-    """Recency-weighted popularity of blocks, remembered after the engine evicts them.
-
-    Each time a planned request holds a block, the block's score gains 1; scores halve every
-    ``half_life`` planned requests, so blocks that keep being retrieved stay ahead of blocks
-    that were popular once. Bounded to ``capacity`` blocks (least recently seen dropped),
-    ``O(k)`` per request. Measured in ``benchmarks/bench_ordering.py``: a half-life
-    of 30 requests beat both no memory and unbounded counts on MultiHop-RAG and MTRAG online.
-    """
-
-    def __init__(self, capacity: int, half_life: float = 30.0) -> None:
-        self.capacity = capacity
-        self.half_life = half_life
-        self._clock = 0
-        self._scores: OrderedDict[int, tuple[float, int]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def add(self, blocks: Sequence[int]) -> None:
-        if self.capacity <= 0:
-            return
-        with self._lock:
-            self._clock += 1
-            for block in blocks:
-                score = self._decayed(self._scores.pop(block, None))
-                self._scores[block] = (score + 1.0, self._clock)
-            while len(self._scores) > self.capacity:
-                self._scores.popitem(last=False)
-
-    def get(self, block: int) -> float:
-        return self._decayed(self._scores.get(block))
-
-    def _decayed(self, entry: tuple[float, int] | None) -> float:
-        if entry is None:
-            return 0.0
-        score, seen = entry
-        return score * 0.5 ** ((self._clock - seen) / self.half_life)
-
-
-@dataclass(frozen=True)
-class _Request:
-    query: str
     texts: list[str]
     ids: list[int]
     tokens: list[int]
-    ranks: list[int]
+    indices: list[int]
     duplicates: dict[int, int]
+    skipped: list[int]
 
 
 class ContextPilot:
@@ -208,6 +96,7 @@ class ContextPilot:
         alpha: position-gap weight of the paper's distance (offline build).
         max_requests: LRU bound of a new index (ignored when ``index`` is given).
         build_method: offline build, ``"auto"``, ``"cluster"`` or ``"frequency"``.
+        cluster_limit: largest batch the agglomerative build takes (``"auto"``).
         schedule_method: ``"prefix-tree"`` (default) or ``"first-step"`` (paper Alg. 5).
         rest_order: order of the unmatched blocks, ``"retriever"`` or ``"popularity"``.
         weight_by_tokens: weigh shared blocks by tokens (else by count) when ordering.
@@ -217,6 +106,18 @@ class ContextPilot:
             ``rest_order="popularity"`` (0: use only the requests the index holds).
         deduplicator: multi-turn de-duplication against each conversation's earlier turns;
             default a :class:`Deduplicator` with the layout's labels and this token counter.
+        cache_sync: follow the engine's prefix cache: the mapping the index service takes
+            (``{"kind": "kv-events", "endpoint": "tcp://127.0.0.1:5557", ...}``,
+            ``{"kind": "capacity", "capacity_tokens": N}``, ``{"kind": "ttl", "provider":
+            "openai"}``; :class:`~contextpilot_integrations.sync.configuration.CacheSyncConfig`).
+            Needs the ``sync`` extra. The link starts here and stops with :meth:`close` (or
+            the ``with`` block); every plan is recorded with it and the engine's evictions
+            drop requests from the index. ``None`` (default): the index's own LRU bound only.
+
+    Raises:
+        ValueError: an invalid ``cache_sync`` mapping (the message names the field).
+
+    Thread-safe: one pilot may be shared by threads and coroutines.
     """
 
     def __init__(
@@ -236,10 +137,15 @@ class ContextPilot:
         block_cache_size: int = 65_536,
         popularity_memory: int = 262_144,
         deduplicator: Deduplicator | None = None,
+        cache_sync: Mapping[str, Any] | CacheSyncConfig | None = None,
     ) -> None:
-        self.layout = layout or PromptLayout()
+        self._layout = layout or PromptLayout()
         self.token_counter = token_counter or ApproxTokenCounter()
-        self.index = index if index is not None else ContextIndex(max_requests=max_requests)
+        self.index = (
+            index
+            if index is not None
+            else ContextIndex(max_requests=max_requests, on_evict=self._dropped_by_index)
+        )
         self.alpha = alpha
         self.build_method = build_method
         self.cluster_limit = cluster_limit
@@ -247,86 +153,76 @@ class ContextPilot:
         self.rest_order = rest_order
         self.weight_by_tokens = weight_by_tokens
         self.annotate = annotate
-        self._history = _BlockHistory(popularity_memory)
+        self._history = PopularityMemory(popularity_memory)
         self.deduplicator = deduplicator or Deduplicator(
-            token_counter=self.token_counter, label_template=self.layout.label_template
+            token_counter=self.token_counter, label_template=self._layout.label_template
         )
         # Popular blocks recur across requests: remember (id, tokens) of recent texts.
         self._identify = functools.lru_cache(maxsize=block_cache_size)(self._identify_uncached)
+        self._planning: set[str] = set()
+        self._planning_lock = threading.Lock()
+        self._usage = UsageCounter()
+        self.engine: EngineLink | None = None
+        if cache_sync is not None:
+            from contextpilot_integrations.sync.engine_link import EngineLink
 
-    # ------------------------------------------------------------------ one request
+            self.engine = EngineLink(cache_sync, on_evict=self.index.evict).start()
+
+    @property
+    def layout(self) -> PromptLayout:
+        """The layout plans are rendered with."""
+        return self._layout
+
+    # ------------------------------------------------------------------ Public API: planning
     def plan(
         self,
         query: str,
         blocks: Sequence[str],
         *,
         rid: str | None = None,
-        conversation_id: str | None = None,
-        tenant: str = "",
-        turn: int | None = None,
-        visibility: TurnVisibility | None = None,
+        scope: Scope | None = None,
     ) -> Plan:
         """Align one request against the index, de-duplicate it, index it, render its prompt.
 
         Args:
             query: the question (a str; may be empty).
-            blocks: block texts in retriever (relevance) order; identical texts are sent once
-                (see :attr:`Plan.duplicates`).
+            blocks: block texts in retriever (relevance) order (see :class:`PlanRequest`).
             rid: request id; a new unique one when ``None``.
-            conversation_id: the conversation this request is a turn of; ``None`` (default):
-                no de-duplication across turns, nothing recorded.
-            tenant: the tenant (user, app) owning the conversation; conversations of
-                different tenants never see each other.
-            turn: this turn's number (default: one after the conversation's latest).
-            visibility: which earlier turns the app's prompt still holds (default: all); a
-                hint only ever points at a visible turn.
+            scope: the conversation and tenant (:class:`Scope`); default none.
 
         Returns:
             A :class:`Plan`. The request is indexed under ``plan.rid`` with the blocks its
-            prompt shows.
+            prompt shows, and recorded with the engine link.
 
         Raises:
-            TypeError / ValueError: bad ``query``, ``blocks``, ``rid``, ``tenant``, ``turn``
-                or ``visibility`` (the message names the field and the value).
+            TypeError / ValueError: a bad argument (the message names the field and value).
+            RidConflictError: ``rid`` is already indexed or being planned by another call.
         """
-        request = self._prepare(query, blocks, field_name="blocks")
-        rid = self._new_rid(rid)
-        if rid in self.index:
-            raise ValueError(f"rid {rid!r} is already indexed")
-        if not request.ids:
-            return self._finish(rid, request, [], (), 0, conversation_id, tenant, turn, visibility)
-        weights = request.tokens if self.weight_by_tokens else None
-        found = self.index.search(request.ids, weights)
-        order = align(
-            request.ids,
-            found.prefix,
-            rest_order=self.rest_order,
-            popularity=self._popularity,
-        )
-        return self._finish(
-            rid,
-            request,
-            order,
-            found.prefix,
-            found.prefix_tokens,
-            conversation_id,
-            tenant,
-            turn,
-            visibility,
-        )
+        request = PlanRequest(query, blocks, rid, scope or NO_SCOPE)
+        rid = request.rid or new_rid()
+        with self._reserved([rid] if request.rid is not None else []), _Turns() as turns:
+            prepared = self._blocks_of(request)
+            found = self._search(prepared)
+            order = align(
+                prepared.ids, found.prefix, rest_order=self.rest_order, popularity=self._popularity
+            )
+            plan = self._finish(rid, request, prepared, order, found, turns)
+        if self.engine is not None:
+            self.engine.record([plan])
+        return plan
 
-    # ------------------------------------------------------------------ a batch
-    def plan_batch(
+    async def aplan(
         self,
-        queries: Sequence[str],
-        blocks: Sequence[Sequence[str]],
+        query: str,
+        blocks: Sequence[str],
         *,
-        rids: Sequence[str] | None = None,
-        conversation_ids: Sequence[str | None] | None = None,
-        tenants: Sequence[str] | None = None,
-        turns: Sequence[int | None] | None = None,
-        visibilities: Sequence[TurnVisibility | None] | None = None,
-    ) -> BatchPlan:
+        rid: str | None = None,
+        scope: Scope | None = None,
+    ) -> Plan:
+        """:meth:`plan` in a worker thread, so the event loop goes on meanwhile."""
+        return await asyncio.to_thread(self.plan, query, blocks, rid=rid, scope=scope)
+
+    def plan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
         """Order a batch jointly, de-duplicate, index and schedule it.
 
         Each request is first matched against what the index already holds; requests that
@@ -335,170 +231,183 @@ class ContextPilot:
         back.
 
         Args:
-            queries: ``B`` questions.
-            blocks: ``B`` lists of block texts, each in retriever order.
-            rids: optional ``B`` request ids.
-            conversation_ids: optional ``B`` conversation ids (``None`` entries: none); each
-                conversation at most once per batch, since its turns are sequential.
-            tenants: optional ``B`` tenants (default ``""``).
-            turns: optional ``B`` turn numbers (``None``: next turn), as in :meth:`plan`.
-            visibilities: optional ``B`` :class:`TurnVisibility` (``None``: all earlier
-                turns), as in :meth:`plan`.
+            requests: the batch (each conversation at most once: its turns are sequential).
 
         Returns:
             :class:`BatchPlan` with plans in input order and the schedule.
 
         Raises:
-            ValueError: ``queries``, ``blocks``, ``rids``, ``conversation_ids`` or ``tenants``
-                of different lengths, repeated rids, a conversation twice, or a bad entry
-                (named by its index).
+            TypeError / ValueError: as :func:`~.request.check_batch`.
+            RidConflictError: a rid is already indexed or being planned by another call.
         """
-        if len(queries) != len(blocks):
-            raise ValueError(f"queries has {len(queries)} entries but blocks has {len(blocks)}")
-        if rids is not None and len(rids) != len(queries):
-            raise ValueError(f"rids has {len(rids)} entries for {len(queries)} queries")
-        if rids is not None and len(set(rids)) != len(rids):
-            raise ValueError("rids must be unique within a batch")
-        for name, values in (
-            ("conversation_ids", conversation_ids),
-            ("tenants", tenants),
-            ("turns", turns),
-            ("visibilities", visibilities),
-        ):
-            if values is not None and len(values) != len(queries):
-                raise ValueError(f"{name} has {len(values)} entries for {len(queries)} queries")
-        conversations = [
-            (tenants[i] if tenants else "", c)
-            for i, c in enumerate(conversation_ids or ())
-            if c is not None
-        ]
-        if len(set(conversations)) != len(conversations):
-            raise ValueError(
-                "a (tenant, conversation_id) appears twice in one batch; plan the turns of one "
-                "conversation one after the other with plan()"
-            )
-        requests = [
-            self._prepare(q, b, field_name=f"blocks[{i}]", query_field=f"queries[{i}]")
-            for i, (q, b) in enumerate(zip(queries, blocks))
-        ]
-        batch_rids = [self._new_rid(rids[i] if rids else None) for i in range(len(requests))]
-        already = [rid for rid in batch_rids if rid in self.index]
-        if already:
-            raise ValueError(f"rids already indexed: {already[:5]!r}")
-
-        # Match each request against the index, then order each group of requests that
-        # matched the same prefix jointly on the rest of their blocks.
-        groups: dict[tuple[int, ...], list[int]] = {}
-        matched: list[tuple[tuple[int, ...], int]] = []
-        for i, request in enumerate(requests):
-            if not request.ids:
-                matched.append(((), 0))
-                continue
-            weights = request.tokens if self.weight_by_tokens else None
-            found = self.index.search(request.ids, weights)
-            matched.append((found.prefix, found.prefix_tokens))
-            groups.setdefault(found.prefix, []).append(i)
-        orders: dict[int, list[int]] = {}
-        for prefix, members in groups.items():
-            in_prefix = set(prefix)
-            rests = [[b for b in requests[i].ids if b not in in_prefix] for i in members]
-            token_of = [dict(zip(requests[i].ids, requests[i].tokens)) for i in members]
-            nonempty = [j for j, rest in enumerate(rests) if rest]
-            ordered_rests = order_batch(
-                [rests[j] for j in nonempty],
-                [[token_of[j][b] for b in rests[j]] for j in nonempty],
+        batch = check_batch(requests)
+        rids = [request.rid or new_rid() for request in batch]
+        with self._reserved([r.rid for r in batch if r.rid is not None]), _Turns() as turns:
+            prepared = [self._blocks_of(request) for request in batch]
+            found = [self._search(blocks) for blocks in prepared]
+            orders = order_behind_prefixes(
+                [blocks.ids for blocks in prepared],
+                [blocks.tokens for blocks in prepared],
+                [result.prefix for result in found],
                 method=self.build_method,
                 alpha=self.alpha,
                 weight_by_tokens=self.weight_by_tokens,
                 cluster_limit=self.cluster_limit,
             )
-            for member in members:
-                orders[member] = list(prefix)
-            for j, ordered in zip(nonempty, ordered_rests):
-                orders[members[j]].extend(ordered)
-
-        plans: list[Plan] = []
-        for i, request in enumerate(requests):
-            prefix, prefix_tokens = matched[i]
-            plans.append(
-                self._finish(
-                    batch_rids[i],
-                    request,
-                    orders.get(i, []),
-                    prefix,
-                    prefix_tokens,
-                    conversation_ids[i] if conversation_ids else None,
-                    tenants[i] if tenants else "",
-                    turns[i] if turns else None,
-                    visibilities[i] if visibilities else None,
-                )
+            plans = tuple(
+                self._finish(rids[i], batch[i], prepared[i], orders[i], found[i], turns)
+                for i in range(len(batch))
             )
-        # Paths are read after every insert: a later insert can split a node on an earlier
-        # request's path. A request already evicted by the index's bound has no path.
-        paths = [
-            self.index.search_path(plan.rid) if plan.rid in self.index else () for plan in plans
-        ]
-        return BatchPlan(plans=plans, schedule=schedule(paths, self.schedule_method))
+            # Paths are read after every insert (a later insert can split a node on an earlier
+            # request's path) in one step: a request evicted meanwhile has none.
+            paths = self.index.search_paths([plan.rid for plan in plans])
+        if self.engine is not None:
+            self.engine.record(plans)
+        return BatchPlan(plans=plans, schedule=tuple(schedule(paths, self.schedule_method)))
 
-    # ------------------------------------------------------------------ index passthrough
+    async def aplan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
+        """:meth:`plan_batch` in a worker thread."""
+        return await asyncio.to_thread(self.plan_batch, requests)
+
+    # ------------------------------------------------------------------ Public API: the engine
     def evict(self, rid: str) -> bool:
-        """Drop ``rid`` from the index (the engine evicted its cached prefix)."""
-        return self.index.evict(rid)
+        """Drop ``rid`` from the index (the engine evicted its cached prefix); False if it was
+        not indexed. The engine link stops following it."""
+        evicted = self.index.evict(rid)
+        if self.engine is not None:
+            self.engine.forget(rid)
+        return evicted
+
+    def record_usage(self, rid: str, prompt_tokens: int, cached_tokens: int) -> bool:
+        """Add the engine's ``usage`` of one sent request (``prompt_tokens``,
+        ``prompt_tokens_details.cached_tokens``: ``engine_fields.read_usage``) to
+        :meth:`stats`; a hit (``cached_tokens > 0``) marks the request as just used in the
+        index and the engine link (LRU and TTL refresh).
+
+        Returns:
+            Whether ``rid`` is indexed.
+
+        Raises:
+            TypeError / ValueError: figures that are not ints with
+                ``0 <= cached_tokens <= prompt_tokens``.
+        """
+        self._usage.add(prompt_tokens, cached_tokens)
+        if cached_tokens > 0:
+            indexed = self.index.touch(rid)
+            if self.engine is not None:
+                self.engine.touch(rid)
+            return indexed
+        return rid in self.index
 
     def stats(self) -> dict[str, Any]:
-        """Index statistics as a plain dict."""
+        """The index's statistics at the top level (``requests``, ``nodes``, ``tokens``, ...),
+        and sections ``index`` (the same), ``conversations``, ``usage`` (with ``hit_ratio``)
+        and, with an engine link, ``sync``. Walks the conversation store: for monitoring."""
         s = self.index.stats()
-        return {f: getattr(s, f) for f in s.__dataclass_fields__}
+        index = {f: getattr(s, f) for f in s.__dataclass_fields__}
+        out: dict[str, Any] = {
+            **index,
+            "index": index,
+            "conversations": self.deduplicator.store.stats(),
+            "usage": self._usage.stats(),
+        }
+        if self.engine is not None:
+            out["sync"] = self.engine.stats()
+        return out
+
+    def snapshot(self, *, final: bool = False) -> dict[str, Any]:
+        """A JSON-serialisable copy of the state a restart must keep: the index's contexts
+        (:meth:`ContextIndex.snapshot`) and the conversation store
+        (:meth:`ConversationStore.snapshot`; ``final``: nothing is planned after it, e.g. at
+        shutdown, so the restored store misses no turn)."""
+        return {
+            "version": SNAPSHOT_VERSION,
+            "index": self.index.snapshot(),
+            "conversations": self.deduplicator.store.snapshot(final=final),
+        }
+
+    def restore(self, snapshot: object) -> int:
+        """Load :meth:`snapshot` output into this pilot's index and conversation store (the
+        store is amnesic afterwards: see :mod:`.conversation`); returns the requests indexed.
+        Call it before planning (at start-up).
+
+        Raises:
+            ValueError: a malformed snapshot; the index and the conversations are then empty
+                and the store amnesic.
+        """
+        store = self.deduplicator.store
+        try:
+            if not isinstance(snapshot, dict) or snapshot.get("version") != SNAPSHOT_VERSION:
+                raise ValueError(f"pilot snapshot version must be {SNAPSHOT_VERSION}")
+            count = self.index.load(snapshot["index"])
+            store.restore(snapshot["conversations"])
+        except (KeyError, ValueError) as exc:
+            self.index.clear()
+            store.mark_history_lost()
+            raise ValueError(f"cannot restore the pilot: {exc}") from None
+        return count
+
+    def close(self) -> None:
+        """Stop the engine link (idempotent); the index stays usable."""
+        if self.engine is not None:
+            self.engine.stop()
+
+    def __enter__(self) -> ContextPilot:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ internals
-    def _prepare(
-        self, query: str, blocks: Sequence[str], *, field_name: str, query_field: str = "query"
-    ) -> _Request:
-        if not isinstance(query, str):
-            raise TypeError(
-                f"{query_field} must be a str, got {type(query).__name__}: {query!r:.80}"
-            )
+    @contextlib.contextmanager
+    def _reserved(self, rids: Sequence[str]) -> Iterator[None]:
+        """Hold explicit rids for one call: two concurrent calls never plan the same rid (the
+        loser would otherwise fail after its conversation turn was recorded)."""
+        if not rids:
+            yield
+            return
+        with self._planning_lock:
+            busy = next((rid for rid in rids if rid in self._planning), None)
+            if busy is not None:
+                raise RidConflictError(f"rid {busy!r} is being planned by a concurrent call")
+            indexed = next((rid for rid in rids if rid in self.index), None)
+            if indexed is not None:
+                raise RidConflictError(f"rid {indexed!r} is already indexed")
+            self._planning.update(rids)
         try:
-            query.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise ValueError(
-                f"{query_field} cannot be encoded as UTF-8 ({error.reason} at character "
-                f"{error.start}): {query!r:.80}"
-            ) from None
-        if isinstance(blocks, str) or not isinstance(blocks, Sequence):
-            raise TypeError(
-                f"{field_name} must be a sequence of str, got {type(blocks).__name__}: "
-                f"{blocks!r:.80}"
-            )
-        if len(blocks) > MAX_BLOCKS_PER_REQUEST:
-            raise ValueError(
-                f"{field_name} has {len(blocks)} blocks; at most "
-                f"{MAX_BLOCKS_PER_REQUEST} per request"
-            )
+            yield
+        finally:
+            with self._planning_lock:
+                self._planning.difference_update(rids)
+
+    def _blocks_of(self, request: PlanRequest) -> _Blocks:
         texts: list[str] = []
         ids: list[int] = []
         tokens: list[int] = []
-        ranks: list[int] = []
+        indices: list[int] = []
         first_seen: dict[int, int] = {}
         duplicates: dict[int, int] = {}
-        for rank, text in enumerate(blocks):
-            validate_block_text(text, field=f"{field_name}[{rank}]")
-            try:
-                bid, count = self._identify(text)
-            except UnicodeEncodeError as error:
-                raise ValueError(
-                    f"{field_name}[{rank}] cannot be encoded as UTF-8 ({error.reason} at "
-                    f"character {error.start}): {text!r:.80}"
-                ) from None
-            if bid in first_seen:
-                duplicates[rank] = first_seen[bid]
+        skipped: list[int] = []
+        for index, text in enumerate(request.blocks):
+            if not is_block_text(text):
+                skipped.append(index)
                 continue
-            first_seen[bid] = rank
+            bid, count = self._identify(text)
+            first = first_seen.get(bid)
+            if first is not None:
+                duplicates[index] = first
+                continue
+            first_seen[bid] = index
             texts.append(text)
             ids.append(bid)
             tokens.append(count)
-            ranks.append(rank)
-        return _Request(query, texts, ids, tokens, ranks, duplicates)
+            indices.append(index)
+        return _Blocks(texts, ids, tokens, indices, duplicates, skipped)
+
+    def _search(self, blocks: _Blocks) -> SearchResult:
+        if not blocks.ids:
+            return SearchResult((), 0, (), 0, False)
+        return self.index.search(blocks.ids, blocks.tokens if self.weight_by_tokens else None)
 
     def _popularity(self, block: int) -> float:
         return self.index.block_popularity(block) + self._history.get(block)
@@ -506,124 +415,127 @@ class ContextPilot:
     def _identify_uncached(self, text: str) -> tuple[int, int]:
         return block_id(text), max(1, self.token_counter.count(text))
 
-    @staticmethod
-    def _new_rid(rid: str | None) -> str:
-        if rid is None:
-            return f"cp-{uuid.uuid4().hex}"
-        if not isinstance(rid, str):
-            raise TypeError(f"rid must be a str, got {type(rid).__name__}: {rid!r:.80}")
-        if not rid:
-            raise ValueError("rid must be a non-empty str, got ''")
-        return rid
+    def _dropped_by_index(self, rid: str) -> None:
+        # The index's own LRU bound dropped ``rid`` (it runs under the index lock): the
+        # engine link need not follow it any longer.
+        if self.engine is not None:
+            self.engine.forget(rid)
 
     def _finish(
         self,
         rid: str,
-        request: _Request,
+        request: PlanRequest,
+        blocks: _Blocks,
         order: Sequence[int],
-        prefix: Sequence[int],
-        prefix_tokens: int,
-        conversation_id: str | None,
-        tenant: str,
-        turn: int | None,
-        visibility: TurnVisibility | None,
+        found: SearchResult,
+        turns: _Turns,
     ) -> Plan:
-        """De-duplicate the aligned blocks, index what the prompt shows, render the plan."""
-        position = {bid: i for i, bid in enumerate(request.ids)}
-        ordered = [position[bid] for bid in order]
-        planned: list[PlannedBlock] = []
-        replaced: dict[int, str] = {}
-        labels: dict[int, str] = {}  # original rank -> how the annotation names it
-        if conversation_id is None:
-            # No conversation: nothing to look up or record; every block is shown as given.
-            if not isinstance(tenant, str):
-                raise TypeError(f"tenant must be a str, got {type(tenant).__name__}: {tenant!r}")
-            for p in ordered:
-                labels[request.ranks[p]] = self.layout.label(len(planned))
-                planned.append(
-                    PlannedBlock(
-                        text=request.texts[p],
-                        block_id=request.ids[p],
-                        original_rank=request.ranks[p],
-                        tokens=request.tokens[p],
-                        rendered_text=request.texts[p],
-                    )
-                )
-            hints: list[str] = []
-            figures = {
-                "blocks_kept": len(planned),
-                "blocks_replaced": 0,
-                "sub_blocks_replaced": 0,
-                "tokens_in": sum(b.tokens for b in planned),
-                "tokens_saved": 0,
-            }
-        else:
-            dedup: DedupPlan = self.deduplicator.plan(
-                tenant,
-                conversation_id,
-                [request.texts[p] for p in ordered],
-                turn=turn,
-                visibility=visibility,
-                block_ids=list(order),
-                block_tokens=[request.tokens[p] for p in ordered],
+        """De-duplicate the aligned blocks, index what the prompt shows, render the plan. The
+        conversation turn it records joins ``turns`` (committed when the call returns)."""
+        layout = self._layout
+        at = {bid: i for i, bid in enumerate(blocks.ids)}
+        aligned = [at[bid] for bid in order]  # distinct-block positions in prompt order
+        placements: list[Placement | None] = [None] * len(request.blocks)
+        references: dict[int, str] = {}  # input index -> how the annotation names it
+        shown: list[Placement] = []  # in prompt order
+        hints: list[str] = []
+        scope = request.scope
+
+        def show(p: int, rendered: str) -> None:
+            index = blocks.indices[p]
+            placement = Placement(
+                index,
+                PlacementStatus.SHOWN,
+                blocks.texts[p],
+                blocks.ids[p],
+                blocks.tokens[p],
+                position=len(shown),
+                label=layout.label(len(shown)),
+                rendered_text=rendered,
             )
-            for p, decision in zip(ordered, dedup.blocks):
-                rank = request.ranks[p]
-                labels[rank] = decision.reference
-                if decision.text is None:
-                    assert decision.hint is not None
-                    replaced[rank] = decision.hint
+            placements[index] = placement
+            shown.append(placement)
+
+        if scope.conversation_id is None:
+            for p in aligned:
+                show(p, blocks.texts[p])
+                references[blocks.indices[p]] = shown[-1].label or ""
+            figures = DedupFigures(len(shown), 0, 0, sum(blocks.tokens), 0)
+        else:
+            dedup = self.deduplicator.plan(
+                scope.tenant,
+                scope.conversation_id,
+                [blocks.texts[p] for p in aligned],
+                turn=scope.turn,
+                visibility=scope.visibility,
+                block_ids=list(order),
+                block_tokens=[blocks.tokens[p] for p in aligned],
+            )
+            turns.add(dedup.pending)
+            for p, decision in zip(aligned, dedup.blocks):
+                index = blocks.indices[p]
+                references[index] = decision.reference
+                if decision.text is not None:
+                    show(p, decision.text)
                     continue
-                planned.append(
-                    PlannedBlock(
-                        text=request.texts[p],
-                        block_id=request.ids[p],
-                        original_rank=rank,
-                        tokens=request.tokens[p],
-                        rendered_text=decision.text,
-                    )
+                placements[index] = Placement(
+                    index,
+                    PlacementStatus.REPLACED,
+                    blocks.texts[p],
+                    blocks.ids[p],
+                    blocks.tokens[p],
+                    position=len(hints),
+                    hint=decision.hint,
                 )
-            hints = dedup.hints
-            figures = dedup.figures()
-            turn = dedup.turn
-        if planned:
+                hints.append(decision.hint or "")
+            figures = DedupFigures(
+                dedup.blocks_kept,
+                dedup.blocks_replaced,
+                dedup.sub_blocks_replaced,
+                dedup.tokens_in,
+                dedup.tokens_saved,
+            )
+            scope = Scope(scope.conversation_id, scope.tenant, dedup.turn, scope.visibility)
+        for index, first in blocks.duplicates.items():
+            original = placements[first]
+            assert original is not None
+            placements[index] = Placement(
+                index,
+                PlacementStatus.DUPLICATE,
+                original.text,
+                original.block_id,
+                original.tokens,
+                duplicate_of=first,
+            )
+        for index in blocks.skipped:
+            placements[index] = Placement(index, PlacementStatus.SKIPPED, request.blocks[index])
+        rendered = [p.rendered_text or "" for p in shown]
+        if shown:
             # The index mirrors what the engine will cache: the blocks as rendered.
-            ids = [
-                b.block_id if b.rendered_text == b.text else self._identify(b.rendered_text)[0]
-                for b in planned
+            identities = [
+                (p.block_id or 0, p.tokens) if p.rendered_text == p.text else self._identify(text)
+                for p, text in zip(shown, rendered)
             ]
-            tokens = [
-                b.tokens if b.rendered_text == b.text else self._identify(b.rendered_text)[1]
-                for b in planned
-            ]
-            self.index.insert(rid, ids, tokens)
+            ids = [bid for bid, _ in identities]
+            self.index.insert(rid, ids, [count for _, count in identities])
             self._history.add(ids)
-        annotation_labels = [labels[r] for r in sorted(labels)] if self.annotate else []
-        if not replaced and all(
-            a.original_rank < b.original_rank for a, b in zip(planned, planned[1:])
-        ):
-            annotation_labels = []  # the prompt already shows relevance order: say nothing
-        segments = self.layout.render_segments(
-            [b.rendered_text for b in planned],
-            request.query,
-            annotation_labels=annotation_labels,
-            hints=hints,
+        annotation: list[str] = []
+        in_order = all(a.index < b.index for a, b in zip(shown, shown[1:]))
+        if self.annotate and (hints or not in_order):
+            annotation = [references[i] for i in sorted(references)]
+        segments = layout.render_segments(
+            rendered, request.query, annotation_labels=annotation, hints=hints
         )
         return Plan(
             rid=rid,
             query=request.query,
-            blocks=planned,
-            order=[b.original_rank for b in planned],
-            duplicates=dict(request.duplicates),
-            segments=segments,
-            matched_prefix_blocks=len(prefix),
-            matched_prefix_tokens=prefix_tokens,
-            layout=self.layout,
-            replaced=replaced,
-            hints=hints,
-            conversation_id=conversation_id,
-            tenant=tenant,
-            turn=turn if conversation_id is not None else None,
-            dedup=figures,
-            annotation_labels=annotation_labels,
+            scope=scope,
+            placements=tuple(p for p in placements if p is not None),
+            hints=tuple(hints),
+            segments=tuple(segments),
+            annotation_labels=tuple(annotation),
+            matched_prefix_blocks=len(found.prefix),
+            matched_prefix_tokens=found.prefix_tokens,
+            dedup_figures=figures,
+            layout=layout,
         )

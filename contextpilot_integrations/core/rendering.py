@@ -54,6 +54,9 @@ class PromptLayout:
         annotation_template: ``{order}`` is the labels in original relevance order joined by
             ``annotation_joiner``.
         question_template: ``{question}``.
+        turn_header: ``{turn}``; opens each turn of a multi-turn prompt
+            (:meth:`render_turns`); the hints name turns by these numbers. Ends with a newline
+            and starts with a non-space character, the token boundary described above.
 
     Raises:
         ValueError: a template without its fields, or a block template that does not end with
@@ -68,6 +71,7 @@ class PromptLayout:
     annotation_joiner: str = " > "
     hint_template: str = "{hint}\n"
     question_template: str = "Question: {question}\nAnswer:"
+    turn_header: str = "### Turn {turn}\n"
 
     def __post_init__(self) -> None:
         checks = (
@@ -76,6 +80,7 @@ class PromptLayout:
             ("annotation_template", self.annotation_template, ("{order}",)),
             ("hint_template", self.hint_template, ("{hint}",)),
             ("question_template", self.question_template, ("{question}",)),
+            ("turn_header", self.turn_header, ("{turn}",)),
         )
         for name, template, fields in checks:
             for f in fields:
@@ -169,6 +174,31 @@ class PromptLayout:
         """The chat form: a system message, then one user message (blocks, then the tail)."""
         segments = self.render_segments(blocks, question, **kwargs)  # type: ignore[arg-type]
         return self.messages_from_segments(segments)
+
+    def render_turns(
+        self, turns: Sequence[tuple[int, Sequence[str]]]
+    ) -> tuple[list[str], list[int]]:
+        """A multi-turn prompt's turns: each turn's header, then that turn's segments.
+
+        The one assembly of earlier turns and this turn, for every app that resends its
+        conversation (the benchmark's replay, the LlamaIndex chat template): earlier turns are
+        rendered exactly as they were sent, so the prompt of turn ``t - 1`` is a byte-identical
+        prefix of the prompt of turn ``t`` (RadixAttention, Zheng et al. 2024).
+
+        Args:
+            turns: ``(turn number, segments)`` in prompt order, oldest first; the segments are
+                what the turn showed after the system prompt (blocks, tail, an answer...).
+
+        Returns:
+            ``(segments, starts)``: the segments, and the index in them of each turn's header.
+        """
+        segments: list[str] = []
+        starts: list[int] = []
+        for turn, turn_segments in turns:
+            starts.append(len(segments))
+            segments.append(self.turn_header.format(turn=turn))
+            segments.extend(turn_segments)
+        return segments, starts
 
     def messages_from_segments(self, segments: Sequence[str]) -> list[dict[str, str]]:
         """Chat messages from :meth:`render_segments` output."""

@@ -26,7 +26,8 @@ def _record(store: ConversationStore, conv: str, turn: int | None, ids: list[int
         for i, key in enumerate(ids):
             history.record_block(key, f"[Doc {i + 1}]")
             history.record_sub_block(key, f"[Doc {i + 1}]", 0)
-        return history.turn
+    history.commit()
+    return history.turn
 
 
 def test_first_visible_occurrence_is_returned() -> None:
@@ -107,6 +108,7 @@ def test_tenants_and_conversations_are_separate() -> None:
     store = ConversationStore()
     with store.open_turn("tenant-a", "c", 1) as history:
         history.record_block(1, "[Doc 1]")
+    history.commit()
     for tenant, conv in (("tenant-b", "c"), ("tenant-a", "other")):
         with store.open_turn(tenant, conv, 2) as history:
             assert history.find_block(1) is None
@@ -203,6 +205,7 @@ def test_concurrent_turns_on_one_conversation_get_distinct_turn_numbers() -> Non
                 history.record_block(seed * 1000 + i, "[Doc 1]")
                 with lock:
                     turns.append(history.turn)
+            history.commit()
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
     for thread in threads:
@@ -226,6 +229,7 @@ def test_concurrent_conversations_see_only_their_own_records() -> None:
                 if turn == 1:
                     history.record_block(7, f"[Doc {conv}]")
                 history.record_block(turn, "[Doc 1]")
+            history.commit()
 
     threads = [threading.Thread(target=worker, args=(c,)) for c in range(16)]
     for thread in threads:
@@ -240,7 +244,135 @@ def test_a_turn_that_records_nothing_still_takes_its_number():
     store = ConversationStore()
     with store.open_turn("", "c") as first:
         first.record_block(1, "[Doc 1]")
+    first.commit()
     with store.open_turn("", "c") as second:
         assert second.turn == 2  # records nothing: every block was replaced by a hint
+    second.commit()
     with store.open_turn("", "c") as third:
         assert third.turn == 3
+
+
+def test_numbering_continues_after_ttl_lru_and_forget_and_old_turns_are_gone() -> None:
+    clock = FakeClock()
+    store = ConversationStore(ttl_seconds=10, max_conversations=2, clock=clock)
+    assert _record(store, "a", None, [1]) == 1
+    assert _record(store, "a", None, [2]) == 2
+    clock.now = 20  # "a" expires
+    assert ("t", "a") not in store
+    assert _record(store, "a", None, [3]) == 3  # never turn 1 again
+    with store.open_turn("t", "a") as history:
+        assert history.turn == 4
+        assert history.find_block(1) is None and history.find_block(3) == Location(3, "[Doc 1]")
+    history.abort()
+    _record(store, "b", None, [1])
+    _record(store, "c", None, [1])  # evicts "a" (LRU)
+    assert _record(store, "a", None, [5]) == 4
+    assert store.forget("t", "a") is True
+    assert _record(store, "a", None, [6]) == 5
+    assert store.stats()["amnesic"] is False
+
+
+def test_a_store_restored_from_a_checkpoint_numbers_no_turn_until_the_app_does() -> None:
+    store = ConversationStore()
+    _record(store, "c", None, [1])  # turn 1, numbered by the store
+    _record(store, "c", None, [2])  # turn 2
+    checkpoint = store.snapshot()
+    restored = ConversationStore()
+    assert restored.restore(checkpoint) == 0 and restored.stats()["amnesic"] is True
+    # Turns may have been planned, retried or forgotten after the checkpoint: the store knows
+    # neither the next number nor whether its records still hold, so it points to none.
+    with restored.open_turn("t", "c") as history:
+        assert history.turn is None and history.number == -1
+        assert history.find_block(1) is None
+        history.record_block(3, "[Doc 1]")
+        assert history.find_block(3) == Location(-1, "[Doc 1]")  # in this message
+    history.commit()  # records nothing
+    with restored.open_turn("t", "c") as history:
+        assert history.turn is None and history.find_block(3) is None
+    history.abort()
+    assert _record(restored, "c", 7, [4]) == 7  # the app's own number
+    assert _record(restored, "c", None, [5]) == 8  # and the store counts on from it
+    with restored.open_turn("t", "c", None, TurnVisibility.last(3)) as history:
+        assert history.find_block(4) == Location(7, "[Doc 1]")
+    history.abort()
+    final = ConversationStore()
+    assert final.restore(restored.snapshot(final=True)) == 1
+    # A final snapshot loses nothing: "c" counts on; the store stays amnesic for others.
+    assert final.stats()["amnesic"] is True and _record(final, "c", None, [6]) == 9
+    clean = ConversationStore()
+    _record(clean, "x", None, [1])
+    clean_copy = ConversationStore()
+    clean_copy.restore(clean.snapshot(final=True))
+    assert clean_copy.stats()["amnesic"] is False and _record(clean_copy, "x", None, [2]) == 2
+    with clean_copy.open_turn("t", "x") as history:
+        assert history.find_block(1) == Location(1, "[Doc 1]")
+    history.abort()
+
+
+def test_new_conversations_of_an_amnesic_store_and_the_apps_numbers() -> None:
+    store = ConversationStore()
+    store.mark_history_lost()
+    with store.open_turn("t", "new") as history:
+        assert history.turn is None  # maybe not really its first turn
+    history.commit()
+    _record(store, "app", 7, [1])  # the app numbers its turns: its records are its own
+    with store.open_turn("t", "app", 8) as history:
+        assert history.find_block(1) == Location(7, "[Doc 1]")
+    history.abort()
+    assert store.stats()["unnumbered"] == 1
+
+
+def test_snapshot_round_trip_and_malformed_snapshots() -> None:
+    clock = FakeClock()
+    store = ConversationStore(clock=clock)
+    _record(store, "c", 1, [1, 2**64 - 1])
+    _record(store, "gone", 1, [5])
+    store.forget("t", "gone")
+    snapshot = store.snapshot(final=True)
+    import json
+
+    copy = ConversationStore(clock=clock)
+    copy.restore(json.loads(json.dumps(snapshot)))
+    with copy.open_turn("t", "c", 2) as history:
+        assert history.find_block(2**64 - 1) == Location(1, "[Doc 2]")
+    history.abort()
+    assert _record(copy, "gone", None, [1]) == 2  # the tombstone came along
+    checkpoint = ConversationStore(clock=clock)
+    assert checkpoint.restore(store.snapshot()) == 0
+    assert _record(checkpoint, "gone", None, [1]) is None  # turns may be missing: unnumbered
+    assert _record(checkpoint, "c", None, [1]) is None
+    for bad in (
+        None,
+        {"version": 2},
+        {"version": 1, "conversations": "x", "tombstones": []},
+        {"version": 1, "conversations": [{"tenant": "t"}], "tombstones": []},
+        {
+            "version": 1,
+            "tombstones": [],
+            "conversations": [
+                {
+                    "tenant": "t",
+                    "conversation_id": "c",
+                    "idle_s": -1,
+                    "floor": 0,
+                    "continuous": True,
+                    "unverified": [],
+                    "turns": [],
+                }
+            ],
+        },
+        {"version": 1, "conversations": [], "tombstones": [["t", "c", -5, True]]},
+    ):
+        target = ConversationStore()
+        with pytest.raises(ValueError, match="malformed conversation snapshot"):
+            target.restore(bad)
+        assert len(target) == 0 and target.stats()["amnesic"] is True
+
+
+def test_tombstone_overflow_makes_the_store_amnesic() -> None:
+    store = ConversationStore(max_conversations=1, max_tombstones=1)
+    _record(store, "a", None, [1])
+    _record(store, "b", None, [1])  # a buried
+    assert store.stats()["amnesic"] is False
+    _record(store, "c", None, [1])  # b buried, a's tombstone forgotten
+    assert store.stats()["amnesic"] is True

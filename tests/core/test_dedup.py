@@ -20,6 +20,17 @@ from contextpilot_integrations.core.dedup import (
 )
 from contextpilot_integrations.core.rendering import PromptLayout
 
+
+class SentDeduplicator(Deduplicator):
+    """Commits each turn as the planner does once its plan is handed out."""
+
+    def plan(self, *args, **kwargs) -> DedupPlan:  # type: ignore[no-untyped-def]
+        plan = super().plan(*args, **kwargs)
+        if plan.pending is not None:
+            plan.pending.commit()
+        return plan
+
+
 SMALL_CHUNKS = ContentChunker(modulus=2, min_bytes=40, max_bytes=200)
 SHORT_WORDING = HintWording(
     earlier_turn="{label}@{turn}",
@@ -163,7 +174,7 @@ def test_every_hint_resolves_to_identical_visible_text(
     pool: list[str], requests: list, number_replaced: bool, chunked: bool
 ) -> None:
     chunker = SMALL_CHUNKS if chunked else None
-    dedup = Deduplicator(
+    dedup = SentDeduplicator(
         chunker=chunker,
         wording=SHORT_WORDING,
         min_tokens_saved=1,
@@ -185,7 +196,7 @@ def test_every_hint_resolves_to_identical_visible_text(
 
 
 def test_repeated_block_is_replaced_by_a_hint_naming_its_place() -> None:
-    dedup = Deduplicator(chunker=None)
+    dedup = SentDeduplicator(chunker=None)
     first = dedup.plan("t", "c", [DOCS[0], DOCS[1]])
     assert first.turn == 1 and first.blocks_replaced == 0
     second = dedup.plan("t", "c", [DOCS[2], DOCS[1], DOCS[3]])
@@ -196,18 +207,14 @@ def test_repeated_block_is_replaced_by_a_hint_naming_its_place() -> None:
     assert second.kept_texts == [DOCS[2], DOCS[3]]
     replaced = second.blocks[1]
     assert replaced.tokens_saved == replaced.tokens - dedup.token_counter.count(replaced.hint)
-    assert second.figures() == {
-        "blocks_kept": 2,
-        "blocks_replaced": 1,
-        "sub_blocks_replaced": 0,
-        "tokens_in": sum(b.tokens for b in second.blocks),
-        "tokens_saved": replaced.tokens_saved,
-    }
+    assert (second.blocks_kept, second.blocks_replaced, second.sub_blocks_replaced) == (2, 1, 0)
+    assert second.tokens_in == sum(b.tokens for b in second.blocks)
+    assert second.tokens_saved == replaced.tokens_saved
 
 
 def test_hint_points_into_the_real_rendered_prompt() -> None:
     layout = PromptLayout()
-    dedup = Deduplicator(label_template=layout.label_template)
+    dedup = SentDeduplicator(label_template=layout.label_template)
     prompts = {}
     for turn_blocks in ([DOCS[0], DOCS[1], DOCS[2]], [DOCS[3], DOCS[2]], [DOCS[2], DOCS[4]]):
         plan = dedup.plan("t", "c", turn_blocks)
@@ -222,7 +229,7 @@ def test_hint_points_into_the_real_rendered_prompt() -> None:
 
 
 def test_partial_overlap_is_replaced_by_a_pointer_quoting_its_ends() -> None:
-    dedup = Deduplicator(chunker=ContentChunker(modulus=2, min_bytes=128, max_bytes=512))
+    dedup = SentDeduplicator(chunker=ContentChunker(modulus=2, min_bytes=128, max_bytes=512))
     shared = DOCS[1] + DOCS[2] + DOCS[3]
     dedup.plan("t", "c", [DOCS[0] + shared])
     original = "A new opening line.\n" + shared + DOCS[4]
@@ -246,7 +253,7 @@ def test_partial_overlap_is_replaced_by_a_pointer_quoting_its_ends() -> None:
 
 def test_no_conversation_id_means_no_replacement_and_nothing_stored() -> None:
     store = ConversationStore()
-    dedup = Deduplicator(store)
+    dedup = SentDeduplicator(store)
     for _ in range(3):
         plan = dedup.plan("t", None, [DOCS[0], DOCS[0] + DOCS[1], DOCS[0]])
         assert plan.turn is None and plan.blocks_replaced == plan.sub_blocks_replaced == 0
@@ -256,7 +263,7 @@ def test_no_conversation_id_means_no_replacement_and_nothing_stored() -> None:
 
 
 def test_identical_blocks_in_other_tenants_or_conversations_are_never_referenced() -> None:
-    dedup = Deduplicator(chunker=SMALL_CHUNKS, min_tokens_saved=1)
+    dedup = SentDeduplicator(chunker=SMALL_CHUNKS, min_tokens_saved=1)
     dedup.plan("tenant-a", "c1", [DOCS[0], DOCS[1]])
     for tenant, conv in (("tenant-b", "c1"), ("tenant-a", "c2")):
         plan = dedup.plan(tenant, conv, [DOCS[1], DOCS[0] + DOCS[1]])
@@ -267,7 +274,7 @@ def test_identical_blocks_in_other_tenants_or_conversations_are_never_referenced
 
 
 def test_hints_only_point_to_turns_the_app_still_sends() -> None:
-    dedup = Deduplicator(chunker=None)
+    dedup = SentDeduplicator(chunker=None)
     dedup.plan("t", "c", [DOCS[0]])  # turn 1
     dedup.plan("t", "c", [DOCS[1]])  # turn 2
     window = dedup.plan("t", "c", [DOCS[0], DOCS[1]], visibility=TurnVisibility.last(1))
@@ -283,7 +290,7 @@ def test_hints_only_point_to_turns_the_app_still_sends() -> None:
 
 
 def test_replacement_must_save_tokens() -> None:
-    dedup = Deduplicator(chunker=None, min_tokens_saved=16)
+    dedup = SentDeduplicator(chunker=None, min_tokens_saved=16)
     dedup.plan("t", "c", ["tiny block", DOCS[0]])
     plan = dedup.plan("t", "c", ["tiny block", DOCS[0]])
     assert [b.kept for b in plan.blocks] == [True, False]
@@ -303,7 +310,7 @@ def test_replacement_must_save_tokens() -> None:
 )
 def test_odd_texts_round_trip_and_repeat_exactly(text: str) -> None:
     chunker = ContentChunker(modulus=2, min_bytes=64, max_bytes=256)
-    dedup = Deduplicator(chunker=chunker, min_tokens_saved=1)
+    dedup = SentDeduplicator(chunker=chunker, min_tokens_saved=1)
     transcript = Transcript()
     for texts in ([text], ["intro\n" + text], [text]):
         plan = dedup.plan("t", "c", texts)
@@ -312,7 +319,7 @@ def test_odd_texts_round_trip_and_repeat_exactly(text: str) -> None:
 
 
 def test_crlf_and_lf_forms_are_not_taken_for_each_other() -> None:
-    dedup = Deduplicator(chunker=SMALL_CHUNKS, min_tokens_saved=1)
+    dedup = SentDeduplicator(chunker=SMALL_CHUNKS, min_tokens_saved=1)
     dedup.plan("t", "c", [DOCS[0]])
     plan = dedup.plan("t", "c", [DOCS[0].replace("\n", "\r\n")])
     assert plan.blocks_replaced == 0 and plan.sub_blocks_replaced == 0
@@ -320,7 +327,7 @@ def test_crlf_and_lf_forms_are_not_taken_for_each_other() -> None:
 
 def test_same_inputs_give_the_same_plans() -> None:
     def run() -> list[DedupPlan]:
-        dedup = Deduplicator(chunker=SMALL_CHUNKS, min_tokens_saved=1)
+        dedup = SentDeduplicator(chunker=SMALL_CHUNKS, min_tokens_saved=1)
         return [
             dedup.plan("t", "c", [DOCS[i % 6], DOCS[(i + 1) % 6] + DOCS[(i + 3) % 6]])
             for i in range(8)
@@ -331,14 +338,16 @@ def test_same_inputs_give_the_same_plans() -> None:
 
 def test_chunk_cache_does_not_change_results() -> None:
     def run(cache_size: int) -> list[DedupPlan]:
-        dedup = Deduplicator(chunker=SMALL_CHUNKS, min_tokens_saved=1, chunk_cache_size=cache_size)
+        dedup = SentDeduplicator(
+            chunker=SMALL_CHUNKS, min_tokens_saved=1, chunk_cache_size=cache_size
+        )
         return [dedup.plan("t", "c", [DOCS[i % 3] + DOCS[i % 5]]) for i in range(10)]
 
     assert run(0) == run(1) == run(4096)
 
 
 def test_caller_ids_and_token_counts_are_used_and_checked() -> None:
-    dedup = Deduplicator(chunker=None)
+    dedup = SentDeduplicator(chunker=None)
     plan = dedup.plan("t", "c", [DOCS[0]], block_ids=[block_id(DOCS[0])], block_tokens=[7])
     assert plan.tokens_in == 7
     with pytest.raises(ValueError, match="block_ids has 2 ids for 1 blocks"):
@@ -352,7 +361,7 @@ def test_caller_ids_and_token_counts_are_used_and_checked() -> None:
 
 
 def test_bad_input_names_the_field() -> None:
-    dedup = Deduplicator()
+    dedup = SentDeduplicator()
     with pytest.raises(TypeError, match="blocks must be a sequence"):
         dedup.plan("t", "c", "one string")
     with pytest.raises(TypeError, match=r"blocks\[1\]"):
@@ -364,17 +373,17 @@ def test_bad_input_names_the_field() -> None:
     with pytest.raises(ValueError, match="conversation_id"):
         dedup.plan("t", "", ["x"])
     with pytest.raises(ValueError, match="label_template"):
-        Deduplicator(label_template="[Doc]")
+        SentDeduplicator(label_template="[Doc]")
     with pytest.raises(ValueError, match="label_template"):
-        Deduplicator(label_template="[Doc {n}]")
+        SentDeduplicator(label_template="[Doc {n}]")
     with pytest.raises(ValueError, match="block_hint"):
         HintWording(block_hint="see {page}")
     with pytest.raises(ValueError, match="quote_words"):
         HintWording(quote_words=0)
     with pytest.raises(ValueError, match="min_tokens_saved"):
-        Deduplicator(min_tokens_saved=0)
+        SentDeduplicator(min_tokens_saved=0)
     with pytest.raises(TypeError, match="chunker"):
-        Deduplicator(chunker="lines")  # type: ignore[arg-type]
+        SentDeduplicator(chunker="lines")  # type: ignore[arg-type]
 
 
 def test_concurrent_turns_on_different_conversations_match_sequential_runs() -> None:
@@ -389,8 +398,8 @@ def test_concurrent_turns_on_different_conversations_match_sequential_runs() -> 
 
     expected: dict[str, list[DedupPlan]] = {}
     for conv in scripts:
-        run(Deduplicator(chunker=SMALL_CHUNKS, min_tokens_saved=1), conv, expected)
-    shared = Deduplicator(chunker=SMALL_CHUNKS, min_tokens_saved=1)
+        run(SentDeduplicator(chunker=SMALL_CHUNKS, min_tokens_saved=1), conv, expected)
+    shared = SentDeduplicator(chunker=SMALL_CHUNKS, min_tokens_saved=1)
     got: dict[str, list[DedupPlan]] = {}
     threads = [threading.Thread(target=run, args=(shared, conv, got)) for conv in scripts]
     for thread in threads:
@@ -399,3 +408,17 @@ def test_concurrent_turns_on_different_conversations_match_sequential_runs() -> 
         thread.join()
     assert got == expected
     assert sum(p.blocks_replaced + p.sub_blocks_replaced for p in got["c0"]) > 0
+
+
+def test_an_uncommitted_turn_is_never_pointed_to_and_an_aborted_one_frees_its_number() -> None:
+    dedup = Deduplicator(chunker=None)
+    first = dedup.plan("t", "c", [DOCS[0]])
+    assert first.turn == 1 and first.pending is not None
+    second = dedup.plan("t", "c", [DOCS[0]])  # turn 1 is not committed: nothing to point to
+    assert second.turn == 2 and second.blocks_replaced == 0
+    assert second.pending is not None
+    second.pending.abort()
+    first.pending.commit()
+    third = dedup.plan("t", "c", [DOCS[0]])
+    assert third.turn == 2 and third.blocks_replaced == 1  # turn 2's number was released
+    assert third.hints == ["Also relevant: [Doc 1] of turn 1, shown above."]

@@ -1,43 +1,75 @@
-"""The ContextPilot facade: lossless, deterministic, clear errors, shared prefixes."""
+"""The ContextPilot facade: lossless, deterministic, clear errors, shared prefixes, placements."""
 
+import asyncio
 import os
+import threading
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextpilot_integrations import ContextPilot, PromptLayout
+from contextpilot_integrations import (
+    ContextPilot,
+    PlacementStatus,
+    Planner,
+    PlanRequest,
+    PromptLayout,
+    RidConflictError,
+    Scope,
+    TurnVisibility,
+)
 
 block_texts = st.lists(
-    st.sampled_from([f"document {i} " + "x" * (i * 7) for i in range(15)]), min_size=0, max_size=8
+    st.one_of(
+        st.sampled_from([f"document {i} " + "x" * (i * 7) for i in range(15)]),
+        st.sampled_from(["", "  ", "\n"]),
+    ),
+    min_size=0,
+    max_size=8,
 )
 
 
 def _assert_lossless(plan, blocks):
-    assert sorted(plan.order + list(plan.duplicates)) == list(range(len(blocks)))
-    for i, first in plan.duplicates.items():
-        assert blocks[i] == blocks[first] and first in plan.order
+    """Every input has one placement, and the prompt shows each text once or a hint for it."""
+    assert [p.index for p in plan.placements] == list(range(len(blocks)))
+    assert sorted(p.index for p in plan.output_order()) == list(range(len(blocks)))
+    for p in plan.placements:
+        assert p.text == blocks[p.index]
+        if p.status == PlacementStatus.SHOWN:
+            assert p.rendered_text in plan.prompt and plan.blocks[p.position] is p
+        elif p.status == PlacementStatus.DUPLICATE:
+            first = plan.placements[p.duplicate_of]
+            assert first.text == p.text and first.status in ("shown", "replaced")
+            assert p.duplicate_of < p.index
+        elif p.status == PlacementStatus.REPLACED:
+            assert p.hint == plan.hints[p.position] and p.hint in plan.prompt
+        else:
+            assert p.status == PlacementStatus.SKIPPED and not p.text.strip()
+            assert p.block_id is None
     assert [b.text for b in plan.blocks] == [blocks[i] for i in plan.order]
-    prompt = plan.prompt
-    for text in blocks:
-        assert text in prompt
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(block_texts, min_size=1, max_size=12))
 def test_plan_and_plan_batch_are_lossless_and_deterministic(requests):
     queries = [f"question {i}" for i in range(len(requests))]
-    rids = [f"r{i}" for i in range(len(requests))]
     outputs = []
     for _ in range(2):
         pilot = ContextPilot()
         online = [pilot.plan(q, b, rid=f"o{i}") for i, (q, b) in enumerate(zip(queries, requests))]
-        batch = pilot.plan_batch(queries, requests, rids=rids)
-        for plan, blocks in zip(online + batch.plans, requests + requests):
+        batch = pilot.plan_batch(
+            [PlanRequest(q, b, rid=f"r{i}") for i, (q, b) in enumerate(zip(queries, requests))]
+        )
+        for plan, blocks in zip(online + list(batch.plans), requests + requests):
             _assert_lossless(plan, blocks)
         assert sorted(batch.schedule) == list(range(len(requests)))
-        outputs.append(([p.prompt for p in online + batch.plans], batch.schedule))
+        assert [batch.schedule[p] for p in batch.schedule_positions] == list(range(len(requests)))
+        outputs.append(([p.prompt for p in online + list(batch.plans)], batch.schedule))
     assert outputs[0] == outputs[1]
+
+
+def test_the_pilot_meets_the_planner_contract():
+    assert isinstance(ContextPilot(), Planner)
 
 
 def test_shared_blocks_form_a_byte_identical_prefix_and_annotation_comes_after():
@@ -51,27 +83,30 @@ def test_shared_blocks_form_a_byte_identical_prefix_and_annotation_comes_after()
     assert len(common) >= prefix_end
     assert second.prompt.index("priority order") > second.prompt.index("delta text")
     # The annotation restores retriever order: rank 0 ("delta") is named first.
-    label_of = {b.text: f"[Doc {i + 1}]" for i, b in enumerate(second.blocks)}
+    label_of = {b.text: b.label for b in second.blocks}
     annotation = second.segments[-1]
     assert annotation.index(label_of["delta text"]) < annotation.index(label_of["gamma text"])
+    assert [b.label for b in second.blocks] == ["[Doc 1]", "[Doc 2]", "[Doc 3]"]
 
 
 def test_batch_schedule_runs_requests_sharing_a_prefix_back_to_back():
     pilot = ContextPilot()
     a, c = "shared block A " * 10, "other block C " * 10
     batch = pilot.plan_batch(
-        ["q0", "q1", "q2", "q3"],
-        [[a, "u0"], [c, "u1"], ["u2", a], [c, "u3"]],
+        [
+            PlanRequest("q0", [a, "u0"]),
+            PlanRequest("q1", [c, "u1"]),
+            PlanRequest("q2", ["u2", a]),
+            PlanRequest("q3", [c, "u3"]),
+        ]
     )
-    position = {rid: i for i, rid in enumerate(batch.schedule)}
+    position = batch.schedule_positions
     assert abs(position[0] - position[2]) == 1 and abs(position[1] - position[3]) == 1
     assert batch.plans[2].blocks[0].text == a  # aligned: shared block first
 
 
 def test_bad_input_gets_clear_errors():
     pilot = ContextPilot()
-    with pytest.raises(ValueError, match=r"blocks\[1\] is empty"):
-        pilot.plan("q", ["ok", "  "])
     with pytest.raises(TypeError, match=r"blocks\[0\] must be a str.*int"):
         pilot.plan("q", [3])
     with pytest.raises(TypeError, match="blocks must be a sequence"):
@@ -80,22 +115,29 @@ def test_bad_input_gets_clear_errors():
         pilot.plan(None, ["x"])
     with pytest.raises(ValueError, match="rid"):
         pilot.plan("q", ["x"], rid="")
-    with pytest.raises(ValueError, match="queries has 2 entries but blocks has 1"):
-        pilot.plan_batch(["a", "b"], [["x"]])
-    with pytest.raises(ValueError, match="unique"):
-        pilot.plan_batch(["a", "b"], [["x"], ["y"]], rids=["r", "r"])
-    with pytest.raises(ValueError, match=r"blocks\[1\]\[0\]"):
-        pilot.plan_batch(["a", "b"], [["x"], [""]])
+    with pytest.raises(TypeError, match="scope must be a Scope"):
+        pilot.plan("q", ["x"], scope={"conversation_id": "c"})
+    with pytest.raises(ValueError, match=r"requests\[1\].rid 'r' repeats requests\[0\]"):
+        pilot.plan_batch([PlanRequest("a", ["x"], rid="r"), PlanRequest("b", ["y"], rid="r")])
+    with pytest.raises(TypeError, match=r"requests\[1\] must be a PlanRequest"):
+        pilot.plan_batch([PlanRequest("a", ["x"]), ("b", ["y"])])
+    with pytest.raises(TypeError, match="requests must be a sequence of PlanRequest"):
+        pilot.plan_batch(PlanRequest("a", ["x"]))
     assert len(pilot.index) == 0  # nothing half-indexed after a rejected batch
 
 
-def test_empty_context_and_repeated_blocks_are_defined():
+def test_empty_context_repeated_and_empty_blocks_are_placed():
     pilot = ContextPilot()
     empty = pilot.plan("q", [])
-    assert empty.blocks == [] and empty.prompt.endswith("Question: q\nAnswer:")
-    repeated = pilot.plan("q", ["same", "other", "same"])
-    assert repeated.duplicates == {2: 0}
-    assert repeated.prompt.count("same\n") == 1
+    assert empty.blocks == () and empty.prompt.endswith("Question: q\nAnswer:")
+    assert "x" not in [r for r in pilot.index.rids()]
+    plan = pilot.plan("q", ["same", "  ", "other", "same", ""])
+    statuses = [p.status.value for p in plan.placements]
+    assert statuses == ["shown", "skipped", "shown", "duplicate", "skipped"]
+    assert plan.placements[3].duplicate_of == 0
+    assert plan.placements[3].block_id == plan.placements[0].block_id
+    assert plan.prompt.count("same\n") == 1
+    assert [p.index for p in plan.output_order()] == [0, 2, 3, 1, 4]
 
 
 def test_tens_of_thousands_of_blocks_in_one_request():
@@ -118,76 +160,93 @@ def test_reorder_and_messages():
     messages = plan.messages
     assert messages[0] == {"role": "system", "content": "SYS"}
     assert messages[1]["content"].startswith("[Doc 1]\n")
+    assert plan.context == messages[1]["content"].removesuffix("Question: q\nAnswer:")
 
 
 LONG = [f"passage {i}: " + "words of a long retrieved passage " * 12 for i in range(6)]
 
 
+def _conversation(conversation_id, tenant="", turn=None, visibility=None):
+    return Scope(conversation_id, tenant, turn, visibility)
+
+
 def test_conversation_turns_replace_repeated_blocks_with_hints_to_visible_turns():
     pilot = ContextPilot()
-    first = pilot.plan("q1", LONG[:3], conversation_id="c1", tenant="t")
-    assert first.turn == 1 and not first.replaced
-    second = pilot.plan("q2", [LONG[1], LONG[3]], conversation_id="c1", tenant="t")
-    assert list(second.replaced) == [0]  # LONG[1] was shown in turn 1
-    assert "of turn 1" in second.replaced[0] and second.replaced[0] in second.prompt
-    _label = second.replaced[0].split("Also relevant: ")[1].split(" of turn")[0]
-    shown = first.blocks[[b.text for b in first.blocks].index(LONG[1])]
-    assert first.layout.label(first.blocks.index(shown)) == _label
-    assert second.dedup["blocks_replaced"] == 1 and second.dedup["tokens_saved"] > 0
-    assert sorted(second.order + list(second.replaced)) == [0, 1]
+    first = pilot.plan("q1", LONG[:3], scope=_conversation("c1", "t"))
+    assert first.scope.turn == 1 and not first.hints
+    second = pilot.plan("q2", [LONG[1], LONG[3]], scope=_conversation("c1", "t"))
+    replaced = second.placements[0]
+    assert replaced.status == PlacementStatus.REPLACED  # LONG[1] was shown in turn 1
+    assert replaced.position == 0 and second.hints == (replaced.hint,)
+    assert "of turn 1" in replaced.hint and replaced.hint in second.prompt
+    label = replaced.hint.split("Also relevant: ")[1].split(" of turn")[0]
+    assert label == first.placements[1].label
+    assert second.dedup_figures.blocks_replaced == 1 and second.dedup_figures.tokens_saved > 0
+    assert second.scope == Scope("c1", "t", 2)
     # The annotation still names the replaced block, by where it stands.
     assert "of turn 1" in second.segments[-1].split("priority order")[1]
+    assert [p.index for p in second.output_order()] == [1, 0]
 
 
 def test_no_conversation_and_other_tenants_never_deduplicate():
     pilot = ContextPilot()
-    pilot.plan("q1", LONG[:2], conversation_id="c1", tenant="alice")
-    assert not pilot.plan("q2", LONG[:2]).replaced
-    assert not pilot.plan("q3", LONG[:2], conversation_id="c1", tenant="bob").replaced
-    assert not pilot.plan("q4", LONG[:2], conversation_id="c2", tenant="alice").replaced
-    assert pilot.plan("q5", LONG[:2], conversation_id="c1", tenant="alice").replaced
+    pilot.plan("q1", LONG[:2], scope=_conversation("c1", "alice"))
+    assert not pilot.plan("q2", LONG[:2]).hints
+    assert not pilot.plan("q3", LONG[:2], scope=_conversation("c1", "bob")).hints
+    assert not pilot.plan("q4", LONG[:2], scope=_conversation("c2", "alice")).hints
+    assert pilot.plan("q5", LONG[:2], scope=_conversation("c1", "alice")).hints
 
 
 def test_hints_only_point_at_turns_the_app_still_sends():
-    from contextpilot_integrations.core.conversation import TurnVisibility
-
     pilot = ContextPilot()
-    pilot.plan("q1", [LONG[0]], conversation_id="c", turn=1)
-    pilot.plan("q2", [LONG[1]], conversation_id="c", turn=2)
+    pilot.plan("q1", [LONG[0]], scope=_conversation("c", turn=1))
+    pilot.plan("q2", [LONG[1]], scope=_conversation("c", turn=2))
     third = pilot.plan(
-        "q3", [LONG[0], LONG[1]], conversation_id="c", turn=3, visibility=TurnVisibility.last(1)
+        "q3",
+        [LONG[0], LONG[1]],
+        scope=_conversation("c", turn=3, visibility=TurnVisibility.last(1)),
     )
-    assert list(third.replaced) == [1] and "turn 2" in third.replaced[1]
+    statuses = [p.status.value for p in third.placements]
+    assert statuses == ["shown", "replaced"] and "turn 2" in third.placements[1].hint
 
 
 def test_batch_with_conversations():
     pilot = ContextPilot()
-    pilot.plan("q0", [LONG[0]], conversation_id="a")
+    pilot.plan("q0", [LONG[0]], scope=_conversation("a"))
     batch = pilot.plan_batch(
-        ["q1", "q2"], [[LONG[0], LONG[1]], [LONG[0], LONG[2]]], conversation_ids=["a", None]
+        [
+            PlanRequest("q1", [LONG[0], LONG[1]], scope=_conversation("a")),
+            PlanRequest("q2", [LONG[0], LONG[2]]),
+        ]
     )
-    assert list(batch.plans[0].replaced) == [0] and not batch.plans[1].replaced
-    with pytest.raises(ValueError, match="appears twice"):
-        pilot.plan_batch(["x", "y"], [[LONG[3]], [LONG[4]]], conversation_ids=["z", "z"])
+    assert batch.plans[0].placements[0].status == PlacementStatus.REPLACED
+    assert not batch.plans[1].hints
+    with pytest.raises(ValueError, match="same conversation 'z'"):
+        pilot.plan_batch(
+            [
+                PlanRequest("x", [LONG[3]], scope=_conversation("z")),
+                PlanRequest("y", [LONG[4]], scope=_conversation("z")),
+            ]
+        )
 
 
 def test_batch_takes_turns_and_visibility_per_request():
-    from contextpilot_integrations.core.conversation import TurnVisibility
-
     pilot = ContextPilot()
-    pilot.plan("q1", [LONG[0]], conversation_id="a", turn=1)
-    pilot.plan("q2", [LONG[1]], conversation_id="a", turn=2)
+    pilot.plan("q1", [LONG[0]], scope=_conversation("a", turn=1))
+    pilot.plan("q2", [LONG[1]], scope=_conversation("a", turn=2))
     batch = pilot.plan_batch(
-        ["q3", "q4"],
-        [[LONG[0], LONG[1]], [LONG[0]]],
-        conversation_ids=["a", "b"],
-        turns=[3, None],
-        visibilities=[TurnVisibility.last(1), None],
+        [
+            PlanRequest(
+                "q3",
+                [LONG[0], LONG[1]],
+                scope=_conversation("a", turn=3, visibility=TurnVisibility.last(1)),
+            ),
+            PlanRequest("q4", [LONG[0]], scope=_conversation("b")),
+        ]
     )
-    assert batch.plans[0].turn == 3 and list(batch.plans[0].replaced) == [1]
-    assert batch.plans[1].turn == 1 and not batch.plans[1].replaced
-    with pytest.raises(ValueError, match="turns has 1 entries"):
-        pilot.plan_batch(["x", "y"], [[LONG[3]], [LONG[4]]], turns=[1])
+    assert batch.plans[0].scope.turn == 3
+    assert [p.status.value for p in batch.plans[0].placements] == ["shown", "replaced"]
+    assert batch.plans[1].scope.turn == 1 and not batch.plans[1].hints
 
 
 def test_unencodable_text_and_context_tail():
@@ -204,7 +263,7 @@ def test_unencodable_text_and_context_tail():
 def test_no_annotation_when_the_prompt_already_shows_relevance_order():
     pilot = ContextPilot()
     plan = pilot.plan("q", ["first text", "second text"])
-    assert plan.order == [0, 1] and plan.annotation_labels == []
+    assert plan.order == [0, 1] and plan.annotation_labels == ()
     assert "priority order" not in plan.prompt
 
 
@@ -212,9 +271,122 @@ def test_more_bad_input_names_the_field():
     pilot = ContextPilot()
     with pytest.raises(ValueError, match="query cannot be encoded"):
         pilot.plan("q\udfff", ["a"])
-    with pytest.raises(TypeError, match=r"queries\[1\] must be a str"):
-        pilot.plan_batch(["q1", None], [["a"], ["b"]])
     with pytest.raises(TypeError, match="rid must be a str, got int"):
         pilot.plan("q", ["a"], rid=5)
     with pytest.raises(TypeError, match="rid must be a str"):
         pilot.evict(None)
+    with pytest.raises(ValueError, match=r"scope.turn=3 needs a scope.conversation_id"):
+        Scope(turn=3)
+    with pytest.raises(TypeError, match="scope.turn must be an int"):
+        Scope("c", turn=True)
+    with pytest.raises(ValueError, match="scope.conversation_id must be a non-empty str"):
+        Scope("")
+    with pytest.raises(TypeError, match="scope.visibility must be a TurnVisibility"):
+        Scope("c", visibility=3)
+    with pytest.raises(ValueError, match="cached_tokens"):
+        pilot.record_usage("r", 5, 6)
+
+
+def test_an_indexed_rid_conflicts():
+    pilot = ContextPilot()
+    pilot.plan("q", ["a text"], rid="r1")
+    with pytest.raises(RidConflictError, match="already indexed"):
+        pilot.plan("q", ["b text"], rid="r1")
+    with pytest.raises(RidConflictError, match="already indexed"):
+        pilot.plan_batch([PlanRequest("q", ["c text"], rid="r1")])
+
+
+def test_two_threads_planning_one_rid_leave_no_phantom_turn():
+    """Exactly one of two concurrent plans with the same explicit rid wins, and the loser
+    records no conversation turn (it fails before planning)."""
+
+    def plan(pilot, scope, barrier, outcomes, query: str) -> None:
+        barrier.wait()
+        try:
+            outcomes.append(pilot.plan(query, [LONG[0], query * 40], rid="same", scope=scope))
+        except RidConflictError as exc:
+            outcomes.append(exc)
+
+    for attempt in range(50):
+        pilot = ContextPilot()
+        scope = Scope(f"c{attempt}")
+        barrier = threading.Barrier(2)
+        outcomes: list[object] = []
+        threads = [
+            threading.Thread(target=plan, args=(pilot, scope, barrier, outcomes, q))
+            for q in ("first", "other")
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wins = [o for o in outcomes if not isinstance(o, Exception)]
+        assert len(wins) == 1
+        assert pilot.deduplicator.store.stats()["turns"] == 1
+        assert pilot.plan("next", [LONG[1]], scope=scope).scope.turn == 2
+
+
+def test_async_twins_plan_in_a_worker_thread():
+    pilot = ContextPilot()
+
+    async def main():
+        loop_thread = threading.get_ident()
+        seen = []
+        original = pilot.plan
+
+        def spy(*args, **kwargs):
+            seen.append(threading.get_ident())
+            return original(*args, **kwargs)
+
+        pilot.plan = spy  # type: ignore[method-assign]
+        plan = await pilot.aplan("q", ["a text", "b text"], scope=Scope("c"))
+        batch = await pilot.aplan_batch([PlanRequest("q2", ["b text", "c text"])])
+        return loop_thread, seen, plan, batch
+
+    loop_thread, seen, plan, batch = asyncio.run(main())
+    assert seen and loop_thread not in seen
+    assert plan.scope.turn == 1 and len(batch.plans) == 1
+    assert batch.plans[0].matched_prefix_blocks >= 0
+
+
+def test_record_usage_counts_and_touches():
+    pilot = ContextPilot()
+    old = pilot.plan("q", ["old text"], rid="old")
+    pilot.plan("q", ["new text"], rid="new")
+    assert pilot.index.rids() == ["old", "new"]
+    assert pilot.record_usage(old.rid, 10, 4) is True
+    assert pilot.index.rids() == ["new", "old"]  # a hit marks it used
+    assert pilot.record_usage("unknown", 10, 0) is False
+    usage = pilot.stats()["usage"]
+    assert usage["prompt_tokens"] == 20 and usage["cached_tokens"] == 4
+    assert usage["hit_ratio"] == pytest.approx(0.2)
+
+
+def test_check_planner_refuses_sync_only_and_async_in_sync_clothes():
+    from contextpilot_integrations.core.planner_protocol import check_planner
+
+    check_planner(ContextPilot())
+
+    class AsyncOnly:  # the old async client: passed the sync protocol, nothing awaited
+        layout = PromptLayout()
+
+        async def plan(self, *args, **kwargs): ...
+        async def aplan(self, *args, **kwargs): ...
+        async def plan_batch(self, *args, **kwargs): ...
+        async def aplan_batch(self, *args, **kwargs): ...
+        def evict(self, rid): ...
+
+    with pytest.raises(TypeError, match=r"plan is a coroutine function \(use aplan\)"):
+        check_planner(AsyncOnly())
+
+    class Lazy:  # a property is never evaluated by the check
+        @property
+        def layout(self):
+            raise AssertionError("evaluated")
+
+        plan = plan_batch = evict = ContextPilot.plan
+        aplan, aplan_batch = ContextPilot.aplan, ContextPilot.aplan_batch
+
+    check_planner(Lazy())
+    with pytest.raises(TypeError, match="retriever must implement"):
+        check_planner(object(), "retriever")

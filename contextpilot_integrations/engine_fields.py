@@ -1,7 +1,10 @@
-"""Plan ids on OpenAI-client calls, and the engine's cached-token usage read back.
+"""Engine-facing request fields, built in one place, and the engine's usage read back.
 
-The engine must see the plan's request id so that its KV-cache events can be tied back to the
-plan (``shared/notes/engine-kv-events.md``, "Request ids on the OpenAI-compatible APIs"):
+Every face that hands a plan to an LLM call (LangChain's ``with_request_id``, LlamaIndex's
+``ContextPilotOpenAILike``, the Mem0 agent middleware, the benchmark's engine client) takes the
+body fields from here, so the engine's cache events and evictions name the request the plan was
+indexed under (``shared/notes/engine-kv-events.md``, "Request ids on the OpenAI-compatible
+APIs"):
 
 - SGLang takes ``rid`` on ``/v1/chat/completions`` and ``/v1/completions`` (all 0.5.x) and a
   top-level ``session_id`` since 0.5.15, echoed on ``BlockStored`` events since 0.5.20;
@@ -14,17 +17,17 @@ with the TTL cache model.
 
 The engine reports how much of the prompt it served from its prefix cache as
 ``usage.prompt_tokens_details.cached_tokens`` (SGLang; vLLM with
-``--enable-prompt-tokens-details``; OpenAI). :class:`CacheUsageTracker` reads it back: it keeps
-the hit ratio of the planned requests and passes each figure to the pilot when the pilot takes
-it (the service client's ``record_usage``, which feeds the service's statistics and metrics and
-marks a hit request as recently used).
+``--enable-prompt-tokens-details``; OpenAI). :func:`read_usage` parses it (the one parser of
+the package); :class:`CacheUsageTracker` keeps the hit ratio of the planned requests and passes
+each figure to the planner's ``record_usage`` (``ContextPilot`` and the service client), which
+marks a hit request as recently used.
 
 Example::
 
     tracker = CacheUsageTracker(pilot)          # ContextPilot or ContextPilotClient
     plan = pilot.plan(question, texts)
     response = openai_client.chat.completions.create(
-        model=model, messages=plan.messages, **with_plan_ids({}, plan))
+        model=model, messages=plan.messages, **with_request_ids({}, plan))
     tracker.record(plan, response)
     tracker.stats()  # {"requests": 1, "prompt_tokens": ..., "cached_tokens": ..., ...}
 
@@ -33,6 +36,7 @@ or, in one call, :func:`create_chat_completion` (and :func:`acreate_chat_complet
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Mapping
@@ -40,22 +44,26 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 __all__ = [
+    "REQUEST_ID_FIELDS",
     "CacheUsageTracker",
     "EngineKind",
     "Usage",
     "acreate_chat_completion",
     "create_chat_completion",
-    "plan_extra_body",
     "read_usage",
-    "with_plan_ids",
+    "request_id_fields",
+    "with_request_ids",
 ]
 
 logger = logging.getLogger(__name__)
 
 EngineKind = Literal["any", "sglang", "vllm", "hosted"]
 
+REQUEST_ID_FIELDS: tuple[str, ...] = ("rid", "request_id", "session_id")
+"""The body fields that carry a plan's rid to SGLang and vLLM alike (``engine="any"``)."""
+
 _ID_FIELDS: dict[str, tuple[str, ...]] = {
-    "any": ("rid", "request_id", "session_id"),
+    "any": REQUEST_ID_FIELDS,
     "sglang": ("rid", "session_id"),
     "vllm": ("request_id", "session_id"),
     "hosted": (),
@@ -75,7 +83,7 @@ def _rid_of(plan: _HasRid | str) -> str:
     return rid
 
 
-def plan_extra_body(plan: _HasRid | str, engine: EngineKind = "any") -> dict[str, str]:
+def request_id_fields(plan: _HasRid | str, engine: EngineKind = "any") -> dict[str, str]:
     """The request-body fields that carry the plan's rid to ``engine``.
 
     Args:
@@ -96,7 +104,7 @@ def plan_extra_body(plan: _HasRid | str, engine: EngineKind = "any") -> dict[str
     return dict.fromkeys(_ID_FIELDS[engine], rid)
 
 
-def with_plan_ids(
+def with_request_ids(
     kwargs: Mapping[str, Any], plan: _HasRid | str, engine: EngineKind = "any"
 ) -> dict[str, Any]:
     """A copy of an OpenAI call's keyword arguments with the plan ids merged into
@@ -109,7 +117,7 @@ def with_plan_ids(
     extra = merged.get("extra_body") or {}
     if not isinstance(extra, Mapping):
         raise TypeError(f"extra_body must be a mapping, got {type(extra).__name__}")
-    merged["extra_body"] = {**extra, **plan_extra_body(plan, engine)}
+    merged["extra_body"] = {**extra, **request_id_fields(plan, engine)}
     return merged
 
 
@@ -158,8 +166,8 @@ class CacheUsageTracker:
 
     Args:
         pilot: the planner; when it has ``record_usage(rid, prompt_tokens, cached_tokens)``
-            (:class:`~contextpilot_integrations.service.client.ContextPilotClient`), each
-            figure is passed on, so the shared service counts it too. Any object, or None.
+            (``ContextPilot``, the service's ``ContextPilotClient``), each figure is passed
+            on, so the index (and a shared service) counts it too. Any object, or None.
     """
 
     def __init__(self, pilot: object | None = None) -> None:
@@ -215,14 +223,14 @@ def create_chat_completion(
         client: an ``openai.OpenAI`` client (any object with ``chat.completions.create``).
         plan: the ``Plan`` (its ``messages`` and ``rid``).
         tracker: where the usage goes (None: not recorded).
-        engine: which id fields to send (:func:`plan_extra_body`).
+        engine: which id fields to send (:func:`request_id_fields`).
         kwargs: the other arguments of ``create`` (``model``, ``max_tokens``, ...).
 
     Returns:
         The response (a stream is returned as is and not recorded).
     """
     response = client.chat.completions.create(
-        messages=plan.messages, **with_plan_ids(kwargs, plan, engine)
+        messages=plan.messages, **with_request_ids(kwargs, plan, engine)
     )
     if tracker is not None and not kwargs.get("stream"):
         tracker.record(plan, response)
@@ -240,10 +248,8 @@ async def acreate_chat_completion(
     """:func:`create_chat_completion` for an ``openai.AsyncOpenAI`` client. A tracker whose
     pilot is a blocking client forwards from a worker thread."""
     response = await client.chat.completions.create(
-        messages=plan.messages, **with_plan_ids(kwargs, plan, engine)
+        messages=plan.messages, **with_request_ids(kwargs, plan, engine)
     )
     if tracker is not None and not kwargs.get("stream"):
-        import anyio
-
-        await anyio.to_thread.run_sync(tracker.record, plan, response)
+        await asyncio.to_thread(tracker.record, plan, response)
     return response

@@ -1,0 +1,74 @@
+"""The one bounded LRU: bounds, recency, weights, against a plain reference model."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from contextpilot_integrations.core.lru import LRU
+
+operations = st.lists(
+    st.tuples(
+        st.sampled_from(["put", "get", "peek", "pop", "touch"]),
+        st.integers(0, 9),
+        st.integers(0, 5),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(operations, st.integers(1, 5), st.one_of(st.none(), st.integers(1, 12)))
+def test_matches_a_reference_model(ops, max_entries, max_weight):
+    lru: LRU[int, int] = LRU(max_entries, max_weight=max_weight, weight=lambda v: v)
+    model: list[tuple[int, int]] = []  # least recently used first
+    for op, key, value in ops:
+        keys = [k for k, _ in model]
+        if op == "put":
+            model = [(k, v) for k, v in model if k != key] + [(key, value)]
+            expected = []
+            while len(model) > 1 and (
+                len(model) > max_entries
+                or (max_weight is not None and sum(v for _, v in model) > max_weight)
+            ):
+                expected.append(model.pop(0))
+            assert lru.put(key, value) == expected
+        elif op in ("get", "touch"):
+            result = lru.get(key) if op == "get" else lru.touch(key)
+            if key in keys:
+                entry = model.pop(keys.index(key))
+                model.append(entry)
+                assert result == (entry[1] if op == "get" else True)
+            else:
+                assert result == (None if op == "get" else False)
+        elif op == "peek":
+            assert lru.peek(key) == dict(model).get(key)
+        else:
+            assert lru.pop(key) == dict(model).get(key)
+            model = [(k, v) for k, v in model if k != key]
+        assert list(lru.items()) == model
+        assert lru.total_weight == sum(v for _, v in model)
+        assert lru.oldest() == (model[0] if model else None)
+
+
+def test_bad_bounds_and_empty_pops():
+    with pytest.raises(ValueError, match="max_entries must be a positive int"):
+        LRU(0)
+    with pytest.raises(ValueError, match="max_weight needs a weight function"):
+        LRU(max_weight=3)
+    with pytest.raises(KeyError, match="empty"):
+        LRU().pop_oldest()
+
+
+def test_an_entry_heavier_than_the_bound_is_kept_alone_and_reweigh_applies_bounds():
+    lru: LRU[str, list[int]] = LRU(max_weight=5, weight=len)
+    assert lru.put("a", [1, 2]) == []
+    assert lru.put("big", [0] * 9) == [("a", [1, 2])]
+    assert list(lru) == ["big"]
+    lru.put("c", [1])
+    assert list(lru) == ["c"]
+    lru.put("d", [1])
+    value = lru.peek("c")
+    assert value is not None
+    value.extend([2, 3, 4, 5])
+    assert lru.reweigh("c", 1) == [("d", [1])]
+    assert lru.total_weight == 5
