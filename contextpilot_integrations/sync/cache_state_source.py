@@ -3,7 +3,7 @@
 Three sources follow what an engine's prefix cache holds, and all end in the same call,
 ``on_evict(rid)`` (wired to ``ContextIndex.evict``):
 
-- :class:`~contextpilot_integrations.sync.kv_event_source.KVEventCacheState`: the engine's own
+- :class:`~contextpilot_integrations.sync.kv_event_source.KVEventSource`: the engine's own
   KV-cache events (SGLang, vLLM);
 - :class:`~contextpilot_integrations.sync.capacity_model.CapacityModel`: a token budget with
   LRU, for engines that publish nothing;
@@ -18,7 +18,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from contextpilot_integrations.core.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +59,10 @@ class SentRequest:
         return sum(tokens for _, tokens in self.blocks)
 
     @classmethod
-    def from_plan(cls, plan: Any, token_ids: Sequence[int] | None = None) -> SentRequest:
-        """From a ``Plan`` (``plan.rid``; ``plan.blocks`` items with ``block_id``, ``tokens``)."""
-        blocks = tuple((int(b.block_id), int(b.tokens)) for b in plan.blocks)
+    def from_plan(cls, plan: Plan, token_ids: Sequence[int] | None = None) -> SentRequest:
+        """From a :class:`~contextpilot_integrations.core.plan.Plan`: its rid and its shown
+        blocks in prompt order (a shown placement always has a ``block_id``)."""
+        blocks = tuple((b.block_id, b.tokens) for b in plan.blocks if b.block_id is not None)
         return cls(plan.rid, blocks, tuple(token_ids) if token_ids is not None else None)
 
 
@@ -68,6 +72,14 @@ class CacheStateSource(Protocol):
 
     def record(self, request: SentRequest) -> list[str]:
         """The request was sent; returns the rids evicted right away (may be empty)."""
+        ...
+
+    def touch(self, rid: str) -> bool:
+        """The engine served ``rid`` from its cache; False when ``rid`` is not held."""
+        ...
+
+    def forget(self, rid: str) -> bool:
+        """Stop following ``rid`` without calling ``on_evict``; False when it was not held."""
         ...
 
     def start(self) -> None:

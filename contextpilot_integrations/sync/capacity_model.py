@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 
-from contextpilot_integrations.sync.cache_state import EvictCallback, SentRequest, notify_evicted
+from contextpilot_integrations.core.lru import LRU
+from contextpilot_integrations.sync.cache_state_source import (
+    EvictCallback,
+    SentRequest,
+    notify_evicted,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +53,9 @@ class CapacityModel:
         self._nodes: dict[int, list[int]] = {}
         self._node_keys: dict[int, tuple[int, int]] = {}
         self._next_node = 0
-        self._paths: OrderedDict[str, list[int]] = OrderedDict()
+        # rid -> its path of node ids, least recently used first. No bound of the LRU's own: the
+        # budget counts shared nodes once, which no per-entry weight can express.
+        self._paths: LRU[str, list[int]] = LRU()
         self._used_tokens = 0
         self._counters = {"recorded": 0, "evicted": 0, "evict_callback_errors": 0}
 
@@ -64,11 +70,12 @@ class CapacityModel:
         evicted: list[str] = []
         with self._lock:
             self._counters["recorded"] += 1
-            if request.rid in self._paths:
-                self._release(self._paths.pop(request.rid))
-            self._paths[request.rid] = self._acquire(request.blocks)
+            previous = self._paths.pop(request.rid)
+            if previous is not None:
+                self._release(previous)
+            self._paths.put(request.rid, self._acquire(request.blocks))
             while self._used_tokens > self.capacity_tokens and self._paths:
-                rid, path = self._paths.popitem(last=False)
+                rid, path = self._paths.pop_oldest()
                 self._release(path)
                 evicted.append(rid)
             self._counters["evicted"] += len(evicted)
@@ -78,10 +85,7 @@ class CapacityModel:
     def touch(self, rid: str) -> bool:
         """Mark ``rid`` as just used (a cache hit); False if it is not held."""
         with self._lock:
-            if rid not in self._paths:
-                return False
-            self._paths.move_to_end(rid)
-            return True
+            return self._paths.touch(rid)
 
     def forget(self, rid: str) -> bool:
         """Release ``rid`` without calling ``on_evict``; False if it is not held."""

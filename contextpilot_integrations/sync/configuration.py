@@ -8,7 +8,7 @@ A mapping (from a config file, CLI flags or environment) such as::
     {"kind": "ttl", "provider": "anthropic"}            # or "openai", or "ttl_s": 600
 
 is validated into :class:`CacheSyncConfig` and built by :func:`build_cache_state_source` into a
-:class:`~contextpilot_integrations.sync.cache_state.CacheStateSource` that reports evictions
+:class:`~contextpilot_integrations.sync.cache_state_source.CacheStateSource` that reports evictions
 through ``on_evict`` (e.g. ``ContextIndex.evict``).
 """
 
@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from contextpilot_integrations.sync.cache_state import CacheStateSource, EvictCallback
+from contextpilot_integrations.sync.cache_state_source import CacheStateSource, EvictCallback
 from contextpilot_integrations.sync.capacity_model import CapacityModel
-from contextpilot_integrations.sync.kv_event_source import KVEventCacheState
+from contextpilot_integrations.sync.kv_event_source import KVEventSource
 from contextpilot_integrations.sync.ttl_model import TTLModel
 
 _PROVIDER_TTL_S = {"openai": 300.0, "anthropic": 300.0, "anthropic-1h": 3600.0}
@@ -33,7 +33,9 @@ class CacheSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     ``kind="kv-events"`` needs ``endpoint``; ``kind="capacity"`` needs ``capacity_tokens``;
     ``kind="ttl"`` needs ``provider`` ("openai", "anthropic", "anthropic-1h") or ``ttl_s``
-    (``min_cached_tokens`` overrides the provider's minimum).
+    (``min_cached_tokens`` overrides the provider's minimum). ``engine_grace_s``: seconds the
+    KV-event publisher may stay unconnected before the engine counts as unreachable (and a
+    resync after a restore may wait before that counts as a failure; it goes on waiting).
     """
 
     kind: Literal["kv-events", "capacity", "ttl"]
@@ -48,6 +50,7 @@ class CacheSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ttl_s: float | None = None
     min_cached_tokens: int | None = None
     max_requests: int = 100_000
+    engine_grace_s: float = 5.0
 
     @classmethod
     def from_mapping(cls, settings: Mapping[str, Any]) -> CacheSyncConfig:
@@ -73,6 +76,8 @@ class CacheSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"cache sync kind 'capacity' needs 'capacity_tokens' > 0, "
                 f"got {self.capacity_tokens!r}"
             )
+        if not self.engine_grace_s > 0:
+            raise ValueError(f"engine_grace_s must be > 0, got {self.engine_grace_s!r}")
         if self.kind == "ttl" and self.provider is None and self.ttl_s is None:
             raise ValueError("cache sync kind 'ttl' needs 'provider' or 'ttl_s', got neither")
 
@@ -91,7 +96,7 @@ def build_cache_state_source(
         config.validate()
     if config.kind == "kv-events":
         assert config.endpoint is not None
-        return KVEventCacheState(
+        return KVEventSource(
             config.endpoint,
             on_evict,
             replay_endpoint=config.replay_endpoint,

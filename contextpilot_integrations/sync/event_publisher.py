@@ -16,7 +16,8 @@ import logging
 import queue
 import threading
 from collections import deque
-from typing import Literal
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 import zmq
 
@@ -25,13 +26,30 @@ from contextpilot_integrations.sync.kv_events import (
     encode_mapped,
     encode_positional,
 )
-from contextpilot_integrations.sync.subscriber import END_OF_REPLAY
+from contextpilot_integrations.sync.replay_client import END_OF_REPLAY
 
 logger = logging.getLogger(__name__)
 
 WireShape = Literal["map", "positional"]
 
-_STOP = object()
+
+class _Sequenced(NamedTuple):
+    """A message of the sequence: kept for replay, sent unless ``drop``."""
+
+    seq: int
+    payload: bytes
+    drop: bool
+
+
+class _RawFrames(NamedTuple):
+    """Frames sent as they are, outside the sequence."""
+
+    frames: tuple[bytes, ...]
+
+
+_Outgoing = _Sequenced | _RawFrames | threading.Event | None
+"""What the publisher thread sends, in order: a message, raw frames, a flush marker (set once
+everything before it is sent), or None (stop)."""
 
 
 class KVEventPublisher:
@@ -71,7 +89,7 @@ class KVEventPublisher:
         self._next_seq = first_seq
         self._replay_prefix = (self._topic,) if replay_topic_frame else ()
         self._seq_lock = threading.Lock()
-        self._outbox: queue.Queue[object] = queue.Queue()
+        self._outbox: queue.Queue[_Outgoing] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -97,7 +115,7 @@ class KVEventPublisher:
         """Send what is queued, then close the sockets (idempotent)."""
         if self._thread is None:
             return
-        self._outbox.put(_STOP)
+        self._outbox.put(None)
         self._thread.join()
         self._thread = None
 
@@ -117,12 +135,12 @@ class KVEventPublisher:
         with self._seq_lock:
             seq = self._next_seq
             self._next_seq += 1
-            self._outbox.put((seq, payload, drop))
+            self._outbox.put(_Sequenced(seq, payload, drop))
         return seq
 
-    def send_raw_frames(self, frames: list[bytes]) -> None:
+    def send_raw_frames(self, frames: Sequence[bytes]) -> None:
         """Queue frames sent as they are, outside the sequence (malformed-input tests)."""
-        self._outbox.put(frames)
+        self._outbox.put(_RawFrames(tuple(frames)))
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Wait until everything queued so far has been sent.
@@ -162,7 +180,7 @@ class KVEventPublisher:
             while True:
                 if router is not None and router.poll(0):
                     self._serve_replay(router)
-                items: list[object] = []
+                items: list[_Outgoing] = []
                 try:
                     items.append(self._outbox.get(timeout=0.001))
                     while True:  # drain what is queued: one replay poll per burst
@@ -177,22 +195,21 @@ class KVEventPublisher:
                 router.close()
             context.term()
 
-    def _send(self, pub: zmq.Socket, items: list[object]) -> bool:
+    def _send(self, pub: zmq.Socket, items: list[_Outgoing]) -> bool:
         """Send queued items in order; False once the stop marker is reached."""
         for item in items:
-            if item is _STOP:
+            if item is None:
                 return False
             if isinstance(item, threading.Event):
                 item.set()
-            elif isinstance(item, list):
-                pub.send_multipart(item)
+            elif isinstance(item, _RawFrames):
+                pub.send_multipart(item.frames)
             else:
-                seq, payload, drop = item  # type: ignore[misc]
-                self._buffer.append((seq, payload))
-                if drop:
+                self._buffer.append((item.seq, item.payload))
+                if item.drop:
                     self.dropped += 1
                 else:
-                    pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                    pub.send_multipart((self._topic, item.seq.to_bytes(8, "big"), item.payload))
                     self.sent += 1
         return True
 

@@ -1,7 +1,7 @@
 """The engine's own KV-cache events as a cache-state source: a subscriber feeding a mirror.
 
 Wiring: ``KVEventSubscriber(on_batch=mirror.apply_batch, on_resync=mirror.resync)`` and
-``CacheMirror(on_evict=...)``; :meth:`KVEventCacheState.record` registers the request's token
+``CacheMirror(on_evict=...)``; :meth:`KVEventSource.record` registers the request's token
 ids with the mirror for attribution by token matching (the rid sent as ``session_id`` is
 attributed without it where the engine echoes it).
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from contextpilot_integrations.sync.cache_mirror import CacheMirror
-from contextpilot_integrations.sync.cache_state import EvictCallback, SentRequest
+from contextpilot_integrations.sync.cache_state_source import EvictCallback, SentRequest
 from contextpilot_integrations.sync.subscriber import KVEventSubscriber
 
 
-class KVEventCacheState:
+class KVEventSource:
     """Follows an engine's cache through its KV events and evicts through ``on_evict``.
 
     Args:

@@ -43,10 +43,13 @@ MEDIUM_GPU = "GPU"
 
 
 class KVCacheEvent(msgspec.Struct, frozen=True, gc=False, tag_field="type"):
-    """Base of the three event kinds (map shape; positional events are decoded into these)."""
+    """Base of the three event kinds (map shape; positional events are decoded into these).
+
+    msgspec passes ``frozen`` on to subclasses, but type checkers read each class's own
+    keywords (``dataclass_transform``), so every subclass states ``frozen=True`` again."""
 
 
-class BlockStored(KVCacheEvent, tag="BlockStored"):
+class BlockStored(KVCacheEvent, frozen=True, tag="BlockStored"):
     """Consecutive pages stored as one chain.
 
     ``block_hashes[i]`` is the hash of page i; its parent is ``block_hashes[i - 1]``, and the
@@ -65,14 +68,14 @@ class BlockStored(KVCacheEvent, tag="BlockStored"):
     lora_name: str | None = None
 
 
-class BlockRemoved(KVCacheEvent, tag="BlockRemoved"):
+class BlockRemoved(KVCacheEvent, frozen=True, tag="BlockRemoved"):
     """Pages dropped from ``medium`` (None means GPU)."""
 
     block_hashes: list[BlockHash]
     medium: str | None = None
 
 
-class AllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
+class AllBlocksCleared(KVCacheEvent, frozen=True, tag="AllBlocksCleared"):
     """The whole prefix cache was reset (SGLang ``RadixCache.reset``, vLLM prefix-cache reset)."""
 
 
@@ -82,7 +85,7 @@ class _StoredMetadata(msgspec.Struct, gc=False):
     cache_salt: str | None = None
 
 
-class _PositionalBlockStored(KVCacheEvent, array_like=True, tag="BlockStored"):
+class _PositionalBlockStored(KVCacheEvent, frozen=True, array_like=True, tag="BlockStored"):
     """``["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, metadata]``;
     ``metadata`` (``{"cache_salt": ...}``) only in SGLang 0.5.18 for salted requests."""
 
@@ -106,7 +109,7 @@ class _PositionalBlockStored(KVCacheEvent, array_like=True, tag="BlockStored"):
         )
 
 
-class _PositionalBlockRemoved(KVCacheEvent, array_like=True, tag="BlockRemoved"):
+class _PositionalBlockRemoved(KVCacheEvent, frozen=True, array_like=True, tag="BlockRemoved"):
     block_hashes: list[BlockHash]
     medium: str | None = None
 
@@ -114,7 +117,9 @@ class _PositionalBlockRemoved(KVCacheEvent, array_like=True, tag="BlockRemoved")
         return BlockRemoved(block_hashes=self.block_hashes, medium=self.medium)
 
 
-class _PositionalAllBlocksCleared(KVCacheEvent, array_like=True, tag="AllBlocksCleared"):
+class _PositionalAllBlocksCleared(
+    KVCacheEvent, frozen=True, array_like=True, tag="AllBlocksCleared"
+):
     def normalised(self) -> AllBlocksCleared:
         return _ALL_BLOCKS_CLEARED
 

@@ -20,10 +20,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
-from contextpilot_integrations.sync.cache_state import EvictCallback, SentRequest, notify_evicted
+from contextpilot_integrations.core.lru import LRU
+from contextpilot_integrations.sync.cache_state_source import (
+    EvictCallback,
+    SentRequest,
+    notify_evicted,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +69,11 @@ class TTLModel:
         self.ttl_s = ttl_s
         self.min_cached_tokens = min_cached_tokens
         self._on_evict = on_evict
-        self._max_requests = max_requests
         self._check_interval_s = check_interval_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._last_use: OrderedDict[str, float] = OrderedDict()
+        # rid -> time of its last use, least recently used first; the bound expires early.
+        self._last_use: LRU[str, float] = LRU(max_requests)
         self._counters = {"recorded": 0, "expired": 0, "too_short": 0, "evict_callback_errors": 0}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -103,10 +107,7 @@ class TTLModel:
                 self._last_use.pop(request.rid, None)
                 evicted.append(request.rid)
             else:
-                self._last_use[request.rid] = now
-                self._last_use.move_to_end(request.rid)
-                while len(self._last_use) > self._max_requests:
-                    evicted.append(self._last_use.popitem(last=False)[0])
+                evicted.extend(rid for rid, _ in self._last_use.put(request.rid, now))
         self._notify(evicted)
         return evicted
 
@@ -115,8 +116,7 @@ class TTLModel:
         with self._lock:
             if rid not in self._last_use:
                 return False
-            self._last_use[rid] = self._clock()
-            self._last_use.move_to_end(rid)
+            self._last_use.put(rid, self._clock())
             return True
 
     def forget(self, rid: str) -> bool:
@@ -158,12 +158,8 @@ class TTLModel:
 
     def _expire_locked(self, now: float) -> list[str]:
         evicted: list[str] = []
-        while self._last_use:
-            rid, last = next(iter(self._last_use.items()))
-            if now - last < self.ttl_s:
-                break
-            del self._last_use[rid]
-            evicted.append(rid)
+        while (oldest := self._last_use.oldest()) is not None and now - oldest[1] >= self.ttl_s:
+            evicted.append(self._last_use.pop_oldest()[0])
         self._counters["expired"] += len(evicted)
         return evicted
 

@@ -3,6 +3,7 @@ the eviction rule; wiring to the lead's ContextIndex; a hypothesis model test.""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -336,3 +337,19 @@ def test_mirror_equals_reference(ops: list[tuple[str, int, int, bool]], batch_si
     assert mirror.cached_requests() == set(reference.attached)
     for rid, deepest in reference.attached.items():
         assert mirror.request_blocks(rid) == {0: {deepest}}
+
+
+def test_a_store_of_no_blocks_attaches_nothing() -> None:
+    mirror = CacheMirror()
+    assert mirror.apply_events(0, [BlockStored([], session_id="r")]) == []
+    assert mirror.cached_requests() == set() and mirror.stats()["tracked_requests"] == 0
+
+
+def test_evictions_before_a_bad_item_still_reach_on_evict() -> None:
+    # What the events before a bad item removed is gone from the engine all the same.
+    recorder = Recorder()
+    mirror = CacheMirror(recorder)
+    mirror.apply_events(0, [stored([1], session="a")])
+    with pytest.raises(TypeError, match="KV event"):
+        mirror.apply_events(0, [BlockRemoved([1]), "not an event"])  # type: ignore[list-item]
+    assert recorder.evicted == ["a"] and mirror.stats()["evicted_requests"] == 1

@@ -7,11 +7,11 @@ import time
 import pytest
 
 from contextpilot_integrations.core.context_index import ContextIndex
-from contextpilot_integrations.sync.cache_state import CacheStateSource, SentRequest
+from contextpilot_integrations.sync.cache_state_source import CacheStateSource, SentRequest
 from contextpilot_integrations.sync.capacity_model import CapacityModel
 from contextpilot_integrations.sync.configuration import CacheSyncConfig, build_cache_state_source
 from contextpilot_integrations.sync.event_publisher import KVEventPublisher
-from contextpilot_integrations.sync.kv_event_source import KVEventCacheState
+from contextpilot_integrations.sync.kv_event_source import KVEventSource
 from contextpilot_integrations.sync.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from contextpilot_integrations.sync.ttl_model import TTLModel
 
@@ -26,7 +26,7 @@ def test_each_kind_builds_its_source() -> None:
     events = build_cache_state_source(
         CacheSyncConfig(kind="kv-events", endpoint="tcp://*:5557", dp_size=2), None
     )
-    assert isinstance(events, KVEventCacheState)
+    assert isinstance(events, KVEventSource)
     assert events.subscriber.endpoints == ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"]
     for source in (ttl, capacity, events):
         assert isinstance(source, CacheStateSource)

@@ -131,3 +131,16 @@ def test_unknown_event_kinds_are_skipped_and_counted() -> None:
 def test_malformed_payloads_raise_a_specific_error(payload: bytes, message: str) -> None:
     with pytest.raises(MalformedEventBatchError, match=re.escape(message)):
         KVEventDecoder().decode(payload)
+
+
+def test_every_event_kind_is_frozen_in_both_shapes() -> None:
+    # The mirror keeps decoded events' lists; an event must not change after decoding.
+    decoded = [
+        *KVEventDecoder().decode(encode_mapped(BATCH)).events,
+        *KVEventDecoder().decode(encode_positional(BATCH)).events,
+    ]
+    for event in decoded + [BATCH]:
+        field = msgspec.structs.fields(event)[0].name if msgspec.structs.fields(event) else "x"
+        with pytest.raises(AttributeError):
+            setattr(event, field, None)
+        assert type(event).__struct_config__.frozen, type(event).__name__

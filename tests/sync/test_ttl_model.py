@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from contextpilot_integrations.sync.cache_state import SentRequest
+from contextpilot_integrations.sync.cache_state_source import SentRequest
 from contextpilot_integrations.sync.ttl_model import TTLModel
 
 
