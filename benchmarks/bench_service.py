@@ -152,7 +152,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
             timed(lambda: pydantic_core.to_json(PlanResponse.encode(sample))) for _ in range(500)
         ]
         decode_ms = [
-            timed(lambda: PlanResponse.model_validate_json(encoded).to_plan(layout))
+            timed(lambda: PlanResponse.model_validate_json(encoded).to_core(layout))
             for _ in range(500)
         ]
     finally:

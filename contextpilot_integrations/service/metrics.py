@@ -5,19 +5,21 @@ registry: several services can live in one process, e.g. in tests). Counted as t
 
 - ``contextpilot_http_requests_total{endpoint, status}`` and
   ``contextpilot_http_request_duration_seconds{endpoint}`` (histogram, seconds);
-- ``contextpilot_plans_total{kind}`` (``single``, ``batch``: plans made, a batch counts each);
+- ``contextpilot_plans_total{kind}`` (``single``, ``batch``: plans made, a batch counts each).
+
+Read from the live state at each scrape (no copy to keep in step; ``IndexService.stats()``):
+
 - ``contextpilot_evictions_total{source}``: requests dropped from the index, by who asked
-  (``api``, ``kv-events``, ``capacity``, ``ttl``, ``resync``);
+  (``api``: the service's own count; ``kv-events``, ``capacity``, ``ttl``, ``resync``: the
+  engine link's ``evictions``);
 - ``contextpilot_sync_failures_total{kind}``: failures of the engine-sync path that were
-  absorbed (``engine_unreachable``, ``record``, ``resync_timeout``, ``snapshot``, ...);
+  absorbed (``engine_unreachable``, ``record``, ``resync_timeout``, ``snapshot``, ...; the
+  engine link's ``failures``, or the service's own without one);
 - ``contextpilot_usage_prompt_tokens_total`` / ``contextpilot_usage_cached_tokens_total``:
-  the engine's own ``usage`` figures reported back by clients (hit ratio = cached / prompt).
-
-Read from the live state at each scrape (no copy to keep in step):
-
+  the engine's own ``usage`` figures reported back by clients (hit ratio = cached / prompt);
 - ``contextpilot_index_{requests,nodes,tokens,height}`` gauges, the index size;
 - ``contextpilot_index_{inserts,evictions,lru_evictions,searches}_total`` counters;
-- ``contextpilot_conversations`` and the sync source's numeric counters as
+- ``contextpilot_conversations`` and the engine link's other numeric figures as
   ``contextpilot_sync_<name>`` gauges (per-rank lists get a ``rank`` label; the source's own
   counters under ``contextpilot_sync_source_``).
 """
@@ -58,6 +60,10 @@ LATENCY_BUCKETS_S = (
 
 _INDEX_GAUGES = ("requests", "nodes", "tokens", "height")
 _INDEX_COUNTERS = ("inserts", "evictions", "lru_evictions", "searches")
+_USAGE_COUNTERS = {
+    "prompt_tokens": "Prompt tokens the engine reported for planned requests.",
+    "cached_tokens": "Prompt tokens the engine served from its prefix cache (cached_tokens).",
+}
 _NAME_CHARS = re.compile(r"[^a-zA-Z0-9_]")
 
 StatsSource = Callable[[], Mapping[str, Any]]
@@ -68,7 +74,8 @@ class ServiceMetrics:
     """The service's registry and the metrics it updates.
 
     Args:
-        stats: called at each scrape for the live figures (index, conversations, sync).
+        stats: called at each scrape for the live figures (index, conversations, usage,
+            sync, the service's own evictions).
     """
 
     def __init__(self, stats: StatsSource) -> None:
@@ -90,28 +97,6 @@ class ServiceMetrics:
             "contextpilot_plans",
             "Plans made (a batch counts each of its requests).",
             ["kind"],
-            registry=self.registry,
-        )
-        self.evictions = Counter(
-            "contextpilot_evictions",
-            "Requests evicted from the context index, by source.",
-            ["source"],
-            registry=self.registry,
-        )
-        self.sync_failures = Counter(
-            "contextpilot_sync_failures",
-            "Engine-sync failures absorbed without failing a request, by kind.",
-            ["kind"],
-            registry=self.registry,
-        )
-        self.prompt_tokens = Counter(
-            "contextpilot_usage_prompt_tokens",
-            "Prompt tokens the engine reported for planned requests.",
-            registry=self.registry,
-        )
-        self.cached_tokens = Counter(
-            "contextpilot_usage_cached_tokens",
-            "Prompt tokens the engine served from its prefix cache (cached_tokens).",
             registry=self.registry,
         )
         self.registry.register(_LiveStatsCollector(stats))
@@ -145,8 +130,37 @@ class _LiveStatsCollector(Collector):
                 "Conversations held for de-duplication.",
                 value=conversations["conversations"],
             )
-        sync = {k: v for k, v in stats.get("sync", {}).items() if k != "failures"}
-        yield from _numeric_gauges("contextpilot_sync", sync)  # failures: a counter above
+        usage = stats.get("usage", {})
+        for name, help_text in _USAGE_COUNTERS.items():
+            if name in usage:
+                yield CounterMetricFamily(
+                    f"contextpilot_usage_{name}", help_text, value=usage[name]
+                )
+        sync = stats.get("sync", {})
+        evictions = {**sync.get("evictions", {}), **stats.get("service", {}).get("evictions", {})}
+        yield _labelled_counter(
+            "contextpilot_evictions",
+            "Requests evicted from the context index, by source.",
+            "source",
+            evictions,
+        )
+        yield _labelled_counter(
+            "contextpilot_sync_failures",
+            "Engine-sync failures absorbed without failing a request, by kind.",
+            "kind",
+            sync.get("failures", {}),
+        )
+        gauges = {k: v for k, v in sync.items() if k not in ("failures", "evictions")}
+        yield from _numeric_gauges("contextpilot_sync", gauges)  # counters above
+
+
+def _labelled_counter(
+    name: str, help_text: str, label: str, values: Mapping[str, Any]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, help_text, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([str(key)], value)
+    return family
 
 
 def _numeric_gauges(prefix: str, values: Mapping[str, Any]) -> Iterator[Metric]:

@@ -1,18 +1,29 @@
 """Request and response bodies of the index service (pydantic models, JSON on the wire).
 
-The models mirror the in-process API of
-:class:`~contextpilot_integrations.core.pilot.ContextPilot`: a ``PlanRequest`` carries the
-arguments of ``plan(...)``, a ``PlanResponse`` every field of the core's ``Plan`` (its layout
-is served once, by ``GET /v1/layout``), so that
-:class:`~contextpilot_integrations.service.client.ContextPilotClient` rebuilds the core's own
-dataclasses. Wire conventions:
+The wire form is the core's own types, field for field:
+
+- ``POST /v1/plan`` takes one :class:`PlanRequestModel`, the core's
+  :class:`~contextpilot_integrations.core.request.PlanRequest` (``query``, ``blocks``, ``rid``,
+  ``scope``: ``{conversation_id, tenant, turn, visibility}``); ``POST /v1/plan_batch`` takes
+  ``{"requests": [PlanRequest, ...]}``, the core's batch (a list of requests).
+- They answer a :class:`PlanResponse` / :class:`BatchPlanResponse`: every field of the core's
+  :class:`~contextpilot_integrations.core.plan.Plan` / ``BatchPlan`` but the layout, which is
+  served once (``GET /v1/layout``, :class:`LayoutModel`), so that
+  :class:`~contextpilot_integrations.service.client.ContextPilotClient` rebuilds the core's own
+  dataclasses.
+
+The models check what JSON Schema can state (types, lengths, ranges; the limits are the core's
+``MAX_*`` constants), so the OpenAPI document describes the accepted bodies. The rules across
+fields (a turn needs a conversation, rids unique within a batch, ...) are the core's: the
+conversion (:meth:`PlanRequestModel.to_core`) raises the core's ``TypeError`` / ``ValueError``
+with its message, which the app answers with a 422.
+
+Wire conventions:
 
 - block ids are unsigned 64-bit integers sent as decimal strings (JSON numbers above 2**53 lose
   precision in many JSON readers);
-- ``PlannedBlock.rendered_text`` is ``null`` when it equals ``text`` (the usual case; it halves
-  the payload);
-- maps keyed by an input index (``duplicates``, ``replaced``) have string keys, as JSON objects
-  must.
+- a shown placement's ``rendered_text`` is ``null`` when it equals ``text`` (the usual case; it
+  halves the payload); other placements have none.
 
 Every error body is an :class:`ErrorResponse` whose ``message`` names the field and the value.
 """
@@ -20,41 +31,34 @@ Every error body is an :class:`ErrorResponse` whose ``message`` names the field 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from contextpilot_integrations.core.conversation import TurnVisibility
-from contextpilot_integrations.core.pilot import (
-    MAX_BLOCKS_PER_REQUEST,
+from contextpilot_integrations.core.plan import (
     BatchPlan,
+    DedupFigures,
+    Placement,
+    PlacementStatus,
     Plan,
-    PlannedBlock,
 )
 from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.core.request import (
+    MAX_BLOCKS_PER_REQUEST,
+    MAX_ID_CHARS,
+    MAX_TURN,
+    PlanRequest,
+    Scope,
+)
+
+MAX_VISIBLE_TURNS = 10_000
+"""Most turn numbers in one ``visibility.turns`` list."""
 
 MAX_BATCH_REQUESTS = 10_000
-"""Most requests in one ``plan_batch`` call."""
-
-MAX_ID_CHARS = 512
-"""Longest rid, conversation id or tenant, in characters."""
-
-MAX_TURN = 2**31 - 1
-"""Largest turn number accepted."""
-
-
-def _utf8_encodable(value: str) -> str:
-    # JSON allows lone surrogates ("\ud800"); they cannot be hashed or rendered as UTF-8, so
-    # they are refused here, with the field's name, instead of failing deep in the core.
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(
-                f"text must be encodable as UTF-8 (no lone surrogates); "
-                f"{value[exc.start : exc.end]!r} at character {exc.start}"
-            ) from None
-    return value
+"""Most requests in one ``/v1/plan_batch`` body (a 422 above; in process a batch has no such
+limit)."""
 
 
 def _integral_number(value: Any) -> Any:
@@ -68,25 +72,14 @@ def _integral_number(value: Any) -> Any:
 TurnNumber = Annotated[int, Field(ge=0, le=MAX_TURN), BeforeValidator(_integral_number)]
 TokenCount = Annotated[int, Field(ge=0, le=2**62), BeforeValidator(_integral_number)]
 
+Identifier = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+"""A non-empty id (rid, conversation id) of at most ``MAX_ID_CHARS`` characters."""
 
-Text = Annotated[str, AfterValidator(_utf8_encodable)]
-"""A string that UTF-8 can encode."""
-
-Identifier = Annotated[
-    str, Field(min_length=1, max_length=MAX_ID_CHARS), AfterValidator(_utf8_encodable)
-]
-"""A non-empty id (rid, conversation id) of at most :data:`MAX_ID_CHARS` characters."""
-
-Tenant = Annotated[str, Field(max_length=MAX_ID_CHARS), AfterValidator(_utf8_encodable)]
-
-BlockText = Annotated[str, Field(pattern=r"[^\s\x1c-\x1f]"), AfterValidator(_utf8_encodable)]
-"""A block: at least one character that is not whitespace (``str.isspace``)."""
-
-Blocks = Annotated[list[BlockText], Field(max_length=MAX_BLOCKS_PER_REQUEST)]
+Tenant = Annotated[str, Field(max_length=MAX_ID_CHARS)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,7 +96,7 @@ class LastTurns(_Strict):
 class OnlyTurns(_Strict):
     """Only these earlier turns are still in the app's prompt (others were dropped)."""
 
-    turns: Annotated[list[TurnNumber], Field(max_length=10_000)]
+    turns: Annotated[list[TurnNumber], Field(max_length=MAX_VISIBLE_TURNS)]
 
 
 Visibility = LastTurns | OnlyTurns
@@ -119,8 +112,10 @@ def visibility_to_core(visibility: Visibility | None) -> TurnVisibility | None:
     return None
 
 
-def visibility_from_core(visibility: TurnVisibility) -> dict[str, Any] | None:
+def visibility_from_core(visibility: TurnVisibility | None) -> dict[str, Any] | None:
     """The JSON form of the core's :class:`TurnVisibility` (None: all turns)."""
+    if visibility is None:
+        return None
     if visibility.last_turns is not None:
         return {"last": visibility.last_turns}
     if visibility.turns is not None:
@@ -128,41 +123,87 @@ def visibility_from_core(visibility: TurnVisibility) -> dict[str, Any] | None:
     return None
 
 
-class PlanRequest(_Strict):
-    """Arguments of ``ContextPilot.plan``."""
+class ScopeModel(_Strict):
+    """The core's :class:`~contextpilot_integrations.core.request.Scope`."""
 
-    query: Text = Field(description="The question (may be empty).")
-    blocks: Blocks = Field(description="Block texts in retriever (relevance) order.")
-    rid: Identifier | None = Field(None, description="Request id; a new one when null.")
     conversation_id: Identifier | None = Field(
-        None, description="Conversation for multi-turn de-duplication; null: none."
+        default=None, description="Conversation for multi-turn de-duplication; null: none."
     )
-    tenant: Tenant = Field("", description="Owner of the conversation.")
+    tenant: Tenant = Field(default="", description="Owner of the conversation.")
     turn: TurnNumber | None = Field(
-        None, description="Turn number; null: one after the conversation's latest."
+        default=None, description="Turn number; null: one after the conversation's latest."
     )
     visibility: Visibility | None = Field(
-        None, description="Earlier turns the app's prompt still holds; null: all."
+        default=None, description="Earlier turns the app's prompt still holds; null: all."
     )
 
+    def to_core(self) -> Scope:
+        """The core's :class:`Scope`.
 
-class BatchItem(_Strict):
-    """One request of a batch (the arguments of ``plan`` but the rid, which the batch's
-    ``plan_batch`` takes for all its requests or none; a missing one gets a new id)."""
+        Raises:
+            ValueError: ``turn`` or ``visibility`` without a ``conversation_id`` (the core's
+                message).
+        """
+        return Scope(
+            self.conversation_id, self.tenant, self.turn, visibility_to_core(self.visibility)
+        )
 
-    query: Text
-    blocks: Blocks
-    rid: Identifier | None = None
-    conversation_id: Identifier | None = None
-    tenant: Tenant = ""
-    turn: TurnNumber | None = None
-    visibility: Visibility | None = None
+
+def scope_json(scope: Scope) -> dict[str, Any]:
+    """The JSON form of the core's :class:`Scope` (:class:`ScopeModel`)."""
+    return {
+        "conversation_id": scope.conversation_id,
+        "tenant": scope.tenant,
+        "turn": scope.turn,
+        "visibility": visibility_from_core(scope.visibility),
+    }
+
+
+class PlanRequestModel(_Strict):
+    """The core's :class:`~contextpilot_integrations.core.request.PlanRequest`: one request
+    to plan."""
+
+    query: str = Field(description="The question (may be empty).")
+    blocks: Annotated[list[str], Field(max_length=MAX_BLOCKS_PER_REQUEST)] = Field(
+        description="Block texts in retriever (relevance) order; empty or whitespace-only "
+        "ones come back as skipped placements."
+    )
+    rid: Identifier | None = Field(default=None, description="Request id; a new one when null.")
+    scope: ScopeModel = ScopeModel()  # frozen: one shared default is safe
+
+    def to_core(self) -> PlanRequest:
+        """The core's :class:`PlanRequest`.
+
+        Raises:
+            TypeError / ValueError: the core's checks (the message names the field).
+        """
+        return PlanRequest(self.query, self.blocks, self.rid, self.scope.to_core())
+
+
+def plan_request_json(request: PlanRequest) -> dict[str, Any]:
+    """The JSON form of the core's :class:`PlanRequest` (:class:`PlanRequestModel`)."""
+    return {
+        "query": request.query,
+        "blocks": list(request.blocks),
+        "rid": request.rid,
+        "scope": scope_json(request.scope),
+    }
 
 
 class PlanBatchRequest(_Strict):
-    """Arguments of ``ContextPilot.plan_batch``, one item per request."""
+    """A batch: the core's list of requests."""
 
-    requests: Annotated[list[BatchItem], Field(max_length=MAX_BATCH_REQUESTS)]
+    requests: Annotated[list[PlanRequestModel], Field(max_length=MAX_BATCH_REQUESTS)]
+
+    def to_core(self) -> list[PlanRequest]:
+        """The core's requests (each checked by the core; the batch's own rules are checked
+        when it is planned)."""
+        return [request.to_core() for request in self.requests]
+
+
+def plan_batch_json(requests: Sequence[PlanRequest]) -> dict[str, Any]:
+    """The JSON form of a batch (:class:`PlanBatchRequest`)."""
+    return {"requests": [plan_request_json(request) for request in requests]}
 
 
 class EvictRequest(_Strict):
@@ -179,19 +220,12 @@ class ForgetConversationRequest(_Strict):
 
 
 class UsageReport(_Strict):
-    """Token usage the engine reported for a planned request (OpenAI ``usage``)."""
+    """Token usage the engine reported for a planned request (OpenAI ``usage``); the core
+    checks ``cached_tokens <= prompt_tokens``."""
 
     rid: Identifier
     prompt_tokens: TokenCount
     cached_tokens: TokenCount
-
-    @model_validator(mode="after")
-    def _cached_within_prompt(self) -> UsageReport:
-        if self.cached_tokens > self.prompt_tokens:
-            raise ValueError(
-                f"cached_tokens ({self.cached_tokens}) exceeds prompt_tokens ({self.prompt_tokens})"
-            )
-        return self
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,34 +233,81 @@ class UsageReport(_Strict):
 # --------------------------------------------------------------------------------------------
 
 
-class PlannedBlockModel(BaseModel):
-    """One block of a plan, in prompt order (see the core's ``PlannedBlock``)."""
+class PlacementModel(BaseModel):
+    """The core's :class:`~contextpilot_integrations.core.plan.Placement`: where one input
+    block went."""
 
+    index: int
+    status: Literal["shown", "replaced", "duplicate", "skipped"]
     text: str
-    block_id: str = Field(description="Unsigned 64-bit block id, as a decimal string.")
-    original_rank: int
+    block_id: str | None = Field(description="Unsigned 64-bit block id, as a decimal string.")
     tokens: int
-    rendered_text: str | None = Field(None, description="What the prompt shows; null: text.")
+    position: int | None
+    label: str | None
+    rendered_text: str | None = Field(
+        description="Shown: what the prompt shows; null when it equals text."
+    )
+    hint: str | None
+    duplicate_of: int | None
+
+    def to_core(self) -> Placement:
+        """The core's :class:`Placement`."""
+        status = PlacementStatus(self.status)
+        rendered = self.rendered_text
+        if rendered is None and status is PlacementStatus.SHOWN:
+            rendered = self.text
+        return Placement(
+            index=self.index,
+            status=status,
+            text=self.text,
+            block_id=None if self.block_id is None else int(self.block_id),
+            tokens=self.tokens,
+            position=self.position,
+            label=self.label,
+            rendered_text=rendered,
+            hint=self.hint,
+            duplicate_of=self.duplicate_of,
+        )
+
+
+def _placement_json(p: Placement) -> dict[str, Any]:
+    return {
+        "index": p.index,
+        "status": p.status.value,
+        "text": p.text,
+        "block_id": None if p.block_id is None else str(p.block_id),
+        "tokens": p.tokens,
+        "position": p.position,
+        "label": p.label,
+        "rendered_text": None if p.rendered_text == p.text else p.rendered_text,
+        "hint": p.hint,
+        "duplicate_of": p.duplicate_of,
+    }
+
+
+class DedupFiguresModel(BaseModel):
+    """The core's :class:`~contextpilot_integrations.core.plan.DedupFigures`."""
+
+    blocks_kept: int
+    blocks_replaced: int
+    sub_blocks_replaced: int
+    tokens_in: int
+    tokens_saved: int
 
 
 class PlanResponse(BaseModel):
-    """Every field of the core's ``Plan`` except its layout (``GET /v1/layout``)."""
+    """Every field of the core's :class:`Plan` except its layout (``GET /v1/layout``)."""
 
     rid: str
     query: str
-    blocks: list[PlannedBlockModel]
-    order: list[int]
-    duplicates: dict[int, int]
-    replaced: dict[int, str]
+    scope: ScopeModel
+    placements: list[PlacementModel]
     hints: list[str]
     segments: list[str]
+    annotation_labels: list[str]
     matched_prefix_blocks: int
     matched_prefix_tokens: int
-    conversation_id: str | None
-    tenant: str
-    turn: int | None
-    dedup: dict[str, int]
-    annotation_labels: list[str]
+    dedup_figures: DedupFiguresModel
 
     @staticmethod
     def encode(plan: Plan) -> dict[str, Any]:
@@ -234,63 +315,35 @@ class PlanResponse(BaseModel):
         return {
             "rid": plan.rid,
             "query": plan.query,
-            "blocks": [
-                {
-                    "text": b.text,
-                    "block_id": str(b.block_id),
-                    "original_rank": b.original_rank,
-                    "tokens": b.tokens,
-                    "rendered_text": None if b.rendered_text == b.text else b.rendered_text,
-                }
-                for b in plan.blocks
-            ],
-            "order": plan.order,
-            "duplicates": plan.duplicates,
-            "replaced": plan.replaced,
+            "scope": scope_json(plan.scope),
+            "placements": [_placement_json(p) for p in plan.placements],
             "hints": plan.hints,
             "segments": plan.segments,
+            "annotation_labels": plan.annotation_labels,
             "matched_prefix_blocks": plan.matched_prefix_blocks,
             "matched_prefix_tokens": plan.matched_prefix_tokens,
-            "conversation_id": plan.conversation_id,
-            "tenant": plan.tenant,
-            "turn": plan.turn,
-            "dedup": plan.dedup,
-            "annotation_labels": plan.annotation_labels,
+            "dedup_figures": dataclasses.asdict(plan.dedup_figures),
         }
 
-    def to_plan(self, layout: PromptLayout) -> Plan:
+    def to_core(self, layout: PromptLayout) -> Plan:
         """The core's :class:`Plan`, rendered with ``layout`` (the server's)."""
         return Plan(
             rid=self.rid,
             query=self.query,
-            blocks=[
-                PlannedBlock(
-                    text=b.text,
-                    block_id=int(b.block_id),
-                    original_rank=b.original_rank,
-                    tokens=b.tokens,
-                    rendered_text=b.text if b.rendered_text is None else b.rendered_text,
-                )
-                for b in self.blocks
-            ],
-            order=self.order,
-            duplicates=self.duplicates,
-            segments=self.segments,
+            scope=self.scope.to_core(),
+            placements=tuple(p.to_core() for p in self.placements),
+            hints=tuple(self.hints),
+            segments=tuple(self.segments),
+            annotation_labels=tuple(self.annotation_labels),
             matched_prefix_blocks=self.matched_prefix_blocks,
             matched_prefix_tokens=self.matched_prefix_tokens,
+            dedup_figures=DedupFigures(**self.dedup_figures.model_dump()),
             layout=layout,
-            replaced=self.replaced,
-            hints=self.hints,
-            conversation_id=self.conversation_id,
-            tenant=self.tenant,
-            turn=self.turn,
-            dedup=self.dedup,
-            annotation_labels=self.annotation_labels,
         )
 
 
 class BatchPlanResponse(BaseModel):
-    """The core's ``BatchPlan``: plans in input order and the order to send them in."""
+    """The core's :class:`BatchPlan`: plans in input order and the order to send them in."""
 
     plans: list[PlanResponse]
     schedule: list[int]
@@ -303,16 +356,19 @@ class BatchPlanResponse(BaseModel):
             "schedule": batch.schedule,
         }
 
-    def to_batch_plan(self, layout: PromptLayout) -> BatchPlan:
+    def to_core(self, layout: PromptLayout) -> BatchPlan:
         """The core's :class:`BatchPlan`."""
-        return BatchPlan(plans=[p.to_plan(layout) for p in self.plans], schedule=self.schedule)
+        return BatchPlan(
+            plans=tuple(p.to_core(layout) for p in self.plans), schedule=tuple(self.schedule)
+        )
 
 
 class LayoutModel(BaseModel):
     """The server's :class:`PromptLayout`: every field of it (templates are strings), to
-    render plans client-side. Fields the layout gains later travel as extra keys."""
+    render plans client-side. A field this client does not know is refused (a client older
+    than the server would otherwise render prompts the server does not)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     system_prompt: str
     block_template: str
@@ -322,6 +378,7 @@ class LayoutModel(BaseModel):
     annotation_joiner: str
     hint_template: str
     question_template: str
+    turn_header: str
 
     @classmethod
     def from_core(cls, layout: PromptLayout) -> LayoutModel:
@@ -351,6 +408,12 @@ class UsageResponse(BaseModel):
     indexed: bool
 
 
+class SnapshotResponse(BaseModel):
+    """``saved``: False when the service has no snapshot path or the save failed."""
+
+    saved: bool
+
+
 class HealthResponse(BaseModel):
     """Liveness and the state of the engine link."""
 
@@ -366,7 +429,7 @@ class HealthResponse(BaseModel):
 class FieldError(BaseModel):
     """One invalid field."""
 
-    field: str = Field(description="Where: body.blocks[2], query.tenant, ...")
+    field: str = Field(description="Where: body.blocks[2], body.scope.turn, ...")
     message: str
     value: Any = None
 
@@ -375,5 +438,7 @@ class ErrorResponse(BaseModel):
     """Every 4xx/5xx body."""
 
     message: str = Field(description="What is wrong, naming the field and the value.")
-    error_type: str = Field(description="ValueError, TypeError, PermissionError, ...")
+    error_type: str = Field(
+        description="ValueError, TypeError, RidConflictError, PermissionError, ..."
+    )
     fields: list[FieldError] = Field(default_factory=list)

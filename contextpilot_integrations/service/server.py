@@ -106,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument(
         "--engine-grace",
         type=float,
-        default=5.0,
         metavar="SECONDS",
-        help="seconds the publisher may stay unconnected before it counts as unreachable",
+        help="events: seconds the publisher may stay unconnected before it counts as "
+        "unreachable (default 5)",
     )
 
     state = parser.add_argument_group("index and state")
@@ -169,6 +169,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Servi
             "page_size": args.page_size,
             "max_requests": args.max_requests,
         }
+        if args.engine_grace is not None:
+            cache_sync["engine_grace_s"] = args.engine_grace
     elif model == "capacity":
         cache_sync = {"kind": "capacity", "capacity_tokens": args.capacity_tokens}
     elif model == "ttl":
@@ -179,8 +181,12 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Servi
             "min_cached_tokens": args.min_cached_tokens,
             "max_requests": args.max_requests,
         }
-    if model != "events" and (args.kv_events_replay or args.kv_events):
-        raise ValueError(f"--kv-events options need --cache-model events, got {model!r}")
+    if model != "events" and (
+        args.kv_events_replay or args.kv_events or args.engine_grace is not None
+    ):
+        raise ValueError(
+            f"--kv-events options and --engine-grace need --cache-model events, got {model!r}"
+        )
     layout = None
     if args.layout is not None:
         try:
@@ -195,7 +201,6 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Servi
         max_requests=args.max_requests,
         layout=layout,
         api_key=api_key,
-        engine_grace_s=args.engine_grace,
         max_body_bytes=args.max_body_bytes,
     )
 
@@ -204,15 +209,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``contextpilot-server``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Before the app: making its service restores the snapshot, which may log.
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         config = config_from_args(args, dict(os.environ))
         app = create_app(config)
     except ValueError as exc:
         parser.error(str(exc))
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     uvicorn.run(
         app,
         host=args.host,

@@ -1,5 +1,6 @@
-"""The app in process (ASGI, no network): error bodies, body limits, metrics, health, the
-layout, the snapshot endpoint, and the service object's own checks."""
+"""The app in process (ASGI, no network): the wire format, error bodies, body limits, metrics,
+health, the layout, the snapshot endpoint, apps that share nothing, and the service object's
+own checks."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi.testclient import TestClient
 from service_testing import blocks_of
 
 from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.core.request import MAX_TURN, PlanRequest
 from contextpilot_integrations.service.app import create_app
 from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
 
@@ -30,15 +32,39 @@ def client(tmp_path) -> Iterator[TestClient]:  # type: ignore[no-untyped-def]
     ("body", "field", "words"),
     [
         ({"query": "q", "blocks": ["a", 5]}, "body.blocks[1]", "valid string"),
-        ({"query": "q", "blocks": ["a", "\t "]}, "body.blocks[1]", "pattern"),
         ({"query": "q"}, "body.blocks", "Field required"),
-        ({"query": "q", "blocks": [], "turn": -2}, "body.turn", "greater than or equal to 0"),
-        ({"query": "q", "blocks": [], "turn": True}, "body.turn", "valid integer"),
-        ({"query": "q", "blocks": [], "rid": ""}, "body.rid", "at least 1 character"),
-        ({"query": "q", "blocks": [], "colour": "red"}, "body.colour", "Extra inputs"),
         (
-            {"query": "q", "blocks": [], "visibility": {"last": 1, "turns": [1]}},
-            "body.visibility",
+            {"query": "q", "blocks": [], "scope": {"conversation_id": "c", "turn": -2}},
+            "body.scope.turn",
+            "greater than or equal to 0",
+        ),
+        (
+            {"query": "q", "blocks": [], "scope": {"conversation_id": "c", "turn": MAX_TURN + 1}},
+            "body.scope.turn",
+            "less than or equal to",
+        ),
+        (
+            {"query": "q", "blocks": [], "scope": {"conversation_id": "c", "turn": True}},
+            "body.scope.turn",
+            "valid integer",
+        ),
+        ({"query": "q", "blocks": [], "rid": ""}, "body.rid", "at least 1 character"),
+        ({"query": "q", "blocks": [], "rid": "r" * 513}, "body.rid", "at most 512 characters"),
+        ({"query": "q", "blocks": [], "colour": "red"}, "body.colour", "Extra inputs"),
+        # The scope travels as one value: the old flat keywords are refused.
+        ({"query": "q", "blocks": [], "conversation_id": "c"}, "body.conversation_id", "Extra"),
+        (
+            {"query": "q", "blocks": [], "scope": {"conversation_id": "c", "colour": 1}},
+            "body.scope.colour",
+            "Extra inputs",
+        ),
+        (
+            {
+                "query": "q",
+                "blocks": [],
+                "scope": {"conversation_id": "c", "visibility": {"last": 1, "turns": [1]}},
+            },
+            "body.scope.visibility",
             "",
         ),
         # JSON with a lone surrogate escape is refused by the parser itself.
@@ -54,6 +80,92 @@ def test_invalid_plans_get_a_422_naming_the_field_and_value(client, body, field,
     assert error["error_type"] == "ValueError"
     assert error["fields"][0]["field"].startswith(field)
     assert client.get("/v1/stats").json()["inserts"] == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "words"),
+    [
+        (
+            "/v1/plan",
+            {"query": "q", "blocks": ["a"], "scope": {"turn": 3}},
+            "scope.turn=3 needs a scope.conversation_id",
+        ),
+        (
+            "/v1/plan",
+            {"query": "q", "blocks": ["a"], "scope": {"visibility": {"last": 1}}},
+            "needs a scope.conversation_id",
+        ),
+        (
+            "/v1/plan_batch",
+            {"requests": [{"query": "a", "blocks": ["x"], "rid": "s"}] * 2},
+            "rids must be unique within a batch",
+        ),
+        (
+            "/v1/plan_batch",
+            {"requests": [{"query": "a", "blocks": ["x"], "scope": {"conversation_id": "k"}}] * 2},
+            "are turns of the same conversation 'k'",
+        ),
+        ("/v1/usage", {"rid": "r", "prompt_tokens": 10, "cached_tokens": 11}, "cached_tokens"),
+    ],
+)
+def test_rules_across_fields_are_the_cores_and_get_its_message(client, path, body, words) -> None:  # type: ignore[no-untyped-def]
+    response = client.post(path, json=body)
+    assert response.status_code == 422, response.text
+    error = response.json()
+    assert words in error["message"] and error["error_type"] == "ValueError", error
+    stats = client.get("/v1/stats").json()
+    assert stats["inserts"] == 0 and stats["conversations"]["conversations"] == 0
+    assert stats["usage"]["reports"] == 0
+
+
+def test_the_wire_format_is_the_core_request_and_plan(client) -> None:  # type: ignore[no-untyped-def]
+    texts = ["a first block", "", "a second block", "a first block", " \t\n"]
+    body = {
+        "query": "q",
+        "blocks": texts,
+        "rid": "wire",
+        "scope": {"conversation_id": "c", "tenant": "t", "turn": 4, "visibility": {"last": 2}},
+    }
+    plan = client.post("/v1/plan", json=body).json()
+    assert plan["rid"] == "wire"
+    assert plan["scope"] == {
+        "conversation_id": "c",
+        "tenant": "t",
+        "turn": 4,
+        "visibility": {"last": 2},
+    }
+    # Every input has its placement, empty and whitespace-only ones skipped (not refused).
+    statuses = {p["index"]: p["status"] for p in plan["placements"]}
+    assert statuses == {0: "shown", 1: "skipped", 2: "shown", 3: "duplicate", 4: "skipped"}
+    duplicate = plan["placements"][3]
+    assert (
+        duplicate["duplicate_of"] == 0
+        and duplicate["block_id"] == plan["placements"][0]["block_id"]
+    )
+    assert int(plan["placements"][0]["block_id"]) >= 0  # a decimal string
+    assert plan["placements"][1]["block_id"] is None
+    assert plan["dedup_figures"]["blocks_kept"] == 2
+    assert plan["segments"][0] == "Custom system prompt.\n"
+
+
+def test_two_apps_in_one_process_share_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    first = TestClient(create_app(ServiceConfig(api_key="one")))
+    second = TestClient(create_app(ServiceConfig()))
+    with first, second:
+        headers = {"Authorization": "Bearer one"}
+        body = {"query": "q", "blocks": blocks_of(1), "rid": "only-in-the-first"}
+        assert first.post("/v1/plan", json=body, headers=headers).status_code == 200
+        assert second.post("/v1/plan", json=body).status_code == 200  # not a conflict
+        assert (
+            second.post("/v1/plan", json={"query": "q", "blocks": blocks_of(2)}).status_code == 200
+        )
+        assert first.get("/v1/stats", headers=headers).json()["requests"] == 1
+        assert second.get("/v1/stats").json()["requests"] == 2
+        assert first.get("/v1/stats").status_code == 401 and second.get("/health").status_code
+        assert (
+            'contextpilot_plans_total{kind="single"} 1.0'
+            in first.get("/metrics", headers=headers).text
+        )
 
 
 def test_malformed_json_and_oversized_bodies_are_refused(client) -> None:  # type: ignore[no-untyped-def]
@@ -122,6 +234,7 @@ def test_health_layout_and_snapshot_endpoints(client, tmp_path) -> None:  # type
     assert (
         layout["system_prompt"] == "Custom system prompt."
         and layout["label_template"] == "[Doc {position}]"
+        and layout["turn_header"] == PromptLayout().turn_header
     )
     plan = client.post("/v1/plan", json={"query": "q", "blocks": blocks_of(0)}).json()
     assert plan["segments"][0] == "Custom system prompt.\n"
@@ -141,6 +254,7 @@ def test_a_batch_with_some_rids_gets_new_ones_for_the_rest(client) -> None:  # t
     assert plans[0]["rid"] == "given" and plans[1]["rid"].startswith("cp-")
     again = client.post("/v1/plan_batch", json=body)
     assert again.status_code == 409 and "already indexed" in again.json()["message"]
+    assert again.json()["error_type"] == "RidConflictError"
 
 
 def test_service_config_is_checked() -> None:
@@ -152,6 +266,12 @@ def test_service_config_is_checked() -> None:
         IndexService(ServiceConfig(cache_sync={"kind": "capacity"}))
     with pytest.raises(ValueError, match="unknown|colour"):
         ServiceConfig(cache_sync={"kind": "ttl", "ttl_s": 5, "colour": 1})
+    with pytest.raises(ValueError, match="engine_grace_s"):  # part of the engine link's mapping
+        ServiceConfig(
+            cache_sync={"kind": "kv-events", "endpoint": "tcp://h:1", "engine_grace_s": 0}
+        )
+    with pytest.raises(TypeError, match="engine_grace_s"):
+        ServiceConfig(engine_grace_s=1.0)  # type: ignore[call-arg]
 
 
 def test_the_service_object_plans_without_http() -> None:
@@ -160,7 +280,7 @@ def test_the_service_object_plans_without_http() -> None:
     )
     service.start()
     try:
-        plans = [service.plan(f"q{i}", blocks_of(i), rid=f"x{i}") for i in range(40)]
+        plans = [service.plan(PlanRequest(f"q{i}", blocks_of(i), f"x{i}")) for i in range(40)]
         stats = service.stats()
     finally:
         service.stop()
@@ -168,3 +288,5 @@ def test_the_service_object_plans_without_http() -> None:
     assert stats["sync"]["source"]["used_tokens"] <= 10_000
     assert stats["requests"] == stats["sync"]["source"]["requests"] < 40
     assert plans[-1].rid in service.pilot.index and plans[0].rid not in service.pilot.index
+    # The capacity model's evictions are the engine link's, counted by cause.
+    assert stats["sync"]["evictions"] == {"capacity": 40 - stats["requests"]}

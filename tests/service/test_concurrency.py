@@ -12,13 +12,17 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from service_testing import blocks_of
 
+from contextpilot_integrations.core.request import PlanRequest, RidConflictError, Scope
 from contextpilot_integrations.service.client import ContextPilotClient
 
 
 def _lossless(plan, count: int) -> bool:  # type: ignore[no-untyped-def]
-    """Every input index is in exactly one of order, duplicates and replaced."""
-    seen = [*plan.order, *plan.duplicates, *plan.replaced]
-    return sorted(seen) == list(range(count))
+    """Every input index has exactly one placement, and every shown block is in the prompt."""
+    placed = sorted(p.index for p in plan.output_order())
+    shown = sorted(plan.order)
+    return placed == list(range(count)) and all(
+        plan.placements[i].rendered_text in plan.prompt for i in shown
+    )
 
 
 def test_threads_share_one_client(server_factory) -> None:  # type: ignore[no-untyped-def]
@@ -53,7 +57,7 @@ def _process_worker(base_url: str, worker: int, count: int, queue) -> None:  # t
                 raise AssertionError(f"lost a block in {plan.rid}")
             rids.append(plan.rid)
         batch = client.plan_batch(
-            [f"b{worker} {j}" for j in range(5)], [blocks_of(worker + j) for j in range(5)]
+            [PlanRequest(f"b{worker} {j}", blocks_of(worker + j)) for j in range(5)]
         )
         rids.extend(p.rid for p in batch.plans)
     queue.put(rids)
@@ -91,10 +95,8 @@ def test_the_same_rid_raced_is_planned_exactly_once(server_factory) -> None:  # 
     def race(worker: int) -> str:
         barrier.wait()
         try:
-            client.plan(
-                f"q{worker}", blocks_of(worker), rid="contested", conversation_id=f"c{worker}"
-            )
-        except ValueError as error:
+            client.plan(f"q{worker}", blocks_of(worker), rid="contested", scope=Scope(f"c{worker}"))
+        except RidConflictError as error:
             return str(error)
         return "planned"
 
@@ -121,13 +123,12 @@ def test_a_long_batch_build_does_not_hold_up_single_plans(server_factory) -> Non
     rng = random.Random(0)
     pool = [f"passage {i} " + "y" * 40 for i in range(3000)]
     size = 4000
-    queries = [f"q{i}" for i in range(size)]
-    blocks = [rng.sample(pool, 20) for _ in range(size)]
+    requests = [PlanRequest(f"q{i}", rng.sample(pool, 20)) for i in range(size)]
     finished = threading.Event()
 
     def batch() -> None:
         with ContextPilotClient(server.base_url, fallback=False, timeout=300) as client:
-            client.plan_batch(queries, blocks)
+            client.plan_batch(requests)
         finished.set()
 
     runner = threading.Thread(target=batch)

@@ -1,4 +1,5 @@
-"""Plan ids on OpenAI-client calls and the cached-token usage read back.
+"""The engine request-id fields on OpenAI-client calls and the cached-token usage read back
+(:mod:`contextpilot_integrations.engine_fields`).
 
 The calls go through the real ``openai`` client to a small OpenAI-compatible HTTP server
 started here (uvicorn on 127.0.0.1) that records each body and reports ``cached_tokens`` as the
@@ -24,14 +25,15 @@ from openai.types.chat import ChatCompletion
 from service_testing import blocks_of, free_port
 
 from contextpilot_integrations.core.pilot import ContextPilot
-from contextpilot_integrations.openai_ids import (
+from contextpilot_integrations.engine_fields import (
+    REQUEST_ID_FIELDS,
     CacheUsageTracker,
     Usage,
     acreate_chat_completion,
     create_chat_completion,
-    plan_extra_body,
     read_usage,
-    with_plan_ids,
+    request_id_fields,
+    with_request_ids,
 )
 from contextpilot_integrations.service.client import ContextPilotClient
 
@@ -96,26 +98,27 @@ def engine() -> Iterator[tuple[str, list[dict[str, Any]]]]:
     thread.join(10)
 
 
-def test_extra_body_fields_per_engine() -> None:
+def test_request_id_fields_per_engine() -> None:
     plan = ContextPilot().plan("q", ["a block"], rid="r-1")
-    assert plan_extra_body(plan) == {"rid": "r-1", "request_id": "r-1", "session_id": "r-1"}
-    assert plan_extra_body("r-2", "sglang") == {"rid": "r-2", "session_id": "r-2"}
-    assert plan_extra_body("r-3", "vllm") == {"request_id": "r-3", "session_id": "r-3"}
-    assert plan_extra_body(plan, "hosted") == {}
+    assert request_id_fields(plan) == {"rid": "r-1", "request_id": "r-1", "session_id": "r-1"}
+    assert tuple(request_id_fields(plan)) == REQUEST_ID_FIELDS
+    assert request_id_fields("r-2", "sglang") == {"rid": "r-2", "session_id": "r-2"}
+    assert request_id_fields("r-3", "vllm") == {"request_id": "r-3", "session_id": "r-3"}
+    assert request_id_fields(plan, "hosted") == {}
     with pytest.raises(ValueError, match="engine must be one of"):
-        plan_extra_body(plan, "tgi")  # type: ignore[arg-type]
+        request_id_fields(plan, "tgi")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="non-empty .rid"):
-        plan_extra_body(object())  # type: ignore[arg-type]
+        request_id_fields(object())  # type: ignore[arg-type]
 
 
-def test_with_plan_ids_merges_without_mutating() -> None:
+def test_with_request_ids_merges_without_mutating() -> None:
     kwargs = {"model": "m", "extra_body": {"top_k": 5, "rid": "old"}}
-    merged = with_plan_ids(kwargs, "new", "sglang")
+    merged = with_request_ids(kwargs, "new", "sglang")
     assert merged == {"model": "m", "extra_body": {"top_k": 5, "rid": "new", "session_id": "new"}}
     assert kwargs == {"model": "m", "extra_body": {"top_k": 5, "rid": "old"}}
-    assert with_plan_ids({}, "r")["extra_body"]["request_id"] == "r"
+    assert with_request_ids({}, "r")["extra_body"]["request_id"] == "r"
     with pytest.raises(TypeError, match="extra_body must be a mapping"):
-        with_plan_ids({"extra_body": ["x"]}, "r")
+        with_request_ids({"extra_body": ["x"]}, "r")
 
 
 def _chat_completion(usage: dict[str, Any] | None) -> ChatCompletion:
@@ -181,6 +184,8 @@ def test_calls_carry_the_ids_and_the_tracker_reads_the_cache_back(engine) -> Non
     stats = tracker.stats()
     assert stats["requests"] == 2 and stats["cached_tokens"] == usage.cached_tokens
     assert stats["hit_ratio"] == pytest.approx(usage.cached_tokens / stats["prompt_tokens"])
+    # The in-process pilot takes the figures too (ContextPilot.record_usage).
+    assert pilot.stats()["usage"]["cached_tokens"] == usage.cached_tokens
 
 
 def test_usage_reaches_the_shared_service(engine, server_factory) -> None:  # type: ignore[no-untyped-def]

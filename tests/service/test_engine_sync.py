@@ -15,6 +15,7 @@ import time
 import httpx
 from service_testing import blocks_of, free_port, wait_for
 
+from contextpilot_integrations.core.request import PlanRequest
 from contextpilot_integrations.service.client import ContextPilotClient
 from contextpilot_integrations.sync.event_publisher import KVEventPublisher
 from contextpilot_integrations.sync.kv_events import BlockRemoved, BlockStored, KVEventBatch
@@ -110,7 +111,7 @@ def test_an_unreachable_engine_never_breaks_a_request(server_factory) -> None:  
         plans = [client.plan(f"q{i}", blocks_of(i)) for i in range(5)]
         wait_for(lambda: client.stats()["sync"]["failures"].get("engine_unreachable") == 1)
         plans += [client.plan(f"again {i}", blocks_of(i)) for i in range(5)]
-        batch = client.plan_batch(["x", "y"], [blocks_of(1), blocks_of(2)])
+        batch = client.plan_batch([PlanRequest("x", blocks_of(1)), PlanRequest("y", blocks_of(2))])
         time.sleep(0.5)
         stats = client.stats()
     assert all(sorted(p.order) == list(range(6)) for p in plans) and len(batch.plans) == 2

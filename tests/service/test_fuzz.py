@@ -16,6 +16,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
 
+from contextpilot_integrations.core.request import PlanRequest, Scope
 from contextpilot_integrations.service.app import create_app
 from contextpilot_integrations.service.index_service import ServiceConfig
 
@@ -30,11 +31,13 @@ SEEDED_RIDS = [f"seed-{uuid.uuid4().hex}" for _ in range(3)]
 SEEDED_CONVERSATION = f"seed-conversation-{uuid.uuid4().hex}"
 for number, seeded_rid in enumerate(SEEDED_RIDS):
     service.plan(
-        f"question {number}",
-        [f"shared block of the seeded requests {i}" for i in range(4)] + [f"own block {number}"],
-        rid=seeded_rid,
-        conversation_id=SEEDED_CONVERSATION if number == 0 else None,
-        tenant="seed-tenant",
+        PlanRequest(
+            f"question {number}",
+            [f"shared block of the seeded requests {i}" for i in range(4)]
+            + [f"own block {number}"],
+            seeded_rid,
+            Scope(SEEDED_CONVERSATION if number == 0 else None, "seed-tenant"),
+        )
     )
 
 schema = schemathesis.openapi.from_asgi("/openapi.json", app)
@@ -45,11 +48,18 @@ schema.config.generation.update(
 )
 
 
-# Rules JSON Schema cannot state (uniqueness across array items, one field bounded by
-# another): schema-valid bodies may break them and get a 422 naming the rule.
+# Rules JSON Schema cannot state (a field that needs another, uniqueness across array items,
+# one field bounded by another): the core's checks. Schema-valid bodies may break them and get
+# a 422 with the core's message naming the rule.
+NEEDS_A_CONVERSATION = "needs a scope.conversation_id"
 SEMANTIC_RULES = {
-    "POST /v1/plan_batch": ("must be unique within a batch", "appears twice in one batch"),
-    "POST /v1/usage": ("exceeds prompt_tokens",),
+    "POST /v1/plan": (NEEDS_A_CONVERSATION,),
+    "POST /v1/plan_batch": (
+        NEEDS_A_CONVERSATION,
+        "rids must be unique within a batch",
+        "are turns of the same conversation",
+    ),
+    "POST /v1/usage": ("need 0 <= cached_tokens <= prompt_tokens",),
 }
 
 

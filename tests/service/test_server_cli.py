@@ -32,6 +32,9 @@ def test_kv_events_options_build_the_event_source_config() -> None:
     assert config.cache_sync.replay_endpoint == "tcp://127.0.0.1:5558"
     assert (config.cache_sync.topic, config.cache_sync.dp_size) == ("kv-events", 2)
     assert config.max_requests == 500 and config.api_key is None
+    assert config.cache_sync.engine_grace_s == CacheSyncConfig(kind="kv-events").engine_grace_s
+    grace = _config(["--kv-events", "tcp://127.0.0.1:5557", "--engine-grace", "0.3"])
+    assert grace.cache_sync.engine_grace_s == 0.3  # the engine link's setting
 
 
 def test_capacity_ttl_and_no_model() -> None:
@@ -64,8 +67,10 @@ def test_layout_from_a_json_file(tmp_path: Path) -> None:
         (["--cache-model", "ttl"], "'provider' or 'ttl_s'"),
         (
             ["--cache-model", "capacity", "--capacity-tokens", "5", "--kv-events", "tcp://h:1"],
-            "--kv-events options need",
+            "--kv-events options",
         ),
+        (["--engine-grace", "2"], "--engine-grace need --cache-model events"),
+        (["--kv-events", "tcp://h:1", "--engine-grace", "0"], "engine_grace_s must be > 0"),
         (["--snapshot-interval", "0"], "snapshot_interval_s must be positive"),
         (["--max-requests", "0"], "max_requests"),
         (["--kv-events", "tcp://127.0.0.1:x"], "tcp://host:port"),

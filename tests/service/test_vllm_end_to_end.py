@@ -17,16 +17,14 @@ import openai
 import pytest
 from service_testing import wait_for
 
-from contextpilot_integrations.engines.vllm_cpu import (
-    VllmCpuServer,
-    find_vllm_python,
-    prepare_model_dir,
-)
-from contextpilot_integrations.openai_ids import (
+from contextpilot_integrations.engine_fields import (
     CacheUsageTracker,
     create_chat_completion,
     read_usage,
 )
+from contextpilot_integrations.engines.locations import find_vllm_python
+from contextpilot_integrations.engines.model_dir import prepare_model_dir
+from contextpilot_integrations.engines.vllm_server import VllmCpuServer
 from contextpilot_integrations.service.client import ContextPilotClient
 
 pytestmark = [
@@ -94,6 +92,7 @@ def test_the_service_follows_a_real_engine(tmp_path, server_factory) -> None:  #
             assert second.order != list(range(5)) and [b.text for b in second.blocks] == [
                 b.text for b in first.blocks
             ]
+            assert second.matched_prefix_blocks == 5  # the whole prefix the index holds
             assert first_usage is not None and second_usage is not None
             # The passages are most of the prompt (the system prompt and the tail ~60 tokens).
             assert first_usage.cached_tokens == 0
@@ -113,5 +112,7 @@ def test_the_service_follows_a_real_engine(tmp_path, server_factory) -> None:  #
             assert stats["usage"]["reports"] == 3
             assert stats["usage"]["cached_tokens"] == tracker.stats()["cached_tokens"] > 0
             assert stats["sync"]["failures"] == {}
+            # The reset's evictions are the engine link's, by cause (the metric reads them).
+            assert stats["sync"]["evictions"] == {"kv-events": 2}
             assert [pilot.evict(p.rid) for p in (first, second, third)] == [False, False, True]
         service.stop(signal.SIGTERM)

@@ -1,0 +1,118 @@
+"""The index service's ASGI middleware: every HTTP request counted and timed, bodies over the
+limit refused (413).
+
+A plain ASGI middleware (cheaper per request than Starlette's ``BaseHTTPMiddleware``). The
+limit holds both for a declared ``Content-Length`` (refused before the body is read) and for a
+streamed body without one (refused as soon as the received bytes pass it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import pydantic_core
+
+from contextpilot_integrations.service.errors import JSON, BodyTooLarge, error_body
+from contextpilot_integrations.service.metrics import ServiceMetrics
+
+__all__ = ["MeteringMiddleware"]
+
+ASGIScope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class MeteringMiddleware:
+    """Counts and times every HTTP request; refuses bodies over ``max_body_bytes`` (413).
+
+    Args:
+        app: the ASGI app to wrap.
+        metrics: where ``contextpilot_http_requests_total`` and the latency histogram go.
+        max_body_bytes: the largest request body accepted.
+        known_paths: paths metered under their own name; others count as ``other`` (so a
+            scan of random paths cannot grow the label set).
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        *,
+        metrics: ServiceMetrics,
+        max_body_bytes: int,
+        known_paths: frozenset[str],
+    ) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.known_paths = known_paths
+
+    async def __call__(self, scope: ASGIScope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        path = scope["path"]
+        endpoint = path if path in self.known_paths else "other"
+        status = [500]
+
+        async def send_metered(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            declared = _content_length(scope)
+            if declared is not None and declared > self.max_body_bytes:
+                await _send_too_large(
+                    send_metered,
+                    f"body: {declared} bytes exceeds the limit of {self.max_body_bytes} bytes",
+                )
+                return
+            await self.app(scope, self._limited(receive), send_metered)
+        finally:
+            self.metrics.http_requests.labels(endpoint, str(status[0])).inc()
+            self.metrics.http_latency.labels(endpoint).observe(time.perf_counter() - started)
+
+    def _limited(self, receive: Receive) -> Receive:
+        """``receive`` that raises :class:`BodyTooLarge` once the body passes the limit."""
+        received = [0]
+
+        async def receive_limited() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                received[0] += len(message.get("body", b""))
+                if received[0] > self.max_body_bytes:
+                    raise BodyTooLarge(f"body: more than the limit of {self.max_body_bytes} bytes")
+            return message
+
+        return receive_limited
+
+
+def _content_length(scope: ASGIScope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def _send_too_large(send: Send, message: str) -> None:
+    body = pydantic_core.to_json(
+        error_body(message, "ValueError", [{"field": "body", "message": message}])
+    )
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", JSON.encode()),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
