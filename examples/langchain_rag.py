@@ -15,7 +15,7 @@ in place of the dict. Both render with the same layout, so the only difference i
 of the documents (and the order annotation after them).
 
 The model: by default a fake chat model in front of the embedded prefix-cache model
-(``contextpilot_integrations.bench.methods.EmbeddedEngine``: a radix tree of cached prompt
+(``contextpilot_integrations.bench.engine.EmbeddedEngine``: a radix tree of cached prompt
 prefixes with LRU eviction, in the engine's way). It counts cached tokens in whole lines of
 the chat-templated prompt (a line is cached only when it and everything before it is), with
 ``ApproxTokenCounter`` token counts, and passes the request ids it evicts back to
@@ -24,9 +24,10 @@ the chat-templated prompt (a line is cached only when it and everything before i
 ``CONTEXTPILOT_LLM_API_KEY``) the chains call that OpenAI-compatible endpoint through
 ``ChatOpenAI`` and the figures are the engine's own ``cached_tokens`` (SGLang with
 ``--enable-cache-report``, vLLM with ``--enable-prompt-tokens-details``); the engine's prefix
-cache is flushed before each run when it allows it. With a real engine, evictions reach the
-pilot through the KV-event subscriber (``contextpilot_integrations.sync``: ``KVEventSubscriber``
-feeding ``CacheMirror(on_evict=pilot.evict)``), which this example does not start;
+cache is flushed before each run when it allows it. With a real engine, the pilot follows the
+engine's cache itself: ``ContextPilot(cache_sync={"kind": "kv-events", "endpoint": ...,
+"replay_endpoint": ...})`` subscribes to its KV-cache events and drops the requests it evicts
+(this example does not, as the endpoints depend on the engine's launch flags);
 ``tests/langchain/test_langchain_vllm_engine.py`` runs that loop against vLLM.
 
 Run: ``python examples/langchain_rag.py [--limit 500] [--k 5] [--cache-tokens unlimited]``;
@@ -56,11 +57,8 @@ from langchain_core.runnables import Runnable, RunnablePassthrough
 from pydantic import ConfigDict, PrivateAttr
 
 from contextpilot_integrations import ApproxTokenCounter, ContextPilot
-from contextpilot_integrations.bench.methods import (
-    EmbeddedEngine,
-    parse_cache_tokens,
-    resolve_cache_tokens,
-)
+from contextpilot_integrations.bench.engine import EmbeddedEngine
+from contextpilot_integrations.bench.methods import parse_cache_tokens, resolve_cache_tokens
 from contextpilot_integrations.bench.report import format_table
 from contextpilot_integrations.bench.retrieval import ScopedBM25
 from contextpilot_integrations.bench.workloads import Request, Workload, load_workload

@@ -11,11 +11,15 @@ Swap ``retriever`` for ``ContextPilotRetriever(base_retriever=retriever)``, form
     )
 
 For batches planned jointly and sent in schedule order, start the chain with
-:class:`RAGInputs` instead of the dict. Install with ``pip install
-contextpilot-integrations[langchain]``; the framework types stay in this package.
+:class:`RAGInputs` instead of the dict. The pilot is any
+:class:`~contextpilot_integrations.Planner`: the in-process ``ContextPilot`` (default; with
+``cache_sync={...}`` it follows the engine's cache) or the index service's
+``ContextPilotClient``. Returned documents carry ``metadata["contextpilot"]``
+(:mod:`contextpilot_integrations.placement_metadata`, :mod:`.documents`). Install with
+``pip install contextpilot-integrations[langchain]``; the framework types stay in this package.
 """
 
-from .documents import METADATA_KEY, planned_documents, planned_entry
+from .documents import planned_documents, planned_entry
 from .prompts import (
     CONTEXTPILOT_PROMPT,
     ContextPilotChatPromptTemplate,
@@ -27,28 +31,24 @@ from .prompts import (
     render_context,
 )
 from .rag_inputs import RAGInputs
-from .request_ids import REQUEST_ID_FIELDS, RequestIdChatModel, schedule_order, with_request_id
+from .request_ids import RequestIdChatModel, schedule_order, with_request_id
 from .retriever import (
     CONVERSATION_ID_KEY,
     TENANT_KEY,
     TURN_KEY,
     VISIBLE_TURNS_KEY,
     ContextPilotRetriever,
-    Planner,
 )
 
 __all__ = [
     "CONTEXTPILOT_PROMPT",
     "CONVERSATION_ID_KEY",
-    "METADATA_KEY",
-    "REQUEST_ID_FIELDS",
     "TENANT_KEY",
     "TURN_KEY",
     "VISIBLE_TURNS_KEY",
     "ContextPilotChatPromptTemplate",
     "ContextPilotPromptValue",
     "ContextPilotRetriever",
-    "Planner",
     "RAGInputs",
     "RenderedContext",
     "RequestIdChatModel",

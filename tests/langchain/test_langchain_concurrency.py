@@ -8,10 +8,11 @@ import threading
 from collections import defaultdict
 
 from langchain_core.documents import Document
-from langchain_support import Bm25sRetriever, ListRetriever
+from langchain_support import Bm25sRetriever, ListRetriever, RecordingPilot
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.langchain import METADATA_KEY, ContextPilotRetriever
+from contextpilot_integrations.langchain import ContextPilotRetriever
+from contextpilot_integrations.placement_metadata import METADATA_KEY
 
 THREADS = 8
 TURNS = 6
@@ -23,7 +24,7 @@ def test_threads_in_different_conversations_stay_isolated(multihop_documents):
     # turn before (replaced by hints, whatever the other conversations did meanwhile) and
     # brings two new ones.
     results = {f"turn {t}": docs[2 * t : 2 * t + 4] for t in range(TURNS)}
-    pilot = ContextPilot()
+    pilot = RecordingPilot()
     retriever = ContextPilotRetriever(base_retriever=ListRetriever(results=results), pilot=pilot)
     barrier = threading.Barrier(THREADS)
     seen: dict[str, list[list[Document]]] = defaultdict(list)
@@ -54,16 +55,19 @@ def test_threads_in_different_conversations_stay_isolated(multihop_documents):
         shown_before: set[str] = set()
         for t, documents in enumerate(turns):
             entries = [d.metadata[METADATA_KEY] for d in documents]
-            assert {e["conversation_id"] for e in entries} == {name}
-            assert {e["turn"] for e in entries} == {t + 1}
+            (rid,) = {e["rid"] for e in entries}
+            scope = pilot.plan_for(rid).scope
+            assert (scope.conversation_id, scope.turn) == (name, t + 1)
             for e, doc in zip(entries, documents):
                 original = e.get("original_page_content", doc.page_content)
-                assert e["replaced"] == (original in shown_before)
+                assert (e["status"] == "replaced") == (original in shown_before)
             shown_before |= {
-                d.page_content for d, e in zip(documents, entries) if not e["replaced"]
+                d.page_content for d, e in zip(documents, entries) if e["status"] == "shown"
             }
-            rids |= {e["rid"] for e in entries}
-        replaced = [sum(d.metadata[METADATA_KEY]["replaced"] for d in ts) for ts in turns]
+            rids.add(rid)
+        replaced = [
+            sum(d.metadata[METADATA_KEY]["status"] == "replaced" for d in ts) for ts in turns
+        ]
         assert replaced == [0] + [2] * (TURNS - 1)
     assert len(rids) == THREADS * TURNS
     assert pilot.stats()["requests"] == THREADS * TURNS

@@ -14,14 +14,10 @@ from langchain_support import Bm25sRetriever, ListRetriever, RecordingPilot
 from tokenizers import Tokenizer
 
 from contextpilot_integrations import ContextPilot, PromptLayout
-from contextpilot_integrations.engines.vllm_cpu import (
-    prepare_model_dir,
-    render_chat,
-    tokenize_prompt,
-)
+from contextpilot_integrations.engines.chat_template import render_chat, tokenize_prompt
+from contextpilot_integrations.engines.model_dir import prepare_model_dir
 from contextpilot_integrations.langchain import (
     CONTEXTPILOT_PROMPT,
-    METADATA_KEY,
     ContextPilotPromptValue,
     ContextPilotRetriever,
     RenderedContext,
@@ -30,6 +26,7 @@ from contextpilot_integrations.langchain import (
     format_documents,
     render_context,
 )
+from contextpilot_integrations.placement_metadata import METADATA_KEY
 
 ANNOTATION = "Read the documents in this priority order"
 
@@ -93,7 +90,7 @@ def test_rendered_messages_equal_the_plan_with_hints_and_sub_block_pointers(arti
     second = chain.invoke("two", config=config)
     plan = pilot.plans[-1]
     assert as_dicts(second) == plan.messages
-    assert plan.replaced and plan.hints  # A was replaced by a hint
+    assert any(p.status == "replaced" for p in plan.placements) and plan.hints  # A: a hint
     assert any(block.rendered_text != block.text for block in plan.blocks)  # pointers inside B
     returned = retriever.invoke(
         "two",
@@ -101,7 +98,9 @@ def test_rendered_messages_equal_the_plan_with_hints_and_sub_block_pointers(arti
             "metadata": {"contextpilot_conversation_id": "x", "contextpilot_visible_turns": "all"}
         },
     )
-    assert all(not d.metadata[METADATA_KEY]["replaced"] for d in returned)  # another conversation
+    assert all(
+        d.metadata[METADATA_KEY]["status"] == "shown" for d in returned
+    )  # other conversation
 
     # The documents say what happened, and keep the original text.
     retriever.invoke(
@@ -118,11 +117,16 @@ def test_rendered_messages_equal_the_plan_with_hints_and_sub_block_pointers(arti
     )
     by_name = {d.metadata["name"]: d for d in result}
     b_entry = by_name["b"].metadata[METADATA_KEY]
-    assert b_entry["sub_blocks_replaced"] and b_entry["original_page_content"] == b
+    assert b_entry["status"] == "shown" and b_entry["original_page_content"] == b
+    assert by_name["b"].page_content != b  # sub-blocks replaced by pointers
     assert "[Repeated passage: see [Doc 1] of turn 1" in by_name["b"].page_content
     a_entry = by_name["a"].metadata[METADATA_KEY]
-    assert a_entry["replaced"] and a_entry["original_page_content"] == a
+    assert a_entry["status"] == "replaced" and a_entry["original_page_content"] == a
     assert by_name["a"].page_content == a_entry["hint"]
+    rendered = format_documents.invoke(result)
+    plan = retriever.pilot.plan_for(a_entry["rid"])
+    assert rendered == plan.context and rendered.endswith(plan.context_tail)
+    assert a_entry["hint"] in plan.context_tail
 
 
 def test_two_prompts_sharing_blocks_share_a_byte_identical_prefix(
@@ -226,6 +230,16 @@ def test_formatter_without_a_plan_and_with_mixed_plans(topic_documents, caplog):
     with caplog.at_level(logging.WARNING):
         rendered = render_context(mixed)
     assert rendered.rid is None and "2 different plans" in caplog.text
+    # Hints of documents from several plans come after all their blocks (the core's tail).
+    meta = {"metadata": {"contextpilot_conversation_id": "m", "contextpilot_visible_turns": "all"}}
+    retriever.invoke("a", config=meta)
+    hinted = retriever.invoke("a", config=meta)
+    hints = [d.page_content for d in hinted]
+    other = retriever.invoke("b")
+    rendered = render_context(other + hinted)
+    blocks = "".join(PromptLayout().render_block(i, d.page_content) for i, d in enumerate(other))
+    assert rendered == blocks + PromptLayout().context_tail(hints=hints)
+    assert all(d.metadata[METADATA_KEY]["status"] == "replaced" for d in hinted)
 
     reordered = list(reversed(retriever.invoke("a")))
     caplog.clear()

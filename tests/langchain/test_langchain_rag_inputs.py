@@ -11,12 +11,12 @@ from langchain_support import Bm25sRetriever, ListRetriever, RecordingPilot, Run
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.langchain import (
-    METADATA_KEY,
     ContextPilotRetriever,
     RAGInputs,
     RenderedContext,
     format_documents,
 )
+from contextpilot_integrations.placement_metadata import METADATA_KEY
 
 
 def test_invoke_matches_the_usual_map(topic_documents):
@@ -47,10 +47,11 @@ def test_batch_plans_jointly_and_keeps_input_order(multihop_documents, multihop_
     (batch,) = pilot.batches
     assert [o["context"].rid for o in out] == [p.rid for p in batch.plans]
     positions = [o["context"].schedule_position for o in out]
+    assert positions == list(batch.schedule_positions)
     assert sorted(positions) == list(range(10))
-    assert [batch.schedule[p] for p in sorted(positions)] == batch.schedule
+    assert [batch.schedule.index(i) for i in range(10)] == positions
     out = asyncio.run(RAGInputs(retriever=retriever).abatch(questions))
-    assert [c["method"] for c in pilot.calls] == ["plan_batch", "plan_batch"]
+    assert [c["method"] for c in pilot.calls] == ["plan_batch", "aplan_batch"]
     assert [o["question"] for o in out] == questions
 
 
@@ -94,8 +95,10 @@ def test_runs_are_nested_under_the_inputs_run(topic_documents):
 
 
 def test_conversations_in_a_batch(topic_documents):
+    pilot = RecordingPilot()
     retriever = ContextPilotRetriever(
-        base_retriever=ListRetriever(results={"a": topic_documents[:3], "b": topic_documents[:3]})
+        base_retriever=ListRetriever(results={"a": topic_documents[:3], "b": topic_documents[:3]}),
+        pilot=pilot,
     )
     inputs = RAGInputs(retriever=retriever)
     configs = [
@@ -104,5 +107,5 @@ def test_conversations_in_a_batch(topic_documents):
     ]
     inputs.batch(["a", "b"], config=configs)
     docs = retriever.invoke("b", config=configs[0])
-    assert all(d.metadata[METADATA_KEY]["replaced"] for d in docs)
-    assert all(d.metadata[METADATA_KEY]["turn"] == 2 for d in docs)
+    assert all(d.metadata[METADATA_KEY]["status"] == "replaced" for d in docs)
+    assert pilot.plans[-1].scope.turn == 2 and pilot.plans[-1].scope.conversation_id == "x"

@@ -15,7 +15,6 @@ from langchain_support import Bm25sRetriever, RecordingPilot
 
 from contextpilot_integrations.langchain import (
     CONTEXTPILOT_PROMPT,
-    METADATA_KEY,
     ContextPilotPromptValue,
     ContextPilotRetriever,
     RAGInputs,
@@ -23,6 +22,7 @@ from contextpilot_integrations.langchain import (
     schedule_order,
     with_request_id,
 )
+from contextpilot_integrations.placement_metadata import METADATA_KEY
 
 
 def openai_model(url: str, **kwargs) -> ChatOpenAI:
@@ -69,12 +69,16 @@ def test_extra_body_is_merged_with_the_models_own(chat_server, topic_documents):
     assert body["rid"].startswith("cp-") and body["rid"] == body["session_id"]
 
     bound = openai_model(url).bind(extra_body={"top_k": 5}, temperature=0.0)
-    rag_chain(retriever, with_request_id(bound, fields=("rid",))).invoke("cache")
+    rag_chain(retriever, with_request_id(bound, engine="sglang")).invoke("cache")
     body = server.bodies[-1]
     assert body["top_k"] == 5 and body["temperature"] == 0.0 and body["rid"].startswith("cp-")
-    assert "session_id" not in body and "request_id" not in body
+    assert body["session_id"] == body["rid"] and "request_id" not in body  # SGLang's fields
 
-    rag_chain(retriever, with_request_id(openai_model(url), fields=())).invoke("cache")
+    rag_chain(retriever, with_request_id(openai_model(url), engine="vllm")).invoke("cache")
+    body = server.bodies[-1]
+    assert body["request_id"] == body["session_id"] and "rid" not in body  # vLLM's fields
+
+    rag_chain(retriever, with_request_id(openai_model(url), engine="hosted")).invoke("cache")
     assert not {"rid", "request_id", "session_id"} & set(server.bodies[-1])
 
 
@@ -87,6 +91,8 @@ def test_inputs_without_a_plan_pass_through(chat_server):
         with_request_id(object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_concurrency must be >= 1"):
         with_request_id(openai_model(url), max_concurrency=0)
+    with pytest.raises(ValueError, match="engine"):
+        with_request_id(openai_model(url), engine="openai")  # type: ignore[arg-type]
 
 
 def test_batch_goes_out_in_schedule_order_and_comes_back_in_input_order(
@@ -105,7 +111,7 @@ def test_batch_goes_out_in_schedule_order_and_comes_back_in_input_order(
     (batch,) = pilot.batches  # one joint plan for the whole batch
     sent = [body["rid"] for body in server.bodies]
     assert sent == [plan.rid for plan in batch.scheduled()]
-    assert batch.schedule != list(range(len(questions)))  # the schedule did reorder
+    assert batch.schedule != tuple(range(len(questions)))  # the schedule did reorder
     # Answers in input order: the server numbers its answers in arrival order.
     arrival = {rid: n for n, rid in enumerate(sent, start=1)}
     assert [a.content for a in answers] == [f"answer {arrival[p.rid]}" for p in batch.plans]

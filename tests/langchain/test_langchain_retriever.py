@@ -13,16 +13,29 @@ from langchain_core.runnables import RunnableLambda
 from langchain_support import Bm25sRetriever, ListRetriever, RecordingPilot, RunRecorder
 from pydantic import ValidationError
 
-from contextpilot_integrations import ContextPilot, block_id
-from contextpilot_integrations.langchain import (
-    METADATA_KEY,
-    ContextPilotRetriever,
-    format_documents,
+from contextpilot_integrations import (
+    ContextPilot,
+    Plan,
+    PlanRequest,
+    Scope,
+    TurnVisibility,
+    block_id,
 )
+from contextpilot_integrations.langchain import ContextPilotRetriever, format_documents
+from contextpilot_integrations.placement_metadata import METADATA_KEY, PLACEMENT_KEYS
 
 
 def entry(doc: Document) -> dict:
     return doc.metadata[METADATA_KEY]
+
+
+def plan_of(retriever: ContextPilotRetriever, docs: list[Document]) -> Plan:
+    """The plan the documents came from (the retriever's pilot is a RecordingPilot)."""
+    return retriever.pilot.plan_for(entry(docs[0])["rid"])
+
+
+def status(doc: Document) -> str:
+    return entry(doc)["status"]
 
 
 def test_returns_copies_in_prompt_order_with_the_entry(topic_documents):
@@ -37,29 +50,31 @@ def test_returns_copies_in_prompt_order_with_the_entry(topic_documents):
     assert sorted(d.page_content for d in docs) == sorted(d.page_content for d in inner)
     for position, doc in enumerate(docs):
         e = entry(doc)
-        assert e["rid"] == plan.rid
+        # The one layout of every face, plus the tail format_documents renders; no more.
+        assert list(e) == [*PLACEMENT_KEYS, "context_tail"]
+        assert e["rid"] == plan.rid and e["status"] == "shown"
         assert e["position"] == position and e["label"] == f"[Doc {position + 1}]"
-        assert e["original_rank"] == plan.order[position]
-        assert inner[e["original_rank"]].page_content == doc.page_content
+        assert e["index"] == plan.order[position]
+        assert inner[e["index"]].page_content == doc.page_content
         assert e["block_id"] == block_id(doc.page_content)
-        assert e["replaced"] is False and e["sub_blocks_replaced"] is False
+        assert e["hint"] is None and e["duplicate_of"] is None
+        assert e["context_tail"] == plan.context_tail
         assert "original_page_content" not in e
-        assert doc.metadata["source"] == inner[e["original_rank"]].metadata["source"]
+        assert doc.metadata["source"] == inner[e["index"]].metadata["source"]
         assert json.loads(json.dumps(e)) == e  # plain JSON, so tracers can record it
     # The base retriever's own documents are untouched.
     assert all(METADATA_KEY not in d.metadata for d in topic_documents)
 
 
 def test_second_request_sharing_blocks_is_aligned_to_the_first(topic_documents):
-    pilot = ContextPilot()
     retriever = ContextPilotRetriever(
-        base_retriever=Bm25sRetriever(documents=topic_documents, k=3), pilot=pilot
+        base_retriever=Bm25sRetriever(documents=topic_documents, k=3), pilot=RecordingPilot()
     )
     first = retriever.invoke("prefix cache requests share the start")
     second = retriever.invoke("requests sharing a prefix raise the cache hit ratio")
     shared = {d.page_content for d in first} & {d.page_content for d in second}
     assert shared, "the two queries were chosen to share documents"
-    assert entry(second[0])["matched_prefix_blocks"] >= 1
+    assert plan_of(retriever, second).matched_prefix_blocks >= 1
     # The shared documents lead the second prompt, in the first prompt's order.
     lead = [d.page_content for d in second[: len(shared)]]
     assert lead == [d.page_content for d in first if d.page_content in shared][: len(lead)]
@@ -119,19 +134,23 @@ def test_conversation_from_metadata_replaces_repeated_blocks_with_hints(topic_do
     retriever.invoke("turn 1", config={"metadata": meta})
     docs = retriever.invoke("turn 2", config={"metadata": meta})
     plan = pilot.plans[-1]
-    assert plan.conversation_id == "c1" and plan.tenant == "acme" and plan.turn == 2
+    # The run metadata became one Scope, passed to the planner as it is.
+    assert pilot.calls[-1]["scope"] == Scope("c1", "acme", None, TurnVisibility.all())
+    assert plan.scope.conversation_id == "c1" and plan.scope.tenant == "acme"
+    assert plan.scope.turn == 2
 
-    replaced = [d for d in docs if entry(d)["replaced"]]
-    shown = [d for d in docs if not entry(d)["replaced"]]
-    assert len(replaced) == 2  # documents 1 and 2 were shown in turn 1
+    replaced = [d for d in docs if status(d) == "replaced"]
+    shown = [d for d in docs if status(d) == "shown"]
+    assert len(replaced) == 2 and len(shown) == 2  # documents 1 and 2 were shown in turn 1
     assert docs[-len(replaced) :] == replaced  # hints come after the shown blocks
-    for doc in replaced:
+    for hint_position, doc in enumerate(replaced):
         e = entry(doc)
-        assert doc.page_content == e["hint"] == plan.replaced[e["original_rank"]]
+        assert doc.page_content == e["hint"] == plan.placements[e["index"]].hint
+        assert e["hint"] == plan.hints[hint_position]  # in the order the hints are rendered
         assert "turn 1" in doc.page_content
-        assert e["original_page_content"] == topic_documents[1 + e["original_rank"]].page_content
-        assert e["position"] is None and e["label"] is None
-        assert (e["conversation_id"], e["tenant"], e["turn"]) == ("c1", "acme", 2)
+        assert e["original_page_content"] == topic_documents[1 + e["index"]].page_content
+        assert e["position"] == hint_position and e["label"] is None
+        assert e["rid"] == plan.rid
     assert {d.page_content for d in shown} == {d.page_content for d in topic_documents[3:5]}
     # Lossless: every input document is shown, or replaced with its text kept.
     kept = {d.page_content for d in shown} | {entry(d)["original_page_content"] for d in replaced}
@@ -145,7 +164,7 @@ def test_no_conversation_other_conversation_or_tenant_never_deduplicates(topic_d
 
     def replaced(query: str, metadata: dict) -> int:
         docs = retriever.invoke(query, config={"metadata": metadata})
-        return sum(entry(d)["replaced"] for d in docs)
+        return sum(status(d) == "replaced" for d in docs)
 
     retriever.invoke(
         "a",
@@ -180,45 +199,56 @@ def test_thread_id_is_read_only_when_opted_in(topic_documents):
     config = {"metadata": {"thread_id": "t1", "user_id": "u1"}}
     default = ContextPilotRetriever(base_retriever=base)
     default.invoke("a", config=config)
-    assert not any(entry(d)["replaced"] for d in default.invoke("a", config=config))
+    assert all(status(d) == "shown" for d in default.invoke("a", config=config))
 
     opted = ContextPilotRetriever(
-        base_retriever=base, conversation_id_keys=("thread_id",), tenant_keys=("user_id",)
+        base_retriever=base,
+        pilot=RecordingPilot(),
+        conversation_id_keys=("thread_id",),
+        tenant_keys=("user_id",),
     )
     config["metadata"]["contextpilot_visible_turns"] = "all"
     opted.invoke("a", config=config)
     docs = opted.invoke("a", config=config)
-    assert all(entry(d)["replaced"] for d in docs)
-    assert entry(docs[0])["tenant"] == "u1"
+    assert all(status(d) == "replaced" for d in docs)
+    assert plan_of(opted, docs).scope == Scope("t1", "u1", 2, TurnVisibility.all())
 
 
 def test_turn_and_visible_turns_from_metadata(topic_documents):
     retriever = ContextPilotRetriever(
         base_retriever=ListRetriever(
             results={"x": topic_documents[:2], "y": topic_documents[4:6], "z": topic_documents[:2]}
-        )
+        ),
+        pilot=RecordingPilot(),
     )
     meta = {"contextpilot_conversation_id": "c", "contextpilot_visible_turns": "all"}
     retriever.invoke("x", config={"metadata": meta})
     retriever.invoke("y", config={"metadata": meta})
     # The app keeps only the last turn in its prompt: turn 1's blocks must not be pointed at.
     docs = retriever.invoke("z", config={"metadata": {**meta, "contextpilot_visible_turns": 1}})
-    assert not any(entry(d)["replaced"] for d in docs)
-    assert entry(docs[0])["turn"] == 3
+    assert all(status(d) == "shown" for d in docs)
+    assert plan_of(retriever, docs).scope.turn == 3
+    assert plan_of(retriever, docs).scope.visibility == TurnVisibility.last(1)
     # Retrying turn 3 with all turns visible: turn 1's blocks are pointed at.
     docs = retriever.invoke("z", config={"metadata": {**meta, "contextpilot_turn": 3}})
-    assert all(entry(d)["replaced"] for d in docs) and entry(docs[0])["turn"] == 3
+    assert all(status(d) == "replaced" for d in docs)
+    assert plan_of(retriever, docs).scope.turn == 3
+    # Without the key, no earlier turn is visible (the usual chain resends no documents).
+    docs = retriever.invoke("z", config={"metadata": {"contextpilot_conversation_id": "c"}})
+    assert all(status(d) == "shown" for d in docs)
+    assert plan_of(retriever, docs).scope.visibility == TurnVisibility.last(0)
 
 
 def test_turn_after_a_fully_replaced_turn_gets_the_next_number(topic_documents):
     retriever = ContextPilotRetriever(
-        base_retriever=ListRetriever(results={"x": topic_documents[:2], "y": topic_documents[4:6]})
+        base_retriever=ListRetriever(results={"x": topic_documents[:2], "y": topic_documents[4:6]}),
+        pilot=RecordingPilot(),
     )
     meta = {"metadata": {"contextpilot_conversation_id": "c", "contextpilot_visible_turns": "all"}}
     retriever.invoke("x", config=meta)
-    assert all(entry(d)["replaced"] for d in retriever.invoke("x", config=meta))  # turn 2
+    assert all(status(d) == "replaced" for d in retriever.invoke("x", config=meta))  # turn 2
     third = retriever.invoke("y", config=meta)
-    assert entry(third[0])["turn"] == 3
+    assert plan_of(retriever, third).scope.turn == 3
 
 
 @pytest.mark.parametrize(
@@ -320,7 +350,7 @@ def test_empty_results(topic_documents):
     assert asyncio.run(retriever.ainvoke("q")) == []
     assert retriever.batch(["q", "q"]) == [[], []]
     assert format_documents.invoke([]) == ""
-    assert all(p.blocks == [] for p in pilot.plans)
+    assert pilot.plans and all(p.blocks == () for p in pilot.plans)
 
 
 def test_documents_without_ids_get_stable_block_ids_from_their_text(topic_documents):
@@ -337,14 +367,22 @@ def test_documents_without_ids_get_stable_block_ids_from_their_text(topic_docume
     assert {entry(d)["block_id"] for d in docs} == {entry(d)["block_id"] for d in first}
 
 
-def test_duplicate_documents_in_one_result_are_folded_not_lost(topic_documents):
+def test_duplicate_documents_in_one_result_come_back_marked_and_render_once(topic_documents):
     a, b, c = topic_documents[:3]
     dup = Document(page_content=a.page_content, metadata={"source": "mirror"}, id="other")
     retriever = ContextPilotRetriever(base_retriever=ListRetriever(results={"q": [a, b, dup, c]}))
     docs = retriever.invoke("q")
-    assert sorted(d.page_content for d in docs) == sorted(x.page_content for x in (a, b, c))
-    first = next(d for d in docs if d.page_content == a.page_content)
-    assert entry(first)["original_rank"] == 0 and entry(first)["duplicate_ranks"] == [2]
+    shown = [d for d in docs if status(d) == "shown"]
+    assert sorted(d.page_content for d in shown) == sorted(x.page_content for x in (a, b, c))
+    # Not lost: the duplicate comes back after the shown blocks, with its own id and metadata,
+    # pointing at the input that stands for it.
+    assert len(docs) == 4 and docs[-1].id == "other" and status(docs[-1]) == "duplicate"
+    assert docs[-1].page_content == a.page_content and docs[-1].metadata["source"] == "mirror"
+    e = entry(docs[-1])
+    assert (e["index"], e["duplicate_of"], e["position"], e["label"]) == (2, 0, None, None)
+    assert e["block_id"] == entry(next(d for d in shown if entry(d)["index"] == 0))["block_id"]
+    # The prompt shows the text once.
+    assert format_documents.invoke(docs).count(a.page_content) == 1
 
 
 def test_metadata_that_is_not_json_serialisable_is_kept_as_is(topic_documents):
@@ -368,15 +406,16 @@ def test_bad_results_and_bad_arguments_get_clear_errors(topic_documents):
     # A document without text is not a context block: it comes back last, marked, unplanned.
     out = retriever.invoke("q")
     assert [d.id for d in out][-1] == "blank" and out[-1].page_content == "   "
-    assert entry(out[-1])["skipped"] == "empty page_content"
+    assert status(out[-1]) == "skipped" and entry(out[-1])["block_id"] is None
     assert entry(out[0])["rid"] == entry(out[-1])["rid"]
+    assert format_documents.invoke(out).count("[Doc ") == 1  # not rendered as a block
     not_docs = ContextPilotRetriever(base_retriever=RunnableLambda(lambda q: ["text"]))
     with pytest.raises(TypeError, match=r"result \[0\] must be a Document, got str"):
         not_docs.invoke("q")
     not_list = ContextPilotRetriever(base_retriever=RunnableLambda(lambda q: "text"))
     with pytest.raises(TypeError, match="must return a list of Document, got str"):
         not_list.invoke("q")
-    with pytest.raises(TypeError, match="pilot must have plan"):
+    with pytest.raises(TypeError, match="pilot must implement the Planner protocol"):
         ContextPilotRetriever(base_retriever=RunnableLambda(lambda q: []), pilot=object())
     with pytest.raises(ValidationError, match="k must be >= 1"):
         ContextPilotRetriever(base_retriever=RunnableLambda(lambda q: []), k=0)
@@ -385,18 +424,23 @@ def test_bad_results_and_bad_arguments_get_clear_errors(topic_documents):
 
 
 def test_batch_rejects_one_conversation_twice_and_takes_per_turn_settings(topic_documents):
+    pilot = RecordingPilot()
     retriever = ContextPilotRetriever(
         base_retriever=ListRetriever(
             results={"a": topic_documents[:2], "b": topic_documents[2:4], "c": topic_documents[:4]}
-        )
+        ),
+        pilot=pilot,
     )
     meta = {"metadata": {"contextpilot_conversation_id": "c", "contextpilot_visible_turns": "all"}}
-    with pytest.raises(ValueError, match="appears twice in one batch"):
+    with pytest.raises(ValueError, match="turns of the same conversation 'c'"):
         retriever.batch(["a", "b"], config=[meta, meta])
     # Different conversations in one batch are fine.
     other = {"metadata": {"contextpilot_conversation_id": "e", "contextpilot_visible_turns": "all"}}
     out = retriever.batch(["a", "b"], config=[meta, other])
-    assert [entry(docs[0])["conversation_id"] for docs in out] == ["c", "e"]
+    requests = pilot.calls[-1]["requests"]  # one PlanRequest per input
+    assert all(isinstance(r, PlanRequest) for r in requests)
+    assert [r.scope.conversation_id for r in requests] == ["c", "e"]
+    assert [plan_of(retriever, docs).scope.conversation_id for docs in out] == ["c", "e"]
     retriever.batch(["b"], config=[meta])  # turn 2 of c
     # Turn 3 of c keeps only turn 2 in its prompt: a and b's turn-1 blocks stay, b's are hints.
     last = {"metadata": {**meta["metadata"], "contextpilot_visible_turns": 1}}
@@ -408,12 +452,13 @@ def test_batch_rejects_one_conversation_twice_and_takes_per_turn_settings(topic_
         }
     }
     out = retriever.batch(["c", "c"], config=[last, plain])
-    replaced = {d.page_content for d in out[0] if entry(d)["replaced"]}
-    assert {entry(d)["original_page_content"] for d in out[0] if entry(d)["replaced"]} == {
+    replaced = {d.page_content for d in out[0] if status(d) == "replaced"}
+    assert {entry(d)["original_page_content"] for d in out[0] if status(d) == "replaced"} == {
         d.page_content for d in topic_documents[2:4]
     }
-    assert replaced and entry(out[0][0])["turn"] == 3
-    assert entry(out[1][0])["turn"] == 4 and not any(entry(d)["replaced"] for d in out[1])
+    assert replaced and plan_of(retriever, out[0]).scope.turn == 3
+    assert plan_of(retriever, out[1]).scope.turn == 4
+    assert all(status(d) == "shown" for d in out[1])
 
 
 def test_async_and_batch_paths_give_the_same_documents_as_sync(
@@ -439,7 +484,7 @@ def test_async_and_batch_paths_give_the_same_documents_as_sync(
     def strip(results: list[list[Document]]) -> list[list[tuple]]:
         return [
             [
-                (d.page_content, d.metadata["title"], entry(d)["original_rank"], entry(d)["label"])
+                (d.page_content, d.metadata["title"], entry(d)["index"], entry(d)["label"])
                 for d in docs
             ]
             for docs in results
@@ -468,3 +513,15 @@ def test_bad_k_fails_before_the_base_retriever_runs(topic_documents, k, error):
     with pytest.raises(error, match="k must be"):
         retriever.batch(["q"], k=k)
     assert base.calls == []
+
+
+def test_async_paths_await_the_async_twins(topic_documents):
+    pilot = RecordingPilot()
+    retriever = ContextPilotRetriever(
+        base_retriever=Bm25sRetriever(documents=topic_documents, k=3), pilot=pilot
+    )
+    docs = asyncio.run(retriever.ainvoke("kv cache"))
+    out = asyncio.run(retriever.abatch(["bm25", "eviction"]))
+    assert [c["method"] for c in pilot.calls] == ["aplan", "aplan_batch"]
+    assert entry(docs[0])["rid"] == pilot.plans[0].rid
+    assert [entry(o[0])["rid"] for o in out] == [p.rid for p in pilot.batches[0].plans]

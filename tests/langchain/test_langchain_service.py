@@ -1,57 +1,21 @@
 """The wrapper with the index service's client as its pilot: a real ``contextpilot-server``
-process shared by two "app processes" (two clients), and a service that is down."""
+process shared by two "app processes" (two clients), on the sync and the async paths (the one
+``ContextPilotClient`` meets the ``Planner`` protocol with both twins), and a service that is
+down."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
+import asyncio
 
-import httpx
-import pytest
-from langchain_support import Bm25sRetriever, ListRetriever
+from langchain_support import Bm25sRetriever, ListRetriever, RecordingPilot
 
 from contextpilot_integrations.langchain import (
     CONTEXTPILOT_PROMPT,
-    METADATA_KEY,
     ContextPilotRetriever,
     RAGInputs,
 )
+from contextpilot_integrations.placement_metadata import METADATA_KEY
 from contextpilot_integrations.service.client import ContextPilotClient
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def service_url() -> Iterator[str]:
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "contextpilot_integrations.service.server", "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, "the service exited"
-            try:
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the service did not start"
-            time.sleep(0.05)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(30)
 
 
 def entry(doc) -> dict:
@@ -63,11 +27,13 @@ def test_two_app_processes_share_one_index_through_the_service(
 ):
     base = Bm25sRetriever(documents=multihop_documents, k=5)
     first = ContextPilotRetriever(base_retriever=base, pilot=ContextPilotClient(service_url))
-    second = ContextPilotRetriever(base_retriever=base, pilot=ContextPilotClient(service_url))
+    recording = RecordingPilot(ContextPilotClient(service_url))
+    second = ContextPilotRetriever(base_retriever=base, pilot=recording)
     question = multihop_questions[3]
     one = first.invoke(question)
     two = second.invoke(question)  # another "process" asks the same question
-    assert entry(two[0])["matched_prefix_blocks"] == len(two)  # aligned to the first's prompt
+    plan = recording.plan_for(entry(two[0])["rid"])
+    assert plan.matched_prefix_blocks == len(two)  # aligned to the first's prompt
     assert [d.page_content for d in two] == [d.page_content for d in one]
     assert entry(one[0])["rid"] != entry(two[0])["rid"]
 
@@ -77,10 +43,35 @@ def test_two_app_processes_share_one_index_through_the_service(
     assert value.rid == out[0]["context"].rid
 
 
+def test_async_paths_await_the_clients_async_twins(
+    service_url, multihop_documents, multihop_questions
+):
+    # The bug of issue 11: an async client passed the type check and nothing awaited it.
+    base = Bm25sRetriever(documents=multihop_documents, k=5)
+    client = ContextPilotClient(service_url)
+    retriever = ContextPilotRetriever(base_retriever=base, pilot=client)
+    question = multihop_questions[20]
+    sync = retriever.invoke(question)
+
+    async def run() -> tuple[list, list]:
+        one = await retriever.ainvoke(question)
+        batch = await retriever.abatch(multihop_questions[21:25])
+        return one, batch
+
+    one, batch = asyncio.run(run())
+    assert [d.page_content for d in one] == [d.page_content for d in sync]  # aligned to it
+    assert entry(one[0])["rid"].startswith("cp-") and entry(one[0])["rid"] != entry(sync[0])["rid"]
+    assert sorted(entry(docs[0])["schedule_position"] for docs in batch) == list(range(4))
+    recording = RecordingPilot(client)
+    asyncio.run(ContextPilotRetriever(base_retriever=base, pilot=recording).ainvoke(question))
+    assert [c["method"] for c in recording.calls] == ["aplan"]
+    assert recording.plans[-1].matched_prefix_blocks == len(sync)
+
+
 def test_conversations_through_the_service(service_url, topic_documents):
+    recording = RecordingPilot(ContextPilotClient(service_url))
     retriever = ContextPilotRetriever(
-        base_retriever=ListRetriever(results={"a": topic_documents[:3]}),
-        pilot=ContextPilotClient(service_url),
+        base_retriever=ListRetriever(results={"a": topic_documents[:3]}), pilot=recording
     )
     meta = {
         "metadata": {
@@ -91,17 +82,24 @@ def test_conversations_through_the_service(service_url, topic_documents):
     }
     retriever.invoke("a", config=meta)
     docs = retriever.invoke("a", config=meta)
-    assert all(entry(d)["replaced"] for d in docs) and entry(docs[0])["turn"] == 2
+    assert all(entry(d)["status"] == "replaced" for d in docs)
+    assert recording.plan_for(entry(docs[0])["rid"]).scope.turn == 2
+    docs = asyncio.run(retriever.ainvoke("a", config=meta))
+    assert all(entry(d)["status"] == "replaced" for d in docs)
+    assert recording.plan_for(entry(docs[0])["rid"]).scope.turn == 3
 
 
-def test_a_service_that_is_down_never_fails_the_chain(topic_documents, caplog):
-    client = ContextPilotClient(f"http://127.0.0.1:{_free_port()}", timeout=0.5)
+def test_a_service_that_is_down_never_fails_the_chain(topic_documents, caplog, unreachable_url):
+    client = ContextPilotClient(unreachable_url, timeout=0.5)
     retriever = ContextPilotRetriever(
         base_retriever=Bm25sRetriever(documents=topic_documents, k=3), pilot=client
     )
     with caplog.at_level("WARNING"):
         docs = retriever.invoke("kv cache prefix")
         batch = retriever.batch(["bm25", "eviction"])
+        adocs = asyncio.run(retriever.ainvoke("kv cache prefix"))
+        abatch = asyncio.run(retriever.abatch(["bm25", "eviction"]))
     assert len(docs) == 3 and all(entry(d)["rid"] for d in docs)  # planned locally
     assert [len(b) for b in batch] == [3, 3]
+    assert len(adocs) == 3 and [len(b) for b in abatch] == [3, 3]
     assert caplog.text  # the outage was logged

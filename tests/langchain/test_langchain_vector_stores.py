@@ -5,7 +5,7 @@ langchain-community, which is not a dependency here; Qdrant and the in-memory st
 dense path.
 
 The reuse check replays the same questions through the embedded prefix-cache model
-(``bench.methods.EmbeddedEngine``) in retriever order and as ContextPilot plans them."""
+(``bench.engine.EmbeddedEngine``) in retriever order and as ContextPilot plans them."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from langchain_qdrant import QdrantVectorStore
 from langchain_support import RecordingPilot
 
 from contextpilot_integrations import ApproxTokenCounter, PromptLayout, block_id
-from contextpilot_integrations.bench.methods import EmbeddedEngine
-from contextpilot_integrations.langchain import METADATA_KEY, ContextPilotRetriever
+from contextpilot_integrations.bench.engine import EmbeddedEngine
+from contextpilot_integrations.langchain import ContextPilotRetriever
+from contextpilot_integrations.placement_metadata import METADATA_KEY
 
 pytestmark = pytest.mark.slow  # loads MiniLM and embeds 80 articles (~10-40 s on two cores)
 

@@ -1,8 +1,11 @@
 """The whole loop through LangChain with a real engine: vLLM's CPU build (random weights).
 
-The ContextPilot chain sends each plan's rid as ``session_id`` through ``ChatOpenAI``; vLLM echoes
-it on its ``BlockStored`` KV events; the team's ``KVEventSubscriber`` and ``CacheMirror`` attribute
-the cached blocks to the rids and report evictions, which go back to ``ContextPilot.evict``. The
+The retriever's pilot is an in-process ``ContextPilot(cache_sync={"kind": "kv-events", ...})``:
+the one-line change with engine sync, nothing wired by hand. The chain sends each plan's rid as
+``session_id`` through ``ChatOpenAI``; vLLM echoes it on its ``BlockStored`` KV events; the
+pilot's engine link attributes the cached blocks to the rids and drops the requests the engine
+evicts from the index. A second, independent subscriber on the same event stream is the witness
+of what the engine evicted: the pilot must have dropped exactly those requests (issue 11). The
 engine's own ``cached_tokens`` compare the baseline chain with the ContextPilot chain.
 Needs ``.venv-vllm`` (``scripts/setup-vllm-env.sh``); marked ``vllm``.
 """
@@ -17,11 +20,10 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_openai import ChatOpenAI
 from langchain_support import Bm25sRetriever, RecordingPilot
 
-from contextpilot_integrations.engines.vllm_cpu import (
-    VllmCpuServer,
-    find_vllm_python,
-    prepare_model_dir,
-)
+from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.engines.locations import find_vllm_python
+from contextpilot_integrations.engines.model_dir import prepare_model_dir
+from contextpilot_integrations.engines.vllm_server import VllmCpuServer
 from contextpilot_integrations.langchain import (
     CONTEXTPILOT_PROMPT,
     ContextPilotRetriever,
@@ -29,8 +31,7 @@ from contextpilot_integrations.langchain import (
     format_documents,
     with_request_id,
 )
-from contextpilot_integrations.sync.cache_mirror import CacheMirror
-from contextpilot_integrations.sync.subscriber import KVEventSubscriber
+from contextpilot_integrations.sync.kv_event_source import KVEventSource
 
 pytestmark = [
     pytest.mark.vllm,
@@ -76,7 +77,7 @@ def hit_ratio(answers: list) -> float:
     return cached / prompt
 
 
-def test_rids_reach_the_engine_events_and_evictions_reach_the_pilot(
+def test_the_retriever_over_an_engine_synced_pilot_drops_exactly_the_evicted_requests(
     server: VllmCpuServer, multihop_documents: list, multihop_questions: list[str]
 ) -> None:
     questions = multihop_questions[:QUESTIONS]
@@ -90,43 +91,58 @@ def test_rids_reach_the_engine_events_and_evictions_reach_the_pilot(
     )
     baseline_answers = [baseline.invoke(q) for q in questions]
 
-    pilot = RecordingPilot()
-    evicted: list[str] = []
-
-    def on_evict(rid: str) -> None:
-        evicted.append(rid)
-        pilot.evict(rid)
-
-    mirror = CacheMirror(on_evict=on_evict)
     server.reset_prefix_cache()
-    with KVEventSubscriber(
+    witnessed: list[str] = []  # rids whose cached prefix the engine's events removed
+    witness = KVEventSource(
         server.kv_events_endpoint,
-        server.replay_endpoint,
+        witnessed.append,
+        replay_endpoint=server.replay_endpoint,
         topic=server.kv_events_topic,
-        on_batch=mirror.apply_batch,
-        on_resync=mirror.resync,
-    ):
-        time.sleep(0.5)  # the subscription reaches the publisher (ZMQ slow joiner)
-        retriever = ContextPilotRetriever(base_retriever=bm25, pilot=pilot)
-        chain = (
-            RAGInputs(retriever=retriever)
-            | CONTEXTPILOT_PROMPT
-            | with_request_id(chat_model(server))
-        )
-        answers = chain.batch(questions, config={"max_concurrency": 1})
-        plan_rids = {plan.rid for plan in pilot.plans}
-        deadline = time.monotonic() + 30
-        while len((mirror.cached_requests() | set(evicted)) & plan_rids) < len(plan_rids):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        seen = (mirror.cached_requests() | set(evicted)) & plan_rids
+        page_size=server.block_size,
+    )
+    witness.start()
+    try:
+        # The one-line change with engine sync: {"kind": "kv-events", "endpoint": ...,
+        # "replay_endpoint": ..., "topic": ..., "page_size": ...}.
+        with ContextPilot(cache_sync=server.cache_sync) as pilot:
+            time.sleep(0.5)  # the subscriptions reach the publisher (ZMQ slow joiner)
+            recording = RecordingPilot(pilot)
+            retriever = ContextPilotRetriever(base_retriever=bm25, pilot=recording)
+            chain = (
+                RAGInputs(retriever=retriever)
+                | CONTEXTPILOT_PROMPT
+                | with_request_id(chat_model(server))
+            )
+            answers = chain.batch(questions, config={"max_concurrency": 1})
+            plan_rids = {plan.rid for plan in recording.plans}
+
+            def evicted() -> set[str]:
+                return set(witnessed) & plan_rids
+
+            def dropped() -> set[str]:
+                return {rid for rid in plan_rids if rid not in pilot.index}
+
+            deadline = time.monotonic() + 30
+            while len((witness.mirror.cached_requests() | evicted()) & plan_rids) < len(plan_rids):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            seen = (witness.mirror.cached_requests() | evicted()) & plan_rids
+            deadline = time.monotonic() + 10  # the pilot's subscriber runs on its own thread
+            while dropped() != evicted() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            gone, dropped_rids = evicted(), dropped()
+            sync = pilot.stats()["sync"]
+    finally:
+        witness.stop()
 
     assert len(answers) == QUESTIONS == len(plan_rids)
     # The engine echoed the plan rids (sent as session_id) on its BlockStored events; a request
     # whose new tokens fill no whole block stores nothing, so allow a few.
     assert len(seen) >= 0.8 * QUESTIONS, f"{len(seen)} of {QUESTIONS} rids seen in KV events"
-    gone = set(evicted) & plan_rids
     assert gone, "the small cache evicted planned requests"
-    assert not any(rid in pilot.pilot.index for rid in gone)  # the evictions reached the pilot
+    # The pilot behind the retriever dropped exactly the requests the engine evicted: none it
+    # still holds, none the engine still caches.
+    assert dropped_rids == gone
+    assert sum(sync["evictions"].values()) == len(gone) and sync["engine_connected"]
     assert hit_ratio(answers) > hit_ratio(baseline_answers)
