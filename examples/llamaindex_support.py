@@ -13,7 +13,7 @@
 - :class:`PromptRecorder`: records every prompt the LLM receives (LlamaIndex instrumentation
   events), with the cached-token count the engine reported when it reports one.
 - :class:`PrefixCacheReplay` / :func:`hit_ratio`: prompts through the benchmark's embedded
-  prefix-cache model (``contextpilot_integrations.bench.methods.EmbeddedEngine``), token by
+  prefix-cache model (``contextpilot_integrations.bench.engine.EmbeddedEngine``), token by
   token, with the request ids it evicts (to hand back to ``ContextPilot.evict``).
 """
 
@@ -45,7 +45,7 @@ from llama_index.core.instrumentation.events.llm import (  # noqa: E402
 from llama_index.core.llms import LLM, MockLLM  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 
-from contextpilot_integrations.bench.methods import EmbeddedEngine  # noqa: E402
+from contextpilot_integrations.bench.engine import EmbeddedEngine  # noqa: E402
 from contextpilot_integrations.bench.workloads import load_workload, resolve_data_dir  # noqa: E402
 from contextpilot_integrations.core.blocks import TokenizerCounter  # noqa: E402
 
@@ -252,7 +252,7 @@ def tiktoken_counter() -> TokenizerCounter:
 
 class PrefixCacheReplay:
     """Prompts sent one by one to the embedded prefix-cache model
-    (``contextpilot_integrations.bench.methods.EmbeddedEngine``), token by token.
+    (``contextpilot_integrations.bench.engine.EmbeddedEngine``), token by token.
 
     Args:
         capacity_tokens: cache capacity in tokens (``None``: unlimited).

@@ -33,6 +33,7 @@ from llama_index.retrievers.bm25 import BM25Retriever
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.llama_index import (
     ContextPilotNodePostprocessor,
+    nodes_rid,
     text_qa_template,
 )
 
@@ -103,7 +104,7 @@ async def run_questions(
     with support.PromptRecorder() as recorder:
         for question in questions:
             response = await workflow.run(query=question)
-            rid = response.source_nodes[0].node.metadata.get("contextpilot_rid")
+            rid = nodes_rid(response.source_nodes)  # metadata["contextpilot"]["rid"]
             replay.serve(recorder.prompts[-1], rid)
             for evicted in replay.take_evicted_rids():
                 if pilot is not None:

@@ -12,6 +12,9 @@ Quick start::
     query_engine = index.as_query_engine(node_postprocessors=[pp],
                                          text_qa_template=text_qa_template(pp))
 
+Each returned node is a copy carrying ``node.metadata["contextpilot"]``, the placement entry of
+:mod:`contextpilot_integrations.placement_metadata` (excluded from the LLM and embedding text).
+
 Chat (one conversation per chat engine; its second turn de-duplicates against the first)::
 
     chat_pp = pp.for_conversation()               # or pp.for_conversation("id", tenant="t")
@@ -25,42 +28,22 @@ carries its plan's rid (see :mod:`.request_ids`).
 
 from typing import Any
 
+from .conversation_sections import ConversationSections
 from .plan_store import PlanStore, StoredPlan
-from .postprocessor import (
-    METADATA_KEYS,
-    STATUS_DUPLICATE,
-    STATUS_KEPT,
-    STATUS_NO_TEXT,
-    STATUS_REPLACED,
-    ContextPilotNodePostprocessor,
-    Planner,
-)
-from .prompts import DEFAULT_TURN_HEADER, PlanRenderer, chat_context_template, text_qa_template
-from .request_ids import (
-    DEFAULT_REQUEST_ID_FIELDS,
-    RID_METADATA_KEY,
-    arm_request,
-    request_id_kwargs,
-    take_request,
-)
+from .postprocessor import ContextPilotNodePostprocessor
+from .prompts import PlanRenderer, chat_context_template, text_qa_template
+from .request_ids import arm_request, nodes_rid, request_id_kwargs, take_request
 
 __all__ = [
-    "DEFAULT_REQUEST_ID_FIELDS",
-    "DEFAULT_TURN_HEADER",
-    "METADATA_KEYS",
-    "RID_METADATA_KEY",
-    "STATUS_DUPLICATE",
-    "STATUS_KEPT",
-    "STATUS_NO_TEXT",
-    "STATUS_REPLACED",
     "ContextPilotNodePostprocessor",
     "ContextPilotOpenAILike",
+    "ConversationSections",
     "PlanRenderer",
     "PlanStore",
-    "Planner",
     "StoredPlan",
     "arm_request",
     "chat_context_template",
+    "nodes_rid",
     "request_id_kwargs",
     "take_request",
     "text_qa_template",

@@ -4,12 +4,13 @@ Needs ``llama-index-llms-openai-like``. The mechanism is described in :mod:`.req
 post-processor (and the ContextPilot templates) arm the plan's rid in the caller's context;
 each ``chat``/``complete`` call (sync, async, streaming; the LlamaIndex entry points) whose
 prompt shows the plan's first block takes it once, before the client's retries, and
-``_get_model_kwargs`` merges ``{field: rid for field in request_id_fields}`` into the request
-body's ``extra_body``, on top of any ``extra_body`` the user set in ``additional_kwargs``.
-Calls that take no request are sent unchanged. Field names default to SGLang's ``rid``,
-vLLM's ``request_id`` and ``session_id`` (both engines; ``../shared/notes/engine-kv-events.md``).
-An endpoint that rejects unknown body fields (the hosted OpenAI API) needs
-``request_id_fields=()``, or the plain ``OpenAI`` class.
+``_get_model_kwargs`` merges the engine's request-id body fields
+(:func:`contextpilot_integrations.engine_fields.with_request_ids`) into the request body's
+``extra_body``, on top of any ``extra_body`` the user set in ``additional_kwargs``. Calls that
+take no request are sent unchanged. The fields default to SGLang's ``rid``, vLLM's
+``request_id`` and ``session_id`` (``request_id_engine="any"``). An endpoint that rejects
+unknown body fields (the hosted OpenAI API) needs ``request_id_engine="hosted"``, or the plain
+``OpenAI`` class.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field
 from llama_index.llms.openai_like import OpenAILike
 
-from .request_ids import DEFAULT_REQUEST_ID_FIELDS, request_id_fields, take_request
+from contextpilot_integrations.engine_fields import EngineKind, with_request_ids
+
+from .request_ids import take_request
 
 __all__ = ["ContextPilotOpenAILike"]
 
-# Per-call keyword argument carrying the taken request's body fields from the public entry
+# Per-call keyword argument carrying the taken request's rid from the public entry
 # point down to _get_model_kwargs (through LlamaIndex's and the client's retry wrappers).
 _REQUEST_KWARG = "contextpilot_request"
 
@@ -45,13 +48,15 @@ class ContextPilotOpenAILike(OpenAILike):
     ``is_chat_model``, ``context_window``, ``additional_kwargs``, ...), plus:
 
     Args:
-        request_id_fields: body fields that carry the rid (default ``("rid", "request_id",
-            "session_id")``); ``()`` sends none.
+        request_id_engine: whose body fields carry the rid
+            (:func:`~contextpilot_integrations.engine_fields.request_id_fields`): ``"any"``
+            (default: ``rid``, ``request_id``, ``session_id``), ``"sglang"``, ``"vllm"``, or
+            ``"hosted"`` (none; the armed request is then left untaken).
     """
 
-    request_id_fields: tuple[str, ...] = Field(
-        default=DEFAULT_REQUEST_ID_FIELDS,
-        description="Request body fields that carry the ContextPilot request id.",
+    request_id_engine: EngineKind = Field(
+        default="any",
+        description="Engine whose request-body fields carry the ContextPilot request id.",
     )
 
     @classmethod
@@ -59,19 +64,19 @@ class ContextPilotOpenAILike(OpenAILike):
         return "ContextPilotOpenAILike"
 
     def _with_request(self, kwargs: dict[str, Any], prompt_text: str) -> dict[str, Any]:
-        if _REQUEST_KWARG in kwargs or not self.request_id_fields:
+        if _REQUEST_KWARG in kwargs or self.request_id_engine == "hosted":
             return kwargs
         rid = take_request(prompt_text)
         if rid is None:
             return kwargs
-        return {**kwargs, _REQUEST_KWARG: request_id_fields(rid, self.request_id_fields)}
+        return {**kwargs, _REQUEST_KWARG: rid}
 
     def _get_model_kwargs(self, **kwargs: Any) -> dict[str, Any]:
-        fields = kwargs.pop(_REQUEST_KWARG, None)
+        rid = kwargs.pop(_REQUEST_KWARG, None)
         model_kwargs = super()._get_model_kwargs(**kwargs)
-        if fields:
-            model_kwargs["extra_body"] = {**(model_kwargs.get("extra_body") or {}), **fields}
-        return model_kwargs
+        if rid is None:
+            return model_kwargs
+        return with_request_ids(model_kwargs, rid, self.request_id_engine)
 
     # --- entry points: take the armed request once, then delegate --------------------------
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:

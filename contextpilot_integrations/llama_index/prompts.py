@@ -24,12 +24,15 @@ response synthesizer splits the context into several chunks (``refine`` mode, or
 longer than the LLM's window), or when a node post-processor after ContextPilot changed the
 nodes; it is logged once per template.
 
-In a conversation, the context is the sections of the earlier turns still kept (each after a
-turn header, ``"Turn 1 documents:\\n"``), then this turn's section, so each turn's prompt
-starts with the previous turn's documents (a prefix-cache hit) and every location hint points
-to text that stands in the same prompt. A template records the section it rendered, so the next
-turn can show it. With the stock LlamaIndex templates nothing is recorded and nothing is
-de-duplicated across turns.
+In a conversation, the context is the sections of the earlier turns still kept
+(:mod:`.conversation_sections`), then this turn's section, each after the layout's turn header
+(``PromptLayout.turn_header``, ``"### Turn 1\n"`` by default), assembled by the core's one
+multi-turn assembly, :meth:`~contextpilot_integrations.core.rendering.PromptLayout.render_turns`;
+then the plan's hints and annotation (``plan.context_tail``). So each turn's prompt starts with
+the previous turn's documents (a prefix-cache hit) and every location hint points to text that
+stands in the same prompt. A template records the section it rendered, so the next turn can
+show it. With the stock LlamaIndex templates nothing is recorded and nothing is de-duplicated
+across turns.
 
 Rendering a plan arms its request id (:mod:`.request_ids`) for the LLM call that follows.
 """
@@ -46,50 +49,36 @@ from llama_index.core.prompts.utils import is_chat_model
 
 from contextpilot_integrations.core.rendering import PromptLayout
 
+from .conversation_sections import ConversationSections
 from .plan_store import PlanStore, StoredPlan
 from .postprocessor import ContextPilotNodePostprocessor
-from .request_ids import arm_request, plan_markers
+from .request_ids import arm_plan
 
-__all__ = [
-    "DEFAULT_TURN_HEADER",
-    "PlanRenderer",
-    "chat_context_template",
-    "text_qa_template",
-]
+__all__ = ["PlanRenderer", "chat_context_template", "text_qa_template"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_TURN_HEADER = "Turn {turn} documents:\n"
-"""Line before each turn's documents in a conversation; the location hints name turns
-(``"[Doc 3] of turn 1"``). It ends with a newline and starts with a non-space character (the
-token boundary of :mod:`~contextpilot_integrations.core.rendering`)."""
 
 
 class PlanRenderer:
     """Renders the plan behind a ``context_str`` (the callables the templates map variables to).
 
     Args:
-        store: the post-processor's plan store.
+        plans: the post-processor's plan store.
+        sections: the post-processor's conversation sections (read and recorded).
         layout: the layout used when no plan matches (a found plan renders with its own).
-        turn_header: ``str.format`` template with ``{turn}``, before each turn's section.
-
-    Raises:
-        ValueError: ``turn_header`` lacks ``{turn}``.
     """
 
     def __init__(
-        self, store: PlanStore, layout: PromptLayout, turn_header: str = DEFAULT_TURN_HEADER
+        self, plans: PlanStore, sections: ConversationSections, layout: PromptLayout
     ) -> None:
-        if "{turn}" not in turn_header:
-            raise ValueError(f"turn_header must contain {{turn}}, got {turn_header!r}")
-        self.store = store
+        self.plans = plans
+        self.sections = sections
         self.layout = layout
-        self.turn_header = turn_header
         self._warned = False
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PlanRenderer:
         # LlamaIndex deep-copies templates (``partial_format``); every copy must read the
-        # same store, so the renderer is shared, never copied.
+        # same stores, so the renderer is shared, never copied.
         return self
 
     # --- the template variables ---------------------------------------------------------------
@@ -121,15 +110,18 @@ class PlanRenderer:
         Records this turn's section in its conversation (see the module docstring).
         """
         plan = stored.plan
-        own = "".join(plan.segments[1:-1])
-        tail = plan.context_tail  # hints and annotation; the question comes from the template
-        if plan.conversation_id is None or plan.turn is None:
-            return own + tail
-        parts = [self.turn_header.format(turn=t) + text for t, text in stored.earlier_sections]
-        if own:
-            parts.append(self.turn_header.format(turn=plan.turn) + own)
-            self.store.record_section(plan.tenant, plan.conversation_id, plan.turn, own)
-        return "".join(parts) + tail
+        conversation, turn = plan.scope.conversation, plan.scope.turn
+        if conversation is None or turn is None:
+            return plan.context  # the question comes from the template
+        turns: list[tuple[int, tuple[str, ...]]] = [
+            (earlier, (text,)) for earlier, text in stored.earlier_sections
+        ]
+        own = plan.segments[1:-1]
+        if own:  # no own section when every block is replaced by a hint
+            turns.append((turn, own))
+            self.sections.record(*conversation, turn, "".join(own), plan.prompt_tokens)
+        segments, _ = plan.layout.render_turns(turns)
+        return "".join(segments) + plan.context_tail
 
     def _context(self, stored: StoredPlan | None, context_str: object) -> str:
         if stored is not None:
@@ -141,7 +133,7 @@ class PlanRenderer:
         text = str(context_str or "")
         if not text.strip():
             return None  # LlamaIndex sizing the empty template
-        stored = self.store.find(text)
+        stored = self.plans.find(text)
         if stored is None:
             if not self._warned:
                 self._warned = True
@@ -155,13 +147,11 @@ class PlanRenderer:
                 )
             return None
         if arm:
-            arm_request(stored.plan.rid, plan_markers(stored.plan))
+            arm_plan(stored.plan)
         return stored
 
 
-def text_qa_template(
-    postprocessor: ContextPilotNodePostprocessor, *, turn_header: str = DEFAULT_TURN_HEADER
-) -> SelectorPromptTemplate:
+def text_qa_template(postprocessor: ContextPilotNodePostprocessor) -> SelectorPromptTemplate:
     """The question-answering template for query engines and response synthesizers.
 
     Completion models get ``plan.prompt``; chat models (``llm.metadata.is_chat_model``) get
@@ -169,13 +159,12 @@ def text_qa_template(
 
     Args:
         postprocessor: the post-processor whose plans it renders (any sibling from
-            ``for_conversation`` shares the store).
-        turn_header: see :data:`DEFAULT_TURN_HEADER`.
+            ``for_conversation`` shares the stores).
 
     Raises:
         TypeError: ``postprocessor`` is not a :class:`ContextPilotNodePostprocessor`.
     """
-    renderer = _renderer(postprocessor, turn_header)
+    renderer = _renderer(postprocessor)
     completion = PromptTemplate(
         "{context_str}{query_str}",
         prompt_type=PromptType.QUESTION_ANSWER,
@@ -194,18 +183,17 @@ def text_qa_template(
     return SelectorPromptTemplate(default_template=completion, conditionals=[(is_chat_model, chat)])
 
 
-def chat_context_template(
-    postprocessor: ContextPilotNodePostprocessor, *, turn_header: str = DEFAULT_TURN_HEADER
-) -> PromptTemplate:
+def chat_context_template(postprocessor: ContextPilotNodePostprocessor) -> PromptTemplate:
     """The context (system message) template for ``condense_plus_context``/``context`` chat
     engines: system prompt, context (earlier turns' sections first), hints, annotation. Pass it
     as ``context_prompt`` (``condense_plus_context``) or ``context_template`` (``context``);
-    the engine appends its own ``system_prompt`` after it.
+    the engine appends its own ``system_prompt`` after it. The turn header is the pilot's
+    ``PromptLayout.turn_header``.
 
     Raises:
         TypeError: ``postprocessor`` is not a :class:`ContextPilotNodePostprocessor`.
     """
-    renderer = _renderer(postprocessor, turn_header)
+    renderer = _renderer(postprocessor)
     return PromptTemplate(
         "{context_str}",
         prompt_type=PromptType.CONVERSATION,
@@ -213,10 +201,10 @@ def chat_context_template(
     )
 
 
-def _renderer(postprocessor: object, turn_header: str) -> PlanRenderer:
+def _renderer(postprocessor: object) -> PlanRenderer:
     if not isinstance(postprocessor, ContextPilotNodePostprocessor):
         raise TypeError(
             f"postprocessor must be a ContextPilotNodePostprocessor, got "
             f"{type(postprocessor).__name__}"
         )
-    return PlanRenderer(postprocessor.store, postprocessor.layout, turn_header)
+    return PlanRenderer(postprocessor.plans, postprocessor.sections, postprocessor.layout)

@@ -1,11 +1,11 @@
 """Request ids: how a plan's ``rid`` reaches the engine call without glue code.
 
 Why: the context index files each planned request under ``plan.rid``; the engine's KV-cache
-events and evictions are tied back to it only if the LLM request carries that id (SGLang
-``rid``, vLLM ``request_id``, both ``session_id``; ``../shared/notes/engine-kv-events.md``,
-"Request ids on the OpenAI-compatible APIs"). In a LlamaIndex query or chat engine the LLM
-call is made deep inside the response synthesizer, which passes no per-call arguments to the
-LLM; so the id travels beside the call instead of through it:
+events and evictions are tied back to it only if the LLM request carries that id (the body
+fields of :mod:`contextpilot_integrations.engine_fields`: SGLang ``rid``, vLLM ``request_id``,
+both ``session_id``). In a LlamaIndex query or chat engine the LLM call is made deep inside the
+response synthesizer, which passes no per-call arguments to the LLM; so the id travels beside
+the call instead of through it:
 
 1. ``ContextPilotNodePostprocessor`` plans the nodes and *arms* the plan's request in a
    :class:`contextvars.ContextVar` of the caller's context (the thread, or the asyncio task,
@@ -25,7 +25,8 @@ answers in a context-copying thread) takes the same holder, so the id is still s
 Where the LLM is called by hand (a Workflow step), pass the id explicitly:
 ``llm.achat(messages, **request_id_kwargs(nodes))`` works with any OpenAI-based LlamaIndex LLM
 (note: a static ``additional_kwargs["extra_body"]`` on the LLM replaces a per-call one; use
-``ContextPilotOpenAILike`` there).
+``ContextPilotOpenAILike`` there). The nodes carry the rid in ``metadata["contextpilot"]["rid"]``
+(:mod:`contextpilot_integrations.placement_metadata`).
 """
 
 from __future__ import annotations
@@ -35,27 +36,22 @@ from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 
-from contextpilot_integrations.core.pilot import Plan
+from contextpilot_integrations.core.plan import Plan
+from contextpilot_integrations.engine_fields import EngineKind, with_request_ids
+from contextpilot_integrations.placement_metadata import METADATA_KEY
 
 __all__ = [
-    "DEFAULT_REQUEST_ID_FIELDS",
-    "RID_METADATA_KEY",
     "PendingRequest",
+    "arm_plan",
     "arm_request",
+    "nodes_rid",
     "pending_request",
-    "plan_markers",
-    "request_id_fields",
     "request_id_kwargs",
     "take_request",
 ]
 
-DEFAULT_REQUEST_ID_FIELDS: tuple[str, ...] = ("rid", "request_id", "session_id")
-"""Body fields that carry the request id: SGLang ``rid`` (all 0.5.x), vLLM ``request_id``, and
-``session_id`` (SGLang 0.5.15+, recent vLLM; echoed on ``BlockStored`` events, which is how the
-cache mirror attributes stored blocks to the request)."""
-
-RID_METADATA_KEY = "contextpilot_rid"
-"""Node metadata key holding the plan's request id (excluded from LLM and embed rendering)."""
+MARKER_CHARS = 64
+"""Characters of the first block's start used as the marker of a plan's prompt."""
 
 
 class PendingRequest:
@@ -107,19 +103,6 @@ _PENDING: ContextVar[PendingRequest | None] = ContextVar(
     "contextpilot_pending_request", default=None
 )
 
-MARKER_CHARS = 64
-"""Characters of the first block's start used as the marker of a plan's prompt."""
-
-
-def plan_markers(plan: Plan) -> tuple[str, ...]:
-    """Texts that stand in any prompt rendering ``plan``: the start of its first block as the
-    ContextPilot templates render it and as LlamaIndex's stock templates do; else its first
-    hint; empty for a plan with neither."""
-    if plan.blocks:
-        first = plan.blocks[0]
-        return tuple(dict.fromkeys((first.rendered_text[:MARKER_CHARS], first.text[:MARKER_CHARS])))
-    return (plan.hints[0],) if plan.hints else ()
-
 
 def arm_request(rid: str | None, markers: Sequence[str] = ()) -> None:
     """Make ``rid`` the request the next matching LLM call in this context sends (``None``
@@ -138,6 +121,21 @@ def arm_request(rid: str | None, markers: Sequence[str] = ()) -> None:
     _PENDING.set(PendingRequest(rid, markers))
 
 
+def arm_plan(plan: Plan) -> None:
+    """Arm ``plan``'s request for the LLM call whose prompt shows it: its markers are the start
+    of its first block as the ContextPilot templates render it and as LlamaIndex's stock
+    templates do, else its first hint. A plan whose prompt shows nothing (every node without
+    text) disarms instead: no prompt can be told to be its own."""
+    if plan.blocks:
+        first = plan.blocks[0]
+        texts = (first.rendered_text or "", first.text)
+        arm_request(plan.rid, tuple(dict.fromkeys(t[:MARKER_CHARS] for t in texts)))
+    elif plan.hints:
+        arm_request(plan.rid, plan.hints[:1])
+    else:
+        arm_request(None)
+
+
 def pending_request() -> PendingRequest | None:
     """The request armed in this context (taken or not), or ``None``."""
     return _PENDING.get()
@@ -151,51 +149,46 @@ def take_request(prompt_text: str | None = None) -> str | None:
     return current.take(prompt_text) if current is not None else None
 
 
-def request_id_fields(
-    rid: str, fields: Sequence[str] = DEFAULT_REQUEST_ID_FIELDS
-) -> dict[str, str]:
-    """``{field: rid for field in fields}``, the body fields an OpenAI-compatible engine reads.
-
-    Raises:
-        ValueError: ``rid`` is not a non-empty ``str``, or a field name is not a non-empty ``str``.
-    """
-    if not isinstance(rid, str) or not rid:
-        raise ValueError(f"rid must be a non-empty str, got {rid!r}")
-    for name in fields:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"request id field names must be non-empty str, got {name!r}")
-    return {name: rid for name in fields}
-
-
-def request_id_kwargs(
-    nodes_or_rid: str | Sequence[Any],
-    fields: Sequence[str] = DEFAULT_REQUEST_ID_FIELDS,
-) -> dict[str, dict[str, str]]:
-    """Per-call LLM keyword arguments that send a plan's request id: ``{"extra_body": {...}}``.
+def nodes_rid(nodes: Sequence[Any]) -> str | None:
+    """The plan rid the nodes carry (``metadata["contextpilot"]["rid"]``), ``None`` when none
+    does (an empty list, nodes that were not planned).
 
     Args:
-        nodes_or_rid: the rid, or nodes returned by ``ContextPilotNodePostprocessor`` (the rid
-            is read from their ``contextpilot_rid`` metadata).
-        fields: body field names (default :data:`DEFAULT_REQUEST_ID_FIELDS`).
-
-    Returns:
-        ``{"extra_body": {field: rid, ...}}``, or ``{}`` when the nodes carry no rid (an empty
-        list, or nodes that were not planned).
+        nodes: ``NodeWithScore`` or ``BaseNode`` objects.
 
     Raises:
         ValueError: the nodes carry more than one rid (they come from different plans).
     """
-    if isinstance(nodes_or_rid, str):
-        return {"extra_body": request_id_fields(nodes_or_rid, fields)}
     rids = set()
-    for item in nodes_or_rid:
+    for item in nodes:
         node = getattr(item, "node", item)
         metadata: Mapping[str, Any] = getattr(node, "metadata", None) or {}
-        rid = metadata.get(RID_METADATA_KEY)
-        if rid is not None:
+        entry = metadata.get(METADATA_KEY)
+        rid = entry.get("rid") if isinstance(entry, Mapping) else None
+        if isinstance(rid, str):
             rids.add(rid)
-    if not rids:
-        return {}
     if len(rids) > 1:
         raise ValueError(f"nodes carry {len(rids)} different request ids: {sorted(rids)[:4]!r}")
-    return {"extra_body": request_id_fields(rids.pop(), fields)}
+    return rids.pop() if rids else None
+
+
+def request_id_kwargs(
+    nodes_or_rid: str | Sequence[Any], engine: EngineKind = "any"
+) -> dict[str, Any]:
+    """Per-call LLM keyword arguments that send a plan's request id: ``{"extra_body": {...}}``.
+
+    Args:
+        nodes_or_rid: the rid, or nodes returned by ``ContextPilotNodePostprocessor``
+            (:func:`nodes_rid`).
+        engine: whose body fields carry it
+            (:func:`contextpilot_integrations.engine_fields.request_id_fields`).
+
+    Returns:
+        ``{"extra_body": {field: rid, ...}}``, or ``{}`` when the nodes carry no rid.
+
+    Raises:
+        ValueError: the nodes carry more than one rid, or an unknown ``engine``.
+        TypeError: ``nodes_or_rid`` is an empty str.
+    """
+    rid = nodes_or_rid if isinstance(nodes_or_rid, str) else nodes_rid(nodes_or_rid)
+    return {} if rid is None else with_request_ids({}, rid, engine)

@@ -11,19 +11,22 @@ from llama_index.core.llms import MockLLM
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import MetadataMode
 
+from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.core.plan import PlacementStatus
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.llama_index import (
-    DEFAULT_TURN_HEADER,
-    STATUS_KEPT,
-    STATUS_REPLACED,
     ContextPilotNodePostprocessor,
     chat_context_template,
     text_qa_template,
 )
 
+SHOWN = PlacementStatus.SHOWN
+REPLACED = PlacementStatus.REPLACED
+TURN_HEADER = PromptLayout().turn_header
+
 
 def _status(response) -> list[str]:  # type: ignore[no-untyped-def]
-    return [n.node.metadata["contextpilot_status"] for n in response.source_nodes]
+    return [n.node.metadata["contextpilot"]["status"] for n in response.source_nodes]
 
 
 def test_vector_query_engine_sync_and_async(vector_index, questions, recorder, top_k) -> None:
@@ -51,7 +54,7 @@ def test_vector_query_engine_sync_and_async(vector_index, questions, recorder, t
         plan = pp.plan_for(response.source_nodes)
         assert plan is not None and str(response) == prompt == plan.prompt  # MockLLM echoes
         assert len(response.source_nodes) == top_k
-        assert set(_status(response)) == {STATUS_KEPT}
+        assert set(_status(response)) == {SHOWN}
     # Whatever prefix the index matched is byte-identical to the start of an earlier prompt.
     layout = PromptLayout()
     for i, response in enumerate(responses):
@@ -98,15 +101,15 @@ def _check_two_turns(pp: ContextPilotNodePostprocessor, replies, prompts, top_k:
     answer_1, condense_2, answer_2 = prompts
     assert TURN_2 in condense_2 and answer_2.endswith(f"user: {TURN_2}\nassistant: ")
     plan_1, plan_2 = pp.plan_for(first.source_nodes), pp.plan_for(second.source_nodes)
-    assert plan_1.turn == 1 and plan_2.turn == 2  # type: ignore[union-attr]
-    assert plan_2.conversation_id == pp.conversation_id  # type: ignore[union-attr]
+    assert plan_1.scope.turn == 1 and plan_2.scope.turn == 2  # type: ignore[union-attr]
+    assert plan_2.scope.conversation == pp.scope.conversation  # type: ignore[union-attr]
     # Turn 2 de-duplicates against turn 1: repeated documents become hints naming turn 1 ...
     replaced = [
-        n for n in second.source_nodes if n.node.metadata["contextpilot_status"] == STATUS_REPLACED
+        n for n in second.source_nodes if n.node.metadata["contextpilot"]["status"] == REPLACED
     ]
-    assert replaced and plan_2.dedup["blocks_replaced"] == len(replaced)  # type: ignore[union-attr]
+    assert replaced and plan_2.dedup_figures.blocks_replaced == len(replaced)  # type: ignore[union-attr]
     for node in replaced:
-        hint = node.node.metadata["contextpilot_hint"]
+        hint = node.node.metadata["contextpilot"]["hint"]
         assert "of turn 1" in hint and hint in answer_2
     # ... whose text stands, in full, in turn 2's own prompt: turn 2's system message starts
     # with turn 1's documents, byte for byte (a prefix-cache hit on all of them).
@@ -114,7 +117,7 @@ def _check_two_turns(pp: ContextPilotNodePostprocessor, replies, prompts, top_k:
     turn_1_docs = (
         "system: "
         + layout.system_segment()
-        + DEFAULT_TURN_HEADER.format(turn=1)
+        + TURN_HEADER.format(turn=1)
         + "".join(plan_1.segments[1:-1])  # type: ignore[union-attr]
     )
     assert answer_1.startswith(turn_1_docs) and answer_2.startswith(turn_1_docs)
@@ -141,6 +144,24 @@ def test_async_chat_engine_two_turns(bm25, recorder, top_k) -> None:
     _check_two_turns(pp, asyncio.run(talk()), recorder.prompts, top_k)
 
 
+def test_chat_context_is_the_layouts_turn_assembly(bm25, recorder) -> None:
+    """The turn header is the layout's field, and the multi-turn context is exactly the core's
+    ``render_turns`` of turn 1's section and turn 2's, then turn 2's hints and annotation."""
+    layout = PromptLayout(turn_header="## Round {turn}\n")
+    pp = ContextPilotNodePostprocessor(ContextPilot(layout=layout)).for_conversation()
+    chat = _chat_engine(bm25, pp)
+    first, second = chat.chat(TURN_1), chat.chat(TURN_2)
+    plan_1, plan_2 = pp.plan_for(first.source_nodes), pp.plan_for(second.source_nodes)
+    own_1, own_2 = plan_1.segments[1:-1], plan_2.segments[1:-1]  # type: ignore[union-attr]
+    # Turn 2 adds a section of its own only where it shows a block (not only hints).
+    turns = [(1, own_1), (2, own_2)] if own_2 else [(1, own_1)]
+    segments, _ = layout.render_turns(turns)
+    context = layout.system_segment() + "".join(segments) + plan_2.context_tail  # type: ignore[union-attr]
+    assert "## Round 1\n" in context and plan_2.hints  # type: ignore[union-attr]
+    assert recorder.prompts[-1].startswith("system: " + context)
+    assert "### Turn" not in recorder.prompts[-1]
+
+
 def test_context_chat_engine_repeats_turn_one_and_hints_the_repeats(bm25, recorder) -> None:
     from llama_index.core.chat_engine import ContextChatEngine
 
@@ -153,7 +174,7 @@ def test_context_chat_engine_repeats_turn_one_and_hints_the_repeats(bm25, record
     )
     first = chat.chat(TURN_1)
     second = chat.chat(TURN_1)  # the same documents again: every one is already shown
-    assert set(_status(second)) == {STATUS_REPLACED}
+    assert set(_status(second)) == {REPLACED}
     head = recorder.prompts[0][: recorder.prompts[0].rindex("-----\n") + len("-----\n")]
     assert head.startswith("system: ") and recorder.prompts[1].startswith(head)
     assert {n.node.node_id for n in first.source_nodes} == {
@@ -167,14 +188,14 @@ def test_conversations_and_tenants_are_isolated(bm25, recorder) -> None:
     bob = shared.for_conversation("same-id", tenant="bob")
     _chat_engine(bm25, alice).chat(TURN_1)
     reply = _chat_engine(bm25, bob).chat(TURN_1)
-    assert set(_status(reply)) == {STATUS_KEPT}  # bob's first turn: nothing shown before
-    assert bob.plan_for(reply.source_nodes).turn == 1  # type: ignore[union-attr]
+    assert set(_status(reply)) == {SHOWN}  # bob's first turn: nothing shown before
+    assert bob.plan_for(reply.source_nodes).scope.turn == 1  # type: ignore[union-attr]
     # No conversation at all: a chat engine on the shared post-processor never de-duplicates.
     stateless = _chat_engine(bm25, shared)
     stateless.chat(TURN_1)
     reply = stateless.chat(TURN_1)
-    assert set(_status(reply)) == {STATUS_KEPT}
-    assert DEFAULT_TURN_HEADER.format(turn=1) not in recorder.prompts[-1]
+    assert set(_status(reply)) == {SHOWN}
+    assert TURN_HEADER.format(turn=1) not in recorder.prompts[-1]
 
 
 def test_workflow_step(bm25, questions, recorder, top_k) -> None:

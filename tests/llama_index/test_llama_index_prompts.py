@@ -14,7 +14,6 @@ from llama_index.core.schema import MetadataMode
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.llama_index import (
     ContextPilotNodePostprocessor,
-    chat_context_template,
     text_qa_template,
 )
 from contextpilot_integrations.llama_index.request_ids import pending_request
@@ -163,11 +162,13 @@ def test_templates_survive_deepcopy_and_reject_other_objects() -> None:
     pp = ContextPilotNodePostprocessor()
     template = text_qa_template(pp)
     clone = copy.deepcopy(template)
-    assert clone.default_template.function_mappings["context_str"].__self__.store is pp.store  # type: ignore[union-attr]
+    renderer = clone.default_template.function_mappings["context_str"].__self__  # type: ignore[union-attr]
+    assert renderer.plans is pp.plans and renderer.sections is pp.sections
     with pytest.raises(TypeError, match="must be a ContextPilotNodePostprocessor"):
         text_qa_template(object())  # type: ignore[arg-type]
+    # The turn header is the layout's field, checked where the layout is made.
     with pytest.raises(ValueError, match="turn_header must contain"):
-        chat_context_template(pp, turn_header="Turn:\n")
+        PromptLayout(turn_header="Turn:\n")
 
 
 def test_custom_layout_is_used(retrieved, recorder) -> None:

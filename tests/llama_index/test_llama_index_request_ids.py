@@ -13,6 +13,7 @@ from llama_index.core import get_response_synthesizer
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.query_engine import RetrieverQueryEngine
 
+from contextpilot_integrations.engine_fields import request_id_fields
 from contextpilot_integrations.llama_index import (
     ContextPilotNodePostprocessor,
     ContextPilotOpenAILike,
@@ -22,8 +23,8 @@ from contextpilot_integrations.llama_index import (
 )
 from contextpilot_integrations.llama_index.request_ids import (
     arm_request,
+    nodes_rid,
     pending_request,
-    request_id_fields,
     take_request,
 )
 
@@ -92,7 +93,7 @@ def test_an_unanswered_plan_does_not_tag_an_unrelated_call(retrieved, questions)
             llm.chat([ChatMessage(role="user", content="An unrelated question.")])
         with pytest.raises(Exception, match="Connection error"):  # ... answered later
             synthesizer.synthesize(questions[0], out)
-        return out[0].node.metadata["contextpilot_rid"]
+        return out[0].node.metadata["contextpilot"]["rid"]
 
     rid = contextvars.copy_context().run(run)
     unrelated, answer = capture.bodies
@@ -101,19 +102,22 @@ def test_an_unanswered_plan_does_not_tag_an_unrelated_call(retrieved, questions)
 
 
 def test_request_id_fields_and_kwargs(retrieved) -> None:
-    assert request_id_fields("r") == {"rid": "r", "request_id": "r", "session_id": "r"}
-    assert request_id_kwargs("r", ("rid",)) == {"extra_body": {"rid": "r"}}
+    assert request_id_kwargs("r") == {
+        "extra_body": {"rid": "r", "request_id": "r", "session_id": "r"}
+    }
+    assert request_id_kwargs("r", "sglang") == {"extra_body": {"rid": "r", "session_id": "r"}}
     out = ContextPilotNodePostprocessor().postprocess_nodes(retrieved[0], query_str="q")
-    rid = out[0].node.metadata["contextpilot_rid"]
+    rid = out[0].node.metadata["contextpilot"]["rid"]
+    assert nodes_rid(out) == rid
     assert request_id_kwargs(out) == {"extra_body": request_id_fields(rid)}
-    assert request_id_kwargs([]) == {}
+    assert request_id_kwargs([]) == {} and nodes_rid([]) is None
     other = ContextPilotNodePostprocessor().postprocess_nodes(retrieved[1], query_str="q")
     with pytest.raises(ValueError, match="2 different request ids"):
         request_id_kwargs([out[0], other[0]])
-    with pytest.raises(ValueError, match="rid must be a non-empty str"):
-        request_id_fields("")
-    with pytest.raises(ValueError, match="field names must be non-empty"):
-        request_id_fields("r", ("rid", ""))
+    with pytest.raises(TypeError, match="non-empty .rid"):
+        request_id_kwargs("")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        request_id_kwargs("r", "tgi")  # type: ignore[arg-type]
 
 
 def test_query_engine_request_carries_the_plan_rid_once(bm25, questions) -> None:
@@ -136,7 +140,7 @@ def test_query_engine_request_carries_the_plan_rid_once(bm25, questions) -> None
     rid = first["rid"]
     assert rid.startswith("cp-") and first["request_id"] == first["session_id"] == rid
     assert first["top_k"] == 5  # the user's extra_body is kept
-    plan = pp.store.get(rid)
+    plan = pp.plans.get(rid)
     assert plan is not None
     assert [m["content"] for m in first["messages"]] == [m["content"] for m in plan.plan.messages]
     assert "rid" not in unrelated and unrelated["top_k"] == 5
@@ -185,7 +189,7 @@ def test_retries_keep_the_rid_and_no_fields_sends_none(retrieved, questions) -> 
     assert len({body["rid"] for body in capture.bodies}) == 1
 
     silent = BodyCapture()
-    llm = _llm(silent, request_id_fields=())
+    llm = _llm(silent, request_id_engine="hosted")
 
     def run_silent() -> None:
         arm_request("r-silent")
@@ -194,6 +198,18 @@ def test_retries_keep_the_rid_and_no_fields_sends_none(retrieved, questions) -> 
 
     contextvars.copy_context().run(run_silent)
     assert "rid" not in silent.bodies[0] and "extra_body" not in silent.bodies[0]
+
+    vllm = BodyCapture()
+    llm = _llm(vllm, request_id_engine="vllm")
+
+    def run_vllm() -> None:
+        arm_request("r-vllm")
+        with pytest.raises(Exception, match="Connection error"):
+            llm.complete("hello")
+
+    contextvars.copy_context().run(run_vllm)
+    assert vllm.bodies[0]["request_id"] == vllm.bodies[0]["session_id"] == "r-vllm"
+    assert "rid" not in vllm.bodies[0]
     assert ContextPilotOpenAILike.class_name() == "ContextPilotOpenAILike"
 
 
@@ -212,7 +228,7 @@ def test_concurrent_requests_send_the_rid_of_the_prompt_they_carry(retrieved, qu
             out = pp.postprocess_nodes(retrieved[i], query_str=questions[i])
             with pytest.raises(Exception, match="Connection error"):
                 synthesizer.synthesize(questions[i], out)
-            return out[0].node.metadata["contextpilot_rid"]
+            return out[0].node.metadata["contextpilot"]["rid"]
 
         return contextvars.copy_context().run(run)
 
@@ -221,5 +237,5 @@ def test_concurrent_requests_send_the_rid_of_the_prompt_they_carry(retrieved, qu
     sent = [body["rid"] for body in capture.bodies]
     assert sorted(sent) == sorted(rids)  # each plan's rid, once
     for body in capture.bodies:
-        plan = pp.store.get(body["rid"]).plan  # type: ignore[union-attr]
+        plan = pp.plans.get(body["rid"]).plan  # type: ignore[union-attr]
         assert [m["content"] for m in body["messages"]] == [m["content"] for m in plan.messages]

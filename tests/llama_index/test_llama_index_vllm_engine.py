@@ -1,6 +1,8 @@
 """A real engine (vLLM's CPU build, random weights) behind ``ContextPilotOpenAILike``: the plan's
 rid reaches the engine (it names the response and the engine's KV-cache events carry it as the
-session id), and a second query sharing the nodes hits the engine's prefix cache.
+session id), and a second query sharing the nodes hits the engine's prefix cache. The pilot is
+the one-line change with engine sync, ``ContextPilot(cache_sync=server.cache_sync)``: its own
+engine link attributes the engine's cached blocks to the plan rids.
 
 Needs ``.venv-vllm`` (``scripts/setup-vllm-env.sh``); skipped without it. Marked ``vllm``.
 """
@@ -14,11 +16,10 @@ import pytest
 import zmq
 from llama_index.core.query_engine import RetrieverQueryEngine
 
-from contextpilot_integrations.engines.vllm_cpu import (
-    VllmCpuServer,
-    find_vllm_python,
-    prepare_model_dir,
-)
+from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.engines.locations import find_vllm_python
+from contextpilot_integrations.engines.model_dir import prepare_model_dir
+from contextpilot_integrations.engines.vllm_server import VllmCpuServer
 from contextpilot_integrations.llama_index import (
     ContextPilotNodePostprocessor,
     ContextPilotOpenAILike,
@@ -64,7 +65,8 @@ def test_rid_reaches_vllm_and_shared_nodes_hit_its_prefix_cache(
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SUBSCRIBE, server.kv_events_topic.encode())
     socket.connect(server.kv_events_endpoint)
-    time.sleep(0.5)  # ZMQ slow joiner
+    pilot = ContextPilot(cache_sync=server.cache_sync)
+    time.sleep(0.5)  # ZMQ slow joiner (this socket and the pilot's subscriber)
     try:
         llm = ContextPilotOpenAILike(
             model=server.model_name,
@@ -75,14 +77,14 @@ def test_rid_reaches_vllm_and_shared_nodes_hit_its_prefix_cache(
             max_tokens=2,
             timeout=120,
         )
-        pp = ContextPilotNodePostprocessor()
+        pp = ContextPilotNodePostprocessor(pilot)
         engine = RetrieverQueryEngine.from_args(
             bm25, llm=llm, node_postprocessors=[pp], text_qa_template=text_qa_template(pp)
         )
         server.reset_prefix_cache()
         # Questions 0 and 13 retrieve the same articles in different orders.
         responses = [engine.query(questions[0]), engine.query(questions[13])]
-        rids = [r.source_nodes[0].node.metadata["contextpilot_rid"] for r in responses]
+        rids = [r.source_nodes[0].node.metadata["contextpilot"]["rid"] for r in responses]
         first, second = recorder.records
         # vLLM names the response after the request_id it was sent.
         assert first.response_id == f"chatcmpl-{rids[0]}"
@@ -101,5 +103,14 @@ def test_rid_reaches_vllm_and_shared_nodes_hit_its_prefix_cache(
         # The KV-cache events attribute the stored blocks to each plan's rid (session_id).
         topic = server.kv_events_topic.encode()
         assert _stored_sessions(socket, topic, set(rids), timeout=20) >= set(rids)
+        # ... and the pilot's own engine link follows them: both requests are cached.
+        mirror = pilot.engine.source.mirror  # type: ignore[union-attr]
+        deadline = time.monotonic() + 10
+        while not set(rids) <= mirror.cached_requests() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert set(rids) <= mirror.cached_requests()
+        assert pilot.stats()["sync"]["engine_connected"]
+        assert all(rid in pilot.index for rid in rids)
     finally:
+        pilot.close()
         socket.close()
