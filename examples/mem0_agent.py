@@ -94,10 +94,7 @@ def main() -> None:
         from mem0 import Memory
 
         from contextpilot_integrations.mem0 import ContextPilotMemory
-        from contextpilot_integrations.mem0.langchain_middleware import (
-            Mem0MemoryMiddleware,
-            openai_compatible_rid_settings,
-        )
+        from contextpilot_integrations.mem0.langchain_middleware import Mem0MemoryMiddleware
 
         class SystemMessages(BaseCallbackHandler):
             """Keeps the system message (the memory context) of every model call."""
@@ -118,11 +115,8 @@ def main() -> None:
             memory,
             top_k=args.top_k,
             search_kwargs={"threshold": 0.0},  # every memory of the user, most relevant first
-            request_id_settings=(
-                openai_compatible_rid_settings
-                if os.environ.get("CONTEXTPILOT_LLM_BASE_URL")
-                else None
-            ),
+            # SGLang's and vLLM's request-id body fields, for a real OpenAI-compatible server
+            engine="any" if os.environ.get("CONTEXTPILOT_LLM_BASE_URL") else None,
         )
         agent = create_agent(chat_model(), system_prompt=SYSTEM_PROMPT, middleware=[middleware])
         recorder = SystemMessages()

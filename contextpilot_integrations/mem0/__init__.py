@@ -2,7 +2,10 @@
 
 - :class:`ContextPilotMemory` / :class:`AsyncContextPilotMemory` wrap ``mem0.Memory`` /
   ``mem0.AsyncMemory``: ``search`` keeps Mem0's signature and answer shape, with the results in
-  prompt order and marked (:mod:`.memory`).
+  prompt order, each with ``result["contextpilot"]``
+  (:mod:`contextpilot_integrations.placement_metadata`; :mod:`.memory`).
+- :func:`scope_from_filters`: Mem0 filters (``user_id``, ``agent_id``, ``run_id``) and a
+  conversation id as the core's :class:`~contextpilot_integrations.core.request.Scope`.
 - Agent hooks (imported from their modules, each needs its framework):
   :class:`~.langchain_middleware.Mem0MemoryMiddleware` (LangChain ``create_agent``) and
   :class:`~.llama_index_memory.Mem0MemoryBlock` (LlamaIndex ``Memory``).
@@ -11,24 +14,21 @@
 
 from contextpilot_integrations.mem0.layout import MEMORY_LAYOUT, memory_context
 from contextpilot_integrations.mem0.memory import (
-    MARK_KEY,
-    MARK_KEYS,
     AsyncContextPilotMemory,
     ContextPilotMemory,
     MemorySearch,
+    aplan_search_results,
     plan_search_results,
 )
-from contextpilot_integrations.mem0.scope import MemoryScope, memory_scope
+from contextpilot_integrations.mem0.scope import scope_from_filters
 
 __all__ = [
-    "MARK_KEY",
-    "MARK_KEYS",
     "MEMORY_LAYOUT",
     "AsyncContextPilotMemory",
     "ContextPilotMemory",
-    "MemoryScope",
     "MemorySearch",
+    "aplan_search_results",
     "memory_context",
-    "memory_scope",
     "plan_search_results",
+    "scope_from_filters",
 ]

@@ -21,8 +21,13 @@ from typing import Any
 
 from contextpilot_integrations.core.conversation import TurnVisibility
 from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.core.request import is_block_text
 from contextpilot_integrations.mem0.layout import MEMORY_LAYOUT, plain_memory_context
-from contextpilot_integrations.mem0.memory import AsyncContextPilotMemory, ContextPilotMemory
+from contextpilot_integrations.mem0.memory import (
+    AsyncContextPilotMemory,
+    ContextPilotMemory,
+    MemorySearch,
+)
 
 __all__ = ["MemoryContext", "asearch_memory_context", "search_memory_context"]
 
@@ -37,7 +42,8 @@ class MemoryContext:
         text: the memory context (system prompt, memories, hints, annotation); ``""`` when
             the search found no memory with text.
         rid: the plan's request id (send it with the model call); ``None`` for a plain memory.
-        results: the search results (marked, in prompt order, for a wrapped memory).
+        results: the search results (for a wrapped memory in output order, each with its
+            ``"contextpilot"`` entry).
     """
 
     text: str
@@ -54,9 +60,16 @@ def _plain(response: Any, layout: PromptLayout) -> MemoryContext:
     texts = [
         r["memory"]
         for r in results
-        if isinstance(r, Mapping) and isinstance(r.get("memory"), str) and r["memory"].strip()
+        if isinstance(r, Mapping)
+        and isinstance(r.get("memory"), str)
+        and is_block_text(r["memory"])
     ]
     return MemoryContext(plain_memory_context(texts, layout) if texts else "", None, results)
+
+
+def _planned(found: MemorySearch) -> MemoryContext:
+    text = found.context if found.plan.blocks or found.plan.hints else ""
+    return MemoryContext(text, found.plan.rid, found.results)
 
 
 def search_memory_context(
@@ -91,8 +104,7 @@ def search_memory_context(
         found = memory.search_with_plan(
             query, filters=dict(filters), visibility=_NOT_KEPT_IN_PROMPT, **search_kwargs
         )
-        text = found.context if found.plan.blocks or found.plan.hints else ""
-        return MemoryContext(text, found.plan.rid, found.results)
+        return _planned(found)
     return _plain(memory.search(query, filters=dict(filters), **search_kwargs), layout)
 
 
@@ -111,8 +123,7 @@ async def asearch_memory_context(
         found = await memory.search_with_plan(
             query, filters=dict(filters), visibility=_NOT_KEPT_IN_PROMPT, **search_kwargs
         )
-        text = found.context if found.plan.blocks or found.plan.hints else ""
-        return MemoryContext(text, found.plan.rid, found.results)
+        return _planned(found)
     if inspect.iscoroutinefunction(getattr(memory, "search", None)):
         response = await memory.search(query, filters=dict(filters), **search_kwargs)
         return _plain(response, layout)

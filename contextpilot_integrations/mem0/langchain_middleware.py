@@ -18,12 +18,13 @@ order. Changing one line, ``memory = ContextPilotMemory(memory)``, switches betw
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, get_args
 
 from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
 from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage
 
 from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.engine_fields import EngineKind, with_request_ids
 from contextpilot_integrations.mem0.context import (
     MemoryContext,
     asearch_memory_context,
@@ -32,19 +33,9 @@ from contextpilot_integrations.mem0.context import (
 from contextpilot_integrations.mem0.layout import MEMORY_LAYOUT
 from contextpilot_integrations.mem0.scope import ENTITY_KEYS
 
-__all__ = ["Mem0MemoryMiddleware", "openai_compatible_rid_settings"]
+__all__ = ["Mem0MemoryMiddleware"]
 
 Filters = Mapping[str, Any] | Callable[[ModelRequest], Mapping[str, Any]]
-
-
-def openai_compatible_rid_settings(rid: str) -> dict[str, Any]:
-    """Model settings that send ``rid`` to an OpenAI-compatible SGLang or vLLM server.
-
-    For ``langchain_openai.ChatOpenAI``: the body fields ``rid`` (SGLang), ``request_id``
-    (vLLM) and ``session_id`` (echoed on both engines' KV-cache events), as the benchmark's
-    engine client sends them.
-    """
-    return {"extra_body": {"rid": rid, "request_id": rid, "session_id": rid}}
 
 
 def _latest_user_text(messages: Sequence[BaseMessage]) -> str | None:
@@ -84,13 +75,19 @@ class Mem0MemoryMiddleware(AgentMiddleware):
         top_k: memories per search.
         search_kwargs: other arguments for Mem0's ``search`` (``threshold``, ``rerank``, ...).
         layout: the layout for a plain memory (a wrapped one uses its pilot's).
-        request_id_settings: ``rid -> model settings`` merged into the call's model settings
-            when the memory is wrapped (for example :func:`openai_compatible_rid_settings`),
-            so the engine's cache events name the plan's request.
+        engine: send the plan's rid to this engine when the memory is wrapped: its body
+            fields (:func:`~contextpilot_integrations.engine_fields.request_id_fields`;
+            ``"any"``: SGLang's and vLLM's) are merged into the call's
+            ``model_settings["extra_body"]`` (for ``langchain_openai.ChatOpenAI`` on an
+            OpenAI-compatible server), so the engine's cache events name the plan's request.
+            ``None`` (default): model settings unchanged (a model that takes no
+            ``extra_body``).
 
-    Raises (per model call):
-        ValueError: no scope (no ``filters`` and none in the runtime context).
-        Whatever Mem0's ``search`` raises.
+    Raises:
+        TypeError: ``memory`` has no ``search``; ``filters`` neither a dict nor a function.
+        ValueError: ``top_k < 1``; an unknown ``engine``.
+        Per model call: ValueError, no scope (no ``filters`` and none in the runtime
+        context); whatever Mem0's ``search`` raises.
     """
 
     def __init__(
@@ -101,7 +98,7 @@ class Mem0MemoryMiddleware(AgentMiddleware):
         top_k: int = 20,
         search_kwargs: Mapping[str, Any] | None = None,
         layout: PromptLayout = MEMORY_LAYOUT,
-        request_id_settings: Callable[[str], Mapping[str, Any]] | None = None,
+        engine: EngineKind | None = None,
     ) -> None:
         super().__init__()
         if not callable(getattr(memory, "search", None)):
@@ -114,12 +111,16 @@ class Mem0MemoryMiddleware(AgentMiddleware):
             )
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
+        if engine is not None and engine not in get_args(EngineKind):
+            raise ValueError(
+                f"engine must be one of {get_args(EngineKind)} or None, got {engine!r}"
+            )
         self.memory = memory
         self.filters = filters
         self.top_k = top_k
         self.search_kwargs = dict(search_kwargs or {})
         self.layout = layout
-        self.request_id_settings = request_id_settings
+        self.engine = engine
 
     # ------------------------------------------------------------------ hooks
     def wrap_model_call(
@@ -173,9 +174,8 @@ class Mem0MemoryMiddleware(AgentMiddleware):
         own = request.system_message.text if request.system_message is not None else ""
         content = f"{own}\n\n{found.text}" if own else found.text
         overrides: dict[str, Any] = {"system_message": SystemMessage(content=content)}
-        if found.rid is not None and self.request_id_settings is not None:
-            overrides["model_settings"] = {
-                **request.model_settings,
-                **self.request_id_settings(found.rid),
-            }
+        if found.rid is not None and self.engine is not None:
+            overrides["model_settings"] = with_request_ids(
+                request.model_settings, found.rid, self.engine
+            )
         return request.override(**overrides)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from contextpilot_integrations.core.pilot import Plan
+from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.core.rendering import PromptLayout
 
 __all__ = ["MEMORY_LAYOUT", "memory_context", "plain_memory_context"]
@@ -28,12 +28,13 @@ pilot: memories labelled ``[Memory i]`` by prompt position."""
 
 
 def memory_context(plan: Plan) -> str:
-    """The plan's prompt without the question: system prompt, memories, hints, annotation.
+    """The plan's prompt without the question: system prompt, then ``plan.context``
+    (memories, hints, annotation).
 
     The system prompt and the memories are byte-identical to the plan's segments, so the
     text starts with the prefix the context index expects the engine to have cached.
     """
-    return "".join(plan.segments[:-1]) + plan.context_tail
+    return plan.segments[0] + plan.context
 
 
 def plain_memory_context(texts: Sequence[str], layout: PromptLayout = MEMORY_LAYOUT) -> str:

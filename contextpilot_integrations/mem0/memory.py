@@ -11,26 +11,34 @@ Wrap a Mem0 memory and keep using it as before (one line changes)::
 
 ``search`` has Mem0's signature and returns Mem0's shape, ``{"results": [...]}`` (every other
 key of Mem0's answer kept), with each memory dict as Mem0 returned it plus one key,
-``"contextpilot"`` (:data:`MARK_KEYS`). What changes is the order: the results come in the
-order the memories should be placed in the prompt (ContextPilot, MLSys 2026: memories that
-recent requests already placed first, in the same order, are put first, so the engine's prefix
-cache reuses their KV; the rest follow). Mem0's relevance order is kept in ``original_rank``
-and, when the prompt order differs from it, in the order annotation of the rendered context.
-Memories already shown in an earlier turn of the same conversation (``conversation_id=``, else
-the ``run_id``, :mod:`.scope`) are marked with a location hint instead of being placed again.
+``"contextpilot"``: the placement entry every face attaches
+(:mod:`contextpilot_integrations.placement_metadata`: ``rid``, ``index`` = Mem0's rank,
+``status``, ``position``, ``label``, ``block_id``, ``hint``, ``duplicate_of``). What changes is
+the order: the results come in the order the memories should be placed in the prompt
+(ContextPilot, MLSys 2026: memories that recent requests already placed first, in the same
+order, are put first, so the engine's prefix cache reuses their KV; the rest follow). Mem0's
+relevance order is kept in ``index`` and, when the prompt order differs from it, in the order
+annotation of the rendered context. Memories already shown in an earlier turn of the same
+conversation (``conversation_id=``, else the ``run_id``, :mod:`.scope`) are replaced by a
+location hint instead of being placed again.
 
-The results, in order:
+The results come in the plan's output order
+(:meth:`~contextpilot_integrations.core.plan.Plan.output_order`):
 
-1. memories placed in the prompt, in prompt order (``position`` 0, 1, ...);
+1. memories placed in the prompt, in prompt order (``status="shown"``, ``position`` 0, 1, ...);
 2. memories replaced by a hint (their exact text stands in an earlier turn of this conversation
-   that the prompt still holds), in the order of their hints;
-3. repeats of a memory text already in this answer (``duplicate_of``), by original rank;
-4. memories with empty or whitespace-only text (never placed; Mem0 can return them), by rank.
+   that the prompt still holds), in the order of their hints (``"replaced"``);
+3. repeats of a memory text already in this answer (``"duplicate"``, ``duplicate_of``), by rank;
+4. memories with empty or whitespace-only text (``"skipped"``; Mem0 can return them), by rank.
 
-Nothing is dropped: every result Mem0 returned comes back once. Every other method (``add``,
-``get``, ``get_all``, ``update``, ``delete``, ``delete_all``, ``history``, ``reset``, ...) and
-attribute is the wrapped memory's own (attribute delegation). Errors Mem0 raises (bad filters,
-store unavailable) reach the caller unchanged: the search runs before any planning.
+Nothing is dropped: every result Mem0 returned comes back once. What the prompt shows for a
+memory (its text, or the text with a passage shown earlier in the conversation replaced by a
+pointer) is the plan's (``search_with_plan(...).plan.blocks``, and ``.context`` renders it), not
+a result key: ``search`` answers applications that read memories; those that render a prompt
+take the plan. Every other method (``add``, ``get``, ``get_all``, ``update``, ``delete``,
+``delete_all``, ``history``, ``reset``, ...) and attribute is the wrapped memory's own (attribute
+delegation). Errors Mem0 raises (bad filters, store unavailable) reach the caller unchanged: the
+search runs before any planning.
 
 A memory's text is its block text: its block id is the hash of the exact text, so a memory that
 Mem0 updates (``update``, or ``add`` with ``infer=True``) gets a new block id and is never
@@ -44,49 +52,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from contextpilot_integrations.core.blocks import block_id
 from contextpilot_integrations.core.conversation import TurnVisibility
-from contextpilot_integrations.core.pilot import ContextPilot, Plan
-from contextpilot_integrations.core.planner import Planner
+from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.plan import Plan
+from contextpilot_integrations.core.planner_protocol import Planner, check_planner
+from contextpilot_integrations.core.request import Scope
 from contextpilot_integrations.mem0.layout import MEMORY_LAYOUT, memory_context
-from contextpilot_integrations.mem0.scope import MemoryScope, memory_scope
+from contextpilot_integrations.mem0.scope import scope_from_filters
+from contextpilot_integrations.placement_metadata import METADATA_KEY, placement_entry
 
 __all__ = [
-    "MARK_KEY",
-    "MARK_KEYS",
     "AsyncContextPilotMemory",
     "ContextPilotMemory",
     "MemorySearch",
+    "aplan_search_results",
     "plan_search_results",
 ]
-
-MARK_KEY = "contextpilot"
-"""The key added to every result dict."""
-
-MARK_KEYS = (
-    "original_rank",
-    "block_id",
-    "rid",
-    "position",
-    "label",
-    "hint",
-    "duplicate_of",
-    "rendered_text",
-)
-"""Keys of ``result["contextpilot"]``:
-
-- ``original_rank`` (int): 0-based rank in Mem0's answer (relevance order);
-- ``block_id`` (int | None): 64-bit id of the memory text; ``None`` for an empty text;
-- ``rid`` (str): the request id of the plan; send it with the LLM call;
-- ``position`` (int | None): 0-based position in the prompt; ``None`` when not placed;
-- ``label`` (str | None): the label the prompt shows (``"[Memory 2]"``); ``None`` when not placed;
-- ``hint`` (str | None): the location hint that replaces the memory (already shown earlier in
-  this conversation); ``None`` otherwise;
-- ``duplicate_of`` (int | None): ``original_rank`` of the result with the same text that is
-  placed or hinted instead; ``None`` otherwise;
-- ``rendered_text`` (str | None): the text as placed in the prompt (the memory text, or with a
-  passage shown earlier in the conversation replaced by a pointer); ``None`` when not placed.
-"""
 
 
 @dataclass(frozen=True)
@@ -94,15 +75,14 @@ class MemorySearch:
     """One aligned search.
 
     Attributes:
-        response: Mem0's answer with the results marked and in prompt order (what
+        response: Mem0's answer with the results marked and in output order (what
             ``search`` returns).
-        plan: the ContextPilot plan of the memories (``plan.rid``, ``plan.segments``).
-        scope: the tenant and conversation the search was de-duplicated in.
+        plan: the ContextPilot plan of the memories (``plan.rid``, ``plan.scope``: the tenant,
+            conversation and turn it was de-duplicated in, ``plan.blocks``).
     """
 
     response: dict[str, Any]
     plan: Plan
-    scope: MemoryScope
 
     @property
     def results(self) -> list[dict[str, Any]]:
@@ -116,22 +96,45 @@ class MemorySearch:
         return memory_context(self.plan)
 
 
-def _marked(result: Mapping[str, Any], **mark: Any) -> dict[str, Any]:
-    marked = dict(result)
-    marked[MARK_KEY] = {key: mark.get(key) for key in MARK_KEYS}
-    return marked
+def _memory_texts(response: object) -> list[str]:
+    """Every result's ``"memory"`` text, in Mem0's order (blank ones too: the plan skips them)."""
+    if not isinstance(response, Mapping) or not isinstance(response.get("results"), list):
+        raise TypeError(
+            f"a Mem0 search answer must be a dict with a 'results' list, got {response!r:.200}"
+        )
+    texts = []
+    for rank, result in enumerate(response["results"]):
+        if not isinstance(result, Mapping):
+            raise TypeError(
+                f"Mem0 search results[{rank}] must be a dict, got {type(result).__name__}: "
+                f"{result!r:.200}"
+            )
+        text = result.get("memory")
+        if not isinstance(text, str):
+            raise TypeError(
+                f"Mem0 search results[{rank}]['memory'] must be a str, got "
+                f"{type(text).__name__}: {text!r:.200}"
+            )
+        texts.append(text)
+    return texts
+
+
+def _marked(response: Mapping[str, Any], plan: Plan) -> MemorySearch:
+    """Mem0's answer with its results in the plan's output order, each with its entry."""
+    results = response["results"]
+    marked = [
+        {**results[p.index], METADATA_KEY: placement_entry(plan, p)} for p in plan.output_order()
+    ]
+    return MemorySearch({**response, "results": marked}, plan)
 
 
 def plan_search_results(
     pilot: Planner,
     query: str,
     response: Mapping[str, Any],
-    filters: Mapping[str, Any] | None,
+    scope: Scope,
     *,
-    conversation_id: str | None = None,
     rid: str | None = None,
-    turn: int | None = None,
-    visibility: TurnVisibility | None = None,
 ) -> MemorySearch:
     """Align and de-duplicate one Mem0 search answer.
 
@@ -139,89 +142,34 @@ def plan_search_results(
         pilot: the planner (its index is shared by every request to the same engine).
         query: the search query (the plan's question).
         response: Mem0's answer, ``{"results": [{"memory": str, ...}, ...], ...}``.
-        filters: the search's filters (the scope, :func:`~.scope.memory_scope`).
-        conversation_id: the conversation (default: the filters' ``run_id``).
+        scope: the search's scope (:func:`~.scope.scope_from_filters` of its filters).
         rid: the request id for the plan (default: a new one).
-        turn: the conversation turn (default: one after the latest).
-        visibility: which earlier turns the prompt still holds (default: all).
 
     Returns:
         The :class:`MemorySearch`; its ``response`` has every result exactly once (module
-        docstring for the order and the marks).
+        docstring for the order and the entries).
 
     Raises:
-        TypeError: ``response`` is not a mapping with a ``"results"`` list of mappings, or a
-            bad ``filters`` / ``conversation_id``.
-        TypeError / ValueError: from the pilot, for a bad ``rid``, ``turn`` or ``visibility``.
+        TypeError: ``response`` is not a mapping with a ``"results"`` list of mappings whose
+            ``"memory"`` is a str.
+        TypeError / ValueError / RidConflictError: from the pilot, for a bad or taken ``rid``.
     """
-    if not isinstance(response, Mapping) or not isinstance(response.get("results"), list):
-        raise TypeError(
-            f"a Mem0 search answer must be a dict with a 'results' list, got {response!r:.200}"
-        )
-    results = response["results"]
-    texts: list[str] = []
-    ranks: list[int] = []  # Mem0 rank of each planned text
-    empty: list[int] = []
-    for rank, result in enumerate(results):
-        if not isinstance(result, Mapping):
-            raise TypeError(
-                f"Mem0 search results[{rank}] must be a dict, got {type(result).__name__}: "
-                f"{result!r:.200}"
-            )
-        text = result.get("memory")
-        if isinstance(text, str) and text.strip():
-            texts.append(text)
-            ranks.append(rank)
-        else:
-            empty.append(rank)
-    scope = memory_scope(filters, conversation_id)
-    plan = pilot.plan(
-        query,
-        texts,
-        rid=rid,
-        conversation_id=scope.conversation_id,
-        tenant=scope.tenant,
-        turn=turn,
-        visibility=visibility,
-    )
-    marked: list[dict[str, Any]] = []
-    for position, block in enumerate(plan.blocks):
-        rank = ranks[block.original_rank]
-        marked.append(
-            _marked(
-                results[rank],
-                original_rank=rank,
-                block_id=block.block_id,
-                rid=plan.rid,
-                position=position,
-                label=plan.layout.label(position),
-                rendered_text=block.rendered_text,
-            )
-        )
-    for index, hint in plan.replaced.items():
-        rank = ranks[index]
-        marked.append(
-            _marked(
-                results[rank],
-                original_rank=rank,
-                block_id=block_id(texts[index]),
-                rid=plan.rid,
-                hint=hint,
-            )
-        )
-    for index in sorted(plan.duplicates):
-        rank = ranks[index]
-        marked.append(
-            _marked(
-                results[rank],
-                original_rank=rank,
-                block_id=block_id(texts[index]),
-                rid=plan.rid,
-                duplicate_of=ranks[plan.duplicates[index]],
-            )
-        )
-    marked.extend(_marked(results[rank], original_rank=rank, rid=plan.rid) for rank in empty)
-    return MemorySearch({**response, "results": marked}, plan, scope)
+    plan = pilot.plan(query, _memory_texts(response), rid=rid, scope=scope)
+    return _marked(response, plan)
+
+
+async def aplan_search_results(
+    pilot: Planner,
+    query: str,
+    response: Mapping[str, Any],
+    scope: Scope,
+    *,
+    rid: str | None = None,
+) -> MemorySearch:
+    """:func:`plan_search_results` for a coroutine: awaits ``pilot.aplan`` (the event loop
+    goes on while the pilot plans)."""
+    plan = await pilot.aplan(query, _memory_texts(response), rid=rid, scope=scope)
+    return _marked(response, plan)
 
 
 class _MemoryWrapper:
@@ -240,8 +188,8 @@ class _MemoryWrapper:
                 f"memory must be a Mem0 Memory or AsyncMemory (an object with search()), got "
                 f"{type(memory).__name__}"
             )
-        if pilot is not None and not callable(getattr(pilot, "plan", None)):
-            raise TypeError(f"pilot must have a plan() method, got {type(pilot).__name__}")
+        if pilot is not None:
+            check_planner(pilot)
         if visibility is not None and not isinstance(visibility, TurnVisibility):
             raise TypeError(
                 f"visibility must be a TurnVisibility or None, got {type(visibility).__name__}"
@@ -259,6 +207,20 @@ class _MemoryWrapper:
     def pilot(self) -> Planner:
         """The planner (shared index, conversation store)."""
         return self._pilot
+
+    def _scope(
+        self,
+        filters: Mapping[str, Any] | None,
+        conversation_id: str | None,
+        turn: int | None,
+        visibility: TurnVisibility | None,
+    ) -> Scope:
+        return scope_from_filters(
+            filters,
+            conversation_id,
+            turn=turn,
+            visibility=visibility if visibility is not None else self._visibility,
+        )
 
     def __getattr__(self, name: str) -> Any:
         """Every attribute not defined here is the wrapped memory's (``add``, ``get_all``,
@@ -280,7 +242,8 @@ class ContextPilotMemory(_MemoryWrapper):
         pilot: the planner; default a new in-process
             :class:`~contextpilot_integrations.core.pilot.ContextPilot` with
             :data:`~contextpilot_integrations.mem0.layout.MEMORY_LAYOUT`; any
-            :class:`~contextpilot_integrations.core.planner.Planner` (the service client too).
+            :class:`~contextpilot_integrations.core.planner_protocol.Planner` (the service clients
+            too).
             Give the same one to every wrapper whose requests go to the same engine.
         visibility: which earlier turns the application's prompt still holds (default: all);
             a search can override it.
@@ -332,18 +295,22 @@ class ContextPilotMemory(_MemoryWrapper):
                 ``run_id``; none: no de-duplication across searches); not sent to Mem0, so
                 memories kept per user (``filters={"user_id": ...}``) can be de-duplicated
                 within one of the user's conversations.
-            rid: request id for the plan (default: a new one); it is in every result's mark.
-            turn: the conversation turn (default: one after the latest of this ``run_id``).
-            visibility: earlier turns the prompt still holds (default: the wrapper's).
+            rid: request id for the plan (default: a new one); it is in every result's entry.
+            turn: the conversation turn (default: one after the conversation's latest); needs
+                a conversation.
+            visibility: earlier turns the prompt still holds (default: the wrapper's); applies
+                only to a search with a conversation.
 
         Returns:
             ``{"results": [...]}`` (and any other key Mem0 returned): every result once, in
-            prompt order, each with ``result["contextpilot"]`` (:data:`MARK_KEYS`).
+            output order, each with ``result["contextpilot"]``
+            (:func:`~contextpilot_integrations.placement_metadata.placement_entry`).
 
         Raises:
             Whatever Mem0's ``search`` raises, unchanged (``ValueError`` for bad filters or
             parameters, the vector store's error when it is unavailable). TypeError /
-            ValueError for a bad ``rid``, ``turn`` or ``visibility``.
+            ValueError for a bad ``conversation_id``, ``rid``, ``turn`` (or one without a
+            conversation) or ``visibility``; ``RidConflictError`` for a ``rid`` already planned.
         """
         return self.search_with_plan(
             query,
@@ -378,16 +345,8 @@ class ContextPilotMemory(_MemoryWrapper):
         ones not given). Raises as :meth:`search`.
         """
         response = self._memory.search(query, filters=filters, **search_kwargs)
-        return plan_search_results(
-            self._pilot,
-            query,
-            response,
-            filters,
-            conversation_id=conversation_id,
-            rid=rid,
-            turn=turn,
-            visibility=visibility if visibility is not None else self._visibility,
-        )
+        scope = self._scope(filters, conversation_id, turn, visibility)
+        return plan_search_results(self._pilot, query, response, scope, rid=rid)
 
     def __enter__(self) -> ContextPilotMemory:
         return self
@@ -474,16 +433,8 @@ class AsyncContextPilotMemory(_MemoryWrapper):
         """:meth:`search`, returning the plan too (see
         :meth:`ContextPilotMemory.search_with_plan`)."""
         response = await self._memory.search(query, filters=filters, **search_kwargs)
-        return plan_search_results(
-            self._pilot,
-            query,
-            response,
-            filters,
-            conversation_id=conversation_id,
-            rid=rid,
-            turn=turn,
-            visibility=visibility if visibility is not None else self._visibility,
-        )
+        scope = self._scope(filters, conversation_id, turn, visibility)
+        return await aplan_search_results(self._pilot, query, response, scope, rid=rid)
 
     async def __aenter__(self) -> AsyncContextPilotMemory:
         return self

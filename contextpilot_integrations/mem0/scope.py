@@ -1,9 +1,8 @@
-"""Mem0 scoping (``user_id``, ``agent_id``, ``run_id``) mapped to ContextPilot's tenant and
-conversation.
+"""Mem0 scoping (``user_id``, ``agent_id``, ``run_id``) mapped to the core's :class:`Scope`.
 
 Mem0 (``mem0ai`` 2.2) scopes every memory by up to three entity ids, given to ``search`` as
 ``filters={"user_id": ..., "agent_id": ..., "run_id": ...}``. Multi-turn de-duplication is per
-``(tenant, conversation_id)`` (DESIGN.md invariant 2). The mapping:
+``(tenant, conversation_id)`` (DESIGN.md invariant 2). :func:`scope_from_filters` maps:
 
 - tenant: every entity id of the filters, encoded as ``"user_id=<u>&agent_id=<a>&run_id=<r>"``
   (only those given, in that order; ``%``, ``&`` and ``=`` inside a value percent-encoded, as
@@ -23,26 +22,15 @@ tenant.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ENTITY_KEYS", "MemoryScope", "memory_scope"]
+from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.request import Scope
+
+__all__ = ["ENTITY_KEYS", "scope_from_filters"]
 
 ENTITY_KEYS = ("user_id", "agent_id", "run_id")
 """Mem0's entity ids, in the order the tenant encodes them."""
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryScope:
-    """Where a Mem0 search is de-duplicated.
-
-    Attributes:
-        tenant: the encoded entity ids (``""`` when none is given).
-        conversation_id: the conversation, or ``None`` (no de-duplication across searches).
-    """
-
-    tenant: str
-    conversation_id: str | None
 
 
 def _escape(value: str) -> str:
@@ -57,31 +45,36 @@ def _entity(filters: Mapping[str, Any], key: str) -> str | None:
     return text or None
 
 
-def memory_scope(
-    filters: Mapping[str, Any] | None, conversation_id: str | None = None
-) -> MemoryScope:
-    """The tenant and conversation of a Mem0 ``filters`` dict.
+def scope_from_filters(
+    filters: Mapping[str, Any] | None,
+    conversation_id: str | None = None,
+    *,
+    turn: int | None = None,
+    visibility: TurnVisibility | None = None,
+) -> Scope:
+    """The :class:`Scope` of a Mem0 search.
 
     Args:
         filters: Mem0 search filters; keys other than the entity ids (metadata filters,
             ``actor_id``, ``AND``/``OR``/``NOT``) select memories and do not change the scope.
         conversation_id: the application's conversation id (default: the ``run_id``).
+        turn: the conversation turn (default: one after the latest); needs a conversation.
+        visibility: which earlier turns the prompt still holds (default: all). Ignored when
+            the search has no conversation: nothing is de-duplicated then, so no earlier turn
+            is referred to (a wrapper's default visibility thus applies to the searches that
+            have one).
 
     Returns:
-        The :class:`MemoryScope`.
+        ``Scope(conversation_id, tenant, turn, visibility)``.
 
     Raises:
-        TypeError: ``filters`` is neither ``None`` nor a mapping, or ``conversation_id`` is
-            neither ``None`` nor a str.
+        TypeError: ``filters`` is neither ``None`` nor a mapping; from :class:`Scope`, a
+            ``conversation_id``, ``turn`` or ``visibility`` of the wrong type.
+        ValueError: from :class:`Scope`: a ``turn`` without a conversation, a bad value.
     """
-    if conversation_id is not None and not isinstance(conversation_id, str):
-        raise TypeError(
-            f"conversation_id must be a str or None, got {type(conversation_id).__name__}: "
-            f"{conversation_id!r:.200}"
-        )
     if filters is None:
-        return MemoryScope("", conversation_id)
-    if not isinstance(filters, Mapping):
+        filters = {}
+    elif not isinstance(filters, Mapping):
         raise TypeError(
             f"filters must be a dict or None, got {type(filters).__name__}: {filters!r:.200}"
         )
@@ -91,4 +84,9 @@ def memory_scope(
         if value is not None:
             parts.append(f"{key}={_escape(value)}")
     conversation = conversation_id if conversation_id is not None else _entity(filters, "run_id")
-    return MemoryScope("&".join(parts), conversation)
+    return Scope(
+        conversation_id=conversation,
+        tenant="&".join(parts),
+        turn=turn,
+        visibility=visibility if conversation is not None else None,
+    )

@@ -12,15 +12,13 @@ from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from mem0 import Memory
 
+from contextpilot_integrations.engine_fields import REQUEST_ID_FIELDS
 from contextpilot_integrations.mem0 import (
     MEMORY_LAYOUT,
     AsyncContextPilotMemory,
     ContextPilotMemory,
 )
-from contextpilot_integrations.mem0.langchain_middleware import (
-    Mem0MemoryMiddleware,
-    openai_compatible_rid_settings,
-)
+from contextpilot_integrations.mem0.langchain_middleware import Mem0MemoryMiddleware
 from contextpilot_integrations.mem0.layout import plain_memory_context
 
 FACTS = [
@@ -66,10 +64,11 @@ def _store(memory: Any) -> None:
 def test_plain_memory_gets_mem0_order(mem0_memory: Memory) -> None:
     _store(mem0_memory)
     recorder = PromptRecorder()
-    agent = _agent(Mem0MemoryMiddleware(mem0_memory, search_kwargs=SEARCH))
+    agent = _agent(Mem0MemoryMiddleware(mem0_memory, search_kwargs=SEARCH, engine="any"))
     _ask(agent, "What does Alice drink?", recorder, user_id="alice")
     expected = mem0_memory.search("What does Alice drink?", filters={"user_id": "alice"}, **SEARCH)
-    ((messages, _),) = recorder.calls
+    ((messages, params),) = recorder.calls
+    assert "extra_body" not in params  # a plain memory makes no plan: no rid to send
     assert [type(m) for m in messages] == [SystemMessage, HumanMessage]
     texts = [r["memory"] for r in expected["results"]]
     assert messages[0].content == f"{SYSTEM}\n\n{plain_memory_context(texts)}"
@@ -80,11 +79,7 @@ def test_wrapping_the_memory_aligns_and_annotates(mem0_memory: Memory) -> None:
     _store(mem0_memory)
     memory = ContextPilotMemory(mem0_memory)  # the one line
     recorder = PromptRecorder()
-    agent = _agent(
-        Mem0MemoryMiddleware(
-            memory, search_kwargs=SEARCH, request_id_settings=openai_compatible_rid_settings
-        )
-    )
+    agent = _agent(Mem0MemoryMiddleware(memory, search_kwargs=SEARCH, engine="any"))
     _ask(agent, "What does Alice drink?", recorder, user_id="alice")
     _ask(agent, "Where does Alice live with her cat?", recorder, user_id="alice")
     (first, first_params), (second, second_params) = recorder.calls
@@ -103,9 +98,11 @@ def test_wrapping_the_memory_aligns_and_annotates(mem0_memory: Memory) -> None:
         second[0].content
         != f"{SYSTEM}\n\n{plain_memory_context([r['memory'] for r in raw['results']])}"
     )
-    # Each call sent its own plan's rid.
+    # Each call sent its own plan's rid, in every engine's body field.
     rids = [params["extra_body"]["rid"] for _, params in recorder.calls]
     assert len(set(rids)) == 2 and all(r.startswith("cp-") for r in rids)
+    for rid, (_, params) in zip(rids, recorder.calls):
+        assert params["extra_body"] == dict.fromkeys(REQUEST_ID_FIELDS, rid)
     assert memory.pilot.stats()["requests"] == 2
 
 
@@ -178,3 +175,5 @@ def test_bad_arguments_are_named(mem0_memory: Memory) -> None:
         Mem0MemoryMiddleware(mem0_memory, top_k=0)
     with pytest.raises(TypeError, match="filters"):
         Mem0MemoryMiddleware(mem0_memory, filters="alice")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="engine"):
+        Mem0MemoryMiddleware(mem0_memory, engine="sglang-0.5")  # type: ignore[arg-type]

@@ -14,14 +14,16 @@ from mem0 import AsyncMemory, Memory
 from contextpilot_integrations.core.blocks import block_id
 from contextpilot_integrations.core.conversation import TurnVisibility
 from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.request import RidConflictError
 from contextpilot_integrations.mem0 import (
-    MARK_KEY,
-    MARK_KEYS,
     MEMORY_LAYOUT,
     AsyncContextPilotMemory,
     ContextPilotMemory,
+    aplan_search_results,
     plan_search_results,
+    scope_from_filters,
 )
+from contextpilot_integrations.placement_metadata import METADATA_KEY, PLACEMENT_KEYS
 
 ALL = {"top_k": 100, "threshold": 0.0}  # every memory of the scope, best first
 
@@ -44,15 +46,15 @@ def _add_all(memory: Any, texts: list[str], **scope: str) -> list[str]:
 
 
 def _placed(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in results if r[MARK_KEY]["position"] is not None]
+    return [r for r in results if r[METADATA_KEY]["status"] == "shown"]
 
 
 def _hinted(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in results if r[MARK_KEY]["hint"] is not None]
+    return [r for r in results if r[METADATA_KEY]["status"] == "replaced"]
 
 
 def _without_mark(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in result.items() if k != MARK_KEY}
+    return {k: v for k, v in result.items() if k != METADATA_KEY}
 
 
 # --- Mem0's shape ---------------------------------------------------------------------------
@@ -74,9 +76,9 @@ def test_search_returns_mem0_shape_with_the_same_results(tmp_path: Path, mem0_co
     for result in found["results"]:
         assert _without_mark(result) == by_id[result["id"]]
         assert isinstance(result["memory"], str) and isinstance(result["score"], float)
-        assert set(result[MARK_KEY]) == set(MARK_KEYS)
-        assert result[MARK_KEY]["block_id"] == block_id(result["memory"])
-        assert expected["results"][result[MARK_KEY]["original_rank"]]["id"] == result["id"]
+        assert list(result[METADATA_KEY]) == list(PLACEMENT_KEYS)
+        assert result[METADATA_KEY]["block_id"] == block_id(result["memory"])
+        assert expected["results"][result[METADATA_KEY]["index"]]["id"] == result["id"]
 
 
 def test_search_keeps_mem0_signature() -> None:
@@ -96,22 +98,24 @@ def test_results_in_prompt_order_and_context_matches(mem0_memory: Memory) -> Non
     found = memory.search_with_plan("half marathon canal running club", **user)
     for search in (first, found):
         placed = _placed(search.results)
-        assert [r[MARK_KEY]["position"] for r in placed] == list(range(len(FACTS)))
-        assert sorted(r[MARK_KEY]["original_rank"] for r in placed) == list(range(len(FACTS)))
-        assert all(r[MARK_KEY]["rid"] == search.plan.rid for r in search.results)
+        assert [r[METADATA_KEY]["position"] for r in placed] == list(range(len(FACTS)))
+        assert sorted(r[METADATA_KEY]["index"] for r in placed) == list(range(len(FACTS)))
+        assert all(r[METADATA_KEY]["rid"] == search.plan.rid for r in search.results)
         context = search.context
         assert context.startswith(MEMORY_LAYOUT.system_prompt)
         assert "".join(search.plan.segments).startswith(context.split("Most relevant")[0])
         for r in placed:
-            assert f"{r[MARK_KEY]['label']}\n{r['memory']}\n" in context
+            assert f"{r[METADATA_KEY]['label']}\n{r['memory']}\n" in context
         assert "Question:" not in context
     # The first search keeps Mem0's order: no annotation. The second is aligned to the first,
     # so its annotation names the placed memories in Mem0's relevance order.
-    assert [r[MARK_KEY]["original_rank"] for r in first.results] == list(range(len(FACTS)))
+    assert [r[METADATA_KEY]["index"] for r in first.results] == list(range(len(FACTS)))
     assert first.context.endswith("-----\n")
-    by_rank = sorted(_placed(found.results), key=lambda r: r[MARK_KEY]["original_rank"])
-    assert [r[MARK_KEY]["position"] for r in by_rank] != list(range(len(FACTS)))
-    assert found.context.endswith(MEMORY_LAYOUT.annotation([r[MARK_KEY]["label"] for r in by_rank]))
+    by_rank = sorted(_placed(found.results), key=lambda r: r[METADATA_KEY]["index"])
+    assert [r[METADATA_KEY]["position"] for r in by_rank] != list(range(len(FACTS)))
+    assert found.context.endswith(
+        MEMORY_LAYOUT.annotation([r[METADATA_KEY]["label"] for r in by_rank])
+    )
 
 
 def test_second_search_reuses_the_first_order(mem0_memory: Memory) -> None:
@@ -140,10 +144,13 @@ def test_memories_shown_earlier_in_the_conversation_become_hints(mem0_memory: Me
     hinted = _hinted(second.results)
     assert {r["memory"] for r in hinted} == set(FACTS)
     for r in hinted:
-        mark = r[MARK_KEY]
-        assert mark["position"] is None and mark["rendered_text"] is None
+        mark = r[METADATA_KEY]
+        assert mark["label"] is None and second.plan.hints[mark["position"]] == mark["hint"]
+        assert second.plan.placements[mark["index"]].rendered_text is None
         assert "turn 1" in mark["hint"] and mark["hint"] in second.context
         assert r["memory"] not in second.context
+    # The replaced memories follow the shown ones (none here), in the order of their hints.
+    assert [r[METADATA_KEY]["position"] for r in second.results] == list(range(len(FACTS)))
     # Every result is still there, once.
     assert sorted(r["id"] for r in second.results) == sorted(r["id"] for r in first.results)
 
@@ -212,8 +219,9 @@ def test_an_updated_memory_is_not_deduplicated_against_its_old_text(mem0_memory:
     second = memory.search("Where does Alice live?", **scope, **ALL)
     updated = next(r for r in second["results"] if r["id"] == ids[1])
     assert updated["memory"] == new_text
-    assert updated[MARK_KEY]["block_id"] == block_id(new_text) != old[MARK_KEY]["block_id"]
-    assert updated[MARK_KEY]["hint"] is None and updated[MARK_KEY]["position"] == 0
+    assert updated[METADATA_KEY]["block_id"] == block_id(new_text) != old[METADATA_KEY]["block_id"]
+    assert updated[METADATA_KEY]["status"] == "shown" and updated[METADATA_KEY]["hint"] is None
+    assert updated[METADATA_KEY]["position"] == 0 and second["results"][0] is updated
     # The memories that did not change are hinted.
     assert {r["id"] for r in _hinted(second["results"])} == set(ids) - {ids[1]}
 
@@ -223,10 +231,12 @@ def test_identical_texts_are_placed_once(mem0_memory: Memory) -> None:
     ids = _add_all(memory, [FACTS[0], FACTS[0], FACTS[2]], user_id="alice")
     found = memory.search("vegetarian", filters={"user_id": "alice"}, **ALL)["results"]
     assert sorted(r["id"] for r in found) == sorted(ids)
-    duplicates = [r for r in found if r[MARK_KEY]["duplicate_of"] is not None]
+    duplicates = [r for r in found if r[METADATA_KEY]["duplicate_of"] is not None]
     assert len(duplicates) == 1 and len(_placed(found)) == 2
-    twin = duplicates[0][MARK_KEY]["duplicate_of"]
-    assert [r["memory"] for r in found if r[MARK_KEY]["original_rank"] == twin] == [FACTS[0]]
+    assert duplicates[0][METADATA_KEY]["status"] == "duplicate" and found[-1] is duplicates[0]
+    assert duplicates[0][METADATA_KEY]["block_id"] == block_id(FACTS[0])
+    twin = duplicates[0][METADATA_KEY]["duplicate_of"]
+    assert [r["memory"] for r in found if r[METADATA_KEY]["index"] == twin] == [FACTS[0]]
 
 
 # --- edge cases and errors ------------------------------------------------------------------
@@ -237,7 +247,7 @@ def test_no_memories_gives_empty_results(mem0_memory: Memory) -> None:
     _add_all(memory, FACTS, user_id="alice")
     found = memory.search_with_plan("anything", filters={"user_id": "nobody"}, **ALL)
     assert found.response == {"results": []}
-    assert found.plan.blocks == [] and found.plan.hints == []
+    assert found.plan.blocks == () and found.plan.hints == ()
 
 
 def test_memories_with_empty_text_come_back_unplaced(mem0_memory: Memory) -> None:
@@ -249,7 +259,9 @@ def test_memories_with_empty_text_come_back_unplaced(mem0_memory: Memory) -> Non
     assert len(blank) == len([r for r in expected if not r["memory"].strip()]) == 2
     assert found.results[-2:] == blank  # after every placed memory
     for r in blank:
-        assert r[MARK_KEY]["block_id"] is None and r[MARK_KEY]["position"] is None
+        mark = r[METADATA_KEY]
+        assert mark["status"] == "skipped"
+        assert mark["block_id"] is None and mark["position"] is None and mark["label"] is None
     assert [r["memory"] for r in _placed(found.results)] == [
         r["memory"] for r in expected if r["memory"].strip()
     ]
@@ -283,16 +295,31 @@ def test_store_unavailable_raises_the_stores_error(mem0_memory: Memory) -> None:
 
 def test_bad_answers_and_arguments_are_named(mem0_memory: Memory) -> None:
     pilot = ContextPilot(layout=MEMORY_LAYOUT)
-    with pytest.raises(TypeError, match="'results' list"):
-        plan_search_results(pilot, "q", [{"memory": "x"}], {"user_id": "a"})  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"results\[1\] must be a dict"):
-        plan_search_results(pilot, "q", {"results": [{"memory": "x"}, "y"]}, {"user_id": "a"})
+    scope = scope_from_filters({"user_id": "a"})
+    for plan in (plan_search_results, lambda *a: asyncio.run(aplan_search_results(*a))):
+        with pytest.raises(TypeError, match="'results' list"):
+            plan(pilot, "q", [{"memory": "x"}], scope)
+        with pytest.raises(TypeError, match=r"results\[1\] must be a dict"):
+            plan(pilot, "q", {"results": [{"memory": "x"}, "y"]}, scope)
+        with pytest.raises(TypeError, match=r"results\[0\]\['memory'\] must be a str"):
+            plan(pilot, "q", {"results": [{"id": "m1"}]}, scope)
+    assert pilot.stats()["requests"] == 0
     with pytest.raises(TypeError, match="search"):
         ContextPilotMemory(object())
-    with pytest.raises(TypeError, match="plan"):
+    with pytest.raises(TypeError, match="Planner"):
         ContextPilotMemory(mem0_memory, pilot=object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="visibility"):
         ContextPilotMemory(mem0_memory, visibility="all")  # type: ignore[arg-type]
+    memory = ContextPilotMemory(mem0_memory)
+    _add_all(memory, FACTS[:1], user_id="alice")
+    with pytest.raises(ValueError, match="turn=2 needs a scope.conversation_id"):
+        memory.search("tea", filters={"user_id": "alice"}, turn=2)
+    with pytest.raises(TypeError, match="conversation_id"):
+        memory.search("tea", filters={"user_id": "alice"}, conversation_id=7)  # type: ignore[arg-type]
+    memory.search("tea", filters={"user_id": "alice"}, rid="cp-mine")
+    with pytest.raises(RidConflictError):
+        memory.search("tea", filters={"user_id": "alice"}, rid="cp-mine")
+    assert memory.pilot.stats()["requests"] == 1
 
 
 def test_wrong_wrapper_for_sync_or_async(mem0_memory: Memory, mem0_async_memory: Any) -> None:
@@ -321,9 +348,29 @@ def test_other_methods_pass_through(mem0_memory: Memory) -> None:
         memory.no_such_method  # noqa: B018
 
 
+class AwaitedOnlyPilot(ContextPilot):
+    """A pilot whose blocking ``plan`` fails when called on an event loop's thread: the async
+    wrapper must await ``aplan`` (which plans in a worker thread)."""
+
+    def __init__(self) -> None:
+        super().__init__(layout=MEMORY_LAYOUT)
+        self.on_loop = self.in_worker = 0
+
+    def plan(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self.in_worker += 1
+            return super().plan(*args, **kwargs)
+        self.on_loop += 1
+        raise AssertionError("a blocking plan() on the event loop")
+
+
 def test_async_memory_search(mem0_async_memory: Any) -> None:
+    pilot = AwaitedOnlyPilot()
+
     async def scenario() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        memory = AsyncContextPilotMemory(mem0_async_memory)
+        memory = AsyncContextPilotMemory(mem0_async_memory, pilot=pilot)
         for text in FACTS:
             await memory.add(text, user_id="alice", infer=False)
         scope = {"filters": {"user_id": "alice"}}
@@ -336,6 +383,7 @@ def test_async_memory_search(mem0_async_memory: Any) -> None:
     assert sorted(r["id"] for r in first["results"]) == sorted(r["id"] for r in raw["results"])
     assert len(_placed(first["results"])) == len(FACTS)
     assert {r["memory"] for r in _hinted(second["results"])} == set(FACTS)
+    assert pilot.on_loop == 0 and pilot.in_worker == 2
 
 
 def test_wrappers_sharing_a_pilot_align_against_one_index(tmp_path: Path, mem0_config: Any) -> None:

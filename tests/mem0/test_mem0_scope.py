@@ -1,4 +1,4 @@
-"""Mem0 filters -> tenant and conversation."""
+"""Mem0 filters -> the core's Scope (tenant and conversation)."""
 
 from __future__ import annotations
 
@@ -6,30 +6,45 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from contextpilot_integrations.mem0.scope import MemoryScope, memory_scope
+from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.request import Scope
+from contextpilot_integrations.mem0.scope import scope_from_filters
 
 
 def test_entity_ids_make_the_tenant_and_run_id_the_conversation() -> None:
-    assert memory_scope({"user_id": "alice"}) == MemoryScope("user_id=alice", None)
-    assert memory_scope({"user_id": "alice", "agent_id": "a", "run_id": "r"}) == MemoryScope(
-        "user_id=alice&agent_id=a&run_id=r", "r"
+    assert scope_from_filters({"user_id": "alice"}) == Scope(None, "user_id=alice")
+    assert scope_from_filters({"user_id": "alice", "agent_id": "a", "run_id": "r"}) == Scope(
+        "r", "user_id=alice&agent_id=a&run_id=r"
     )
-    assert memory_scope({"run_id": "r"}, "chat") == MemoryScope("run_id=r", "chat")
-    assert memory_scope(None) == MemoryScope("", None)
+    assert scope_from_filters({"run_id": "r"}, "chat") == Scope("chat", "run_id=r")
+    assert scope_from_filters(None) == Scope(None, "")
+
+
+def test_turn_and_visibility_need_a_conversation() -> None:
+    last = TurnVisibility.last(1)
+    assert scope_from_filters({"run_id": "r"}, turn=3, visibility=last) == Scope(
+        "r", "run_id=r", 3, last
+    )
+    # Without a conversation nothing is de-duplicated: a visibility has nothing to hide.
+    assert scope_from_filters({"user_id": "alice"}, visibility=last) == Scope(None, "user_id=alice")
+    with pytest.raises(ValueError, match="turn=3 needs a scope.conversation_id"):
+        scope_from_filters({"user_id": "alice"}, turn=3)
 
 
 def test_ids_are_normalised_as_mem0_does_and_other_keys_ignored() -> None:
-    assert memory_scope({"user_id": " alice ", "category": "food", "AND": []}) == memory_scope(
-        {"user_id": "alice"}
-    )
-    assert memory_scope({"user_id": 42}) == memory_scope({"user_id": "42"})
+    assert scope_from_filters(
+        {"user_id": " alice ", "category": "food", "AND": []}
+    ) == scope_from_filters({"user_id": "alice"})
+    assert scope_from_filters({"user_id": 42}) == scope_from_filters({"user_id": "42"})
 
 
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(TypeError, match="filters"):
-        memory_scope(["user_id"])  # type: ignore[arg-type]
+        scope_from_filters(["user_id"])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="conversation_id"):
-        memory_scope({"user_id": "a"}, 7)  # type: ignore[arg-type]
+        scope_from_filters({"user_id": "a"}, 7)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="turn"):
+        scope_from_filters({"run_id": "r"}, turn="1")  # type: ignore[arg-type]
 
 
 ids = st.none() | st.text(alphabet="ab&=% ", min_size=1, max_size=4)
@@ -50,4 +65,4 @@ def test_different_entity_ids_never_share_a_tenant(
     first = {"user_id": user, "agent_id": agent, "run_id": run}
     second = {"user_id": user2, "agent_id": agent2, "run_id": run2}
     same = all(norm(first[k]) == norm(second[k]) for k in first)
-    assert (memory_scope(first).tenant == memory_scope(second).tenant) == same
+    assert (scope_from_filters(first).tenant == scope_from_filters(second).tenant) == same
