@@ -32,7 +32,7 @@ chunking, cache on              0.37-0.43    <= 1    0.9-1.1  29.5%
 ==============================  ===========  ======  =======  ============
 
 Two thirds of the whole-block time without ids is hashing and counting 60 KB of text, which
-``ContextPilot.plan`` has already done (``PlannedBlock.block_id``/``tokens``): pass them.
+``ContextPilot.plan`` has already done (``Placement.block_id``/``tokens``): pass them.
 With ``ContentChunker(2, 128, 512)`` (more savings on MTRAG-UN, see ``bench_chunking.py``) the
 chunked case takes a median 1.6-1.8 ms.
 """

@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.core.request import PlanRequest
 
 BLOCKS = 50_000
 K = 15
@@ -49,12 +50,13 @@ def synthetic_requests(n: int, seed: int) -> list[list[str]]:
 
 
 def build_seconds(n: int, seed: int = 0) -> tuple[float, float]:
-    """Wall and CPU seconds of ``plan_batch`` over ``n`` synthetic contexts."""
-    requests = synthetic_requests(n, seed)
-    queries = [f"q{i}" for i in range(n)]
+    """Wall and CPU seconds of ``plan_batch`` over ``n`` synthetic contexts (one batch)."""
+    requests = [
+        PlanRequest(f"q{i}", blocks) for i, blocks in enumerate(synthetic_requests(n, seed))
+    ]
     pilot = ContextPilot(max_requests=None)
     start, start_cpu = time.perf_counter(), time.process_time()
-    pilot.plan_batch(queries, requests)
+    pilot.plan_batch(requests)
     return time.perf_counter() - start, time.process_time() - start_cpu
 
 

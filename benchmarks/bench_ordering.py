@@ -22,8 +22,8 @@ from unittest import mock
 from scipy.cluster import hierarchy
 
 from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.bench.engine import EmbeddedEngine
 from contextpilot_integrations.bench.methods import (
-    EmbeddedEngine,
     prepare_workload,
     resolve_cache_tokens,
     run_method,

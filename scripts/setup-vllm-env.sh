@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepares the vLLM CPU engine environment (.venv-vllm) used by the `vllm` test tier and by
-# `contextpilot-bench --engine vllm-cpu`. Idempotent: a second run only checks and re-links.
+# `contextpilot-bench --engine vllm-cpu` (found there by default; elsewhere name its Python with
+# CONTEXTPILOT_VLLM_PYTHON or --engine-python). Idempotent: a second run only checks and re-links.
 #
 # Recipe and traps: ../shared/notes/engine-kv-events.md, "vLLM on a CPU, with random weights".
 #   1. CPU torch first (PyPI's plain x86_64 torch wheel is the CUDA build, so ask for the +cpu
@@ -95,3 +96,7 @@ print("[setup-vllm-env] ok: vllm", vllm.__version__, "torch", torch.__version__)
 
 elapsed=$(($(date +%s) - start_seconds))
 log "environment ready at $venv in ${elapsed} s ($(du -sh "$venv" | cut -f1))"
+if [[ "$venv" != "$repo_root/.venv-vllm" ]]; then
+    # Only the checkout's .venv-vllm is found by default (contextpilot_integrations.engines.locations).
+    log "point the benchmark and the vllm tests at it: export CONTEXTPILOT_VLLM_PYTHON=$vpython"
+fi

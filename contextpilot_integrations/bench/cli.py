@@ -10,7 +10,11 @@ methods ``baseline``, ``alignment`` and ``alignment+dedup`` on an unlimited cach
 ``--sessions 2,8,32`` interleaves that many conversations at a time (one run per value).
 
 ``--engine vllm-cpu`` starts vLLM's CPU build with random weights, runs the workload through it
-and stops it (:mod:`~contextpilot_integrations.bench.vllm_engine`).
+and stops it (:mod:`~contextpilot_integrations.bench.vllm_setup`). Every engine (the embedded
+model, ``--engine-url``, ``--engine vllm-cpu``) goes through the same driver below and the same
+methods runner (:mod:`~contextpilot_integrations.bench.methods`): only its setup differs
+(:mod:`~contextpilot_integrations.bench.engine_setups`). Ctrl-C and SIGTERM stop the run and the
+engine it started (exit codes 130 and 143).
 """
 
 from __future__ import annotations
@@ -19,29 +23,24 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from contextpilot_integrations.bench.engine_client import EngineClient, EngineError, OpenAIEngine
-from contextpilot_integrations.bench.methods import (
-    METHODS,
-    MODES,
-    EmbeddedEngine,
-    Engine,
-    parse_cache_tokens,
-    prepare_workload,
-    resolve_cache_tokens,
-    run_methods,
-)
+from contextpilot_integrations.bench.engine_client import EngineError
+from contextpilot_integrations.bench.engine_setups import engine_setup
+from contextpilot_integrations.bench.methods import METHODS, MODES, prepare_workload, run_methods
 from contextpilot_integrations.bench.multiturn import (
-    MULTITURN_COLUMNS,
     MULTITURN_METHODS,
     MULTITURN_WORKLOADS,
-    PREFILL_TARGET,
     RETRIEVAL_QUERIES,
     MultiTurnResult,
     prepare_conversations,
     run_multiturn,
+)
+from contextpilot_integrations.bench.multiturn_report import (
+    MULTITURN_COLUMNS,
+    PREFILL_TARGET,
     summarize_multiturn,
     write_multiturn_json,
 )
@@ -51,19 +50,13 @@ from contextpilot_integrations.bench.report import (
     summarize,
     write_json,
 )
-from contextpilot_integrations.bench.vllm_engine import (
+from contextpilot_integrations.bench.vllm_setup import (
     DEFAULT_BLOCK_SIZE,
     VLLM_ENGINE,
     add_vllm_arguments,
-    run_vllm_cpu,
 )
 from contextpilot_integrations.bench.workloads import DATA_DIR_ENV, load_workload, workload_names
-from contextpilot_integrations.core.blocks import (
-    ApproxTokenCounter,
-    TokenCounter,
-    TokenizerCounter,
-)
-from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.engines.stop_signals import StopSignals, Terminated
 
 __all__ = ["build_parser", "main"]
 
@@ -172,18 +165,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_tokenizer(path: str) -> TokenizerCounter:
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"--tokenizer: {path} does not exist")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ValueError(
-            "--tokenizer needs the 'tokenizers' package (pip install tokenizers)"
-        ) from None
-    return TokenizerCounter(Tokenizer.from_file(path))
-
-
 def _parse_methods(text: str | None, allowed: Sequence[str]) -> list[str]:
     if text is None:
         return list(allowed)
@@ -210,7 +191,8 @@ def _parse_sessions(text: str) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the process exit code (0 on success, 2 on bad input or
-    missing data, 1 when a real engine fails)."""
+    missing data, 1 when a real engine fails, 130 on Ctrl-C, 143 on SIGTERM; an engine the run
+    started is stopped either way)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.INFO if args.verbose else logging.WARNING
@@ -220,38 +202,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.block_size is None:
         args.block_size = DEFAULT_BLOCK_SIZE if args.engine == VLLM_ENGINE else 1
     try:
-        return _run(args)
+        with StopSignals() as stop:
+            if args.workload in MULTITURN_WORKLOADS:
+                return _run_multiturn(args, stop)
+            return _run(args, stop)
     except (FileNotFoundError, ValueError, TypeError) as exc:
         print(f"contextpilot-bench: error: {exc}", file=sys.stderr)
         return 2
     except EngineError as exc:
         print(f"contextpilot-bench: engine error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("contextpilot-bench: interrupted; the engine was stopped", file=sys.stderr)
+        return 130
+    except Terminated:
+        print("contextpilot-bench: terminated; the engine was stopped", file=sys.stderr)
+        return 143
 
 
-def _run(args: argparse.Namespace) -> int:
-    if args.engine == VLLM_ENGINE:
-        return run_vllm_cpu(args, _parse_methods(args.methods, METHODS))
-    if args.workload in MULTITURN_WORKLOADS:
-        return _run_multiturn(args)
+def _run(args: argparse.Namespace, stop: StopSignals) -> int:
+    """One run of the single-turn methods through the chosen engine."""
     methods = _parse_methods(args.methods, METHODS)
-    if args.block_size < 1:
-        raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
-    tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
-    counter: TokenCounter = tokenizer if tokenizer is not None else ApproxTokenCounter()
-    workload = load_workload(args.workload, args.data_dir).head(args.limit)
+    setup = engine_setup(
+        args, default_cache=DEFAULT_CACHE_TOKENS, multiturn=False, stop_check=stop.check
+    )
     started = time.perf_counter()
+    workload = load_workload(args.workload, args.data_dir).head(args.limit)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     if args.retriever == "mem0":
         from contextpilot_integrations.bench.mem0_workload import prepare_mem0_workload
 
         prepared = prepare_mem0_workload(
-            workload, args.k, counter=counter, store_dir=args.mem0_store, progress=progress
+            workload, args.k, counter=setup.counter, store_dir=args.mem0_store, progress=progress
         )
     else:
-        prepared = prepare_workload(workload, args.k, counter=counter)
+        prepared = prepare_workload(workload, args.k, counter=setup.counter)
 
-    run: dict[str, object] = {
+    run: dict[str, Any] = {
         "workload": workload.name,
         "requests": len(workload.requests),
         "documents": len(workload.corpus),
@@ -259,24 +246,22 @@ def _run(args: argparse.Namespace) -> int:
         "retriever": args.retriever,
         "mode": args.mode,
         "methods": methods,
-        "token_counter": repr(counter) if tokenizer is None else f"tokenizer {args.tokenizer}",
+        "token_counter": setup.counter_description,
         "unique_block_tokens": prepared.unique_block_tokens,
     }
-    client, engine_factory, engine_line = _engines(
-        args, run, prepared.layout, counter, tokenizer, prepared.unique_block_tokens
-    )
     try:
+        engine_line = setup.start(prepared, run)
         results = run_methods(
             methods,
             prepared,
             mode=args.mode,
-            engine_factory=engine_factory,
-            block_size=args.block_size if client is None else 1,
+            engine_factory=setup.new_engine,
+            block_size=setup.block_size,
             progress=progress,
         )
+        notes = setup.report(results, run)
     finally:
-        if client is not None:
-            client.close()
+        setup.close()
     run["seconds"] = round(time.perf_counter() - started, 3)
 
     print(
@@ -288,6 +273,8 @@ def _run(args: argparse.Namespace) -> int:
     print()
     print(format_table(summarize(results)))
     print()
+    for line in notes:
+        print(line)
     for r in results:
         if r.method == "contextpilot":
             per_request = 1000 * r.plan_seconds / max(len(r.records), 1)
@@ -296,62 +283,17 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {write_json(args.out, run, results)}")
     if not args.no_plot:
         name = workload.name if args.retriever == "bm25" else f"{workload.name}-{args.retriever}"
-        plot_path = args.plot or f"results/{name}-{args.mode}.png"
-        title = f"{name}, {args.mode}, k={args.k}, {engine_line.removeprefix('engine: ')}"
+        plot_path = args.plot or f"results/{name}-{args.mode}{setup.plot_suffix}.png"
+        title = f"{name}, {args.mode}, k={args.k}, {setup.plot_label}"
         print(f"wrote {plot_results(plot_path, results, title)}")
     return 0
 
 
-def _engines(
-    args: argparse.Namespace,
-    run: dict[str, object],
-    layout: PromptLayout,
-    counter: TokenCounter,
-    tokenizer: TokenizerCounter | None,
-    unique_block_tokens: int,
-    default_cache: str = DEFAULT_CACHE_TOKENS,
-) -> tuple[EngineClient | None, Callable[[], Engine], str]:
-    """The engine factory of a run (a real engine with ``--engine-url``, else the embedded
-    cache model), the client to close, and the line describing the engine; adds the engine
-    settings to ``run``."""
-    if args.engine_url:
-        if args.cache_tokens is not None:
-            logging.getLogger(__name__).warning(
-                "--cache-tokens is ignored with --engine-url: the engine's memory decides"
-            )
-        client = EngineClient(args.engine_url, model=args.model, api_key=args.api_key)
-
-        def engine_factory() -> Engine:
-            client.flush_cache()
-            return OpenAIEngine(client, layout)
-
-        run.update(engine=args.engine_url, model=client.model)
-        return client, engine_factory, f"engine: {args.engine_url} (model {client.model})"
-    spec = parse_cache_tokens(args.cache_tokens or default_cache)
-    capacity = resolve_cache_tokens(spec, unique_block_tokens)
-    run.update(
-        engine="embedded",
-        cache_tokens_arg=args.cache_tokens or default_cache,
-        cache_tokens=capacity,
-        block_size=args.block_size,
-    )
-    if capacity is None:
-        size = "unlimited"
-    elif isinstance(spec, float):
-        size = f"{capacity:,} tokens ({spec:g} of {unique_block_tokens:,} unique block tokens)"
-    else:
-        size = f"{capacity:,} tokens"
-    line = f"engine: embedded prefix-cache model, capacity {size}, block size {args.block_size}"
-    return None, _embedded_factory(capacity, counter, tokenizer, args.block_size), line
-
-
-def _run_multiturn(args: argparse.Namespace) -> int:
+def _run_multiturn(args: argparse.Namespace, stop: StopSignals) -> int:
     """The multi-turn replay: one run per ``--sessions`` value, each method through a fresh
     engine; prints the table and the prefill target, writes JSON and plots."""
     methods = _parse_methods(args.methods, MULTITURN_METHODS)
     sessions = _parse_sessions(args.sessions)
-    if args.block_size < 1:
-        raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     if args.history_turns is not None and args.history_turns < 0:
         raise ValueError(f"--history-turns must be >= 0, got {args.history_turns}")
     if args.retriever != "bm25":
@@ -359,17 +301,18 @@ def _run_multiturn(args: argparse.Namespace) -> int:
             f"--retriever {args.retriever} is not supported with --workload {args.workload} "
             "(the multi-turn replay retrieves with BM25)"
         )
-    tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
-    counter: TokenCounter = tokenizer if tokenizer is not None else ApproxTokenCounter()
+    setup = engine_setup(
+        args, default_cache=DEFAULT_MULTITURN_CACHE_TOKENS, multiturn=True, stop_check=stop.check
+    )
     workload = load_workload(args.workload, args.data_dir).head(args.limit)
     started = time.perf_counter()
     prepared = prepare_conversations(
-        workload, args.k, counter=counter, retrieval_query=args.retrieval_query
+        workload, args.k, counter=setup.counter, retrieval_query=args.retrieval_query
     )
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     repeats = prepared.repeat_share
     history = "all earlier turns" if args.history_turns is None else f"last {args.history_turns}"
-    run: dict[str, object] = {
+    run: dict[str, Any] = {
         "workload": workload.name,
         "conversations": len(prepared.conversations),
         "requests": prepared.turns,
@@ -379,7 +322,7 @@ def _run_multiturn(args: argparse.Namespace) -> int:
         "history_turns": args.history_turns,
         "sessions": sessions,
         "methods": methods,
-        "token_counter": repr(counter) if tokenizer is None else f"tokenizer {args.tokenizer}",
+        "token_counter": setup.counter_description,
         "unique_block_tokens": prepared.unique_block_tokens,
         "repeat_share": {
             "blocks": repeats.blocks,
@@ -388,34 +331,24 @@ def _run_multiturn(args: argparse.Namespace) -> int:
             "repeated_tokens": repeats.repeated_tokens,
         },
     }
-    client, engine_factory, engine_line = _engines(
-        args,
-        run,
-        prepared.layout,
-        counter,
-        tokenizer,
-        prepared.unique_block_tokens,
-        DEFAULT_MULTITURN_CACHE_TOKENS,
-    )
     results: list[MultiTurnResult] = []
     try:
+        engine_line = setup.start(prepared, run)
         for n in sessions:
             for method in methods:
                 results.append(
                     run_multiturn(
                         method,
                         prepared,
-                        engine_factory=engine_factory,
+                        engine_factory=setup.new_engine,
                         sessions=n,
                         history_turns=args.history_turns,
                         progress=progress,
                     )
                 )
     finally:
-        if client is not None:
-            client.close()
+        setup.close()
     run["seconds"] = round(time.perf_counter() - started, 3)
-
     query = "the new user turn" if args.retrieval_query == "turn" else "the user turns so far"
     print(
         f"workload {workload.name}: {len(prepared.conversations):,} conversations, "
@@ -450,22 +383,7 @@ def _run_multiturn(args: argparse.Namespace) -> int:
         base = Path(args.plot or f"results/{workload.name}.png")
         for n in sessions:
             path = base if len(sessions) == 1 else base.with_stem(f"{base.stem}-sessions{n}")
-            title = (
-                f"{workload.name}, {n} session(s) at a time, k={args.k}, "
-                f"{engine_line.removeprefix('engine: ')}"
-            )
+            title = f"{workload.name}, {n} session(s) at a time, k={args.k}, {setup.plot_label}"
             chosen = [r.result for r in results if r.sessions == n]
             print(f"wrote {plot_results(path, chosen, title)}")
     return 0
-
-
-def _embedded_factory(
-    capacity: int | None,
-    counter: TokenCounter,
-    tokenizer: TokenizerCounter | None,
-    block_size: int,
-) -> Callable[[], Engine]:
-    def factory() -> Engine:
-        return EmbeddedEngine(capacity, counter=counter, tokenizer=tokenizer, block_size=block_size)
-
-    return factory

@@ -2,12 +2,12 @@
 
 Each request is a streamed ``POST /v1/chat/completions`` with ``max_tokens=1`` (prefill is what
 is measured) and ``stream_options={"include_usage": true}`` (OpenAI chat completions API: the
-last chunk then carries ``usage``). The plan's request id goes out as ``rid`` (SGLang's
-``ChatCompletionRequest.rid``), ``request_id`` (vLLM's ``ChatCompletionRequest.request_id``)
-and ``session_id``, so the engine's cache events and evictions name the same request the
-context index knows.
+last chunk then carries ``usage``). The plan's request id goes out in the body fields of
+:func:`~contextpilot_integrations.engine_fields.request_id_fields` (``rid`` for SGLang,
+``request_id`` for vLLM, ``session_id`` for both), so the engine's cache events and evictions
+name the same request the context index knows.
 
-Figures read back:
+Figures read back (:func:`~contextpilot_integrations.engine_fields.read_usage`):
 
 * ``prompt_tokens``: ``usage.prompt_tokens`` (after the chat template).
 * ``cached_tokens``: ``usage.prompt_tokens_details.cached_tokens``. SGLang reports it with
@@ -27,14 +27,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from contextpilot_integrations.bench.methods import Served
+from contextpilot_integrations.bench.engine import Served
 from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.engine_fields import read_usage, request_id_fields
+
+if TYPE_CHECKING:
+    from contextpilot_integrations.core.pilot import ContextPilot
 
 __all__ = ["Completion", "EngineClient", "EngineError", "OpenAIEngine"]
 
@@ -161,7 +166,8 @@ class EngineClient:
 
         Args:
             messages: OpenAI chat messages.
-            rid: request id (sent as ``rid``, ``request_id`` and ``session_id``).
+            rid: request id (sent as ``rid``, ``request_id`` and ``session_id``,
+                :func:`~contextpilot_integrations.engine_fields.request_id_fields`).
             max_tokens: tokens to generate (1: prefill only).
 
         Returns:
@@ -178,14 +184,12 @@ class EngineClient:
             "temperature": 0.0,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "rid": rid,
-            "request_id": rid,
-            "session_id": rid,
+            **request_id_fields(rid),
         }
         start = time.perf_counter()
         first_token: float | None = None
         finished_at: float | None = None
-        usage: dict | None = None
+        final: dict[str, Any] | None = None  # the chunk that carries usage
         text: list[str] = []
         try:
             with self._http.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -218,19 +222,19 @@ class EngineClient:
                         if choice.get("finish_reason") and finished_at is None:
                             finished_at = now
                     if chunk.get("usage"):
-                        usage = chunk["usage"]
+                        final = chunk
         except httpx.HTTPError as exc:
             raise EngineError(f"engine {self.base_url} unreachable or failed: {exc}") from exc
         end = time.perf_counter()
+        usage = read_usage(final)
         if usage is None:
             raise EngineError(
                 f"rid {rid!r}: the stream carried no usage; the engine must support "
                 "stream_options.include_usage"
             )
         ttft_at = first_token if first_token is not None else finished_at
-        details = usage.get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens")
-        if cached is None and not self._warned_no_cached:
+        reported = _reports_cached_tokens(final)
+        if not reported and not self._warned_no_cached:
             logger.warning(
                 "%s reports no usage.prompt_tokens_details.cached_tokens (start SGLang with "
                 "--enable-cache-report, vLLM with --enable-prompt-tokens-details)",
@@ -238,8 +242,8 @@ class EngineClient:
             )
             self._warned_no_cached = True
         return Completion(
-            prompt_tokens=int(usage["prompt_tokens"]),
-            cached_tokens=None if cached is None else int(cached),
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens if reported else None,
             ttft_s=(ttft_at if ttft_at is not None else end) - start,
             total_s=end - start,
             text="".join(text),
@@ -258,13 +262,24 @@ class EngineClient:
         return response
 
 
-class OpenAIEngine:
-    """The benchmark's engine interface (:class:`~contextpilot_integrations.bench.methods.Engine`)
-    over an :class:`EngineClient`: segments become chat messages with the layout.
+def _reports_cached_tokens(chunk: Mapping[str, Any] | None) -> bool:
+    # read_usage counts a missing figure as 0; the benchmark tells "not reported" apart (a
+    # server started without the flag) so that it can say so.
+    details = ((chunk or {}).get("usage") or {}).get("prompt_tokens_details")
+    return isinstance(details, Mapping) and details.get("cached_tokens") is not None
 
-    The engine's evictions are not observed here (that is the ``sync`` package's job), so
-    :meth:`take_evicted_rids` returns nothing.
+
+class OpenAIEngine:
+    """The benchmark's :class:`~contextpilot_integrations.bench.engine.Engine` over an
+    :class:`EngineClient`: segments become chat messages with the layout.
+
+    The engine's evictions are not followed here (the vLLM CPU engine the benchmark starts
+    itself is, through its KV events:
+    :class:`~contextpilot_integrations.bench.vllm_engine.VllmCpuEngine`), so :attr:`cache_sync`
+    is None and :meth:`take_evicted_rids` returns nothing.
     """
+
+    cache_sync: Mapping[str, Any] | None = None
 
     def __init__(self, client: EngineClient, layout: PromptLayout) -> None:
         self.client = client
@@ -276,3 +291,6 @@ class OpenAIEngine:
 
     def take_evicted_rids(self) -> list[str]:
         return []
+
+    def sync(self, pilot: ContextPilot | None) -> None:
+        """Nothing to wait for: the usage comes with each response."""

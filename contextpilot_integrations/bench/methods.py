@@ -5,11 +5,14 @@ Methods (each yields one :class:`RequestRecord` per request, through a fresh eng
 ``baseline``
     Retriever order, arrival order, no order annotation: what an application sends today.
 ``contextpilot``
-    One fresh :class:`~contextpilot_integrations.ContextPilot` per run. ``offline``: the whole
-    workload is one batch, :meth:`ContextPilot.plan_batch`, sent in ``batch.schedule`` order.
-    ``online``: :meth:`ContextPilot.plan` one request at a time in arrival order; request ids
-    the engine model evicts are passed back to :meth:`ContextPilot.evict` (the eviction sync
-    of the paper, section 4.3).
+    One fresh :class:`~contextpilot_integrations.ContextPilot` per run, following the engine's
+    cache: ``ContextPilot(cache_sync=engine.cache_sync)`` for an engine that publishes KV events
+    (the core's engine link evicts from the index), else the request ids the engine model
+    evicts are passed back to :meth:`ContextPilot.evict` (the eviction sync of the paper,
+    section 4.3). ``offline``: the whole workload is one batch of
+    :class:`~contextpilot_integrations.core.request.PlanRequest`,
+    :meth:`ContextPilot.plan_batch`, sent in ``batch.schedule`` order. ``online``:
+    :meth:`ContextPilot.plan` one request at a time in arrival order.
 ``upper-bound``
     Not a real schedule: unlimited cache and free order, so each request is credited with the
     largest token overlap (sum of the tokens of the blocks both prompts contain) with any other
@@ -33,32 +36,31 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 from scipy import sparse
 from tqdm import tqdm
 
-from contextpilot_integrations.bench.prefix_cache_model import CacheStats, PrefixCacheModel
+from contextpilot_integrations.bench.engine import EmbeddedEngine, Engine, Served
+from contextpilot_integrations.bench.prefix_cache_model import CacheStats
 from contextpilot_integrations.bench.retrieval import retrieve_top_k
 from contextpilot_integrations.bench.workloads import Document, Workload
-from contextpilot_integrations.core.blocks import TokenCounter, TokenizerCounter, block_id
+from contextpilot_integrations.core.blocks import TokenCounter, block_id
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.core.request import PlanRequest
 
 __all__ = [
     "METHODS",
-    "EmbeddedEngine",
-    "Engine",
     "MethodResult",
     "PreparedWorkload",
     "RequestRecord",
-    "Served",
     "parse_cache_tokens",
     "prepare_workload",
     "resolve_cache_tokens",
     "run_method",
     "run_methods",
+    "send",
     "upper_bound_records",
 ]
 
@@ -127,75 +129,6 @@ class MethodResult:
         """Cached prompt tokens / prompt tokens (0 for an empty run)."""
         total = self.prompt_tokens
         return self.cached_tokens / total if total else 0.0
-
-
-# --- engines --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Served:
-    """An engine's answer for one request (see :class:`RequestRecord` for the fields)."""
-
-    prompt_tokens: int
-    cached_tokens: int | None
-    ttft_s: float | None = None
-
-
-class Engine(Protocol):
-    """Runs prompts. ``segments`` is ``PromptLayout.render_segments`` output."""
-
-    def serve(self, rid: str, segments: Sequence[str]) -> Served: ...
-
-    def take_evicted_rids(self) -> list[str]:
-        """Request ids whose cached prompt was evicted since the last call."""
-        ...
-
-
-class EmbeddedEngine:
-    """The prefix-cache model driven by rendered prompts.
-
-    Without a tokenizer, each non-empty segment is one unit: its id is ``block_id(segment)``
-    and its weight ``counter.count(segment)`` tokens. With ``tokenizer`` (a
-    :class:`TokenizerCounter`), the whole prompt is tokenized and every token id is a unit.
-
-    Args:
-        capacity_tokens: cache capacity in tokens (``None``: unlimited).
-        counter: token counter for segments (ignored with ``tokenizer``).
-        tokenizer: optional real tokenizer.
-        block_size: engine block size (hits in whole blocks).
-    """
-
-    def __init__(
-        self,
-        capacity_tokens: int | None,
-        *,
-        counter: TokenCounter,
-        tokenizer: TokenizerCounter | None = None,
-        block_size: int = 1,
-    ) -> None:
-        self.model = PrefixCacheModel(capacity_tokens, block_size=block_size)
-        self._counter = counter
-        self._tokenizer = tokenizer
-        self._units: dict[str, tuple[int, int]] = {}
-
-    def _unit(self, segment: str) -> tuple[int, int]:
-        unit = self._units.get(segment)
-        if unit is None:
-            unit = (block_id(segment), self._counter.count(segment))
-            self._units[segment] = unit
-        return unit
-
-    def serve(self, rid: str, segments: Sequence[str]) -> Served:
-        if self._tokenizer is not None:
-            ids = self._tokenizer.encode("".join(segments))
-            return Served(len(ids), self.model.serve(ids, rid=rid))
-        units = [self._unit(s) for s in segments if s]
-        weights = [w for _, w in units]
-        cached = self.model.serve([u for u, _ in units], weights, rid=rid)
-        return Served(sum(weights), cached)
-
-    def take_evicted_rids(self) -> list[str]:
-        return self.model.take_evicted_rids()
 
 
 # --- the prepared workload -------------------------------------------------------------------
@@ -296,6 +229,19 @@ def _progress(total: int, desc: str, enabled: bool) -> tqdm:
     return tqdm(total=total, desc=desc, unit="req", disable=not enabled, leave=False)
 
 
+def send(engine: Engine, rid: str, segments: Sequence[str], pilot: ContextPilot | None) -> Served:
+    """Serve one request; when ``pilot`` follows the engine through its engine link, give the
+    link the prompt's token ids (attribution of the engine's KV events by token matching)."""
+    served = engine.serve(rid, segments)
+    if pilot is not None and pilot.engine is not None and served.token_ids is not None:
+        pilot.engine.register_tokens(rid, served.token_ids)
+    return served
+
+
+def _record(index: int, rid: str, served: Served) -> RequestRecord:
+    return RequestRecord(index, rid, served.prompt_tokens, served.cached_tokens, served.ttft_s)
+
+
 def _run_baseline(prepared: PreparedWorkload, engine: Engine, progress: bool) -> MethodResult:
     records = []
     layout = prepared.layout
@@ -303,11 +249,9 @@ def _run_baseline(prepared: PreparedWorkload, engine: Engine, progress: bool) ->
         for i, request in enumerate(prepared.workload.requests):
             rid = f"baseline-{request.id}"
             segments = layout.render_segments(prepared.block_texts(i), request.query)
-            served = engine.serve(rid, segments)
-            records.append(
-                RequestRecord(i, rid, served.prompt_tokens, served.cached_tokens, served.ttft_s)
-            )
+            records.append(_record(i, rid, send(engine, rid, segments, None)))
             bar.update()
+    engine.sync(None)
     return MethodResult("baseline", records)
 
 
@@ -315,31 +259,24 @@ def _run_contextpilot(
     prepared: PreparedWorkload,
     engine: Engine,
     mode: str,
-    pilot_factory: Callable[[], ContextPilot],
+    pilot: ContextPilot,
     progress: bool,
 ) -> MethodResult:
-    pilot = pilot_factory()
     requests = prepared.workload.requests
     rids = [f"contextpilot-{r.id}" for r in requests]
     records = []
     plan_seconds = 0.0
+    engine.sync(pilot)
     if mode == "offline":
         start = time.perf_counter()
         batch = pilot.plan_batch(
-            [r.query for r in requests],
-            [prepared.block_texts(i) for i in range(len(requests))],
-            rids=rids,
+            [PlanRequest(r.query, prepared.block_texts(i), rids[i]) for i, r in enumerate(requests)]
         )
         plan_seconds = time.perf_counter() - start
         with _progress(len(requests), "contextpilot", progress) as bar:
             for i in batch.schedule:
                 plan = batch.plans[i]
-                served = engine.serve(plan.rid, plan.segments)
-                records.append(
-                    RequestRecord(
-                        i, plan.rid, served.prompt_tokens, served.cached_tokens, served.ttft_s
-                    )
-                )
+                records.append(_record(i, plan.rid, send(engine, plan.rid, plan.segments, pilot)))
                 bar.update()
     else:
         with _progress(len(requests), "contextpilot", progress) as bar:
@@ -347,17 +284,13 @@ def _run_contextpilot(
                 start = time.perf_counter()
                 plan = pilot.plan(request.query, prepared.block_texts(i), rid=rids[i])
                 plan_seconds += time.perf_counter() - start
-                served = engine.serve(plan.rid, plan.segments)
-                records.append(
-                    RequestRecord(
-                        i, plan.rid, served.prompt_tokens, served.cached_tokens, served.ttft_s
-                    )
-                )
+                records.append(_record(i, plan.rid, send(engine, plan.rid, plan.segments, pilot)))
                 start = time.perf_counter()
                 for rid in engine.take_evicted_rids():
                     pilot.evict(rid)
                 plan_seconds += time.perf_counter() - start
                 bar.update()
+    engine.sync(pilot)
     return MethodResult("contextpilot", records, plan_seconds=plan_seconds, index=pilot.stats())
 
 
@@ -435,8 +368,9 @@ def run_method(
         prepared: the retrieved workload.
         mode: ``"offline"`` or ``"online"`` (only ``contextpilot`` differs).
         engine_factory: returns a fresh (empty-cache) engine.
-        pilot_factory: returns a fresh ContextPilot (default: the workload's layout and
-            counter, everything else at its defaults).
+        pilot_factory: returns a fresh ContextPilot, the caller's to close (default: one
+            with the workload's layout and counter, following the engine with
+            ``cache_sync=engine.cache_sync``, closed after the run).
         block_size: engine block size for the upper bound.
         progress: show a tqdm progress bar on stderr.
 
@@ -451,13 +385,16 @@ def run_method(
         engine = engine_factory()
         result = _run_baseline(prepared, engine, progress)
     elif method == "contextpilot":
-        if pilot_factory is None:
-
-            def pilot_factory() -> ContextPilot:
-                return ContextPilot(layout=prepared.layout, token_counter=prepared.counter)
-
         engine = engine_factory()
-        result = _run_contextpilot(prepared, engine, mode, pilot_factory, progress)
+        if pilot_factory is not None:
+            result = _run_contextpilot(prepared, engine, mode, pilot_factory(), progress)
+        else:
+            with ContextPilot(
+                layout=prepared.layout,
+                token_counter=prepared.counter,
+                cache_sync=engine.cache_sync,
+            ) as pilot:
+                result = _run_contextpilot(prepared, engine, mode, pilot, progress)
     else:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if isinstance(engine, EmbeddedEngine):

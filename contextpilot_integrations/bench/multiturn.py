@@ -12,9 +12,11 @@ chat application sends today, the whole conversation so far, then the new turn::
     ...
     [### Turn t\\n][block 1]...[block n][hints][annotation][Question: qt\\nAnswer:]
 
-Each earlier turn is rendered exactly as it was sent (its blocks, hints, annotation and
-question, :meth:`PromptLayout.render_segments`), followed by the agent's answer recorded in the
-data (``Request.answer``). So the prompt of turn ``t - 1`` is a byte-identical prefix of the
+The turns are assembled by the core's one multi-turn assembly,
+:meth:`PromptLayout.render_turns` (each turn after its ``layout.turn_header``): each earlier turn
+is rendered exactly as it was sent (its blocks, hints, annotation and question,
+:meth:`PromptLayout.render_segments`), followed by the agent's answer recorded in the data
+(``Request.answer``). So the prompt of turn ``t - 1`` is a byte-identical prefix of the
 prompt of turn ``t`` and the engine's prefix cache reuses it (RadixAttention, Zheng et al. 2024).
 The answer segment starts with a space after ``Answer:`` and ends with a newline before the next
 ``###``: pre-tokenizers of the GPT-2 / Llama 3 family cut at both, so the prefix is stable in
@@ -29,10 +31,11 @@ Methods (one fresh engine, and one fresh :class:`ContextPilot`, per method):
     :meth:`ContextPilot.plan` per turn without a conversation id: blocks ordered against the
     context index, the order annotation, no de-duplication.
 ``alignment+dedup``
-    The same with ``conversation_id`` (the MTRAG conversation id) and ``turn`` (the turn
-    number): a block an earlier turn already shows is replaced by a location hint naming the
-    turn and label where it stands, repeated sub-blocks by pointers (ContextPilot paper,
-    "multi-turn de-duplication"; :mod:`~contextpilot_integrations.core.dedup`).
+    The same with ``Scope(conversation_id, turn=...)`` (the MTRAG conversation id and the turn
+    number; the plan's ``scope.turn`` is the number its hints name): a block an earlier turn
+    already shows is replaced by a location hint naming the turn and label where it stands,
+    repeated sub-blocks by pointers (ContextPilot paper, "multi-turn de-duplication";
+    :mod:`~contextpilot_integrations.core.dedup`).
 
 The context index mirrors prompts whose blocks follow the system prompt and the first turn's
 header: only those can share a cached prefix with another conversation. A later turn's blocks
@@ -46,73 +49,41 @@ turn of every open conversation in turn, and a finished conversation's slot goes
 in file order (the paper's hybrid multi-session setting). ``N=1`` replays conversations one
 after the other.
 
-Figures (:func:`summarize_multiturn`): prompt tokens, cached tokens, prefill tokens (prompt
-minus cached), hit ratio, prefill against the baseline's, the median planning time per request,
-and the de-duplication counts; :attr:`PreparedConversations.repeat_share` is the share of
-retrieved blocks that an earlier turn of the same conversation also retrieved.
-
-Measured (``contextpilot-bench --workload mtrag-conversations``, all 2,191 turns, k=10,
-``ApproxTokenCounter``, embedded cache model; prefill tokens of ``alignment+dedup`` over the
-baseline's, target <= 0.6 at k=10 on an unlimited cache):
-
-::
-
-    setting                                   repeat share  alignment          alignment+dedup
-    unlimited cache, retrieval for the turn          26.0%  0.961              0.709 (missed)
-      the same with k=5 / k=20                24.4 / 30.4%  -                  0.735 / 0.667
-    unlimited cache, retrieval for the turns         59.5%  0.963              0.395
-      so far (--retrieval-query conversation)
-    131,072 tokens, --sessions 2 / 8 / 32            26.0%  0.98 / 0.96 / 0.98 0.733 / 0.565 / 0.763
-    262,144 tokens, --sessions 2 / 8 / 32            26.0%  0.98 / 0.98 / 0.97 0.728 / 0.728 / 0.615
-
-With retrieval for the new turn alone, only 26.5% of the retrieved tokens repeat an earlier
-turn; removing every one of them for free would leave 0.745 of the baseline's prefill (the
-history is already cached, so the new blocks are nearly all of it). De-duplication replaces
-5,541 of the 5,609 repeats (the other 68 were shown earlier only with sub-block pointers);
-ContextPilot also finds turn-1 prefixes shared across conversations and sends a text retrieved
-twice in one turn once, which gives 0.709. The 0.6 target needs about 40% of the retrieved
-tokens to repeat, which retrieval for the conversation so far gives (59.5%).
-With a limited cache, round-robin sessions evict each other's histories just before they are
-needed (LRU); shorter histories keep more of them cached (hit ratio at 8 sessions and 131,072
-tokens: baseline 0.602, alignment+dedup 0.709).
+Figures (:mod:`~contextpilot_integrations.bench.multiturn_report`, with the measured ones):
+prompt tokens, cached tokens, prefill tokens (prompt minus cached), hit ratio, prefill against
+the baseline's, the median planning time per request, and the de-duplication counts;
+:attr:`PreparedConversations.repeat_share` is the share of retrieved blocks that an earlier turn
+of the same conversation also retrieved.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import dataclasses
 import logging
-import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from contextpilot_integrations.bench.methods import (
-    EmbeddedEngine,
-    Engine,
-    MethodResult,
-    RequestRecord,
-)
-from contextpilot_integrations.bench.report import summarize
+from contextpilot_integrations.bench.engine import EmbeddedEngine, Engine
+from contextpilot_integrations.bench.methods import MethodResult, RequestRecord, send
 from contextpilot_integrations.bench.retrieval import ScopedBM25
 from contextpilot_integrations.bench.workloads import Request, Workload
 from contextpilot_integrations.core.blocks import TokenCounter, block_id
 from contextpilot_integrations.core.conversation import TurnVisibility
-from contextpilot_integrations.core.pilot import ContextPilot, Plan
+from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.core.request import Scope
 
 __all__ = [
     "ANSWER_TEMPLATE",
-    "MULTITURN_COLUMNS",
     "MULTITURN_METHODS",
     "MULTITURN_WORKLOADS",
-    "PREFILL_TARGET",
     "RETRIEVAL_QUERIES",
-    "TURN_HEADER",
     "MultiTurnResult",
     "PreparedConversations",
     "RepeatShare",
@@ -122,8 +93,6 @@ __all__ = [
     "prepare_conversations",
     "replay",
     "run_multiturn",
-    "summarize_multiturn",
-    "write_multiturn_json",
 ]
 
 logger = logging.getLogger(__name__)
@@ -131,13 +100,8 @@ logger = logging.getLogger(__name__)
 MULTITURN_METHODS = ("baseline", "alignment", "alignment+dedup")
 MULTITURN_WORKLOADS = ("mtrag-conversations",)
 RETRIEVAL_QUERIES = ("turn", "conversation")
-TURN_HEADER = "### Turn {turn}\n"
-"""Opens each turn of the prompt; the hints name turns by these numbers."""
 ANSWER_TEMPLATE = " {answer}\n"
 """The recorded answer after an earlier turn's ``Answer:`` (stripped of outer whitespace)."""
-PREFILL_TARGET = 0.6
-"""Issue 3: prefill tokens with de-duplication at most this share of the baseline's
-(``mtrag-conversations``, k=10, unlimited cache)."""
 
 
 # --- the prepared conversations ---------------------------------------------------------------
@@ -151,7 +115,7 @@ class ReplayTurn:
         request_index: position of the request in the workload's arrival order.
         request_id: the workload's request id.
         conversation_id: the conversation.
-        number: 1-based turn number within the conversation (the prompt's ``### Turn n``).
+        number: 1-based turn number within the conversation (the prompt's turn header).
         question: the user's turn, rendered as the question.
         answer: the agent's recorded answer (shown in later turns' history), or ``None``.
         blocks: the retrieved block texts in retriever order (best first).
@@ -396,7 +360,7 @@ def replay(
         pilot = ContextPilot(layout=layout, token_counter=prepared.counter)
     dedup = method == "alignment+dedup"
     visibility = None if history_turns is None else TurnVisibility.last(history_turns)
-    # conversation -> (turn number, segments: header, blocks..., tail, answer) of sent turns
+    # conversation -> (turn number, segments after the header: blocks..., tail, answer) sent
     sent: dict[str, list[tuple[int, list[str]]]] = {}
     for turn in order:
         earlier = sent.setdefault(turn.conversation_id, [])
@@ -410,31 +374,32 @@ def replay(
             own = layout.render_segments(list(turn.blocks), turn.question)
         else:
             start = time.perf_counter()
-            plan = pilot.plan(
-                turn.question,
-                list(turn.blocks),
-                rid=rid,
-                conversation_id=turn.conversation_id if dedup else None,
-                turn=turn.number if dedup else None,
-                visibility=visibility if dedup else None,
+            scope = (
+                Scope(turn.conversation_id, turn=turn.number, visibility=visibility)
+                if dedup
+                else None
             )
+            plan = pilot.plan(turn.question, turn.blocks, rid=rid, scope=scope)
             if shown or turn.number != 1:
                 # Not at the root of the engine's cache: nothing else can share its prefix.
                 pilot.evict(plan.rid)
             elapsed = time.perf_counter() - start
-            own = plan.segments
-        header = TURN_HEADER.format(turn=turn.number)
-        segments = [own[0]]
-        starts: list[int] = []
-        for _, group in shown:
-            starts.append(len(segments))
-            segments.extend(group)
-        starts.append(len(segments))
-        segments.append(header)
-        segments.extend(own[1:])
-        turns = (*(number for number, _ in shown), turn.number)
-        yield ReplayedTurn(turn, rid, segments, turns, tuple(starts), plan, elapsed)
-        earlier.append((turn.number, [header, *own[1:], _answer_segment(turn.answer)]))
+            own = list(plan.segments)
+        # The hints name turns by the number the plan was made as.
+        number = (
+            plan.scope.turn if plan is not None and plan.scope.turn is not None else turn.number
+        )
+        segments, starts = layout.render_turns([*shown, (number, own[1:])])
+        yield ReplayedTurn(
+            turn,
+            rid,
+            [own[0], *segments],
+            (*(n for n, _ in shown), number),
+            tuple(start + 1 for start in starts),  # after the system segment
+            plan,
+            elapsed,
+        )
+        earlier.append((number, [*own[1:], _answer_segment(turn.answer)]))
 
 
 # --- running a method through an engine -------------------------------------------------------
@@ -448,7 +413,8 @@ class MultiTurnResult:
         result: the per-request records (send order), planning time and cache counters.
         sessions: conversations open at a time.
         plan_ms: planning time per request in milliseconds (empty for the baseline).
-        dedup: the de-duplication figures summed over the requests (``Plan.dedup`` keys).
+        dedup: the de-duplication figures summed over the requests (the fields of
+            ``Plan.dedup_figures``).
         evicted_from_index: engine evictions passed to :meth:`ContextPilot.evict` that
             removed a request the index still held.
     """
@@ -482,7 +448,9 @@ def run_multiturn(
         engine_factory: returns a fresh (empty-cache) engine.
         sessions: conversations open at a time (:func:`interleave`).
         history_turns: earlier turns each prompt keeps (``None``: all).
-        pilot_factory: returns a fresh ContextPilot (default: the run's layout and counter).
+        pilot_factory: returns a fresh ContextPilot, the caller's to close (default: one with
+            the run's layout and counter, following the engine with
+            ``cache_sync=engine.cache_sync``, closed after the run).
         progress: show a tqdm progress bar on stderr.
 
     Returns:
@@ -492,124 +460,59 @@ def run_multiturn(
         ValueError: unknown method, ``sessions < 1`` or ``history_turns < 0``.
     """
     _check_method(method)
-    pilot = None
-    if method != "baseline":
-        pilot = (
-            pilot_factory()
-            if pilot_factory is not None
-            else ContextPilot(layout=prepared.layout, token_counter=prepared.counter)
-        )
     engine = engine_factory()
     records: list[RequestRecord] = []
     plan_ms: list[float] = []
     dedup: dict[str, int] = {}
     evicted = 0
-    turns = replay(prepared, method, sessions=sessions, pilot=pilot, history_turns=history_turns)
-    label = f"{method} x{sessions}"
-    with tqdm(
-        total=prepared.turns, desc=label, unit="req", disable=not progress, leave=False
-    ) as bar:
-        for sent in turns:
-            served = engine.serve(sent.rid, sent.segments)
-            records.append(
-                RequestRecord(
-                    sent.turn.request_index,
-                    sent.rid,
-                    served.prompt_tokens,
-                    served.cached_tokens,
-                    served.ttft_s,
+    with contextlib.ExitStack() as owned:
+        pilot = None
+        if method != "baseline":
+            pilot = (
+                pilot_factory()
+                if pilot_factory is not None
+                else owned.enter_context(
+                    ContextPilot(
+                        layout=prepared.layout,
+                        token_counter=prepared.counter,
+                        cache_sync=engine.cache_sync,
+                    )
                 )
             )
-            evicted_rids = engine.take_evicted_rids()
-            if sent.plan is not None and pilot is not None:
-                start = time.perf_counter()
-                evicted += sum(pilot.evict(rid) for rid in evicted_rids)
-                plan_ms.append(1000 * (sent.plan_seconds + time.perf_counter() - start))
-                for key, value in sent.plan.dedup.items():
-                    dedup[key] = dedup.get(key, 0) + value
-            bar.update()
-    result = MethodResult(
-        method,
-        records,
-        plan_seconds=sum(plan_ms) / 1000,
-        index=pilot.stats() if pilot is not None else {},
-    )
+            engine.sync(pilot)
+        turns = replay(
+            prepared, method, sessions=sessions, pilot=pilot, history_turns=history_turns
+        )
+        label = f"{method} x{sessions}"
+        with tqdm(
+            total=prepared.turns, desc=label, unit="req", disable=not progress, leave=False
+        ) as bar:
+            for sent in turns:
+                served = send(engine, sent.rid, sent.segments, pilot)
+                records.append(
+                    RequestRecord(
+                        sent.turn.request_index,
+                        sent.rid,
+                        served.prompt_tokens,
+                        served.cached_tokens,
+                        served.ttft_s,
+                    )
+                )
+                evicted_rids = engine.take_evicted_rids()
+                if sent.plan is not None and pilot is not None:
+                    start = time.perf_counter()
+                    evicted += sum(pilot.evict(rid) for rid in evicted_rids)
+                    plan_ms.append(1000 * (sent.plan_seconds + time.perf_counter() - start))
+                    for key, value in dataclasses.asdict(sent.plan.dedup_figures).items():
+                        dedup[key] = dedup.get(key, 0) + value
+                bar.update()
+        engine.sync(pilot)
+        result = MethodResult(
+            method,
+            records,
+            plan_seconds=sum(plan_ms) / 1000,
+            index=pilot.stats() if pilot is not None else {},
+        )
     if isinstance(engine, EmbeddedEngine):
         result.cache = engine.model.stats()
     return MultiTurnResult(result, sessions, plan_ms, dedup, evicted)
-
-
-# --- figures ----------------------------------------------------------------------------------
-
-
-def summarize_multiturn(results: Sequence[MultiTurnResult]) -> list[dict[str, Any]]:
-    """One row per result, in order: :func:`~contextpilot_integrations.bench.report.summarize`'s
-    figures plus ``sessions``, ``prefill_vs_baseline`` (prefill tokens over the baseline's with
-    the same ``sessions``; ``None`` without one), ``plan_ms_median``, ``blocks_replaced``,
-    ``sub_blocks_replaced`` and ``tokens_saved`` (``None`` for the baseline)."""
-    rows = []
-    baseline_prefill = {
-        r.sessions: r.result.prefill_tokens for r in results if r.method == "baseline"
-    }
-    for r in results:
-        row = summarize([r.result])[0]
-        reference = baseline_prefill.get(r.sessions)
-        row.pop("vs_upper_bound")
-        row.pop("vs_baseline")
-        row["sessions"] = r.sessions
-        row["prefill_vs_baseline"] = r.result.prefill_tokens / reference if reference else None
-        row["plan_ms_median"] = statistics.median(r.plan_ms) if r.plan_ms else None
-        for key in ("blocks_replaced", "sub_blocks_replaced", "tokens_saved"):
-            row[key] = r.dedup.get(key) if r.method != "baseline" else None
-        rows.append(row)
-    return rows
-
-
-MULTITURN_COLUMNS = (
-    ("method", "method", "str"),
-    ("sessions", "sessions", "int"),
-    ("requests", "requests", "int"),
-    ("prompt tokens", "prompt_tokens", "int"),
-    ("cached tokens", "cached_tokens", "int"),
-    ("prefill tokens", "prefill_tokens", "int"),
-    ("hit ratio", "hit_ratio", "ratio"),
-    ("prefill vs baseline", "prefill_vs_baseline", "ratio"),
-    ("plan ms p50", "plan_ms_median", "ms"),
-    ("blocks replaced", "blocks_replaced", "int"),
-    ("sub-blocks replaced", "sub_blocks_replaced", "int"),
-)
-"""Columns of :func:`~contextpilot_integrations.bench.report.format_table` for the rows of
-:func:`summarize_multiturn`."""
-
-
-def write_multiturn_json(
-    path: str | Path, run: Mapping[str, Any], results: Sequence[MultiTurnResult]
-) -> Path:
-    """Write the run settings, the summary rows and every per-request record as JSON.
-
-    Layout: ``{"run": {...}, "summary": [rows], "results": [{"method", "sessions",
-    "plan_ms": [...], "dedup": {...}, "cache": {...} | null, "index": {...},
-    "records": [{request_index, rid, prompt_tokens, cached_tokens, ttft_s}]}]}``; records in
-    send order. Parent directories are created.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    document = {
-        "run": dict(run),
-        "summary": summarize_multiturn(results),
-        "results": [
-            {
-                "method": r.method,
-                "sessions": r.sessions,
-                "plan_ms": r.plan_ms,
-                "dedup": r.dedup,
-                "evicted_from_index": r.evicted_from_index,
-                "cache": asdict(r.result.cache) if r.result.cache is not None else None,
-                "index": r.result.index,
-                "records": [asdict(x) for x in r.result.records],
-            }
-            for r in results
-        ],
-    }
-    path.write_text(json.dumps(document, indent=1, default=str) + "\n", encoding="utf-8")
-    return path

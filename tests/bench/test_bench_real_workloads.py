@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from contextpilot_integrations.bench.engine import EmbeddedEngine
 from contextpilot_integrations.bench.methods import (
     METHODS,
-    EmbeddedEngine,
     prepare_workload,
     resolve_cache_tokens,
     run_methods,

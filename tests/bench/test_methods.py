@@ -1,4 +1,5 @@
-"""Methods: the sparse upper bound against brute force, cache sizing, engines, eviction sync."""
+"""Methods: the sparse upper bound against brute force, cache sizing, engines, eviction sync
+(the engine model's evictions, and a planner that follows an engine through its engine link)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from contextpilot_integrations.bench.engine import EmbeddedEngine, Served
 from contextpilot_integrations.bench.methods import (
-    EmbeddedEngine,
     PreparedWorkload,
     parse_cache_tokens,
     resolve_cache_tokens,
@@ -199,3 +200,50 @@ def test_token_level_engine_with_a_real_tokenizer_interface() -> None:
         engine_factory=lambda: EmbeddedEngine(None, counter=chars, tokenizer=chars),
     )
     assert results[1].cached_tokens > results[0].cached_tokens
+
+
+class _LinkedEngine(EmbeddedEngine):
+    """The embedded model posing as an engine that publishes KV events: it names a KV-event
+    endpoint (nobody publishes there) and reports each prompt's token ids, and records the
+    runner's ``sync`` calls."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(None, counter=COUNTER)
+        self.cache_sync = {"kind": "kv-events", "endpoint": endpoint}
+        self.synced: list[ContextPilot | None] = []
+
+    def serve(self, rid: str, segments) -> Served:  # type: ignore[no-untyped-def]
+        served = super().serve(rid, segments)
+        ids = tuple(ord(c) for c in "".join(segments))
+        return Served(served.prompt_tokens, served.cached_tokens, token_ids=ids)
+
+    def sync(self, pilot: ContextPilot | None) -> None:
+        self.synced.append(pilot)
+
+
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_contextpilot_follows_an_engine_with_cache_sync_through_its_engine_link(
+    mode: str, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("zmq", reason="the engine link needs the sync extra")
+    prepared = _prepared([[0, 1, 2], [2, 1, 0], [3, 4]])
+    engines: list[_LinkedEngine] = []
+
+    def factory() -> _LinkedEngine:
+        engines.append(_LinkedEngine(f"ipc://{tmp_path}/kv-events.ipc"))
+        return engines[-1]
+
+    result = run_method("contextpilot", prepared, mode=mode, engine_factory=factory)
+    # The default planner was made with the engine's cache_sync, and every prompt's token ids
+    # reached its engine link (token-matching attribution).
+    sync = result.index["sync"]
+    assert sync["cache_model"] == "kv-events"
+    assert sync["source"]["mirror"]["tracked_requests"] == 3
+    # The runner let the link catch up before the first request and after the last.
+    (engine,) = engines
+    assert len(engine.synced) == 2 and engine.synced[0] is engine.synced[1] is not None
+    # ... and closed the planner it made (the link's subscriber thread is stopped).
+    link = engine.synced[0].engine
+    assert link is not None and not link.source.subscriber.running  # type: ignore[attr-defined]
+    baseline = run_method("baseline", prepared, mode=mode, engine_factory=factory)
+    assert engines[1].synced == [None] and "sync" not in baseline.index

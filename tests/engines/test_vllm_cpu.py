@@ -29,19 +29,24 @@ pytest.importorskip("tokenizers", reason="the engines extra needs `tokenizers`")
 
 from contextpilot_integrations.bench.workloads import resolve_data_dir  # noqa: E402
 from contextpilot_integrations.core.rendering import PromptLayout  # noqa: E402
-from contextpilot_integrations.engines.vllm_cpu import (  # noqa: E402
+from contextpilot_integrations.engines.chat_template import (  # noqa: E402
     BOS_TOKEN,
     CHAT_TEMPLATE,
     MESSAGE_END,
     MESSAGE_START,
-    VllmCpuServer,
-    corpus_files,
-    find_vllm_python,
-    prepare_model_dir,
-    process_group_members,
     render_chat,
     tokenize_prompt,
 )
+from contextpilot_integrations.engines.locations import (  # noqa: E402
+    VLLM_PYTHON_ENV,
+    find_vllm_python,
+    require_vllm_python,
+    source_checkout,
+)
+from contextpilot_integrations.engines.model_dir import prepare_model_dir  # noqa: E402
+from contextpilot_integrations.engines.process_group import process_group_members  # noqa: E402
+from contextpilot_integrations.engines.tokenizer_training import corpus_files  # noqa: E402
+from contextpilot_integrations.engines.vllm_server import VllmCpuServer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32
@@ -133,7 +138,7 @@ def test_model_dir_in_a_fresh_process_is_byte_identical(model_dir: Path, tmp_pat
         [
             sys.executable,
             "-m",
-            "contextpilot_integrations.engines.vllm_cpu",
+            "contextpilot_integrations.engines",
             "prepare",
             "--dir",
             str(tmp_path / "cli"),
@@ -208,6 +213,42 @@ def test_server_rejects_bad_arguments_before_starting(model_dir: Path, tmp_path:
         VllmCpuServer(model_dir, work_dir=tmp_path / ("x" * 120))
     with pytest.raises(FileNotFoundError, match=r"no vLLM environment \(/nowhere/python\)"):
         VllmCpuServer(model_dir, vllm_python="/nowhere/python")
+
+
+# ---------------------------------------------------------------------------------------------
+# The Python that runs vLLM (no vLLM needed)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_vllm_python_is_configurable_and_never_second_guessed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    other = tmp_path / "other-python"
+    other.write_text("#!/bin/sh\n")
+    other.chmod(0o755)
+    monkeypatch.setenv(VLLM_PYTHON_ENV, str(other))
+    # An argument wins over the environment, which wins over the checkout's .venv-vllm.
+    assert find_vllm_python(python) == python
+    assert find_vllm_python() == other
+    assert require_vllm_python() == other
+    # A configured path that is no interpreter is not replaced by another one behind the back.
+    monkeypatch.setenv(VLLM_PYTHON_ENV, str(tmp_path / "missing"))
+    assert find_vllm_python() is None
+    with pytest.raises(FileNotFoundError, match=r"no vLLM environment \(.*missing\)"):
+        require_vllm_python()
+    with pytest.raises(FileNotFoundError, match="run scripts/setup-vllm-env.sh"):
+        require_vllm_python(tmp_path / "missing")
+    # Unset: the source checkout's .venv-vllm when there is one (this repository).
+    monkeypatch.delenv(VLLM_PYTHON_ENV)
+    checkout = source_checkout()
+    assert checkout == REPO_ROOT
+    venv_python = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    if venv_python.is_file():
+        assert find_vllm_python() == venv_python
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,7 +381,7 @@ def test_ctrl_c_on_the_serve_cli_stops_every_server_process(
         [
             sys.executable,
             "-m",
-            "contextpilot_integrations.engines.vllm_cpu",
+            "contextpilot_integrations.engines",
             "serve",
             "--dir",
             str(model_dir),

@@ -1,12 +1,15 @@
 """End to end on the real vLLM CPU engine: ContextPilot against the baseline, the embedded model
-against the engine, and the context index following the engine's evictions.
+against the engine, and the context index of an in-process ``ContextPilot(cache_sync=...)``
+following the engine's evictions through the core's engine link.
 
 One server for the module (block size 32, a KV cache of four requests of ``max_model_len``
 tokens, a tenth of what the slice's prompts take, so that every few requests evict), started
-through :class:`VllmCpuBench` and stopped at the module's end, also when a test fails (the
-fixture's ``with``); its process group is checked to be gone. The CLI tests start their own
-servers (a normal run, and a run stopped with Ctrl-C). All skip without ``.venv-vllm``
-(``scripts/setup-vllm-env.sh``) or without the MultiHop-RAG data.
+through :class:`VllmCpuInstance` and stopped at the module's end, also when a test fails (the
+fixture's ``with``); its process group is checked to be gone. The methods run through the
+benchmark's own runner (``run_method`` with ``instance.new_engine``), as the CLI runs them. The
+CLI tests start their own servers (a normal run, and a run stopped with Ctrl-C). All skip
+without a Python that runs vLLM (``scripts/setup-vllm-env.sh``) or without the MultiHop-RAG
+data.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,18 +32,23 @@ pytest.importorskip("tokenizers", reason="the engines extra needs `tokenizers`")
 
 from tokenizers import Tokenizer  # noqa: E402
 
-from contextpilot_integrations.bench.methods import PreparedWorkload, prepare_workload  # noqa: E402
-from contextpilot_integrations.bench.vllm_engine import (  # noqa: E402
-    VllmCpuBench,
-    ensure_model_dir,
-    max_model_len_for,
+from contextpilot_integrations.bench.engine_report import EngineMethodReport  # noqa: E402
+from contextpilot_integrations.bench.kv_cache_size import max_model_len_for  # noqa: E402
+from contextpilot_integrations.bench.methods import (  # noqa: E402
+    MethodResult,
+    PreparedWorkload,
+    prepare_workload,
+    run_method,
 )
+from contextpilot_integrations.bench.vllm_engine import VllmCpuEngine  # noqa: E402
+from contextpilot_integrations.bench.vllm_instance import VllmCpuInstance  # noqa: E402
 from contextpilot_integrations.bench.workloads import load_workload, resolve_data_dir  # noqa: E402
 from contextpilot_integrations.core.blocks import TokenizerCounter  # noqa: E402
-from contextpilot_integrations.engines.vllm_cpu import (  # noqa: E402
-    find_vllm_python,
-    process_group_members,
-)
+from contextpilot_integrations.core.pilot import ContextPilot  # noqa: E402
+from contextpilot_integrations.engines.chat_template import tokenize_prompt  # noqa: E402
+from contextpilot_integrations.engines.locations import find_vllm_python  # noqa: E402
+from contextpilot_integrations.engines.model_dir import ensure_model_dir  # noqa: E402
+from contextpilot_integrations.engines.process_group import process_group_members  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +61,8 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(
         find_vllm_python() is None,
-        reason="no vLLM environment: run scripts/setup-vllm-env.sh (makes .venv-vllm)",
+        reason="no vLLM environment: run scripts/setup-vllm-env.sh (makes .venv-vllm) or set "
+        "CONTEXTPILOT_VLLM_PYTHON",
     ),
 ]
 
@@ -80,12 +90,14 @@ def prepared(model_dir: Path) -> PreparedWorkload:
 
 
 @pytest.fixture(scope="module")
-def bench(model_dir: Path, prepared: PreparedWorkload) -> Iterator[VllmCpuBench]:
+def bench(model_dir: Path, prepared: PreparedWorkload) -> Iterator[VllmCpuInstance]:
     """One real engine for the module; stopped (whole process group) at the module's end."""
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    max_model_len, _ = max_model_len_for(prepared, tokenizer, BLOCK_SIZE, 8192)
+    max_model_len, _ = max_model_len_for(
+        prepared, lambda messages: tokenize_prompt(tokenizer, messages), BLOCK_SIZE, 8192
+    )
     usable = CACHE_REQUESTS * max_model_len // BLOCK_SIZE
-    with VllmCpuBench(
+    with VllmCpuInstance(
         model_dir,
         block_size=BLOCK_SIZE,
         num_gpu_blocks=usable + 1,
@@ -98,32 +110,70 @@ def bench(model_dir: Path, prepared: PreparedWorkload) -> Iterator[VllmCpuBench]
     assert process_group_members(pid) == [], "server processes left after the module"
 
 
+@dataclass
+class EngineRun:
+    """A method run through the benchmark's runner on the module's engine."""
+
+    result: MethodResult
+    engine: VllmCpuEngine
+    report: EngineMethodReport
+
+
+def _run(
+    bench: VllmCpuInstance,
+    method: str,
+    prepared: PreparedWorkload,
+    mode: str,
+    pilot: ContextPilot | None = None,
+) -> EngineRun:
+    engines: list[VllmCpuEngine] = []
+
+    def new_engine() -> VllmCpuEngine:
+        engines.append(bench.new_engine(prepared.layout))
+        return engines[-1]
+
+    result = run_method(
+        method,
+        prepared,
+        mode=mode,
+        engine_factory=new_engine,
+        pilot_factory=None if pilot is None else lambda: pilot,
+        block_size=BLOCK_SIZE,
+    )
+    (engine,) = engines
+    return EngineRun(result, engine, engine.report(method))
+
+
 def test_contextpilot_gets_more_engine_cached_tokens_than_the_baseline(
-    bench: VllmCpuBench, prepared: PreparedWorkload
+    bench: VllmCpuInstance, prepared: PreparedWorkload
 ) -> None:
-    base = bench.run_method("baseline", prepared, mode="offline")
-    pilot = bench.run_method("contextpilot", prepared, mode="offline")
+    base = _run(bench, "baseline", prepared, "offline")
+    pilot = _run(bench, "contextpilot", prepared, "offline")
     for run in (base, pilot):
         # Same requests: every one of the slice, once.
         assert sorted(r.request_index for r in run.result.records) == list(range(SLICE))
         # What the engine prefilled is what was tokenised here (template and tokenizer).
         assert run.report.prompt_token_mismatches == 0
-        assert all(r.cached_tokens is not None for r in run.requests)
+        assert all(r.cached_tokens is not None for r in run.engine.requests)
     # ContextPilot's prompts hold the same blocks, plus the order annotation after them.
     assert 1.0 <= pilot.report.prompt_tokens / base.report.prompt_tokens < 1.1
     assert pilot.report.cached_tokens > 2 * base.report.cached_tokens > 0
-    # The engine did evict (a small cache), and the evictions reached the pilot's index.
+    # The engine did evict (a small cache), and the evictions reached the index of the pilot
+    # the runner made with the engine's cache_sync (its engine link, pilot.stats()["sync"]).
     assert pilot.report.blocks_removed > 0
-    assert pilot.report.evictions_applied > 0
-    assert set(pilot.applied_rids) <= {r.rid for r in pilot.requests}
-    assert pilot.pilot is not None and not any(
-        rid in pilot.pilot.index for rid in pilot.applied_rids
-    )
+    assert pilot.report.evictions_applied is not None and pilot.report.evictions_applied > 0
+    assert pilot.report.eviction_notices is not None
+    assert pilot.report.evictions_applied <= pilot.report.eviction_notices
+    sync = pilot.result.index["sync"]
+    assert sync["cache_model"] == "kv-events" and sync["failures"] == {}
+    assert sync["evictions"]["kv-events"] == pilot.report.evictions_applied
     assert pilot.report.index_requests == SLICE - pilot.report.evictions_applied
+    assert pilot.result.index["requests"] == pilot.report.index_requests
+    assert base.report.evictions_applied is None and base.report.index_requests is None
     # The paged model predicts the engine's cached tokens request by request.
     for run in (base, pilot):
-        predicted = [r.model_cached_tokens for r in run.requests]
-        engine = [r.cached_tokens for r in run.requests]
+        predicted = [r.model_cached_tokens for r in run.engine.requests]
+        engine = [r.cached_tokens for r in run.engine.requests]
         assert predicted == engine, run.result.method
 
 
@@ -134,12 +184,13 @@ def _full_hit(tokens: int) -> int:
 
 
 def test_index_drops_exactly_the_requests_whose_blocks_the_engine_removed(
-    bench: VllmCpuBench, prepared: PreparedWorkload
+    bench: VllmCpuInstance, prepared: PreparedWorkload
 ) -> None:
     """The context index's view against the engine's answer, request by request.
 
-    Online ContextPilot through a cache of a few requests' blocks: each request's plan
-    goes in the index, the engine's ``BlockRemoved`` events take requests out. Then every
+    Online ContextPilot, in process with ``cache_sync`` on the engine's KV events, through a
+    cache of a few requests' blocks: each request's plan goes in the index, the engine's
+    ``BlockRemoved`` events take requests out through the pilot's engine link. Then every
     request is re-sent, newest first, and before each re-send the index is asked whether it
     still holds that rid. The engine answers with ``cached_tokens``, decided before the re-send
     allocates anything, so it reflects the cache at the moment the index was asked:
@@ -152,23 +203,26 @@ def test_index_drops_exactly_the_requests_whose_blocks_the_engine_removed(
       its last full block lies beyond the largest hit, so losing only that block drops the
       request without shrinking the hit; such requests are checked only when held.
 
-    A re-send allocates blocks and evicts others; its events are applied to the index before
-    the next question is asked (``wait_for_events``), so each check sees an index as current
-    as the engine. The re-sends carry their own session ids, unknown to the index.
+    A re-send allocates blocks and evicts others; the pilot's link still follows the engine,
+    and its events are applied to the index before the next question is asked
+    (``wait_for_events``), so each check sees an index as current as the engine. The re-sends
+    carry their own session ids, unknown to the index.
     """
-    run = bench.run_method("contextpilot", prepared, mode="online")
-    pilot = run.pilot
-    assert pilot is not None
-    assert run.report.evictions_applied > 0, "the cache was meant to be small enough to evict"
-    # Online, the plans depend on the evictions; the paged model still follows the engine.
-    assert [r.model_cached_tokens for r in run.requests] == [r.cached_tokens for r in run.requests]
-    held, dropped, unchecked = [], [], []
-    bench.evictions.pilot = pilot  # the re-sends' evictions reach the index too
-    try:
-        for request in reversed(run.requests):
-            messages = run.messages[request.rid]
+    with ContextPilot(
+        layout=prepared.layout, token_counter=prepared.counter, cache_sync=bench.cache_sync
+    ) as pilot:
+        assert pilot.engine is not None
+        run = _run(bench, "contextpilot", prepared, "online", pilot)
+        applied = run.report.evictions_applied
+        assert applied is not None and applied > 0, "the cache was meant to be small to evict"
+        requests = run.engine.requests
+        # Online, the plans depend on the evictions; the paged model still follows the engine.
+        assert [r.model_cached_tokens for r in requests] == [r.cached_tokens for r in requests]
+        held, dropped, unchecked = [], [], []
+        for request in reversed(requests):
+            messages = run.engine.messages[request.rid]
             tokens = len(bench.server.tokenize(messages))
-            assert bench.wait_for_events()
+            assert bench.wait_for_events(pilot.engine)
             in_index = request.rid in pilot.index
             answer = bench.chat(messages, rid=f"probe-{request.rid}")
             assert answer.prompt_tokens == tokens
@@ -180,11 +234,11 @@ def test_index_drops_exactly_the_requests_whose_blocks_the_engine_removed(
                 dropped.append(request.rid)
             else:
                 unchecked.append(request.rid)
-    finally:
-        bench.evictions.pilot = None
+        assert pilot.stats()["sync"]["failures"] == {}
+    assert not pilot.engine.source.subscriber.running  # type: ignore[attr-defined]
     logger.info(
         "re-sent %d requests: %d held (full hit), %d dropped (smaller hit), %d unchecked",
-        len(run.requests),
+        len(requests),
         len(held),
         len(dropped),
         len(unchecked),
@@ -240,6 +294,8 @@ def test_cli_runs_the_workload_on_the_engine_and_stops_it(
     document = json.loads(out.read_text())
     reports = {r["method"]: r for r in document["run"]["engine_reports"]}
     assert set(reports) == {"baseline", "contextpilot"}
+    assert reports["contextpilot"]["index_requests"] is not None
+    assert reports["baseline"]["evictions_applied"] is None
     for report in reports.values():
         assert report["requests"] == 8
         assert report["prompt_token_mismatches"] == 0
