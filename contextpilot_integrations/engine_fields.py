@@ -27,7 +27,7 @@ Example::
     tracker = CacheUsageTracker(pilot)          # ContextPilot or ContextPilotClient
     plan = pilot.plan(question, texts)
     response = openai_client.chat.completions.create(
-        model=model, messages=plan.messages, **with_request_ids({}, plan))
+        model=model, messages=plan.messages, **with_engine_fields({}, plan))
     tracker.record(plan, response)
     tracker.stats()  # {"requests": 1, "prompt_tokens": ..., "cached_tokens": ..., ...}
 
@@ -51,8 +51,8 @@ __all__ = [
     "acreate_chat_completion",
     "create_chat_completion",
     "read_usage",
-    "request_id_fields",
-    "with_request_ids",
+    "engine_body_fields",
+    "with_engine_fields",
 ]
 
 logger = logging.getLogger(__name__)
@@ -83,16 +83,21 @@ def _rid_of(plan: _HasRid | str) -> str:
     return rid
 
 
-def request_id_fields(plan: _HasRid | str, engine: EngineKind = "any") -> dict[str, str]:
-    """The request-body fields that carry the plan's rid to ``engine``.
+def engine_body_fields(plan: _HasRid | str, engine: EngineKind = "any") -> dict[str, str]:
+    """The request-body fields a plan sends to ``engine``: its rid, and its tenant's
+    ``cache_salt`` when it has one.
+
+    ``cache_salt`` (vLLM's request field; SGLang's since 0.5.18, which also reports it on its
+    KV events) keys the engine's prefix cache per tenant: requests with different salts never
+    share cached blocks, so one tenant cannot learn from cache hits what another sent.
 
     Args:
-        plan: a ``Plan`` (its ``rid``) or the rid itself.
+        plan: a ``Plan`` (its ``rid`` and ``cache_salt``) or the rid itself.
         engine: ``"any"`` (SGLang and vLLM fields: ``rid``, ``request_id``, ``session_id``),
             ``"sglang"``, ``"vllm"``, or ``"hosted"`` (none: hosted APIs refuse them).
 
     Returns:
-        e.g. ``{"rid": r, "request_id": r, "session_id": r}``.
+        e.g. ``{"rid": r, "request_id": r, "session_id": r}`` (plus ``"cache_salt"``).
 
     Raises:
         TypeError: ``plan`` has no rid.
@@ -101,10 +106,14 @@ def request_id_fields(plan: _HasRid | str, engine: EngineKind = "any") -> dict[s
     if engine not in _ID_FIELDS:
         raise ValueError(f"engine must be one of {sorted(_ID_FIELDS)}, got {engine!r}")
     rid = _rid_of(plan)
-    return dict.fromkeys(_ID_FIELDS[engine], rid)
+    fields = dict.fromkeys(_ID_FIELDS[engine], rid)
+    salt = None if isinstance(plan, str) else getattr(plan, "cache_salt", None)
+    if salt is not None and engine != "hosted":
+        fields["cache_salt"] = salt
+    return fields
 
 
-def with_request_ids(
+def with_engine_fields(
     kwargs: Mapping[str, Any], plan: _HasRid | str, engine: EngineKind = "any"
 ) -> dict[str, Any]:
     """A copy of an OpenAI call's keyword arguments with the plan ids merged into
@@ -117,7 +126,7 @@ def with_request_ids(
     extra = merged.get("extra_body") or {}
     if not isinstance(extra, Mapping):
         raise TypeError(f"extra_body must be a mapping, got {type(extra).__name__}")
-    merged["extra_body"] = {**extra, **request_id_fields(plan, engine)}
+    merged["extra_body"] = {**extra, **engine_body_fields(plan, engine)}
     return merged
 
 
@@ -223,14 +232,14 @@ def create_chat_completion(
         client: an ``openai.OpenAI`` client (any object with ``chat.completions.create``).
         plan: the ``Plan`` (its ``messages`` and ``rid``).
         tracker: where the usage goes (None: not recorded).
-        engine: which id fields to send (:func:`request_id_fields`).
+        engine: which id fields to send (:func:`engine_body_fields`).
         kwargs: the other arguments of ``create`` (``model``, ``max_tokens``, ...).
 
     Returns:
         The response (a stream is returned as is and not recorded).
     """
     response = client.chat.completions.create(
-        messages=plan.messages, **with_request_ids(kwargs, plan, engine)
+        messages=plan.messages, **with_engine_fields(kwargs, plan, engine)
     )
     if tracker is not None and not kwargs.get("stream"):
         tracker.record(plan, response)
@@ -248,7 +257,7 @@ async def acreate_chat_completion(
     """:func:`create_chat_completion` for an ``openai.AsyncOpenAI`` client. A tracker whose
     pilot is a blocking client forwards from a worker thread."""
     response = await client.chat.completions.create(
-        messages=plan.messages, **with_request_ids(kwargs, plan, engine)
+        messages=plan.messages, **with_engine_fields(kwargs, plan, engine)
     )
     if tracker is not None and not kwargs.get("stream"):
         await asyncio.to_thread(tracker.record, plan, response)

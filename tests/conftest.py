@@ -1,8 +1,10 @@
 """Fixtures shared by every face's tests: a real index service on 127.0.0.1 and an address
 where none answers (for the client's local fallback).
 
-Mem0 reads ``MEM0_TELEMETRY`` and ``MEM0_DIR`` when it is first imported, so they are set here,
-before any test module imports ``mem0``; the model hubs are off (nothing is downloaded).
+Imports stay within the standard library and pytest at module level: every tier (the sglang
+tier's environment too) loads this file. Mem0 reads ``MEM0_TELEMETRY`` and ``MEM0_DIR`` when
+it is first imported, so they are set here, before any test module imports ``mem0``; the model
+hubs are off (nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
-import httpx  # noqa: E402
 import pytest  # noqa: E402
 
 
@@ -38,6 +39,8 @@ def free_port() -> int:
 def service_url() -> Iterator[str]:
     """A ``contextpilot-server`` process for the whole session (tests must not assume an empty
     index: use fresh texts or conversation ids)."""
+    import httpx  # not in every tier's environment (the sglang tier has none)
+
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "contextpilot_integrations.service.server", "--port", str(port)],

@@ -3,7 +3,7 @@
 Each request is a streamed ``POST /v1/chat/completions`` with ``max_tokens=1`` (prefill is what
 is measured) and ``stream_options={"include_usage": true}`` (OpenAI chat completions API: the
 last chunk then carries ``usage``). The plan's request id goes out in the body fields of
-:func:`~contextpilot_integrations.engine_fields.request_id_fields` (``rid`` for SGLang,
+:func:`~contextpilot_integrations.engine_fields.engine_body_fields` (``rid`` for SGLang,
 ``request_id`` for vLLM, ``session_id`` for both), so the engine's cache events and evictions
 name the same request the context index knows.
 
@@ -36,7 +36,7 @@ import httpx
 
 from contextpilot_integrations.bench.engine import Served
 from contextpilot_integrations.core.rendering import PromptLayout
-from contextpilot_integrations.engine_fields import read_usage, request_id_fields
+from contextpilot_integrations.engine_fields import engine_body_fields, read_usage
 
 if TYPE_CHECKING:
     from contextpilot_integrations.core.pilot import ContextPilot
@@ -167,7 +167,7 @@ class EngineClient:
         Args:
             messages: OpenAI chat messages.
             rid: request id (sent as ``rid``, ``request_id`` and ``session_id``,
-                :func:`~contextpilot_integrations.engine_fields.request_id_fields`).
+                :func:`~contextpilot_integrations.engine_fields.engine_body_fields`).
             max_tokens: tokens to generate (1: prefill only).
 
         Returns:
@@ -184,7 +184,7 @@ class EngineClient:
             "temperature": 0.0,
             "stream": True,
             "stream_options": {"include_usage": True},
-            **request_id_fields(rid),
+            **engine_body_fields(rid),
         }
         start = time.perf_counter()
         first_token: float | None = None

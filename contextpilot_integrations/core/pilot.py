@@ -113,6 +113,8 @@ class ContextPilot:
             Needs the ``sync`` extra. The link starts here and stops with :meth:`close` (or
             the ``with`` block); every plan is recorded with it and the engine's evictions
             drop requests from the index. ``None`` (default): the index's own LRU bound only.
+        cache_salt: the engine's ``cache_salt`` for every plan of this pilot (one tenant's
+            pilot; see :attr:`Plan.cache_salt`); ``None``: none.
 
     Raises:
         ValueError: an invalid ``cache_sync`` mapping (the message names the field).
@@ -138,7 +140,11 @@ class ContextPilot:
         popularity_memory: int = 262_144,
         deduplicator: Deduplicator | None = None,
         cache_sync: Mapping[str, Any] | CacheSyncConfig | None = None,
+        cache_salt: str | None = None,
     ) -> None:
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r:.80}")
+        self.cache_salt = cache_salt
         self._layout = layout or PromptLayout()
         self.token_counter = token_counter or ApproxTokenCounter()
         self.index = (
@@ -538,4 +544,5 @@ class ContextPilot:
             matched_prefix_tokens=found.prefix_tokens,
             dedup_figures=figures,
             layout=layout,
+            cache_salt=self.cache_salt,
         )

@@ -130,6 +130,9 @@ class Plan:
         matched_prefix_tokens: their tokens.
         dedup_figures: the request's :class:`DedupFigures`.
         layout: the layout that rendered the plan.
+        cache_salt: the engine's ``cache_salt`` for this request's tenant (its prefix cache is
+            not shared with other salts), or ``None`` (``engine_fields.engine_body_fields``
+            sends it).
     """
 
     rid: str
@@ -143,6 +146,7 @@ class Plan:
     matched_prefix_tokens: int
     dedup_figures: DedupFigures
     layout: PromptLayout = field(repr=False)
+    cache_salt: str | None = None
 
     # ------------------------------------------------------------------ the prompt
     @property

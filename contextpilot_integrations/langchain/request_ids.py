@@ -13,7 +13,7 @@ request body. So the request id rides on the prompt value: :data:`~.prompts.form
 returns a :class:`~.prompts.RenderedContext` (a ``str`` with the ``rid``), the prompt template
 returns a :class:`~.prompts.ContextPilotPromptValue` with it, and :func:`with_request_id` wraps
 the chat model so that each call gets the engine's request-id body fields, built by
-:func:`contextpilot_integrations.engine_fields.request_id_fields` (by default
+:func:`contextpilot_integrations.engine_fields.engine_body_fields` (by default
 ``REQUEST_ID_FIELDS``: ``{"rid": rid, "request_id": rid, "session_id": rid}``), merged into
 ``extra_body`` over the model's own (the model's field or a ``.bind(extra_body=...)``). A
 context variable was not used: LCEL runs each step, and each branch of a ``{...}`` map, in a
@@ -49,7 +49,7 @@ from langchain_core.runnables.base import RunnableBindingBase
 from langchain_core.runnables.config import get_config_list, get_executor_for_config
 from pydantic import ConfigDict, PrivateAttr, field_validator
 
-from contextpilot_integrations.engine_fields import EngineKind, request_id_fields
+from contextpilot_integrations.engine_fields import EngineKind, engine_body_fields
 
 from .prompts import ContextPilotPromptValue
 
@@ -65,7 +65,7 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
         bound: the chat model (``ChatOpenAI``, a ``.bind(...)`` of it, or any runnable that
             takes ``extra_body`` as a call keyword).
         engine: which request-id body fields to send
-            (:func:`~contextpilot_integrations.engine_fields.request_id_fields`): ``"any"``
+            (:func:`~contextpilot_integrations.engine_fields.engine_body_fields`): ``"any"``
             (default: ``rid``, ``request_id``, ``session_id``), ``"sglang"``, ``"vllm"``, or
             ``"hosted"`` (none).
         max_concurrency: calls in flight in ``batch``/``abatch`` when the config sets none
@@ -132,7 +132,7 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
                     type(input).__name__,
                 )
             return dict(kwargs)
-        fields = request_id_fields(input.rid, self.engine) if input.rid is not None else {}
+        fields = engine_body_fields(input.rid, self.engine) if input.rid is not None else {}
         if not fields:
             return dict(kwargs)
         extra_body = {
@@ -226,7 +226,7 @@ def with_request_id(
     Args:
         llm: the chat model, e.g. ``ChatOpenAI(base_url=..., model=...)``.
         engine: which request-id fields to send (``"any"``, ``"sglang"``, ``"vllm"``,
-            ``"hosted"``: none; :func:`~contextpilot_integrations.engine_fields.request_id_fields`).
+            ``"hosted"``: none; ``engine_fields.engine_body_fields``).
         max_concurrency: default limit of calls in flight in ``batch``/``abatch``.
 
     Raises:

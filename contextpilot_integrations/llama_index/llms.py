@@ -5,7 +5,7 @@ post-processor (and the ContextPilot templates) arm the plan's rid in the caller
 each ``chat``/``complete`` call (sync, async, streaming; the LlamaIndex entry points) whose
 prompt shows the plan's first block takes it once, before the client's retries, and
 ``_get_model_kwargs`` merges the engine's request-id body fields
-(:func:`contextpilot_integrations.engine_fields.with_request_ids`) into the request body's
+(:func:`contextpilot_integrations.engine_fields.with_engine_fields`) into the request body's
 ``extra_body``, on top of any ``extra_body`` the user set in ``additional_kwargs``. Calls that
 take no request are sent unchanged. The fields default to SGLang's ``rid``, vLLM's
 ``request_id`` and ``session_id`` (``request_id_engine="any"``). An endpoint that rejects
@@ -30,7 +30,7 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field
 from llama_index.llms.openai_like import OpenAILike
 
-from contextpilot_integrations.engine_fields import EngineKind, with_request_ids
+from contextpilot_integrations.engine_fields import EngineKind, with_engine_fields
 
 from .request_ids import take_request
 
@@ -49,7 +49,7 @@ class ContextPilotOpenAILike(OpenAILike):
 
     Args:
         request_id_engine: whose body fields carry the rid
-            (:func:`~contextpilot_integrations.engine_fields.request_id_fields`): ``"any"``
+            (:func:`~contextpilot_integrations.engine_fields.engine_body_fields`): ``"any"``
             (default: ``rid``, ``request_id``, ``session_id``), ``"sglang"``, ``"vllm"``, or
             ``"hosted"`` (none; the armed request is then left untaken).
     """
@@ -76,7 +76,7 @@ class ContextPilotOpenAILike(OpenAILike):
         model_kwargs = super()._get_model_kwargs(**kwargs)
         if rid is None:
             return model_kwargs
-        return with_request_ids(model_kwargs, rid, self.request_id_engine)
+        return with_engine_fields(model_kwargs, rid, self.request_id_engine)
 
     # --- entry points: take the armed request once, then delegate --------------------------
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:

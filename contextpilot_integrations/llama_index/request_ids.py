@@ -37,7 +37,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from contextpilot_integrations.core.plan import Plan
-from contextpilot_integrations.engine_fields import EngineKind, with_request_ids
+from contextpilot_integrations.engine_fields import EngineKind, with_engine_fields
 from contextpilot_integrations.placement_metadata import METADATA_KEY
 
 __all__ = [
@@ -181,7 +181,7 @@ def request_id_kwargs(
         nodes_or_rid: the rid, or nodes returned by ``ContextPilotNodePostprocessor``
             (:func:`nodes_rid`).
         engine: whose body fields carry it
-            (:func:`contextpilot_integrations.engine_fields.request_id_fields`).
+            (:func:`contextpilot_integrations.engine_fields.engine_body_fields`).
 
     Returns:
         ``{"extra_body": {field: rid, ...}}``, or ``{}`` when the nodes carry no rid.
@@ -191,4 +191,4 @@ def request_id_kwargs(
         TypeError: ``nodes_or_rid`` is an empty str.
     """
     rid = nodes_or_rid if isinstance(nodes_or_rid, str) else nodes_rid(nodes_or_rid)
-    return {} if rid is None else with_request_ids({}, rid, engine)
+    return {} if rid is None else with_engine_fields({}, rid, engine)

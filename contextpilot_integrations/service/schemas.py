@@ -308,6 +308,9 @@ class PlanResponse(BaseModel):
     matched_prefix_blocks: int
     matched_prefix_tokens: int
     dedup_figures: DedupFiguresModel
+    cache_salt: str | None = Field(
+        None, description="The engine's cache_salt for the caller's tenant (send it along)."
+    )
 
     @staticmethod
     def encode(plan: Plan) -> dict[str, Any]:
@@ -323,6 +326,7 @@ class PlanResponse(BaseModel):
             "matched_prefix_blocks": plan.matched_prefix_blocks,
             "matched_prefix_tokens": plan.matched_prefix_tokens,
             "dedup_figures": dataclasses.asdict(plan.dedup_figures),
+            "cache_salt": plan.cache_salt,
         }
 
     def to_core(self, layout: PromptLayout) -> Plan:
@@ -339,6 +343,7 @@ class PlanResponse(BaseModel):
             matched_prefix_tokens=self.matched_prefix_tokens,
             dedup_figures=DedupFigures(**self.dedup_figures.model_dump()),
             layout=layout,
+            cache_salt=self.cache_salt,
         )
 
 

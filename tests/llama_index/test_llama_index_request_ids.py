@@ -13,7 +13,7 @@ from llama_index.core import get_response_synthesizer
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.query_engine import RetrieverQueryEngine
 
-from contextpilot_integrations.engine_fields import request_id_fields
+from contextpilot_integrations.engine_fields import engine_body_fields
 from contextpilot_integrations.llama_index import (
     ContextPilotNodePostprocessor,
     ContextPilotOpenAILike,
@@ -109,7 +109,7 @@ def test_request_id_fields_and_kwargs(retrieved) -> None:
     out = ContextPilotNodePostprocessor().postprocess_nodes(retrieved[0], query_str="q")
     rid = out[0].node.metadata["contextpilot"]["rid"]
     assert nodes_rid(out) == rid
-    assert request_id_kwargs(out) == {"extra_body": request_id_fields(rid)}
+    assert request_id_kwargs(out) == {"extra_body": engine_body_fields(rid)}
     assert request_id_kwargs([]) == {} and nodes_rid([]) is None
     other = ContextPilotNodePostprocessor().postprocess_nodes(retrieved[1], query_str="q")
     with pytest.raises(ValueError, match="2 different request ids"):

@@ -31,9 +31,9 @@ from contextpilot_integrations.engine_fields import (
     Usage,
     acreate_chat_completion,
     create_chat_completion,
+    engine_body_fields,
     read_usage,
-    request_id_fields,
-    with_request_ids,
+    with_engine_fields,
 )
 from contextpilot_integrations.service.client import ContextPilotClient
 
@@ -100,25 +100,25 @@ def engine() -> Iterator[tuple[str, list[dict[str, Any]]]]:
 
 def test_request_id_fields_per_engine() -> None:
     plan = ContextPilot().plan("q", ["a block"], rid="r-1")
-    assert request_id_fields(plan) == {"rid": "r-1", "request_id": "r-1", "session_id": "r-1"}
-    assert tuple(request_id_fields(plan)) == REQUEST_ID_FIELDS
-    assert request_id_fields("r-2", "sglang") == {"rid": "r-2", "session_id": "r-2"}
-    assert request_id_fields("r-3", "vllm") == {"request_id": "r-3", "session_id": "r-3"}
-    assert request_id_fields(plan, "hosted") == {}
+    assert engine_body_fields(plan) == {"rid": "r-1", "request_id": "r-1", "session_id": "r-1"}
+    assert tuple(engine_body_fields(plan)) == REQUEST_ID_FIELDS
+    assert engine_body_fields("r-2", "sglang") == {"rid": "r-2", "session_id": "r-2"}
+    assert engine_body_fields("r-3", "vllm") == {"request_id": "r-3", "session_id": "r-3"}
+    assert engine_body_fields(plan, "hosted") == {}
     with pytest.raises(ValueError, match="engine must be one of"):
-        request_id_fields(plan, "tgi")  # type: ignore[arg-type]
+        engine_body_fields(plan, "tgi")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="non-empty .rid"):
-        request_id_fields(object())  # type: ignore[arg-type]
+        engine_body_fields(object())  # type: ignore[arg-type]
 
 
 def test_with_request_ids_merges_without_mutating() -> None:
     kwargs = {"model": "m", "extra_body": {"top_k": 5, "rid": "old"}}
-    merged = with_request_ids(kwargs, "new", "sglang")
+    merged = with_engine_fields(kwargs, "new", "sglang")
     assert merged == {"model": "m", "extra_body": {"top_k": 5, "rid": "new", "session_id": "new"}}
     assert kwargs == {"model": "m", "extra_body": {"top_k": 5, "rid": "old"}}
-    assert with_request_ids({}, "r")["extra_body"]["request_id"] == "r"
+    assert with_engine_fields({}, "r")["extra_body"]["request_id"] == "r"
     with pytest.raises(TypeError, match="extra_body must be a mapping"):
-        with_request_ids({"extra_body": ["x"]}, "r")
+        with_engine_fields({"extra_body": ["x"]}, "r")
 
 
 def _chat_completion(usage: dict[str, Any] | None) -> ChatCompletion:
@@ -225,3 +225,18 @@ def test_async_call_carries_the_ids(engine) -> None:  # type: ignore[no-untyped-
         and "request_id" not in bodies[-1]
     )
     assert tracker.stats()["requests"] == 1
+
+
+def test_a_plans_cache_salt_rides_along_except_to_hosted_apis() -> None:
+    from contextpilot_integrations import ContextPilot
+
+    plan = ContextPilot(cache_salt="tenant-salt").plan("q", ["a block"])
+    assert plan.cache_salt == "tenant-salt"
+    assert engine_body_fields(plan)["cache_salt"] == "tenant-salt"
+    assert engine_body_fields(plan, "vllm") == {
+        "request_id": plan.rid,
+        "session_id": plan.rid,
+        "cache_salt": "tenant-salt",
+    }
+    assert engine_body_fields(plan, "hosted") == {}
+    assert "cache_salt" not in engine_body_fields(ContextPilot().plan("q", ["a block"]))
