@@ -1,8 +1,10 @@
 """Mem0 adapter: aligned, de-duplicated memories in front of an agent.
 
 - :class:`ContextPilotMemory` / :class:`AsyncContextPilotMemory` wrap ``mem0.Memory`` /
-  ``mem0.AsyncMemory``: ``search`` keeps Mem0's signature and answer shape, with the results in
-  prompt order, each with ``result["contextpilot"]``
+  ``mem0.AsyncMemory`` (and the platform ``MemoryClient`` / ``AsyncMemoryClient``): ``search``
+  keeps Mem0's signature and the client's answer shape (a dict with ``"results"``, other keys
+  such as ``"relations"`` unchanged, or a bare list), with at most ``top_k`` results in prompt
+  order, each with ``result["contextpilot"]``
   (:mod:`contextpilot_integrations.placement_metadata`; :mod:`.memory`).
 - :func:`scope_from_filters`: Mem0 filters (``user_id``, ``agent_id``, ``run_id``) and a
   conversation id as the core's :class:`~contextpilot_integrations.core.request.Scope`.

@@ -3,8 +3,9 @@ shared step).
 
 Works with a wrapped memory (:class:`~.memory.ContextPilotMemory`,
 :class:`~.memory.AsyncContextPilotMemory`: aligned, de-duplicated, annotated) and with a plain
-``mem0.Memory`` / ``mem0.AsyncMemory`` (memories in Mem0's order, the same layout): wrapping the
-memory is the one line an application changes.
+``mem0.Memory`` / ``mem0.AsyncMemory`` or platform ``MemoryClient`` / ``AsyncMemoryClient``
+(memories in Mem0's order, the same layout): wrapping the memory is the one line an application
+changes. Either way at most ``top_k`` memories are used, whatever the client returns.
 
 The memory context is rendered again for every model call and replaces the previous one, so an
 earlier call's memories are not in the next prompt: searches made here use
@@ -24,9 +25,11 @@ from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import is_block_text
 from contextpilot_integrations.mem0.layout import MEMORY_LAYOUT, plain_memory_context
 from contextpilot_integrations.mem0.memory import (
+    MEM0_DEFAULT_TOP_K,
     AsyncContextPilotMemory,
     ContextPilotMemory,
     MemorySearch,
+    top_results,
 )
 
 __all__ = ["MemoryContext", "asearch_memory_context", "search_memory_context"]
@@ -51,12 +54,9 @@ class MemoryContext:
     results: list[dict[str, Any]]
 
 
-def _plain(response: Any, layout: PromptLayout) -> MemoryContext:
-    if not isinstance(response, Mapping) or not isinstance(response.get("results"), list):
-        raise TypeError(
-            f"a Mem0 search answer must be a dict with a 'results' list, got {response!r:.200}"
-        )
-    results = list(response["results"])
+def _plain(response: Any, search_kwargs: Mapping[str, Any], layout: PromptLayout) -> MemoryContext:
+    # At most top_k memories, as a wrapped memory gives, even when the client returns more.
+    results = top_results(response, search_kwargs.get("top_k", MEM0_DEFAULT_TOP_K))
     texts = [
         r["memory"]
         for r in results
@@ -87,10 +87,17 @@ def search_memory_context(
         query: the search query (the latest user message).
         filters: Mem0 filters (the scope).
         layout: the layout for a plain memory (a wrapped one renders with its pilot's).
-        search_kwargs: passed to Mem0's ``search`` (``top_k``, ``threshold``, ...).
+        search_kwargs: passed to Mem0's ``search`` (``top_k``, ``threshold``, ...); at most
+            ``top_k`` results (default Mem0's, 20) are used, wrapped or plain, the first of the
+            memory's answer when it returns more.
+
+    Returns:
+        The :class:`MemoryContext`; its ``results`` is a list whatever shape the memory's
+        answer has (a dict with ``"results"`` or a bare list).
 
     Raises:
-        TypeError: ``memory`` is asynchronous (use :func:`asearch_memory_context`).
+        TypeError: ``memory`` is asynchronous (use :func:`asearch_memory_context`); an answer
+            of no Mem0 shape (:func:`~.memory.top_results`).
         Whatever the memory's ``search`` raises.
     """
     if isinstance(memory, AsyncContextPilotMemory) or inspect.iscoroutinefunction(
@@ -105,7 +112,8 @@ def search_memory_context(
             query, filters=dict(filters), visibility=_NOT_KEPT_IN_PROMPT, **search_kwargs
         )
         return _planned(found)
-    return _plain(memory.search(query, filters=dict(filters), **search_kwargs), layout)
+    response = memory.search(query, filters=dict(filters), **search_kwargs)
+    return _plain(response, search_kwargs, layout)
 
 
 async def asearch_memory_context(
@@ -126,7 +134,7 @@ async def asearch_memory_context(
         return _planned(found)
     if inspect.iscoroutinefunction(getattr(memory, "search", None)):
         response = await memory.search(query, filters=dict(filters), **search_kwargs)
-        return _plain(response, layout)
+        return _plain(response, search_kwargs, layout)
     return await asyncio.to_thread(
         search_memory_context, memory, query, filters, layout=layout, **search_kwargs
     )

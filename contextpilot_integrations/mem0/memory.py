@@ -9,18 +9,23 @@ Wrap a Mem0 memory and keep using it as before (one line changes)::
     for result in found["results"]:
         result["memory"], result["score"], result["contextpilot"]
 
-``search`` has Mem0's signature and returns Mem0's shape, ``{"results": [...]}`` (every other
-key of Mem0's answer kept), with each memory dict as Mem0 returned it plus one key,
-``"contextpilot"``: the placement entry every face attaches
-(:mod:`contextpilot_integrations.placement_metadata`: ``rid``, ``index`` = Mem0's rank,
-``status``, ``position``, ``label``, ``block_id``, ``hint``, ``duplicate_of``). What changes is
-the order: the results come in the order the memories should be placed in the prompt
-(ContextPilot, MLSys 2026: memories that recent requests already placed first, in the same
-order, are put first, so the engine's prefix cache reuses their KV; the rest follow). Mem0's
-relevance order is kept in ``index`` and, when the prompt order differs from it, in the order
-annotation of the rendered context. Memories already shown in an earlier turn of the same
-conversation (``conversation_id=``, else the ``run_id``, :mod:`.scope`) are replaced by a
-location hint instead of being placed again.
+``search`` has Mem0's signature and returns the wrapped client's shape (:data:`SearchResponse`):
+
+- ``{"results": [...]}`` (``mem0.Memory`` / ``AsyncMemory``; every other key of the answer kept
+  unchanged, such as the ``"relations"`` that earlier releases' graph memory adds);
+- a bare list of results (the platform ``MemoryClient`` / ``AsyncMemoryClient``, the v1.0
+  output format of older releases): a list again.
+
+Each memory dict comes as the client returned it plus one key, ``"contextpilot"``: the placement
+entry every face attaches (:mod:`contextpilot_integrations.placement_metadata`: ``rid``,
+``index`` = Mem0's rank, ``status``, ``position``, ``label``, ``block_id``, ``hint``,
+``duplicate_of``). What changes is the order: the results come in the order the memories should
+be placed in the prompt (ContextPilot, MLSys 2026: memories that recent requests already placed
+first, in the same order, are put first, so the engine's prefix cache reuses their KV; the rest
+follow). Mem0's relevance order is kept in ``index`` and, when the prompt order differs from it,
+in the order annotation of the rendered context. Memories already shown in an earlier turn of
+the same conversation (``conversation_id=``, else the ``run_id``, :mod:`.scope`) are replaced by
+a location hint instead of being placed again.
 
 The results come in the plan's output order
 (:meth:`~contextpilot_integrations.core.plan.Plan.output_order`):
@@ -31,14 +36,21 @@ The results come in the plan's output order
 3. repeats of a memory text already in this answer (``"duplicate"``, ``duplicate_of``), by rank;
 4. memories with empty or whitespace-only text (``"skipped"``; Mem0 can return them), by rank.
 
-Nothing is dropped: every result Mem0 returned comes back once. What the prompt shows for a
-memory (its text, or the text with a passage shown earlier in the conversation replaced by a
-pointer) is the plan's (``search_with_plan(...).plan.blocks``, and ``.context`` renders it), not
-a result key: ``search`` answers applications that read memories; those that render a prompt
-take the plan. Every other method (``add``, ``get``, ``get_all``, ``update``, ``delete``,
-``delete_all``, ``history``, ``reset``, ...) and attribute is the wrapped memory's own (attribute
-delegation). Errors Mem0 raises (bad filters, store unavailable) reach the caller unchanged: the
-search runs before any planning.
+``top_k`` is enforced here: the first ``top_k`` results, in the order the client returned them
+(its relevance order), are planned and returned, each once. Results beyond them (from a client
+or server that ignores ``top_k``) are dropped: they were not asked for, and planning them would
+put memories in the prompt and in the shared index that the caller limited out. ``top_k`` is
+always sent to the client; Mem0's other search arguments are sent when they differ from Mem0's
+defaults (``mem0.Memory`` applies the same defaults, and the platform client its own, as it
+would unwrapped).
+
+What the prompt shows for a memory (its text, or the text with a passage shown earlier in the
+conversation replaced by a pointer) is the plan's (``search_with_plan(...).plan.blocks``, and
+``.context`` renders it), not a result key: ``search`` answers applications that read memories;
+those that render a prompt take the plan. Every other method (``add``, ``get``, ``get_all``,
+``update``, ``delete``, ``delete_all``, ``history``, ``reset``, ...) and attribute is the wrapped
+memory's own (attribute delegation). Errors Mem0 raises (bad filters or ``top_k``, store
+unavailable) reach the caller unchanged: the search runs before any planning.
 
 A memory's text is its block text: its block id is the hash of the exact text, so a memory that
 Mem0 updates (``update``, or ``add`` with ``infer=True``) gets a new block id and is never
@@ -50,7 +62,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from contextpilot_integrations.core.conversation import TurnVisibility
 from contextpilot_integrations.core.pilot import ContextPilot
@@ -62,12 +74,33 @@ from contextpilot_integrations.mem0.scope import scope_from_filters
 from contextpilot_integrations.placement_metadata import METADATA_KEY, placement_entry
 
 __all__ = [
+    "MEM0_DEFAULT_TOP_K",
     "AsyncContextPilotMemory",
     "ContextPilotMemory",
     "MemorySearch",
+    "SearchResponse",
     "aplan_search_results",
     "plan_search_results",
+    "top_results",
 ]
+
+SearchResponse: TypeAlias = dict[str, Any] | list[dict[str, Any]]
+"""A Mem0 search answer: ``{"results": [...], ...}`` (``mem0.Memory``, ``AsyncMemory``; a graph
+memory adds ``"relations"``) or a bare list of results (the platform clients, older releases)."""
+
+MEM0_DEFAULT_TOP_K = 20
+"""Mem0's default ``top_k`` (mem0ai 2.2 ``Memory.search``): the wrappers' default."""
+
+# Mem0's defaults for its other search arguments (mem0ai 2.2 ``Memory.search``; the wrappers'
+# signatures have the same; tests keep them equal). An argument equal to its default is not
+# sent, so a client with other defaults (the platform's) applies its own, as it would unwrapped.
+_MEM0_SEARCH_DEFAULTS: dict[str, object] = {
+    "threshold": 0.1,
+    "rerank": False,
+    "explain": False,
+    "reference_date": None,
+    "show_expired": False,
+}
 
 
 @dataclass(frozen=True)
@@ -75,19 +108,19 @@ class MemorySearch:
     """One aligned search.
 
     Attributes:
-        response: Mem0's answer with the results marked and in output order (what
-            ``search`` returns).
+        response: the client's answer with the results marked and in output order (what
+            ``search`` returns), in the client's shape (:data:`SearchResponse`).
         plan: the ContextPilot plan of the memories (``plan.rid``, ``plan.scope``: the tenant,
             conversation and turn it was de-duplicated in, ``plan.blocks``).
     """
 
-    response: dict[str, Any]
+    response: SearchResponse
     plan: Plan
 
     @property
     def results(self) -> list[dict[str, Any]]:
-        """The marked results (``response["results"]``)."""
-        return self.response["results"]
+        """The marked results (the response itself when it is a bare list)."""
+        return self.response if isinstance(self.response, list) else self.response["results"]
 
     @property
     def context(self) -> str:
@@ -96,14 +129,42 @@ class MemorySearch:
         return memory_context(self.plan)
 
 
-def _memory_texts(response: object) -> list[str]:
-    """Every result's ``"memory"`` text, in Mem0's order (blank ones too: the plan skips them)."""
-    if not isinstance(response, Mapping) or not isinstance(response.get("results"), list):
+def top_results(response: object, top_k: int | None = None) -> list[Any]:
+    """The results of a Mem0 search answer in the client's (relevance) order, the first
+    ``top_k`` of them.
+
+    Args:
+        response: ``{"results": [...], ...}`` or a bare list of results (:data:`SearchResponse`).
+        top_k: how many to keep (``None``: all); the results beyond it are dropped.
+
+    Returns:
+        A new list of the answer's result objects (not copies; not checked one by one).
+
+    Raises:
+        TypeError: ``response`` is neither a mapping with a ``"results"`` list nor a list; the
+            message names what was received.
+        ValueError: ``top_k`` is not an int >= 0 (as Mem0 rejects it).
+    """
+    if isinstance(response, list):
+        results = response
+    elif isinstance(response, Mapping) and isinstance(response.get("results"), list):
+        results = response["results"]
+    else:
         raise TypeError(
-            f"a Mem0 search answer must be a dict with a 'results' list, got {response!r:.200}"
+            "a Mem0 search answer must be a dict with a 'results' list or a list of results, "
+            f"got {type(response).__name__}: {response!r:.200}"
         )
+    if top_k is None:
+        return list(results)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
+    return results[:top_k]
+
+
+def _memory_texts(results: list[Any]) -> list[str]:
+    """Every result's ``"memory"`` text, in Mem0's order (blank ones too: the plan skips them)."""
     texts = []
-    for rank, result in enumerate(response["results"]):
+    for rank, result in enumerate(results):
         if not isinstance(result, Mapping):
             raise TypeError(
                 f"Mem0 search results[{rank}] must be a dict, got {type(result).__name__}: "
@@ -119,21 +180,23 @@ def _memory_texts(response: object) -> list[str]:
     return texts
 
 
-def _marked(response: Mapping[str, Any], plan: Plan) -> MemorySearch:
-    """Mem0's answer with its results in the plan's output order, each with its entry."""
-    results = response["results"]
+def _marked(response: object, results: list[Any], plan: Plan) -> MemorySearch:
+    """``response``'s shape with ``results`` in the plan's output order, each with its entry."""
     marked = [
         {**results[p.index], METADATA_KEY: placement_entry(plan, p)} for p in plan.output_order()
     ]
-    return MemorySearch({**response, "results": marked}, plan)
+    if isinstance(response, Mapping):
+        return MemorySearch({**response, "results": marked}, plan)
+    return MemorySearch(marked, plan)
 
 
 def plan_search_results(
     pilot: Planner,
     query: str,
-    response: Mapping[str, Any],
+    response: Mapping[str, Any] | list[Any],
     scope: Scope,
     *,
+    top_k: int | None = None,
     rid: str | None = None,
 ) -> MemorySearch:
     """Align and de-duplicate one Mem0 search answer.
@@ -141,35 +204,59 @@ def plan_search_results(
     Args:
         pilot: the planner (its index is shared by every request to the same engine).
         query: the search query (the plan's question).
-        response: Mem0's answer, ``{"results": [{"memory": str, ...}, ...], ...}``.
+        response: the client's answer, ``{"results": [{"memory": str, ...}, ...], ...}`` or a
+            bare list of such results.
         scope: the search's scope (:func:`~.scope.scope_from_filters` of its filters).
+        top_k: plan only the first ``top_k`` results (``None``: all); the rest are dropped.
         rid: the request id for the plan (default: a new one).
 
     Returns:
-        The :class:`MemorySearch`; its ``response`` has every result exactly once (module
-        docstring for the order and the entries).
+        The :class:`MemorySearch`; its ``response`` has ``response``'s shape (every other key of
+        a dict unchanged) and each planned result exactly once (module docstring for the order
+        and the entries).
 
     Raises:
-        TypeError: ``response`` is not a mapping with a ``"results"`` list of mappings whose
-            ``"memory"`` is a str.
+        TypeError: ``response`` is neither a mapping with a ``"results"`` list nor a list, or a
+            planned result is not a mapping whose ``"memory"`` is a str.
+        ValueError: ``top_k`` is not an int >= 0.
         TypeError / ValueError / RidConflictError: from the pilot, for a bad or taken ``rid``.
     """
-    plan = pilot.plan(query, _memory_texts(response), rid=rid, scope=scope)
-    return _marked(response, plan)
+    results = top_results(response, top_k)
+    plan = pilot.plan(query, _memory_texts(results), rid=rid, scope=scope)
+    return _marked(response, results, plan)
 
 
 async def aplan_search_results(
     pilot: Planner,
     query: str,
-    response: Mapping[str, Any],
+    response: Mapping[str, Any] | list[Any],
     scope: Scope,
     *,
+    top_k: int | None = None,
     rid: str | None = None,
 ) -> MemorySearch:
     """:func:`plan_search_results` for a coroutine: awaits ``pilot.aplan`` (the event loop
     goes on while the pilot plans)."""
-    plan = await pilot.aplan(query, _memory_texts(response), rid=rid, scope=scope)
-    return _marked(response, plan)
+    results = top_results(response, top_k)
+    plan = await pilot.aplan(query, _memory_texts(results), rid=rid, scope=scope)
+    return _marked(response, results, plan)
+
+
+def _search_arguments(
+    filters: dict[str, Any] | None, top_k: int, search_kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The keyword arguments for the client's ``search``: ``filters`` and ``top_k``, and every
+    other argument unless it is Mem0's default (same type and value)."""
+    sent = {
+        name: value
+        for name, value in search_kwargs.items()
+        if not (
+            name in _MEM0_SEARCH_DEFAULTS
+            and type(value) is type(_MEM0_SEARCH_DEFAULTS[name])
+            and value == _MEM0_SEARCH_DEFAULTS[name]
+        )
+    }
+    return {"filters": filters, "top_k": top_k, **sent}
 
 
 class _MemoryWrapper:
@@ -238,7 +325,9 @@ class ContextPilotMemory(_MemoryWrapper):
     """A Mem0 ``Memory`` whose ``search`` returns aligned, de-duplicated, marked results.
 
     Args:
-        memory: a ``mem0.Memory`` (or any object with Mem0's synchronous ``search``).
+        memory: a ``mem0.Memory``, the platform's ``mem0.MemoryClient``, or any object with a
+            synchronous ``search(query, filters=..., top_k=..., ...)`` answering with a
+            :data:`SearchResponse`.
         pilot: the planner; default a new in-process
             :class:`~contextpilot_integrations.core.pilot.ContextPilot` with
             :data:`~contextpilot_integrations.mem0.layout.MEMORY_LAYOUT`; any
@@ -271,7 +360,7 @@ class ContextPilotMemory(_MemoryWrapper):
         self,
         query: str,
         *,
-        top_k: int = 20,
+        top_k: int = MEM0_DEFAULT_TOP_K,
         filters: dict[str, Any] | None = None,
         threshold: float = 0.1,
         rerank: bool = False,
@@ -283,14 +372,17 @@ class ContextPilotMemory(_MemoryWrapper):
         turn: int | None = None,
         visibility: TurnVisibility | None = None,
         **kwargs: Any,
-    ) -> dict[str, Any]:
+    ) -> SearchResponse:
         """Mem0's ``search``, aligned and de-duplicated.
 
         Args:
-            query, top_k, filters, threshold, rerank, explain, reference_date, show_expired,
-                kwargs: passed to Mem0's ``search`` unchanged (mem0ai 2.2: ``filters`` must
-                name at least one of user_id / agent_id / run_id; ``threshold`` is the minimum
-                semantic score).
+            query, filters, threshold, rerank, explain, reference_date, show_expired, kwargs:
+                passed to Mem0's ``search`` unchanged, those equal to Mem0's default left out
+                (mem0ai 2.2: ``filters`` must name at least one of user_id / agent_id / run_id;
+                ``threshold`` is the minimum semantic score).
+            top_k: the most results to plan and return; sent to Mem0's ``search``, and the
+                first ``top_k`` of its answer are kept when it returns more (the rest are
+                dropped).
             conversation_id: the conversation to de-duplicate in (default: the filters'
                 ``run_id``; none: no de-duplication across searches); not sent to Mem0, so
                 memories kept per user (``filters={"user_id": ...}``) can be de-duplicated
@@ -302,14 +394,17 @@ class ContextPilotMemory(_MemoryWrapper):
                 only to a search with a conversation.
 
         Returns:
-            ``{"results": [...]}`` (and any other key Mem0 returned): every result once, in
-            output order, each with ``result["contextpilot"]``
+            The client's shape: ``{"results": [...]}`` (and every other key it returned,
+            ``"relations"`` too, unchanged) or a bare list; its first ``top_k`` results once
+            each, in output order, each with ``result["contextpilot"]``
             (:func:`~contextpilot_integrations.placement_metadata.placement_entry`).
 
         Raises:
             Whatever Mem0's ``search`` raises, unchanged (``ValueError`` for bad filters or
-            parameters, the vector store's error when it is unavailable). TypeError /
-            ValueError for a bad ``conversation_id``, ``rid``, ``turn`` (or one without a
+            parameters, the vector store's error when it is unavailable). TypeError: an answer
+            of another shape (:func:`top_results`), a result that is not a dict with a str
+            ``"memory"``. ValueError: a bad ``top_k`` that the client did not reject. TypeError
+            / ValueError for a bad ``conversation_id``, ``rid``, ``turn`` (or one without a
             conversation) or ``visibility``; ``RidConflictError`` for a ``rid`` already planned.
         """
         return self.search_with_plan(
@@ -332,6 +427,7 @@ class ContextPilotMemory(_MemoryWrapper):
         self,
         query: str,
         *,
+        top_k: int = MEM0_DEFAULT_TOP_K,
         filters: dict[str, Any] | None = None,
         conversation_id: str | None = None,
         rid: str | None = None,
@@ -341,12 +437,13 @@ class ContextPilotMemory(_MemoryWrapper):
     ) -> MemorySearch:
         """:meth:`search`, returning the plan too (for prompt rendering: ``.context``).
 
-        ``search_kwargs`` go to Mem0's ``search`` unchanged (Mem0's defaults apply to the
-        ones not given). Raises as :meth:`search`.
+        ``search_kwargs`` go to Mem0's ``search`` as :meth:`search`'s do (Mem0's defaults
+        apply to the ones not given). Raises as :meth:`search`.
         """
-        response = self._memory.search(query, filters=filters, **search_kwargs)
+        arguments = _search_arguments(filters, top_k, search_kwargs)
+        response = self._memory.search(query, **arguments)
         scope = self._scope(filters, conversation_id, turn, visibility)
-        return plan_search_results(self._pilot, query, response, scope, rid=rid)
+        return plan_search_results(self._pilot, query, response, scope, top_k=top_k, rid=rid)
 
     def __enter__(self) -> ContextPilotMemory:
         return self
@@ -358,7 +455,8 @@ class ContextPilotMemory(_MemoryWrapper):
 
 
 class AsyncContextPilotMemory(_MemoryWrapper):
-    """The asynchronous twin of :class:`ContextPilotMemory`, wrapping a ``mem0.AsyncMemory``.
+    """The asynchronous twin of :class:`ContextPilotMemory`, wrapping a ``mem0.AsyncMemory``
+    (or the platform's ``mem0.AsyncMemoryClient``).
 
     ``search`` and ``search_with_plan`` are coroutines; everything else is delegated (so
     ``add``, ``get_all``, ... are the wrapped memory's coroutines). Arguments and errors as
@@ -387,7 +485,7 @@ class AsyncContextPilotMemory(_MemoryWrapper):
         self,
         query: str,
         *,
-        top_k: int = 20,
+        top_k: int = MEM0_DEFAULT_TOP_K,
         filters: dict[str, Any] | None = None,
         threshold: float = 0.1,
         rerank: bool = False,
@@ -399,7 +497,7 @@ class AsyncContextPilotMemory(_MemoryWrapper):
         turn: int | None = None,
         visibility: TurnVisibility | None = None,
         **kwargs: Any,
-    ) -> dict[str, Any]:
+    ) -> SearchResponse:
         """Mem0's ``AsyncMemory.search``, aligned and de-duplicated (see
         :meth:`ContextPilotMemory.search`)."""
         found = await self.search_with_plan(
@@ -423,6 +521,7 @@ class AsyncContextPilotMemory(_MemoryWrapper):
         self,
         query: str,
         *,
+        top_k: int = MEM0_DEFAULT_TOP_K,
         filters: dict[str, Any] | None = None,
         conversation_id: str | None = None,
         rid: str | None = None,
@@ -432,9 +531,10 @@ class AsyncContextPilotMemory(_MemoryWrapper):
     ) -> MemorySearch:
         """:meth:`search`, returning the plan too (see
         :meth:`ContextPilotMemory.search_with_plan`)."""
-        response = await self._memory.search(query, filters=filters, **search_kwargs)
+        arguments = _search_arguments(filters, top_k, search_kwargs)
+        response = await self._memory.search(query, **arguments)
         scope = self._scope(filters, conversation_id, turn, visibility)
-        return await aplan_search_results(self._pilot, query, response, scope, rid=rid)
+        return await aplan_search_results(self._pilot, query, response, scope, top_k=top_k, rid=rid)
 
     async def __aenter__(self) -> AsyncContextPilotMemory:
         return self

@@ -275,6 +275,7 @@ def test_bad_filters_raise_mem0s_error(mem0_memory: Memory) -> None:
         lambda m: m.search("tea", user_id="alice"),
         lambda m: m.search("tea", filters={"user_id": "has space"}),
         lambda m: m.search("tea", filters={"user_id": "alice"}, threshold=2.0),
+        lambda m: m.search("tea", filters={"user_id": "alice"}, top_k=-1),
     ):
         with pytest.raises(ValueError) as expected:
             call(mem0_memory)
@@ -297,10 +298,11 @@ def test_bad_answers_and_arguments_are_named(mem0_memory: Memory) -> None:
     pilot = ContextPilot(layout=MEMORY_LAYOUT)
     scope = scope_from_filters({"user_id": "a"})
     for plan in (plan_search_results, lambda *a: asyncio.run(aplan_search_results(*a))):
-        with pytest.raises(TypeError, match="'results' list"):
-            plan(pilot, "q", [{"memory": "x"}], scope)
-        with pytest.raises(TypeError, match=r"results\[1\] must be a dict"):
-            plan(pilot, "q", {"results": [{"memory": "x"}, "y"]}, scope)
+        with pytest.raises(TypeError, match="'results' list or a list of results, got dict"):
+            plan(pilot, "q", {"memory": "x"}, scope)
+        for answer in ({"results": [{"memory": "x"}, "y"]}, [{"memory": "x"}, "y"]):
+            with pytest.raises(TypeError, match=r"results\[1\] must be a dict"):
+                plan(pilot, "q", answer, scope)
         with pytest.raises(TypeError, match=r"results\[0\]\['memory'\] must be a str"):
             plan(pilot, "q", {"results": [{"id": "m1"}]}, scope)
     assert pilot.stats()["requests"] == 0
