@@ -7,6 +7,7 @@ from .conversation import TurnVisibility
 from .pilot import ContextPilot
 from .plan import BatchPlan, DedupFigures, Placement, PlacementStatus, Plan
 from .planner_protocol import Planner
+from .planning_window import PlanningWindow
 from .rendering import DEFAULT_SYSTEM_PROMPT, PromptLayout
 from .request import PlanRequest, RidConflictError, Scope
 
@@ -24,6 +25,7 @@ __all__ = [
     "Plan",
     "PlanRequest",
     "Planner",
+    "PlanningWindow",
     "PromptLayout",
     "RidConflictError",
     "Scope",

@@ -1,0 +1,442 @@
+"""A planning window: requests that arrive close together are planned jointly.
+
+LangChain and LlamaIndex call a retriever one request at a time, so a web app with many users
+in flight plans each request alone and gets the online figures, while a batch planned jointly
+(:meth:`ContextPilot.plan_batch`) gets the offline ones. :class:`PlanningWindow` sits in front
+of any planner (the in-process pilot, the service client) and meets the same
+:class:`~.planner_protocol.Planner` contract, so a face takes it unchanged::
+
+    pilot = PlanningWindow(ContextPilot(), window_ms=10)
+    retriever = ContextPilotRetriever(base_retriever=bm25, pilot=pilot)
+
+A request opens a window or joins the open one; the window closes when it is ``window_ms``
+old, when it holds ``max_batch`` requests, when a request of a conversation already in it
+arrives (its turns are sequential: that request opens the next window), or, when
+``adaptive``, at half its length if no two of its requests share a block yet (joint planning
+could only gain where they do). The window's requests are then planned as one batch and
+released in the batch's schedule order (each caller gets its own plan; requests sharing a
+prefix are handed out back to back, so their LLM calls reach the engine in that order).
+``window_ms=0`` plans every request at once, as the planner alone does.
+
+Threads (``plan``) and coroutines (``aplan``) may share one window; a coroutine never blocks its
+event loop (it waits on a future; its batch is planned with the planner's ``aplan_batch``). A
+batch that fails (one bad or conflicting request) is planned again request by request, so only
+the bad request's caller gets the error.
+
+:class:`WindowPolicy` is the closing rule alone, in virtual time, so the benchmark can replay an
+arrival process through the same rule without sleeping
+(``contextpilot-bench --mode online --arrival poisson --window-ms W``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .blocks import block_id
+from .plan import BatchPlan, Plan
+from .planner_protocol import Planner, check_planner
+from .rendering import PromptLayout
+from .request import NO_SCOPE, PlanRequest, Scope, check_batch, is_block_text
+
+__all__ = ["PlanningWindow", "WindowPolicy"]
+
+
+@dataclass(frozen=True)
+class WindowPolicy:
+    """When a window closes.
+
+    Attributes:
+        window_s: how long the first request of a window may wait for others (seconds, >= 0).
+        max_batch: most requests in one window (>= 1).
+        adaptive: close at half the length when no two requests share a block yet.
+
+    Raises:
+        ValueError: a negative ``window_s`` or a ``max_batch`` below 1.
+    """
+
+    window_s: float = 0.010
+    max_batch: int = 64
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window_s, bool) or not self.window_s >= 0:
+            raise ValueError(f"window_ms must be >= 0, got {self.window_s * 1000!r}")
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int):
+            raise ValueError(f"max_batch must be an int >= 1, got {self.max_batch!r}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {self.max_batch!r}")
+
+    def deadline(self, window: _OpenWindow) -> float:
+        """When ``window`` closes unless it fills up first (the clock's seconds)."""
+        full = window.opened + self.window_s
+        if self.adaptive and not window.shares_a_block:
+            return window.opened + self.window_s / 2
+        return full
+
+    def admits(self, window: _OpenWindow, request: PlanRequest) -> bool:
+        """Whether ``request`` may join ``window`` (room left, not a second turn of one of its
+        conversations, not a rid it already holds)."""
+        if len(window.members) >= self.max_batch:
+            return False
+        conversation = request.scope.conversation
+        if conversation is not None and conversation in window.conversations:
+            return False
+        return request.rid is None or request.rid not in window.rids
+
+    def group(self, arrivals: Sequence[tuple[float, PlanRequest]]) -> list[tuple[float, list[int]]]:
+        """Replay ``arrivals`` (time in seconds, request; in time order) through the rule.
+
+        Returns:
+            ``(close time, indices into arrivals)`` per window, in closing order.
+        """
+        windows: list[tuple[float, list[int]]] = []
+        open_window: _OpenWindow | None = None
+        for index, (arrived, request) in enumerate(arrivals):
+            if open_window is not None:
+                closes = self.deadline(open_window)
+                if arrived >= closes or not self.admits(open_window, request):
+                    windows.append((min(closes, arrived), open_window.indices))
+                    open_window = None
+            if open_window is None:
+                open_window = _OpenWindow(arrived)
+            open_window.add(request, index=index, track_blocks=self.adaptive)
+            if len(open_window.members) >= self.max_batch or self.window_s == 0:
+                windows.append((arrived, open_window.indices))
+                open_window = None
+        if open_window is not None:
+            windows.append((self.deadline(open_window), open_window.indices))
+        return windows
+
+
+@dataclass
+class _OpenWindow:
+    """The requests of one window so far, with what the closing rule reads."""
+
+    opened: float
+    members: list[_Member] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    conversations: set[tuple[str, str]] = field(default_factory=set)
+    rids: set[str] = field(default_factory=set)
+    blocks: set[int] = field(default_factory=set)
+    shares_a_block: bool = False
+    closed: bool = False
+    wake: Callable[[], None] | None = None  # wakes the request waiting to close the window
+
+    def add(
+        self,
+        request: PlanRequest,
+        *,
+        index: int = -1,
+        member: _Member | None = None,
+        track_blocks: bool = True,
+    ) -> None:
+        self.members.append(member if member is not None else _Member(request))
+        self.indices.append(index)
+        if request.scope.conversation is not None:
+            self.conversations.add(request.scope.conversation)
+        if request.rid is not None:
+            self.rids.add(request.rid)
+        if track_blocks and not self.shares_a_block:  # only the adaptive rule reads it
+            ids = {block_id(text) for text in request.blocks if is_block_text(text)}
+            self.shares_a_block = not ids.isdisjoint(self.blocks)
+            self.blocks |= ids
+
+
+class _Member:
+    """One caller waiting for its plan: a thread (an event) or a coroutine (a future)."""
+
+    __slots__ = ("done", "error", "future", "loop", "plan", "request")
+
+    def __init__(
+        self,
+        request: PlanRequest,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.request = request
+        self.loop = loop
+        self.future: asyncio.Future[Plan] | None = loop.create_future() if loop else None
+        self.done = threading.Event()
+        self.plan: Plan | None = None
+        self.error: BaseException | None = None
+
+    def deliver(self, plan: Plan | None, error: BaseException | None) -> None:
+        self.plan, self.error = plan, error
+        self.done.set()
+        if self.loop is not None and self.future is not None:
+            self.loop.call_soon_threadsafe(self._resolve)
+
+    def _resolve(self) -> None:
+        assert self.future is not None
+        if self.future.done():
+            return
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            assert self.plan is not None
+            self.future.set_result(self.plan)
+
+    def result(self) -> Plan:
+        if self.error is not None:
+            raise self.error
+        assert self.plan is not None
+        return self.plan
+
+
+class PlanningWindow:
+    """Plans requests arriving within ``window_ms`` of each other as one batch.
+
+    Args:
+        planner: the planner to plan with (``ContextPilot``, ``ContextPilotClient``).
+        window_ms: how long the first request of a window waits for others (milliseconds);
+            0 plans every request at once.
+        max_batch: most requests in one window.
+        adaptive: close a window at half its length when no two of its requests share a
+            block (module docstring).
+        clock: monotonic seconds (injectable for tests).
+
+    Raises:
+        TypeError: ``planner`` does not meet the ``Planner`` contract.
+        ValueError: a negative ``window_ms`` or a ``max_batch`` below 1.
+
+    Thread-safe; meets the ``Planner`` contract (``plan_batch`` passes straight through: a
+    batch is planned jointly already).
+    """
+
+    def __init__(
+        self,
+        planner: Planner,
+        *,
+        window_ms: float = 10.0,
+        max_batch: int = 64,
+        adaptive: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        check_planner(planner, "planner")
+        self.planner = planner
+        self.policy = WindowPolicy(window_ms / 1000.0, max_batch, adaptive)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._open: _OpenWindow | None = None
+        self._counts = {"windows": 0, "requests": 0, "early_closes": 0, "batch_failures": 0}
+
+    @property
+    def layout(self) -> PromptLayout:
+        """The planner's layout."""
+        return self.planner.layout
+
+    # ------------------------------------------------------------------ Public API
+    def plan(
+        self,
+        query: str,
+        blocks: Sequence[str],
+        *,
+        rid: str | None = None,
+        scope: Scope | None = None,
+    ) -> Plan:
+        """Wait for the window, then return this request's plan (as ``ContextPilot.plan``).
+
+        Raises:
+            TypeError / ValueError / RidConflictError: as the planner's ``plan``.
+        """
+        member = _Member(PlanRequest(query, blocks, rid, scope or NO_SCOPE))
+        window, leader = self._join(member)
+        if leader:
+            self._lead(window)
+        member.done.wait()
+        return member.result()
+
+    async def aplan(
+        self,
+        query: str,
+        blocks: Sequence[str],
+        *,
+        rid: str | None = None,
+        scope: Scope | None = None,
+    ) -> Plan:
+        """:meth:`plan` for a coroutine: the event loop goes on while the window is open."""
+        member = _Member(
+            PlanRequest(query, blocks, rid, scope or NO_SCOPE), asyncio.get_running_loop()
+        )
+        window, leader = self._join(member)
+        if leader:
+            await self._alead(window)
+        assert member.future is not None
+        return await member.future
+
+    def plan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
+        """The planner's ``plan_batch`` (a batch is already planned jointly)."""
+        return self.planner.plan_batch(check_batch(requests))
+
+    async def aplan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
+        """The planner's ``aplan_batch``."""
+        return await self.planner.aplan_batch(check_batch(requests))
+
+    def evict(self, rid: str) -> bool:
+        """The planner's ``evict``."""
+        return self.planner.evict(rid)
+
+    def stats(self) -> dict[str, Any]:
+        """``windows`` closed, ``requests`` planned through them, ``mean_batch``,
+        ``early_closes`` (adaptive), ``batch_failures`` (planned again one by one)."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._counts)
+        out["mean_batch"] = out["requests"] / out["windows"] if out["windows"] else 0.0
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _join(self, member: _Member) -> tuple[_OpenWindow, bool]:
+        """Add ``member`` to the open window (closing it first when it cannot join); returns
+        the window and whether this caller leads it (waits, then plans it)."""
+        request = member.request
+        with self._lock:
+            now = self._clock()
+            window = self._open
+            if window is not None and not self.policy.admits(window, request):
+                self._close(window)
+                window = None
+            if window is None:
+                window = _OpenWindow(now)
+                self._open = window
+                leader = True
+            else:
+                leader = False
+            window.add(request, member=member, track_blocks=self.policy.adaptive)
+            if len(window.members) >= self.policy.max_batch or self.policy.window_s == 0:
+                self._close(window)
+            return window, leader
+
+    def _close(self, window: _OpenWindow) -> None:
+        """Close ``window`` (the lock is held) and wake its leader."""
+        if window.closed:
+            return
+        window.closed = True
+        if self._open is window:
+            self._open = None
+        if window.wake is not None:
+            window.wake()
+
+    def _remaining(self, window: _OpenWindow) -> float | None:
+        """Seconds until ``window`` closes; ``None`` once it is closed (the lock is held)."""
+        if window.closed:
+            return None
+        left = self.policy.deadline(window) - self._clock()
+        if left <= 0:
+            if self.policy.adaptive and not window.shares_a_block:
+                self._counts["early_closes"] += 1
+            self._close(window)
+            return None
+        return left
+
+    def _lead(self, window: _OpenWindow) -> None:
+        try:
+            self._wait_and_plan(window)
+        except BaseException as exc:  # never leave a member waiting for good
+            self._fail_undelivered(window, exc)
+            raise
+
+    async def _alead(self, window: _OpenWindow) -> None:
+        try:
+            await self._await_and_plan(window)
+        except BaseException as exc:
+            self._fail_undelivered(window, exc)
+            raise
+
+    @staticmethod
+    def _fail_undelivered(window: _OpenWindow, error: BaseException) -> None:
+        for member in window.members:
+            if not member.done.is_set():
+                member.deliver(None, error)
+
+    def _wait_and_plan(self, window: _OpenWindow) -> None:
+        wakeup = threading.Event()
+        with self._lock:
+            window.wake = wakeup.set
+        while True:
+            with self._lock:
+                left = self._remaining(window)
+            if left is None:
+                break
+            wakeup.wait(left)
+            wakeup.clear()
+        requests = [member.request for member in window.members]
+        try:
+            outcome: BatchPlan | BaseException = self.planner.plan_batch(requests)
+        except Exception as exc:  # planned again one by one below
+            outcome = exc
+        self._release(window, outcome, lambda request: self._plan_one(request))
+
+    async def _await_and_plan(self, window: _OpenWindow) -> None:
+        loop = asyncio.get_running_loop()
+        wakeup = asyncio.Event()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(wakeup.set)
+
+        with self._lock:
+            window.wake = wake
+        while True:
+            with self._lock:
+                left = self._remaining(window)
+            if left is None:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wakeup.wait(), left)
+            wakeup.clear()
+        requests = [member.request for member in window.members]
+        try:
+            outcome: BatchPlan | BaseException = await self.planner.aplan_batch(requests)
+        except Exception as exc:
+            outcome = exc
+        if isinstance(outcome, BaseException):
+            singles = [await self._aplan_one(m.request) for m in window.members]
+            self._release(window, outcome, None, singles)
+        else:
+            self._release(window, outcome, None)
+
+    def _plan_one(self, request: PlanRequest) -> tuple[Plan | None, BaseException | None]:
+        try:
+            return self.planner.plan(
+                request.query, request.blocks, rid=request.rid, scope=request.scope
+            ), None
+        except Exception as exc:
+            return None, exc
+
+    async def _aplan_one(self, request: PlanRequest) -> tuple[Plan | None, BaseException | None]:
+        try:
+            plan = await self.planner.aplan(
+                request.query, request.blocks, rid=request.rid, scope=request.scope
+            )
+            return plan, None
+        except Exception as exc:
+            return None, exc
+
+    def _release(
+        self,
+        window: _OpenWindow,
+        outcome: BatchPlan | BaseException,
+        plan_one: Callable[[PlanRequest], tuple[Plan | None, BaseException | None]] | None,
+        singles: list[tuple[Plan | None, BaseException | None]] | None = None,
+    ) -> None:
+        """Hand every member its plan, in the batch's schedule order; after a failed batch,
+        each member's own plan (or error)."""
+        members = window.members
+        with self._lock:
+            self._counts["windows"] += 1
+            self._counts["requests"] += len(members)
+            if isinstance(outcome, BaseException):
+                self._counts["batch_failures"] += 1
+        if isinstance(outcome, BaseException):
+            if singles is None:
+                assert plan_one is not None
+                singles = [plan_one(member.request) for member in members]
+            for member, (plan, error) in zip(members, singles):
+                member.deliver(plan, error)
+            return
+        for index in outcome.schedule:
+            members[index].deliver(outcome.plans[index], None)
