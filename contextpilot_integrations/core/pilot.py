@@ -16,7 +16,7 @@ import functools
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .alignment import RestOrder, align
 from .blocks import ApproxTokenCounter, TokenCounter, block_id
@@ -44,7 +44,10 @@ if TYPE_CHECKING:
     from contextpilot_integrations.sync.configuration import CacheSyncConfig
     from contextpilot_integrations.sync.engine_link import EngineLink
 
-__all__ = ["SNAPSHOT_VERSION", "ContextPilot"]
+__all__ = ["SNAPSHOT_VERSION", "ContextPilot", "Reorder"]
+
+Reorder = Literal["cost-aware", "always"]
+"""When a single request is reordered (see ``ContextPilot(reorder=...)``)."""
 
 SNAPSHOT_VERSION = 1
 """Version of :meth:`ContextPilot.snapshot`'s format."""
@@ -101,6 +104,11 @@ class ContextPilot:
         rest_order: order of the unmatched blocks, ``"retriever"`` or ``"popularity"``.
         weight_by_tokens: weigh shared blocks by tokens (else by count) when ordering.
         annotate: add the order annotation after the blocks.
+        reorder: ``"cost-aware"`` (default): a single request is reordered only when the
+            prefix it is aligned to is expected to reuse more tokens than its retriever order
+            would by more than the order annotation costs, so planning never adds prefill
+            tokens for nothing; ``"always"``: always aligned (the paper's online rule). A batch
+            is always ordered jointly.
         block_cache_size: texts whose (block id, tokens) are memoised (LRU).
         popularity_memory: blocks whose request counts are remembered after eviction, for
             ``rest_order="popularity"`` (0: use only the requests the index holds).
@@ -136,6 +144,7 @@ class ContextPilot:
         rest_order: RestOrder = "popularity",
         weight_by_tokens: bool = True,
         annotate: bool = True,
+        reorder: Reorder = "cost-aware",
         block_cache_size: int = 65_536,
         popularity_memory: int = 262_144,
         deduplicator: Deduplicator | None = None,
@@ -159,6 +168,9 @@ class ContextPilot:
         self.rest_order = rest_order
         self.weight_by_tokens = weight_by_tokens
         self.annotate = annotate
+        if reorder not in ("cost-aware", "always"):
+            raise ValueError(f"reorder must be 'cost-aware' or 'always', got {reorder!r}")
+        self.reorder = reorder
         self._history = PopularityMemory(popularity_memory)
         self.deduplicator = deduplicator or Deduplicator(
             token_counter=self.token_counter, label_template=self._layout.label_template
@@ -212,6 +224,8 @@ class ContextPilot:
             order = align(
                 prepared.ids, found.prefix, rest_order=self.rest_order, popularity=self._popularity
             )
+            if self.reorder == "cost-aware" and not self._reordering_pays(prepared, order, found):
+                order = list(prepared.ids)
             plan = self._finish(rid, request, prepared, order, found, turns)
         if self.engine is not None:
             self.engine.record([plan])
@@ -414,6 +428,17 @@ class ContextPilot:
         if not blocks.ids:
             return SearchResult((), 0, (), 0, False)
         return self.index.search(blocks.ids, blocks.tokens if self.weight_by_tokens else None)
+
+    def _reordering_pays(self, blocks: _Blocks, order: Sequence[int], found: SearchResult) -> bool:
+        """Whether the aligned order is expected to reuse more tokens than the retriever's
+        order by more than the order annotation it needs costs (tokens by this pilot's
+        counter; the annotation is uncached prompt text)."""
+        if list(order) == blocks.ids:
+            return True  # nothing moves: no annotation either way
+        kept = self.index.prefix_tokens(blocks.ids, blocks.tokens)
+        labels = [self._layout.label(p) for p in range(len(order))]
+        annotation = self.token_counter.count(self._layout.annotation(labels))
+        return found.prefix_tokens - kept > annotation
 
     def _popularity(self, block: int) -> float:
         return self.index.block_popularity(block) + self._history.get(block)

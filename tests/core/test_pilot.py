@@ -73,7 +73,7 @@ def test_the_pilot_meets_the_planner_contract():
 
 
 def test_shared_blocks_form_a_byte_identical_prefix_and_annotation_comes_after():
-    pilot = ContextPilot()
+    pilot = ContextPilot(reorder="always")
     first = pilot.plan("q1", ["alpha text", "beta text", "gamma text"])
     second = pilot.plan("q2", ["delta text", "gamma text", "alpha text"])
     shared = {"alpha text", "gamma text"}
@@ -150,7 +150,7 @@ def test_tens_of_thousands_of_blocks_in_one_request():
 
 
 def test_reorder_and_messages():
-    pilot = ContextPilot(layout=PromptLayout(system_prompt="SYS"))
+    pilot = ContextPilot(layout=PromptLayout(system_prompt="SYS"), reorder="always")
     pilot.plan("q", ["b1", "b2"])
     plan = pilot.plan("q", ["b0", "b2", "b1"])
     docs = ["D0", "D2", "D1"]
@@ -250,7 +250,7 @@ def test_batch_takes_turns_and_visibility_per_request():
 
 
 def test_unencodable_text_and_context_tail():
-    pilot = ContextPilot()
+    pilot = ContextPilot(reorder="always")
     with pytest.raises(ValueError, match=r"blocks\[1\] cannot be encoded as UTF-8"):
         pilot.plan("q", ["fine", "bad \ud800"])
     pilot.plan("warm", ["b text"])
@@ -390,3 +390,21 @@ def test_check_planner_refuses_sync_only_and_async_in_sync_clothes():
     check_planner(Lazy())
     with pytest.raises(TypeError, match="retriever must implement"):
         check_planner(object(), "retriever")
+
+
+def test_a_request_is_reordered_only_when_the_reuse_it_expects_pays_for_the_annotation():
+    pilot = ContextPilot()  # reorder="cost-aware"
+    tiny = ["alpha text", "beta text"]
+    pilot.plan("q1", tiny)
+    kept = pilot.plan("q2", ["delta text", *tiny])  # 5 tokens to gain, ~20 to annotate
+    assert kept.order == [0, 1, 2] and not kept.annotation_labels
+    long = [f"long shared passage {i}: " + "words " * 60 for i in range(2)]
+    pilot.plan("q3", long)
+    moved = pilot.plan("q4", ["delta text again", *long])  # ~130 tokens to gain
+    assert moved.order == [1, 2, 0] and moved.annotation_labels
+    assert moved.matched_prefix_tokens > 100
+    # Already the best order: nothing moves, so it pays whatever it gains.
+    same = pilot.plan("q5", [*long, "another own text"])
+    assert same.order == [0, 1, 2] and not same.annotation_labels
+    with pytest.raises(ValueError, match="reorder must be"):
+        ContextPilot(reorder="never")
