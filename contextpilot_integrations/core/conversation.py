@@ -377,23 +377,25 @@ class ConversationStore:
                 restored from it misses no turn and is not amnesic. A checkpoint taken while
                 planning goes on (``False``) may miss the turns planned after it.
         """
+        # Under the lock only a copy of references (records are immutable tuples); the JSON
+        # form is built after, so planning is not held up by a large store (issue 12).
         with self._lock:
             now = self._clock()
-            conversations = [
-                {"tenant": key[0], "conversation_id": key[1], **c.to_json(now)}
-                for key, c in self._conversations.items()
-            ]
-            tombstones = [
-                [key[0], key[1], latest, continuous]
-                for key, (latest, continuous) in self._tombstones.items()
-            ]
-            return {
-                "version": SNAPSHOT_VERSION,
-                "final": bool(final),
-                "amnesic": self._amnesic,
-                "conversations": conversations,
-                "tombstones": tombstones,
-            }
+            held = [(key, c.copy(now)) for key, c in self._conversations.items()]
+            buried = list(self._tombstones.items())
+            amnesic = self._amnesic
+        return {
+            "version": SNAPSHOT_VERSION,
+            "final": bool(final),
+            "amnesic": amnesic,
+            "conversations": [
+                {"tenant": key[0], "conversation_id": key[1], **ConversationRecords.json_of(c)}
+                for key, c in held
+            ],
+            "tombstones": [
+                [key[0], key[1], latest, continuous] for key, (latest, continuous) in buried
+            ],
+        }
 
     def restore(self, snapshot: object) -> int:
         """Replace the store's content with :meth:`snapshot` output; returns the conversations

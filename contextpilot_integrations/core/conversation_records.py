@@ -16,6 +16,10 @@ __all__ = ["ConversationRecords", "Record", "nonnegative_int"]
 Record = tuple[bool, int, str, "int | None"]
 """One place a turn recorded: (is a sub-block, id, label, part)."""
 
+RecordsCopy = tuple[float, int, bool, tuple[tuple[int, tuple[Record, ...]], ...]]
+"""A conversation's records as :meth:`ConversationRecords.copy` takes them: (idle seconds,
+floor, continuous, ((turn, records), ...))."""
+
 
 class ConversationRecords:
     """Records of one conversation. Not thread-safe: the store's lock is held around it.
@@ -82,13 +86,25 @@ class ConversationRecords:
 
     def to_json(self, now: float) -> dict[str, Any]:
         """The JSON form (ids as decimal strings; ``idle_s``: seconds since the last use)."""
+        return self.json_of(self.copy(now))
+
+    def copy(self, now: float) -> RecordsCopy:
+        """What :meth:`to_json` needs, copied cheaply (under the store's lock); the records
+        themselves are immutable tuples, shared."""
+        turns = tuple((turn, tuple(records)) for turn, records in sorted(self.turns.items()))
+        return max(0.0, now - self.last_used), self.floor, self.continuous, turns
+
+    @staticmethod
+    def json_of(copy: RecordsCopy) -> dict[str, Any]:
+        """The JSON form of a :meth:`copy` (no lock needed)."""
+        idle, floor, continuous, turns = copy
         return {
-            "idle_s": max(0.0, now - self.last_used),
-            "floor": self.floor,
-            "continuous": self.continuous,
+            "idle_s": idle,
+            "floor": floor,
+            "continuous": continuous,
             "turns": [
                 [turn, [[is_sub, str(key), label, part] for is_sub, key, label, part in records]]
-                for turn, records in sorted(self.turns.items())
+                for turn, records in turns
             ],
         }
 

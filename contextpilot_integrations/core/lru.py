@@ -12,7 +12,7 @@ Not thread-safe by itself: each owner already holds its own lock around a compou
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, ItemsView, Iterator, ValuesView
+from collections.abc import Callable, ItemsView, Iterable, Iterator, ValuesView
 from typing import Generic, TypeVar, overload
 
 __all__ = ["LRU"]
@@ -133,6 +133,30 @@ class LRU(Generic[K, V]):
         if self._weight is not None:
             self._total += self._weight(value)
         return self._enforce()
+
+    def put_many(self, items: Iterable[tuple[K, V]]) -> list[tuple[K, V]]:
+        """:meth:`put` each item in turn, applying the bounds once at the end (the evicted
+        entries never include the items put)."""
+        entries, weight = self._entries, self._weight
+        keys = []
+        for key, value in items:
+            if key in entries:
+                self._forget_weight(entries[key])
+            entries[key] = value
+            entries.move_to_end(key)
+            if weight is not None:
+                self._total += weight(value)
+            keys.append(key)
+        evicted: list[tuple[K, V]] = []
+        fresh = len(set(keys))
+        while len(entries) > max(fresh, 1) and (
+            (self.max_entries is not None and len(entries) > self.max_entries)
+            or (self.max_weight is not None and self._total > self.max_weight)
+        ):
+            key, value = entries.popitem(last=False)
+            self._forget_weight(value)
+            evicted.append((key, value))
+        return evicted
 
     def pop(self, key: K, default: V | None = None) -> V | None:
         """Remove ``key``; its value, or ``default`` when it was not held."""

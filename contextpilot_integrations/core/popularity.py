@@ -43,9 +43,10 @@ class PopularityMemory:
             return
         with self._lock:
             self._clock += 1
-            for block in blocks:
-                score = self._decayed(self._scores.peek(block))
-                self._scores.put(block, (score + 1.0, self._clock))
+            clock, scores = self._clock, self._scores
+            self._scores.put_many(
+                (block, (self._decayed(scores.peek(block)) + 1.0, clock)) for block in blocks
+            )
 
     def get(self, block: int) -> float:
         """The block's decayed score (0.0 when not remembered)."""

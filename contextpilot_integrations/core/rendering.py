@@ -128,7 +128,9 @@ class PromptLayout:
         self, *, annotation_labels: Sequence[str] = (), hints: Sequence[str] = ()
     ) -> str:
         """The part of the tail that belongs to the context: hints, then the annotation."""
-        hint_text = "".join(self.hint_template.format(hint=h) for h in hints)
+        if not hints:
+            return self.annotation(annotation_labels)
+        hint_text = "".join([self.hint_template.format(hint=h) for h in hints])
         return hint_text + self.annotation(annotation_labels)
 
     # ------------------------------------------------------------------ whole prompts

@@ -72,3 +72,22 @@ def test_an_entry_heavier_than_the_bound_is_kept_alone_and_reweigh_applies_bound
     value.extend([2, 3, 4, 5])
     assert lru.reweigh("c", 1) == [("d", [1])]
     assert lru.total_weight == 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 9), st.integers(0, 5)), max_size=20),
+    st.lists(st.tuples(st.integers(0, 9), st.integers(0, 5)), max_size=6),
+    st.integers(1, 12),
+)
+def test_put_many_puts_every_item_then_applies_the_bound_once(before, batch, max_entries):
+    lru: LRU[int, int] = LRU(max_entries)
+    for key, value in before:
+        lru.put(key, value)
+    old = [(k, v) for k, v in lru.items() if k not in {key for key, _ in batch}]
+    order = list(dict.fromkeys(key for key, _ in reversed(batch)))[::-1]  # by their last put
+    fresh = [(key, dict(batch)[key]) for key in order]
+    keep = max(max_entries, len(fresh)) - len(fresh)
+    dropped = old[: max(0, len(old) - keep)]
+    assert lru.put_many(batch) == dropped
+    assert list(lru.items()) == old[len(dropped) :] + fresh
