@@ -12,7 +12,7 @@
   - :mod:`~contextpilot_integrations.sync.kv_event_source`: ``KVEventSource``, subscriber +
     mirror as one source;
   - :mod:`~contextpilot_integrations.sync.kv_events`: the wire format (both shapes), decoding
-    and encoding;
+    (bounded in size and depth; a bad event is skipped, its batch-mates kept) and encoding;
   - :mod:`~contextpilot_integrations.sync.subscriber`: ``KVEventSubscriber``, the thread and
     the ZMQ sockets;
   - :mod:`~contextpilot_integrations.sync.rank_stream`: ``RankStream``, one rank's sequence

@@ -2,68 +2,206 @@
 
 Per rank (each data-parallel rank has its own cache) the mirror holds every block the engine
 reported stored (``BlockStored``) and not yet removed from every medium (``BlockRemoved``), as
-``hash -> Block(parent hash, page token ids, session id, media)``, and an index
-``(parent hash, page token ids) -> hash`` of the present blocks whose tokens are known, which
+``hash -> Block(parent hash, page tokens, session id, media, present children)``, and a token
+index ``(parent hash, page tokens) -> hash`` of the present blocks whose tokens are known, which
 token matching walks (:mod:`~contextpilot_integrations.sync.request_attribution`). Hashes are
-the engine's own (``BlockStored.block_hashes``), never recomputed (DESIGN.md invariant 4).
+the engine's own (``BlockStored.block_hashes``), never recomputed (DESIGN.md invariant 4); the
+caller passes them in canonical form
+(:func:`~contextpilot_integrations.sync.kv_events.canonical_block_hash`).
 
 A block counts as present while it is held in any medium (GPU, host memory, disk): a GPU
 eviction that keeps a host copy removes nothing.
+
+Every present block is linked to its present parent (a block whose parent is not present, for
+instance removed while its children stay, is an *orphan*, adopted again if the parent is stored
+again), whether or not its tokens are known, so that removing a block finds all its present
+descendants: every block that names it as parent, and theirs. The links never form a cycle (an
+event naming one of its own blocks as parent is refused; a child whose link would close a cycle
+is kept waiting beside its parent instead: not a child for the LRU, still broken when the parent
+goes), and walks keep a visited set all the same: a walk visits each block at most once, so it
+is bounded by the rank's block count.
+
+Bound (DESIGN.md invariant 6): at most ``max_blocks`` blocks per rank. Beyond it the least
+recently stored *leaf* goes first (a block none of whose children is present; storing a block
+again, e.g. in another medium, counts as a use), as the engines' own LRU evicts leaves first:
+the caller treats it as a removal, so requests attached there are evicted (conservative: less
+believed reuse, never wrong reuse). Engines emit nothing on a cache hit, so the order is that
+of stores; the bound is meant to sit above the engine's real cache and to act only when
+removals were lost or the input is hostile.
+
+Memory: page tokens are kept as packed 8-byte ints (``bytes``) rather than tuples of Python
+ints, a chain's links need no container, and media sets are shared: 728 MiB of RSS for 1M
+blocks of 16 tokens with 100,000 attributed requests (1,228 MiB before), and flat at about
+200 MiB under a 100,000-block bound while 1M stores go in
+(``benchmarks/bench_mirror_memory.py``).
 
 The mirror knows nothing of requests: :class:`~contextpilot_integrations.sync.cache_mirror.
 CacheMirror` applies each event here, then tells the attribution what changed (the pages
 stored, the blocks whose removal breaks a cached prefix). Not thread-safe by itself: the
 ``CacheMirror`` lock is held around every call.
 
-Public API: :class:`BlockMirror`, :class:`Block`, :data:`StoredPage`, :data:`PageKey`.
+Public API: :class:`BlockMirror`, :class:`Block`, :data:`StoredPage`, :data:`PageKey`,
+:func:`pack_tokens`, :func:`packed_page`, :func:`packed_length`, :func:`page_tokens`,
+:data:`DEFAULT_MAX_BLOCKS`.
 """
 
 from __future__ import annotations
 
 import logging
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from contextpilot_integrations.sync.kv_events import MEDIUM_GPU, BlockHash, BlockStored
 
-__all__ = ["Block", "BlockMirror", "PageKey", "StoredPage"]
+__all__ = [
+    "DEFAULT_MAX_BLOCKS",
+    "Block",
+    "BlockMirror",
+    "PackedTokens",
+    "PageKey",
+    "StoredPage",
+    "pack_tokens",
+    "packed_length",
+    "packed_page",
+    "page_tokens",
+]
 
 logger = logging.getLogger(__name__)
 
-PageKey = tuple[Any, ...]
-"""The token ids of one page, as a tuple (a token id is an int, or an EAGLE ``(id, next)``)."""
+DEFAULT_MAX_BLOCKS = 1_000_000
+"""Blocks kept per rank by default. A GPU's cache holds far fewer pages of 16 tokens (an 80 GB
+card serving an 8B model: about 30,000; a 1B model: about 120,000); SGLang at page size 1 counts
+one block per token (about 2M tokens for a 1B model on an 80 GB card: raise the bound there).
+About 0.7 GB of RSS at the bound with pages of 16 tokens."""
+
+PageKey = bytes | tuple[Any, ...]
+"""The token ids of one page as a lookup key: packed as 8-byte signed ints (:func:`pack_tokens`)
+when every id is an int that fits, else a tuple (SGLang's EAGLE pages publish ``(id, next)``
+pairs). The same ids always give the same key."""
+
+PackedTokens = bytes | tuple[Any, ...]
+"""A request's or an event's token ids, packed as :func:`pack_tokens` does."""
+
+_INT_WIDTH = array("q").itemsize
+
+
+def pack_tokens(token_ids: Sequence[Any]) -> PackedTokens:
+    """``token_ids`` as 8-byte ints (``bytes``), or as a tuple when one is not an int that fits
+    (EAGLE pairs stay tuples, other ids become ints).
+
+    Raises:
+        TypeError, ValueError: an id that is neither an int-like nor a tuple of int-likes.
+    """
+    try:
+        return array("q", token_ids).tobytes()
+    except (TypeError, OverflowError):
+        return tuple(
+            tuple(int(i) for i in t) if isinstance(t, tuple) else int(t) for t in token_ids
+        )
+
+
+def packed_length(packed: PackedTokens) -> int:
+    """The number of token ids in ``packed``."""
+    return len(packed) // _INT_WIDTH if isinstance(packed, bytes) else len(packed)
+
+
+def packed_page(packed: PackedTokens, size: int, index: int) -> PageKey:
+    """The key of page ``index`` (``size`` tokens each) of ``packed``."""
+    if isinstance(packed, bytes):
+        width = size * _INT_WIDTH
+        return packed[index * width : (index + 1) * width]
+    page = packed[index * size : (index + 1) * size]
+    try:
+        return array("q", page).tobytes()  # type: ignore[arg-type]
+    except (TypeError, OverflowError):
+        return page
+
+
+def page_tokens(key: PageKey) -> list[Any]:
+    """The token ids of a page key, as a list."""
+    if isinstance(key, bytes):
+        return array("q", key).tolist()
+    return list(key)
+
+
+Children = BlockHash | set[BlockHash] | None
+"""The present children of a block: None, the one child's hash (most blocks continue a single
+chain: no container at all), or a set of two or more."""
+
+
+def _with_child(children: Children, child: BlockHash) -> Children:
+    if children is None or children == child:
+        return child
+    if isinstance(children, set):
+        children.add(child)
+        return children
+    return {children, child}
+
+
+def _without_child(children: Children, child: BlockHash) -> Children:
+    if isinstance(children, set):
+        children.discard(child)
+        if len(children) == 1:
+            return next(iter(children))
+        return children or None
+    return None if children == child else children
+
+
+def _has_child(children: Children, child: BlockHash) -> bool:
+    if isinstance(children, set):
+        return child in children
+    return children is not None and children == child
+
+
+def _each_child(children: Children) -> Iterator[BlockHash]:
+    if isinstance(children, set):
+        yield from children
+    elif children is not None:
+        yield children
 
 
 class Block:
     """One present block: its parent (None: the root), its page's token ids (None when the
-    event did not carry them page by page), the session id it was stored with, and the media
-    holding it."""
+    event did not carry them page by page), the session id it was stored with, the media
+    holding it, and its present children (:data:`Children`)."""
 
-    __slots__ = ("parent", "tokens", "session_id", "media")
+    __slots__ = ("parent", "tokens", "session_id", "media", "children")
 
     def __init__(
-        self, parent: BlockHash | None, tokens: PageKey | None, session_id: str | None, medium: str
+        self,
+        parent: BlockHash | None,
+        tokens: PageKey | None,
+        session_id: str | None,
+        media: frozenset[str],
     ) -> None:
         self.parent = parent
         self.tokens = tokens
         self.session_id = session_id
-        self.media = {medium}
+        self.media = media
+        self.children: Children = None
 
 
 StoredPage = tuple[BlockHash | None, BlockHash, PageKey]
 """A page of a ``BlockStored`` with known tokens: ``(parent it was stored under, its hash, its
-token ids)`` (a plain tuple: one is made per stored page, on the event path)."""
+page key)`` (a plain tuple: one is made per stored page, on the event path)."""
 
 
 class _Rank:
     """The mirrored cache of one data-parallel rank."""
 
-    __slots__ = ("blocks", "children", "page_size")
+    __slots__ = ("blocks", "tokens", "orphans", "leaves", "page_size")
 
     def __init__(self, page_size: int | None) -> None:
         self.blocks: dict[BlockHash, Block] = {}
-        # parent hash (None: root) -> page tokens -> child hash, for present blocks with tokens.
-        # A removed block keeps its entry here while children of it remain present.
-        self.children: dict[BlockHash | None, dict[PageKey, BlockHash]] = {}
+        # (parent hash or None, page key) -> hash, for present blocks with known tokens.
+        self.tokens: dict[tuple[BlockHash | None, PageKey], BlockHash] = {}
+        # absent parent hash -> its present children (linked if the parent is stored again);
+        # also present parent -> children whose link would have closed a cycle.
+        self.orphans: dict[BlockHash, Children] = {}
+        # present blocks without present children, least recently stored first.
+        self.leaves: OrderedDict[BlockHash, None] = OrderedDict()
         self.page_size = page_size
 
 
@@ -73,20 +211,33 @@ class BlockMirror:
     Args:
         page_size: tokens per engine page, for every rank; None learns it per rank from the
             first ``BlockStored`` whose ``token_ids`` hold ``block_size`` ids per block.
+        max_blocks: blocks kept per rank (see the module docstring); :meth:`over_bound` and
+            :meth:`evict_lru` let the caller enforce it.
+
+    Raises:
+        ValueError: ``max_blocks`` is not a positive int.
 
     Counters (:meth:`stats`): ``stored_blocks``, ``removed_blocks`` (gone from every medium),
     ``unknown_removals`` (a removal of a block not present), ``token_mismatch_events`` (a
-    store whose token ids do not split into its pages: stored without tokens).
+    store whose token ids do not split into its pages: stored without tokens),
+    ``bound_evictions`` (blocks dropped for the bound), ``cycles_refused`` (a link that
+    would have closed a cycle, not made).
     """
 
-    def __init__(self, page_size: int | None = None) -> None:
+    def __init__(self, page_size: int | None = None, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+        if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1:
+            raise ValueError(f"max_blocks must be a positive int, got {max_blocks!r}")
         self._page_size = page_size
+        self.max_blocks = max_blocks
         self._ranks: dict[int, _Rank] = {}
+        self._media: dict[frozenset[str], frozenset[str]] = {}
         self._counters = {
             "stored_blocks": 0,
             "removed_blocks": 0,
             "unknown_removals": 0,
             "token_mismatch_events": 0,
+            "bound_evictions": 0,
+            "cycles_refused": 0,
         }
 
     # ----------------------------------------------------------------------------------------
@@ -103,11 +254,10 @@ class BlockMirror:
         return state.page_size if state is not None else None
 
     def child(self, rank: int, parent: BlockHash | None, tokens: PageKey) -> BlockHash | None:
-        """The hash of the present block with page ``tokens`` under ``parent`` (None: the
+        """The hash of the present block with page key ``tokens`` under ``parent`` (None: the
         root), or None."""
         state = self._ranks.get(rank)
-        following = state.children.get(parent) if state is not None else None
-        return following.get(tokens) if following else None
+        return state.tokens.get((parent, tokens)) if state is not None else None
 
     def block(self, rank: int, block_hash: BlockHash) -> Block | None:
         """The present block ``block_hash`` of ``rank`` (the live object: do not change it)."""
@@ -147,74 +297,199 @@ class BlockMirror:
         return True
 
     def store(self, rank: int, event: BlockStored) -> list[StoredPage]:
-        """Apply a ``BlockStored``: its pages become present blocks (a block already present
-        gains the event's medium, and its tokens when it had none).
+        """Apply a ``BlockStored`` (hashes in canonical form): its pages become present blocks
+        (a block already present gains the event's medium, and its tokens when it had none,
+        and counts as just used). May leave the rank above the bound: see :meth:`evict_lru`.
 
         Returns:
             the event's pages with known tokens, in chain order (none when its token ids do
             not split into ``block_size`` ids per block).
+
+        Raises:
+            ValueError: the event names one of its own blocks as parent (nothing is changed).
         """
+        parent = event.parent_block_hash
+        if parent is not None and parent in event.block_hashes:
+            raise ValueError(f"BlockStored names its own block {parent!r} as parent")
         state = self._ranks[rank]
         pages = self._split_pages(event)
         medium = event.medium or MEDIUM_GPU
-        parent = event.parent_block_hash
+        media = self._media_of(frozenset((medium,)))
         stored: list[StoredPage] = []
         for index, block_hash in enumerate(event.block_hashes):
             tokens = pages[index] if pages is not None else None
             block = state.blocks.get(block_hash)
             if block is None:
-                state.blocks[block_hash] = Block(parent, tokens, event.session_id, medium)
+                block = Block(parent, tokens, event.session_id, media)
+                state.blocks[block_hash] = block
                 self._counters["stored_blocks"] += 1
                 if tokens is not None:
-                    state.children.setdefault(parent, {})[tokens] = block_hash
+                    state.tokens[(parent, tokens)] = block_hash
+                self._link(state, block_hash, block)
             else:
-                block.media.add(medium)
+                if medium not in block.media:
+                    block.media = self._media_of(block.media | {medium})
                 if block.tokens is None and tokens is not None:
                     block.tokens = tokens
-                    state.children.setdefault(block.parent, {})[tokens] = block_hash
+                    state.tokens[(block.parent, tokens)] = block_hash
+                if block_hash in state.leaves:
+                    state.leaves.move_to_end(block_hash)
             if tokens is not None:
                 stored.append((parent, block_hash, tokens))
             parent = block_hash
         return stored
 
-    def remove(self, rank: int, block_hash: BlockHash, medium: str | None) -> list[BlockHash]:
+    def remove(
+        self,
+        rank: int,
+        block_hash: BlockHash,
+        medium: str | None,
+        walked: set[BlockHash] | None = None,
+    ) -> list[BlockHash]:
         """Apply the removal of one block from ``medium`` (None: GPU).
+
+        Args:
+            walked: blocks already reported broken by an earlier removal of the same event
+                (updated here): their descendants are not walked again, so that an event
+                removing a long chain root first costs one walk, not one per block.
 
         Returns:
             empty when the block is not present (counted) or still held in another medium;
             otherwise the block is gone and the result is the hashes whose cached prefix the
-            removal breaks: ``block_hash`` first, then its present descendants (usually none:
-            engines evict leaves first).
+            removal breaks: ``block_hash`` first, then its present descendants not in
+            ``walked`` (usually none: engines evict leaves first), each once.
         """
         state = self._ranks[rank]
         block = state.blocks.get(block_hash)
         if block is None:
             self._counters["unknown_removals"] += 1
             return []
-        block.media.discard(medium or MEDIUM_GPU)
+        medium = medium or MEDIUM_GPU
+        if medium in block.media:
+            block.media = self._media_of(block.media - {medium})
         if block.media:
             return []
         self._counters["removed_blocks"] += 1
-        broken = self._subtree(state, block_hash)
-        del state.blocks[block_hash]
-        if block.tokens is not None:
-            siblings = state.children.get(block.parent)
-            if siblings is not None and siblings.get(block.tokens) == block_hash:
-                del siblings[block.tokens]
-                if not siblings:
-                    del state.children[block.parent]
-        return broken
+        return self._drop(state, block_hash, block, walked)
+
+    def over_bound(self, rank: int) -> bool:
+        """Whether ``rank`` holds more than ``max_blocks`` blocks."""
+        return len(self._ranks[rank].blocks) > self.max_blocks
+
+    def evict_lru(self, rank: int) -> list[BlockHash]:
+        """Drop ``rank``'s least recently stored leaf (counted in ``bound_evictions``); returns
+        what it breaks, as :meth:`remove` does (a leaf: itself, and a block waiting beside it
+        if a cycle was refused there), empty when the rank is empty."""
+        state = self._ranks[rank]
+        if state.leaves:
+            victim = next(iter(state.leaves))
+        elif state.blocks:  # unreachable while the links stay acyclic; never loop on it
+            victim = next(iter(state.blocks))
+        else:
+            return []
+        self._counters["bound_evictions"] += 1
+        return self._drop(state, victim, state.blocks[victim])
 
     def clear(self, rank: int) -> None:
         """Forget every block of ``rank`` (``AllBlocksCleared``, or a resync); the page size
         stays known."""
         state = self._ranks[rank]
         state.blocks.clear()
-        state.children.clear()
+        state.tokens.clear()
+        state.orphans.clear()
+        state.leaves.clear()
 
     # ----------------------------------------------------------------------------------------
     # Internals
     # ----------------------------------------------------------------------------------------
+
+    def _media_of(self, media: frozenset[str]) -> frozenset[str]:
+        """One shared object per set of media (a handful exist; a hostile stream naming many
+        is not interned past 64)."""
+        shared = self._media.get(media)
+        if shared is not None:
+            return shared
+        if len(self._media) < 64:
+            self._media[media] = media
+        return media
+
+    def _link(self, state: _Rank, block_hash: BlockHash, block: Block) -> None:
+        """Link a new block to its parent (or as an orphan of an absent one) and adopt the
+        orphans waiting for it; it is a leaf unless it adopted a child."""
+        parent = block.parent
+        if parent is not None:
+            parent_block = state.blocks.get(parent)
+            if parent_block is not None:
+                parent_block.children = _with_child(parent_block.children, block_hash)
+                state.leaves.pop(parent, None)
+            else:
+                state.orphans[parent] = _with_child(state.orphans.get(parent), block_hash)
+        waiting = state.orphans.pop(block_hash, None)
+        if waiting is not None:
+            ancestors = self._ancestors(state, block)
+            refused: Children = None
+            for child in list(_each_child(waiting)):
+                if child in ancestors or child == block_hash:
+                    # Linking it would close a cycle: it waits here instead (not a child for
+                    # the LRU, still broken when this block goes).
+                    refused = _with_child(refused, child)
+                    self._counters["cycles_refused"] += 1
+                    logger.debug("not linking block %r under %r: a cycle", child, block_hash)
+                else:
+                    block.children = _with_child(block.children, child)
+            if refused is not None:
+                state.orphans[block_hash] = refused
+        if block.children is None:
+            state.leaves[block_hash] = None
+
+    @staticmethod
+    def _ancestors(state: _Rank, block: Block) -> set[BlockHash]:
+        """The present ancestors of ``block`` (bounded by the rank's blocks, cycle-safe)."""
+        found: set[BlockHash] = set()
+        parent = block.parent
+        while parent is not None and parent not in found:
+            above = state.blocks.get(parent)
+            if above is None:
+                break
+            found.add(parent)
+            parent = above.parent
+        return found
+
+    def _drop(
+        self,
+        state: _Rank,
+        block_hash: BlockHash,
+        block: Block,
+        walked: set[BlockHash] | None = None,
+    ) -> list[BlockHash]:
+        """Remove a present block; its children become orphans. Returns it and its present
+        descendants (those not in ``walked``)."""
+        broken = self._subtree(state, block_hash, block, set() if walked is None else walked)
+        del state.blocks[block_hash]
+        state.leaves.pop(block_hash, None)
+        if block.tokens is not None:
+            key = (block.parent, block.tokens)
+            if state.tokens.get(key) == block_hash:
+                del state.tokens[key]
+        parent = block.parent
+        if parent is not None:
+            parent_block = state.blocks.get(parent)
+            if parent_block is not None and _has_child(parent_block.children, block_hash):
+                parent_block.children = _without_child(parent_block.children, block_hash)
+                if parent_block.children is None:
+                    state.leaves[parent] = None  # a leaf again, as if just used
+            else:
+                siblings = _without_child(state.orphans.get(parent), block_hash)
+                if siblings is None:
+                    state.orphans.pop(parent, None)
+                else:
+                    state.orphans[parent] = siblings
+        orphans = block.children
+        for waiting in _each_child(state.orphans.get(block_hash)):
+            orphans = _with_child(orphans, waiting)
+        if orphans is not None:
+            state.orphans[block_hash] = orphans
+        return broken
 
     def _split_pages(self, event: BlockStored) -> list[PageKey] | None:
         if not _splits_into_pages(event):
@@ -227,24 +502,33 @@ class BlockMirror:
                     event.block_size,
                 )
             return None
-        size, tokens = event.block_size, event.token_ids
-        return [tuple(tokens[i : i + size]) for i in range(0, len(tokens), size)]
+        packed = pack_tokens(event.token_ids)
+        size = event.block_size
+        return [packed_page(packed, size, index) for index in range(len(event.block_hashes))]
 
     @staticmethod
-    def _subtree(state: _Rank, root: BlockHash) -> list[BlockHash]:
-        """``root`` and its present descendants, through the token index (a descendant whose
-        tokens are unknown is not indexed, and not found: it matches no request either)."""
-        if root not in state.children:  # a leaf: the common case, no walk
+    def _subtree(
+        state: _Rank, root: BlockHash, block: Block, seen: set[BlockHash]
+    ) -> list[BlockHash]:
+        """``root`` and its present descendants (the blocks that name it as parent, theirs,
+        ..., tokens known or not) not in ``seen``, each once; adds them to ``seen``."""
+        seen.add(root)
+        waiting = state.orphans  # refused links wait here, keyed by their present parent
+        if block.children is None and root not in waiting:  # a leaf: the common case
             return [root]
         found = [root]
-        stack = list(state.children[root].values())
+        stack = [*_each_child(block.children), *_each_child(waiting.get(root))]
         while stack:
             block_hash = stack.pop()
-            if block_hash in state.blocks:
-                found.append(block_hash)
-            children = state.children.get(block_hash)
-            if children:
-                stack.extend(children.values())
+            if block_hash in seen:
+                continue
+            seen.add(block_hash)
+            below = state.blocks.get(block_hash)
+            if below is None:
+                continue
+            found.append(block_hash)
+            stack.extend(_each_child(below.children))
+            stack.extend(_each_child(waiting.get(block_hash)))
         return found
 
 

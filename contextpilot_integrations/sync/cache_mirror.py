@@ -14,29 +14,52 @@ point that applies events and reports the requests whose cached prefix the engin
 For each event the mirror of blocks is changed first, then the attribution is told what
 changed; every rid it evicts is passed to ``on_evict`` once.
 
+Untrusted input: each event is checked before it changes anything, and one that fails (a hash
+that is neither a 64-bit int nor bytes, a store naming one of its own blocks as parent, a field
+of the wrong type, an item that is no KV event) is counted in ``malformed_events``, logged
+(the first 10 at warning level) and skipped; the rest of its batch is applied. Hashes are kept
+in one canonical form (:func:`~contextpilot_integrations.sync.kv_events.canonical_block_hash`:
+ints as signed 64 bits, bytes as they are), so a block stored as an unsigned int is removed by
+its signed twin; the readers below take either form and return the canonical one. The block
+bound (``max_blocks`` per rank, least recently stored leaf first: see
+:mod:`~contextpilot_integrations.sync.block_mirror`) is enforced after every store, each
+dropped block treated as a removal (its requests evicted). Every walk is bounded by the rank's
+block count (within one event, each block is walked once), and the lock is taken per event,
+so it is held for one event at most: a few seconds for the largest event the decoder passes
+(2^20 new blocks), microseconds for a real one.
+
 Thread-safety: all public methods take one lock; ``on_evict`` runs after the lock is released,
 on the calling thread (the subscriber's thread for events).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from contextpilot_integrations.sync.block_mirror import BlockMirror
+import msgspec
+
+from contextpilot_integrations.sync.block_mirror import DEFAULT_MAX_BLOCKS, BlockMirror, page_tokens
 from contextpilot_integrations.sync.cache_state_source import EvictCallback, notify_evicted
 from contextpilot_integrations.sync.kv_events import (
+    MAX_HASHES_PER_EVENT,
+    MAX_STRING_LENGTH,
+    MAX_TOKENS_PER_EVENT,
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
     BlockStored,
     KVEvent,
     KVEventBatch,
+    canonical_block_hash,
 )
 from contextpilot_integrations.sync.request_attribution import RequestAttribution
 
 __all__ = ["CacheMirror"]
+
+logger = logging.getLogger(__name__)
 
 
 class CacheMirror:
@@ -51,11 +74,15 @@ class CacheMirror:
             ``BlockStored.block_size`` of each rank.
         max_requests: bound on tracked requests (registered or attributed); beyond it the
             least recently registered or attributed request is forgotten without a callback
-            (counted as ``forgotten_requests``), so the mirror's memory stays bounded by the
-            engine's cache plus this many requests.
+            (counted as ``forgotten_requests``).
+        max_blocks: bound on mirrored blocks per rank (default
+            :data:`~contextpilot_integrations.sync.block_mirror.DEFAULT_MAX_BLOCKS`); beyond it
+            the least recently stored leaf is dropped and the requests attached there are
+            evicted (``bound_evictions``). The mirror's memory is bounded by this many blocks
+            per rank plus ``max_requests`` requests.
 
     Raises:
-        ValueError: ``page_size`` or ``max_requests`` is not positive.
+        ValueError: ``page_size``, ``max_requests`` or ``max_blocks`` is not positive.
     """
 
     def __init__(
@@ -64,6 +91,7 @@ class CacheMirror:
         *,
         page_size: int | None = None,
         max_requests: int = 100_000,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
     ) -> None:
         if page_size is not None and page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size!r}")
@@ -71,13 +99,14 @@ class CacheMirror:
             raise ValueError(f"max_requests must be positive, got {max_requests!r}")
         self._on_evict = on_evict
         self._lock = threading.Lock()
-        self._blocks = BlockMirror(page_size)
+        self._blocks = BlockMirror(page_size, max_blocks)
         self._attribution = RequestAttribution(self._blocks, max_requests)
         self._counters = {
             "clears": 0,
             "resyncs": 0,
             "evicted_requests": 0,
             "evict_callback_errors": 0,
+            "malformed_events": 0,
         }
 
     # ----------------------------------------------------------------------------------------
@@ -93,8 +122,8 @@ class CacheMirror:
         Returns:
             the rids evicted by this batch, in eviction order.
 
-        Raises:
-            TypeError: an item of the batch is not a KV event (nothing after it is applied).
+        A bad event (see the module docstring) is counted in ``malformed_events`` and skipped;
+        the others are applied.
         """
         return self.apply_events(rank, batch.events)
 
@@ -102,20 +131,16 @@ class CacheMirror:
         """Apply events of ``rank`` in order; returns the rids evicted (see :meth:`apply_batch`)."""
         evicted: list[str] = []
         try:
-            with self._lock:
-                self._add_rank(rank)
-                for event in events:
-                    if isinstance(event, BlockStored):
-                        self._store(rank, event)
-                    elif isinstance(event, BlockRemoved):
-                        self._remove(rank, event, evicted)
-                    elif isinstance(event, AllBlocksCleared):
-                        self._counters["clears"] += 1
-                        self._clear(rank, evicted)
-                    else:
-                        raise TypeError(f"event must be a KV event, got {type(event).__name__}")
+            for index, event in enumerate(events):
+                # One event at a time under the lock: readers and request registration wait
+                # for one event at most (bounded by the decoder's limits), never for a batch.
+                with self._lock:
+                    self._add_rank(rank)
+                    try:
+                        self._apply(rank, _checked(event), evicted)
+                    except (TypeError, ValueError) as exc:
+                        self._skip(rank, index, event, exc)
         finally:
-            # What the events before a bad one evicted is gone from the cache all the same.
             self._notify(evicted)
         return evicted
 
@@ -133,7 +158,7 @@ class CacheMirror:
             the number of pages of ``token_ids`` already cached (deepest match over ranks).
 
         Raises:
-            TypeError: ``rid`` is not a str.
+            TypeError: ``rid`` is not a str, or a token id is neither an int nor a tuple of ints.
             ValueError: ``rid`` is empty.
         """
         if not isinstance(rid, str):
@@ -167,19 +192,24 @@ class CacheMirror:
         return evicted
 
     def block_hashes(self, rank: int = 0) -> set[BlockHash]:
-        """The hashes of the blocks present on ``rank`` (a copy)."""
+        """The hashes of the blocks present on ``rank`` (a copy, canonical form)."""
         with self._lock:
             return self._blocks.hashes(rank)
 
     def block(self, block_hash: BlockHash, rank: int = 0) -> dict[str, Any] | None:
-        """``{"parent", "token_ids", "session_id", "media"}`` of a present block, else None."""
+        """``{"parent", "token_ids", "session_id", "media"}`` of a present block (``block_hash``
+        in either form), else None."""
+        try:
+            block_hash = canonical_block_hash(block_hash)
+        except ValueError:
+            return None
         with self._lock:
             block = self._blocks.block(rank, block_hash)
             if block is None:
                 return None
             return {
                 "parent": block.parent,
-                "token_ids": list(block.tokens) if block.tokens is not None else None,
+                "token_ids": page_tokens(block.tokens) if block.tokens is not None else None,
                 "session_id": block.session_id,
                 "media": sorted(block.media),
             }
@@ -201,7 +231,8 @@ class CacheMirror:
 
     def stats(self) -> dict[str, int]:
         """Counters and sizes: ``stored_blocks``, ``removed_blocks``, ``unknown_removals``,
-        ``token_mismatch_events``, ``clears``, ``resyncs``, ``evicted_requests``,
+        ``token_mismatch_events``, ``bound_evictions``, ``cycles_refused``,
+        ``malformed_events``, ``clears``, ``resyncs``, ``evicted_requests``,
         ``forgotten_requests``, ``evict_callback_errors``; ``blocks`` present, ``ranks``,
         ``tracked_requests``, ``attributed_requests``."""
         with self._lock:
@@ -215,22 +246,56 @@ class CacheMirror:
         if self._blocks.add_rank(rank):
             self._attribution.start_rank(rank)
 
-    def _store(self, rank: int, event: BlockStored) -> None:
-        if self._blocks.learn_page_size(rank, event):
+    def _apply(self, rank: int, event: KVEvent, evicted: list[str]) -> None:
+        if isinstance(event, BlockStored):
+            self._store(rank, event, evicted)
+        elif isinstance(event, BlockRemoved):
+            self._remove(rank, event, evicted)
+        else:
+            self._counters["clears"] += 1
+            self._clear(rank, evicted)
+
+    def _skip(self, rank: int, index: int, event: object, exc: Exception) -> None:
+        self._counters["malformed_events"] += 1
+        count = self._counters["malformed_events"]
+        logger.log(
+            logging.WARNING if count <= 10 else logging.DEBUG,
+            "KV events rank %d: skipping malformed event %d (%s): %s",
+            rank,
+            index,
+            type(event).__name__,
+            exc,
+        )
+
+    def _store(self, rank: int, event: BlockStored, evicted: list[str]) -> None:
+        learnt = self._blocks.learn_page_size(rank, event)
+        try:
+            pages = self._blocks.store(rank, event)
+        except (TypeError, ValueError):
+            if learnt:  # the page size stays learnt; the requests still start matching
+                self._attribution.start_rank(rank)
+            raise
+        if learnt:
             self._attribution.start_rank(rank)
-        self._attribution.pages_stored(rank, self._blocks.store(rank, event))
+        self._attribution.pages_stored(rank, pages)
         if event.session_id and event.block_hashes:
             self._attribution.session_stored(
                 rank, event.session_id, event.parent_block_hash, event.block_hashes[-1]
             )
+        while self._blocks.over_bound(rank):
+            self._broken(rank, self._blocks.evict_lru(rank), evicted)
 
     def _remove(self, rank: int, event: BlockRemoved, evicted: list[str]) -> None:
+        walked: set[BlockHash] = set()  # each block walked once per event
         for block_hash in event.block_hashes:
-            broken = self._blocks.remove(rank, block_hash, event.medium)
-            if broken:
-                rids = self._attribution.blocks_removed(rank, broken)
-                evicted.extend(rids)
-                self._counters["evicted_requests"] += len(rids)
+            broken = self._blocks.remove(rank, block_hash, event.medium, walked)
+            self._broken(rank, broken, evicted)
+
+    def _broken(self, rank: int, broken: list[BlockHash], evicted: list[str]) -> None:
+        if broken:
+            rids = self._attribution.blocks_removed(rank, broken)
+            evicted.extend(rids)
+            self._counters["evicted_requests"] += len(rids)
 
     def _clear(self, rank: int, evicted: list[str]) -> None:
         rids = self._attribution.clear_rank(rank)
@@ -244,3 +309,50 @@ class CacheMirror:
         if errors:
             with self._lock:
                 self._counters["evict_callback_errors"] += errors
+
+
+def _checked(event: object) -> KVEvent:
+    """``event`` with its hashes in canonical form, once it passed the checks of the module
+    docstring (the decoder's limits again, for events that did not come through it).
+
+    Raises:
+        TypeError: not a KV event.
+        ValueError: a field breaks a check (nothing of the event is applied).
+    """
+    if isinstance(event, BlockStored):
+        hashes = _canonical_hashes(event.block_hashes)
+        parent = event.parent_block_hash
+        if parent is not None:
+            parent = canonical_block_hash(parent)
+        if not isinstance(event.token_ids, list) or len(event.token_ids) > MAX_TOKENS_PER_EVENT:
+            raise ValueError(f"token_ids must be a list of at most {MAX_TOKENS_PER_EVENT} ids")
+        if type(event.block_size) is not int or event.block_size < 0:
+            raise ValueError(f"block_size must be an int >= 0, got {event.block_size!r}")
+        for name in ("medium", "session_id"):
+            _check_text(name, getattr(event, name))
+        if hashes is event.block_hashes and parent is event.parent_block_hash:
+            return event
+        return msgspec.structs.replace(event, block_hashes=hashes, parent_block_hash=parent)
+    if isinstance(event, BlockRemoved):
+        _check_text("medium", event.medium)
+        hashes = _canonical_hashes(event.block_hashes)
+        return event if hashes is event.block_hashes else BlockRemoved(hashes, event.medium)
+    if isinstance(event, AllBlocksCleared):
+        return event
+    raise TypeError(f"event must be a KV event, got {type(event).__name__}")
+
+
+def _canonical_hashes(hashes: object) -> list[BlockHash]:
+    """``hashes`` itself when every hash is canonical already (the common case), else a copy in
+    canonical form."""
+    if not isinstance(hashes, list) or len(hashes) > MAX_HASHES_PER_EVENT:
+        raise ValueError(f"block_hashes must be a list of at most {MAX_HASHES_PER_EVENT} hashes")
+    for index, block_hash in enumerate(hashes):
+        if canonical_block_hash(block_hash) is not block_hash:
+            return hashes[:index] + [canonical_block_hash(h) for h in hashes[index:]]
+    return hashes
+
+
+def _check_text(name: str, value: object) -> None:
+    if value is not None and (not isinstance(value, str) or len(value) > MAX_STRING_LENGTH):
+        raise ValueError(f"{name} must be None or a str of at most {MAX_STRING_LENGTH} characters")

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from contextpilot_integrations.sync.block_mirror import DEFAULT_MAX_BLOCKS
 from contextpilot_integrations.sync.cache_state_source import CacheStateSource, EvictCallback
 from contextpilot_integrations.sync.capacity_model import CapacityModel
 from contextpilot_integrations.sync.kv_event_source import KVEventSource
@@ -35,7 +36,9 @@ class CacheSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ``kind="ttl"`` needs ``provider`` ("openai", "anthropic", "anthropic-1h") or ``ttl_s``
     (``min_cached_tokens`` overrides the provider's minimum). ``engine_grace_s``: seconds the
     KV-event publisher may stay unconnected before the engine counts as unreachable (and a
-    resync after a restore may wait before that counts as a failure; it goes on waiting).
+    resync after a restore may wait for every rank: then it finishes with the ranks that
+    joined, and counts a failure). ``max_blocks``: the KV-event mirror's bound on blocks per
+    rank (:class:`~contextpilot_integrations.sync.cache_mirror.CacheMirror`).
     """
 
     kind: Literal["kv-events", "capacity", "ttl"]
@@ -50,6 +53,7 @@ class CacheSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ttl_s: float | None = None
     min_cached_tokens: int | None = None
     max_requests: int = 100_000
+    max_blocks: int = DEFAULT_MAX_BLOCKS
     engine_grace_s: float = 5.0
 
     @classmethod
@@ -76,6 +80,8 @@ class CacheSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"cache sync kind 'capacity' needs 'capacity_tokens' > 0, "
                 f"got {self.capacity_tokens!r}"
             )
+        if self.max_blocks < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks!r}")
         if not self.engine_grace_s > 0:
             raise ValueError(f"engine_grace_s must be > 0, got {self.engine_grace_s!r}")
         if self.kind == "ttl" and self.provider is None and self.ttl_s is None:
@@ -104,6 +110,7 @@ def build_cache_state_source(
             dp_size=config.dp_size,
             page_size=config.page_size,
             max_requests=config.max_requests,
+            max_blocks=config.max_blocks,
             replay_timeout_s=config.replay_timeout_s,
         )
     if config.kind == "capacity":

@@ -161,7 +161,12 @@ class EngineLink:
         - KV events: wait (on a thread, while the link runs) until the subscriber has joined
           every rank's stream (its replay re-attributes cached blocks to the restored rids by
           their echoed ``session_id``), then evict the restored rids the mirror does not hold
-          (cause ``resync``); until then :attr:`resync_pending` is True.
+          (cause ``resync``); until then :attr:`resync_pending` is True. A rank that has not
+          joined ``engine_grace_s`` after the restore (a data-parallel rank that never
+          publishes, a quiet engine without a replay socket, an engine that is down) does not
+          hold the resync up for good: it finishes then, conservatively, over the ranks that
+          did join: every restored rid that no joined rank holds is evicted (less believed
+          reuse, never wrong reuse), and a failure of kind ``resync_timeout`` is counted.
         - capacity model: record them again, least recently used first (the budget evicts the
           oldest when they do not fit).
         - TTL model: after ``downtime_s >= ttl_s`` every one has expired and is evicted (cause
@@ -297,23 +302,25 @@ class EngineLink:
         assert isinstance(source, KVEventSource)
         grace = self.config.engine_grace_s
         deadline = time.monotonic() + grace
-        reported = False
-        while not all(source.subscriber.stats()["joined"]):
+        joined = source.subscriber.stats()["joined"]
+        while not all(joined) and time.monotonic() < deadline:
             if self._stop.wait(0.05):
                 return  # stopped: the restored rids wait for the next start
-            if not reported and time.monotonic() > deadline:
-                reported = True
-                self.failure(
-                    "resync_timeout",
-                    f"the KV-event stream not joined within {grace} s of the restore; "
-                    f"{len(self._restored)} restored requests are kept until it is",
-                )
+            joined = source.subscriber.stats()["joined"]
         cached = source.mirror.cached_requests()
         with self._lock:
             restored, self._restored = self._restored, set()
             self._resync_waiting = False
         stale = sorted(restored - cached)
         evicted = sum(1 for rid in stale if self._evicted(rid, cause="resync"))
+        if not all(joined):
+            missing = [rank for rank, done in enumerate(joined) if not done]
+            self.failure(
+                "resync_timeout",
+                f"KV-event rank(s) {missing} not joined within {grace} s of the restore; "
+                f"resync finished without them: {len(stale)} restored requests that no "
+                "joined rank holds are evicted",
+            )
         logger.info(
             "resync with the engine: %d restored requests still cached, %d evicted",
             len(restored) - len(stale),

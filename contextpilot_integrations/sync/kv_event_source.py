@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from contextpilot_integrations.sync.block_mirror import DEFAULT_MAX_BLOCKS
 from contextpilot_integrations.sync.cache_mirror import CacheMirror
 from contextpilot_integrations.sync.cache_state_source import EvictCallback, SentRequest
 from contextpilot_integrations.sync.subscriber import KVEventSubscriber
@@ -22,7 +23,7 @@ class KVEventSource:
         endpoint, replay_endpoint, topic, dp_size: as for :class:`KVEventSubscriber`.
         on_evict: e.g. ``ContextIndex.evict``.
         page_size: as for :class:`CacheMirror` (None: learnt from the events).
-        max_requests: as for :class:`CacheMirror`.
+        max_requests, max_blocks: as for :class:`CacheMirror`.
         replay_timeout_s: as for :class:`KVEventSubscriber`.
     """
 
@@ -36,9 +37,12 @@ class KVEventSource:
         dp_size: int = 1,
         page_size: int | None = None,
         max_requests: int = 100_000,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
         replay_timeout_s: float = 2.0,
     ) -> None:
-        self.mirror = CacheMirror(on_evict, page_size=page_size, max_requests=max_requests)
+        self.mirror = CacheMirror(
+            on_evict, page_size=page_size, max_requests=max_requests, max_blocks=max_blocks
+        )
         self.subscriber = KVEventSubscriber(
             endpoint,
             replay_endpoint,

@@ -17,16 +17,36 @@ Wire format (SGLang ``sglang/srt/disaggregation/kv_events.py``, vLLM
 Fields added by later releases (``medium``, ``cache_salt``, ``session_id``, ``lora_name``,
 vLLM's ``extra_keys``...) are tolerated: unknown map keys and extra trailing array items are
 ignored, missing optional fields take their defaults. Block hashes are opaque ids taken from the
-engine (SGLang: signed 64-bit ints; recent vLLM: bytes); they are never recomputed here.
+engine (SGLang: signed 64-bit ints; recent vLLM: bytes); they are never recomputed here, only
+brought to one canonical form (:func:`canonical_block_hash`: an int as signed 64 bits, bytes as
+they are), so that a hash published unsigned matches its signed twin.
+
+Hostile or broken input (the decoder reads whatever arrives on the engine's socket):
+
+- a frame that is not a batch, larger than :data:`MAX_PAYLOAD_BYTES`, with more than
+  :data:`MAX_EVENTS_PER_BATCH` events, or nested deeper than msgspec's recursion guard (the
+  interpreter's recursion limit, 1,000 frames by default, less the caller's own stack; a real
+  batch nests 5 levels) raises :exc:`MalformedEventBatchError`: the caller counts and drops it;
+- an event of the batch that does not decode (a missing, mistyped or shifted field, a string
+  longer than :data:`MAX_STRING_LENGTH`, more than :data:`MAX_HASHES_PER_EVENT` hashes or
+  :data:`MAX_TOKENS_PER_EVENT` token ids) is counted (:attr:`KVEventDecoder.malformed_events`)
+  and skipped; the rest of its batch is decoded and applied.
+
+The limits are far above what the engines send: a scheduler step stores at most its prefill
+budget plus one page per running request (SGLang ``max_prefill_tokens`` 16,384, vLLM
+``max_num_batched_tokens`` 8,192 by default), a few hundred KB of msgpack; even a 1M-token
+request stored at once at page size 1 (about 14 MB) fits. msgspec checks a length from the
+array header before it allocates the items, so a frame that claims 10^9 items costs nothing.
 
 Public API: :class:`BlockStored`, :class:`BlockRemoved`, :class:`AllBlocksCleared`,
-:class:`KVEventBatch`, :class:`KVEventDecoder`, :exc:`MalformedEventBatchError`.
+:class:`KVEventBatch`, :class:`KVEventDecoder`, :exc:`MalformedEventBatchError`,
+:func:`canonical_block_hash`, the limits (``MAX_*``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Annotated
 
 import msgspec
 
@@ -40,6 +60,55 @@ TokenId = int | tuple[int, ...]
 
 MEDIUM_GPU = "GPU"
 """The medium assumed when an event carries none (events before SGLang 0.5.9, vLLM GPU)."""
+
+MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+"""Largest payload decoded (16 MiB); the subscriber's sockets refuse larger frames outright."""
+
+MAX_EVENTS_PER_BATCH = 100_000
+"""Most events in one batch (an engine step emits about one per request in it)."""
+
+MAX_HASHES_PER_EVENT = 1 << 20
+"""Most block hashes in one event (1,048,576: a 1M-token chain at page size 1)."""
+
+MAX_TOKENS_PER_EVENT = 1 << 22
+"""Most token ids in one event (4,194,304: four 1M-token chains at page size 1)."""
+
+MAX_STRING_LENGTH = 4096
+"""Longest ``medium``, ``cache_salt``, ``session_id`` or ``lora_name`` (a rid is at most 512)."""
+
+_INT64_MIN, _INT64_MAX, _UINT64_SPAN = -(1 << 63), (1 << 63) - 1, 1 << 64
+
+_Hashes = Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_HASHES_PER_EVENT)]
+_Tokens = Annotated[
+    list[int | Annotated[tuple[int, ...], msgspec.Meta(max_length=16)]],
+    msgspec.Meta(max_length=MAX_TOKENS_PER_EVENT),
+]
+_Text = Annotated[str, msgspec.Meta(max_length=MAX_STRING_LENGTH)]
+_BlockSize = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS_PER_EVENT)]
+
+
+def canonical_block_hash(block_hash: object) -> BlockHash:
+    """The one form of ``block_hash`` kept inside the mirror.
+
+    An int becomes its signed 64-bit value (SGLang's form: ``2**64 - 5`` and ``-5`` are the
+    same hash, as an engine that packs it unsigned and one that packs it signed both mean);
+    bytes stay bytes (vLLM's hashes: never compared with ints).
+
+    Raises:
+        ValueError: an int outside ``[-2**63, 2**64)``, or neither an int nor bytes (bool
+            included).
+    """
+    kind = type(block_hash)
+    if kind is int:
+        value: int = block_hash  # type: ignore[assignment]
+        if _INT64_MIN <= value <= _INT64_MAX:
+            return value
+        if _INT64_MAX < value < _UINT64_SPAN:
+            return value - _UINT64_SPAN
+        raise ValueError(f"block hash {value} does not fit 64 bits")
+    if kind is bytes:
+        return block_hash  # type: ignore[return-value]
+    raise ValueError(f"block hash must be an int or bytes, got {kind.__name__}")
 
 
 class KVCacheEvent(msgspec.Struct, frozen=True, gc=False, tag_field="type"):
@@ -57,22 +126,22 @@ class BlockStored(KVCacheEvent, frozen=True, tag="BlockStored"):
     ``token_ids`` holds ``block_size`` ids per page, pages in order.
     """
 
-    block_hashes: list[BlockHash]
+    block_hashes: _Hashes
     parent_block_hash: BlockHash | None = None
-    token_ids: list[TokenId] = []
-    block_size: int = 0
+    token_ids: _Tokens = []
+    block_size: _BlockSize = 0
     lora_id: int | None = None
-    medium: str | None = None
-    cache_salt: str | None = None
-    session_id: str | None = None
-    lora_name: str | None = None
+    medium: _Text | None = None
+    cache_salt: _Text | None = None
+    session_id: _Text | None = None
+    lora_name: _Text | None = None
 
 
 class BlockRemoved(KVCacheEvent, frozen=True, tag="BlockRemoved"):
     """Pages dropped from ``medium`` (None means GPU)."""
 
-    block_hashes: list[BlockHash]
-    medium: str | None = None
+    block_hashes: _Hashes
+    medium: _Text | None = None
 
 
 class AllBlocksCleared(KVCacheEvent, frozen=True, tag="AllBlocksCleared"):
@@ -82,19 +151,19 @@ class AllBlocksCleared(KVCacheEvent, frozen=True, tag="AllBlocksCleared"):
 class _StoredMetadata(msgspec.Struct, gc=False):
     """SGLang 0.5.18's ``BlockStoredMetadata``: a map trailing a salted positional BlockStored."""
 
-    cache_salt: str | None = None
+    cache_salt: _Text | None = None
 
 
 class _PositionalBlockStored(KVCacheEvent, frozen=True, array_like=True, tag="BlockStored"):
     """``["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, metadata]``;
     ``metadata`` (``{"cache_salt": ...}``) only in SGLang 0.5.18 for salted requests."""
 
-    block_hashes: list[BlockHash]
+    block_hashes: _Hashes
     parent_block_hash: BlockHash | None = None
-    token_ids: list[TokenId] = []
-    block_size: int = 0
+    token_ids: _Tokens = []
+    block_size: _BlockSize = 0
     lora_id: int | None = None
-    medium: str | None = None
+    medium: _Text | None = None
     metadata: _StoredMetadata | None = None
 
     def normalised(self) -> BlockStored:
@@ -110,8 +179,8 @@ class _PositionalBlockStored(KVCacheEvent, frozen=True, array_like=True, tag="Bl
 
 
 class _PositionalBlockRemoved(KVCacheEvent, frozen=True, array_like=True, tag="BlockRemoved"):
-    block_hashes: list[BlockHash]
-    medium: str | None = None
+    block_hashes: _Hashes
+    medium: _Text | None = None
 
     def normalised(self) -> BlockRemoved:
         return BlockRemoved(block_hashes=self.block_hashes, medium=self.medium)
@@ -141,14 +210,26 @@ class KVEventBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 class _RawBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
-    events: list[msgspec.Raw]
+    events: Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH)]
     dp_rank: int | None = None
 
 
-class MalformedEventBatchError(ValueError):
-    """A payload that is not a KV-event batch in either wire shape.
+class _MapKind(msgspec.Struct, gc=False):
+    """The tag of a map event that failed typed decoding (other keys are skipped unread)."""
 
-    The message names the failing field (msgspec's path, e.g. ``$[1][0]``) and the cause.
+    type: _Text | None = None
+
+
+class _ArrayKind(msgspec.Struct, array_like=True, gc=False):
+    """The tag of a positional event that failed typed decoding (the rest is skipped)."""
+
+    kind: _Text | None = None
+
+
+class MalformedEventBatchError(ValueError):
+    """A payload that is not a KV-event batch in either wire shape (or breaks a limit).
+
+    The message names the failing field (msgspec's path, e.g. ``$[1]``) and the cause.
     """
 
 
@@ -160,8 +241,9 @@ class KVEventDecoder:
     """Decodes msgpack payloads of either wire shape into :class:`KVEventBatch`.
 
     One instance per thread (msgspec decoders hold no shared state, but reuse saves setup).
-    Events of a kind not listed in :data:`EVENT_KINDS` (a newer engine) are skipped and
-    counted in :attr:`unknown_events`, so that the known events of the batch still apply.
+    An event that does not decode is skipped, so that the rest of its batch still applies:
+    counted in :attr:`unknown_events` when it names a kind not in :data:`EVENT_KINDS` (a newer
+    engine), else in :attr:`malformed_events` (logged, the first 10 at warning level).
     """
 
     def __init__(self) -> None:
@@ -170,7 +252,10 @@ class KVEventDecoder:
             _PositionalBlockStored | _PositionalBlockRemoved | _PositionalAllBlocksCleared
         )
         self._mapped = msgspec.msgpack.Decoder(KVEvent)
+        self._map_kind = msgspec.msgpack.Decoder(_MapKind)
+        self._array_kind = msgspec.msgpack.Decoder(_ArrayKind)
         self.unknown_events = 0
+        self.malformed_events = 0
 
     def decode(self, payload: bytes | memoryview) -> KVEventBatch:
         """Decode one payload.
@@ -179,16 +264,25 @@ class KVEventDecoder:
             payload: the third frame of a published message.
 
         Returns:
-            the batch, events in publication order.
+            the batch, its decodable events in publication order.
 
         Raises:
-            MalformedEventBatchError: the payload is not a batch, or an event of a known kind
-                has a missing or mistyped field.
+            MalformedEventBatchError: the payload is not a batch, or breaks a limit of the
+                module docstring (size, event count, nesting depth). An event that does not
+                decode never raises: it is counted and skipped.
         """
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            raise MalformedEventBatchError(
+                f"bad KV-event batch: {len(payload)} bytes, more than {MAX_PAYLOAD_BYTES}"
+            )
         try:
             raw = self._batch.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except msgspec.DecodeError as exc:  # ValidationError included
             raise MalformedEventBatchError(f"bad KV-event batch: {exc}") from exc
+        except RecursionError as exc:
+            raise MalformedEventBatchError(
+                "bad KV-event batch: nested deeper than the decoder's recursion limit"
+            ) from exc
         events: list[KVEvent] = []
         for index, raw_event in enumerate(raw.events):
             event = self._decode_event(raw_event, index)
@@ -203,28 +297,31 @@ class KVEventDecoder:
             if is_map:
                 return self._mapped.decode(data)
             return self._positional.decode(data).normalised()
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            kind = _event_kind(data, is_map)
-            if isinstance(kind, str) and kind not in EVENT_KINDS:
+        except (msgspec.DecodeError, RecursionError) as exc:
+            kind = self._kind(data, is_map)
+            if kind is not None and kind not in EVENT_KINDS:
                 self.unknown_events += 1
                 logger.debug("skipping KV event of unknown kind %r", kind)
                 return None
-            raise MalformedEventBatchError(
-                f"bad KV event at events[{index}] (kind {kind!r}): {exc}"
-            ) from exc
+            self.malformed_events += 1
+            cause = str(exc) if isinstance(exc, msgspec.DecodeError) else "nested too deep"
+            logger.log(
+                logging.WARNING if self.malformed_events <= 10 else logging.DEBUG,
+                "skipping malformed KV event at events[%d] (kind %r): %s",
+                index,
+                kind,
+                cause,
+            )
+            return None
 
-
-def _event_kind(data: memoryview, is_map: bool) -> Any:
-    """The tag of an event that failed typed decoding, or None when there is none."""
-    try:
-        generic = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError:
-        return None
-    if is_map and isinstance(generic, dict):
-        return generic.get("type")
-    if isinstance(generic, list) and generic:
-        return generic[0]
-    return None
+    def _kind(self, data: memoryview, is_map: bool) -> str | None:
+        """The tag of an event that failed typed decoding; None when it has no string tag."""
+        try:
+            if is_map:
+                return self._map_kind.decode(data).type
+            return self._array_kind.decode(data).kind
+        except (msgspec.DecodeError, RecursionError):
+            return None
 
 
 # Field order of the positional shape: the struct order of SGLang 0.5.18 (vLLM 0.9 stops at

@@ -6,15 +6,16 @@ rank:
 
 - first message (or first after a restart) with seq > 0: the batches before it are fetched
   from the replay socket starting at 0; when that fails the rank is resynchronised;
-- seq > expected: a gap; the missing range is fetched from the replay socket and applied in
-  order before the live batch (``repaired``). The replay returns everything buffered from the
-  missing seq on, so the batches after the live one are applied at once too, and their live
-  copies (same seq, same payload) skipped: one replay covers every gap up to the publisher's
-  head. When replay is not configured, times out or no longer holds the whole range, the rank
-  is resynchronised (the receiver forgets what it believes cached there), then the contiguous
-  tail the replay did return is applied;
+- seq > expected: a gap (once confirmed: below); the missing range is fetched from the replay
+  socket and applied in order before the live batch (``repaired``). The replay returns
+  everything buffered from the missing seq on, so the batches after the live one are applied
+  at once too, and their live copies (same seq, same payload) skipped: one replay covers every
+  gap up to the publisher's head. When replay is not configured, times out or no longer holds
+  the whole range, the rank is resynchronised (the receiver forgets what it believes cached
+  there), then the contiguous tail the replay did return is applied;
 - seq < expected (and not the live copy of a batch a replay already applied): the publisher
-  restarted (a new engine process, empty cache): resync, then the first-message rule;
+  restarted (a new engine process, empty cache), once confirmed (below): resync, then the
+  first-message rule;
 - after the SUB socket reconnects (a ZMQ socket monitor reports it), the new stream may have
   passed the old sequence number already, which seq alone cannot tell from a gap. So the
   replay socket is asked for batch ``expected - 1``: the same publisher returns the very
@@ -22,13 +23,35 @@ rank:
 - idle: when a rank has been silent for ``idle_probe_s``, the replay socket is asked for
   anything from the expected seq on. This finds a lost *last* message (no later message would
   reveal the gap) and the batches a subscriber missed by joining after the engine went quiet.
-  While the replay socket does not answer (engine down), probes back off to 30 s.
+  While the replay socket does not answer (engine down), probes back off to 30 s. A publisher
+  that answers with an empty buffer has published nothing: the rank counts as joined.
+
+Absurd sequence numbers. A resync forgets everything believed cached on the rank, so one stray
+frame must not cause one (nor the second one that would follow when the true stream resumes
+"behind" it). Hence:
+
+- a seq of :data:`MAX_PLAUSIBLE_SEQ` (2^56) or more is refused outright: a publisher counting
+  one million batches a second reaches it after 2,284 years (2^64 - 1, the replay end marker's
+  sequence frame, is one such);
+- a frame out of line (a gap, or a step back that is no known duplicate) changes nothing
+  until it is confirmed. The replay socket confirms it: a gap's live seq must be one the
+  publisher published (its buffer holds that seq with that payload, or has moved past it); a
+  step back is a restart only when the publisher holds this seq with this payload and has not
+  reached ``expected - 1`` yet (a new process: the same publisher would return what was applied
+  there, and the frame is a late copy). Without an answer (no replay socket, or it does not
+  answer) the frame is held: the next message confirms it when it continues from the held
+  frame rather than from ``expected``, and so does a silence of ``hold_s``;
+- a frame that is not confirmed is dropped and counted (``bad_sequence``); the stream goes on
+  from ``expected`` as if it never came;
+- a stray frame that carries exactly the expected seq cannot be told from the engine's batch:
+  it is applied (a payload that does not decode changes nothing); when the publisher's own
+  batch of that seq follows, the replay shows it is the publisher's and it is applied too.
 
 :class:`RankStream` holds that state and applies those rules; the
 :class:`~contextpilot_integrations.sync.subscriber.KVEventSubscriber` owns the sockets and the
 thread, and hands each received message to :meth:`RankStream.on_message`.
 
-Public API: :class:`RankStream`.
+Public API: :class:`RankStream`, :data:`MAX_PLAUSIBLE_SEQ`.
 """
 
 from __future__ import annotations
@@ -39,13 +62,17 @@ from collections.abc import Callable
 
 from contextpilot_integrations.sync.replay_client import ReplayClient
 
-__all__ = ["RankStream"]
+__all__ = ["MAX_PLAUSIBLE_SEQ", "RankStream"]
 
 logger = logging.getLogger(__name__)
+
+MAX_PLAUSIBLE_SEQ = 1 << 56
+"""Sequence numbers from here on are refused (see the module docstring)."""
 
 _MAX_PROBE_BACKOFF_S = 30.0
 _RECONNECT_PROBE_DELAY_S = 0.2
 _PROBE_TIMEOUT_S = 0.5
+_HOLD_S = 1.0
 
 
 class RankStream:
@@ -58,7 +85,9 @@ class RankStream:
         resync: ``resync()``: the stream lost continuity; forget what the rank caches.
         replay_attempts: replay requests made for one gap before resynchronising.
         idle_probe_s: silence after which the replay socket is probed; None: never.
-        clock: monotonic seconds, for the probe schedule.
+        hold_s: how long an unconfirmed frame waits for the next message before it counts as
+            confirmed (see the module docstring).
+        clock: monotonic seconds, for the probe and hold schedules.
 
     Touched only by the subscriber's thread, except :attr:`expected`, :attr:`joined` and
     :attr:`counters` (plain values), read for stats. The sequence state outlives the thread:
@@ -73,6 +102,7 @@ class RankStream:
         resync: Callable[[], None],
         replay_attempts: int,
         idle_probe_s: float | None,
+        hold_s: float = _HOLD_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.rank = rank
@@ -83,12 +113,22 @@ class RankStream:
         moves once the batch before it is delivered."""
         self.joined = False
         """The first batch and the replay of what preceded it are applied."""
-        self.counters = {"replayed": 0, "gaps": 0, "repaired": 0, "probes": 0, "restarts": 0}
+        self.counters = {
+            "replayed": 0,
+            "gaps": 0,
+            "repaired": 0,
+            "probes": 0,
+            "restarts": 0,
+            "bad_sequence": 0,
+        }
         self._deliver = deliver
         self._resync = resync
         self._replay_attempts = replay_attempts
         self._idle_probe_s = idle_probe_s
+        self._hold_s = hold_s
         self._clock = clock
+        # An out-of-line frame waiting for confirmation: (seq, payload, confirmed at).
+        self._held: tuple[int, bytes, float] | None = None
         self._suspect = False  # reconnected: the publisher may be a new process
         self._last_payload: bytes | None = None
         # Batches applied from a replay that the SUB socket may still deliver: seq -> payload.
@@ -124,38 +164,34 @@ class RankStream:
         return self._clock() >= self._next_probe
 
     def on_message(self, seq: int, payload: bytes) -> None:
-        """A live message: apply it in order, repairing what precedes it first."""
+        """A live message: apply it in order, repairing what precedes it first (see the module
+        docstring for the rules)."""
+        if seq >= MAX_PLAUSIBLE_SEQ:
+            self._reject(seq, "implausible sequence number")
+            return
         if self._suspect:
             self._check_same_publisher()
-        if self.expected is not None and seq < self.expected:
-            if self._duplicates.pop(seq, None) == payload:
-                return  # already applied from a replay
-            self.counters["restarts"] += 1
-            logger.warning(
-                "KV events rank %d: seq went back from %d to %d: publisher restarted",
-                self.rank,
-                self.expected,
-                seq,
-            )
-            self._rejoin()
-        self._duplicates.clear()
+        if self._held is not None:
+            self._resolve_held(seq)
         if self.expected is None:
-            self.expected = seq
-            if seq > 0:  # batches 0 .. seq - 1 were missed
-                self.counters["gaps"] += 1
-                self._repair(0, seq)
-        elif seq > self.expected:
-            self.counters["gaps"] += 1
-            logger.info(
-                "KV events rank %d: gap, expected seq %d, got %d; repairing",
-                self.rank,
-                self.expected,
-                seq,
-            )
-            self._repair(self.expected, seq)
-        if seq >= self.expected:  # else the repair applied it from the replay
+            self._join(seq, payload)
+        elif seq == self.expected:
+            self._duplicates.clear()
             self._apply(seq, payload)
-        self.joined = True
+        elif seq > self.expected:
+            self._gap(seq, payload)
+        elif self._duplicates.pop(seq, None) != payload:  # else applied from a replay already
+            self._step_back(seq, payload)
+
+    def tick(self) -> None:
+        """The rank's socket had nothing to read: confirm a held frame whose wait is over, else
+        probe when due."""
+        if self._held is not None:
+            if self._clock() >= self._held[2]:
+                self._resolve_held(None)
+            return
+        if self.probe_due():
+            self.probe()
 
     def probe(self) -> None:
         """Ask the replay socket for batches from the expected seq after a silence."""
@@ -171,8 +207,12 @@ class RankStream:
         else:
             self._probe_backoff_s = self._idle_probe_s
         self._next_probe = self._clock() + self._probe_backoff_s
-        newer = sorted(seq for seq in (replayed or {}) if seq >= start)
-        if not newer or replayed is None:
+        if replayed is None:
+            return
+        newer = sorted(seq for seq in replayed if seq >= start)
+        if not newer:
+            if not replayed and self.expected is None:
+                self.joined = True  # the publisher has published nothing: nothing to mirror
             return
         self.counters["gaps"] += 1
         if newer[0] == start:
@@ -198,11 +238,131 @@ class RankStream:
         self._resync()
         self.expected = None
         self.joined = False
+        self._held = None
+
+    def _join(self, seq: int, payload: bytes) -> None:
+        """The first message (since the start or a restart)."""
+        if seq > 0:  # batches 0 .. seq - 1 were missed
+            answer = self._replay_from(0)
+            if answer is not None and not _published(answer, seq, payload):
+                self._reject(seq, "not in the publisher's replay buffer")
+                return
+            self.counters["gaps"] += 1
+            self._repair(0, seq, answer)
+        if self.expected is None:
+            self.expected = seq
+        if seq >= self.expected:  # else the repair applied it
+            self._apply(seq, payload)
+        self.joined = True
+
+    def _gap(self, seq: int, payload: bytes) -> None:
+        assert self.expected is not None
+        answer = self._replay_from(self.expected)
+        if answer is None:
+            self._hold(seq, payload)
+            return
+        if not _published(answer, seq, payload):
+            self._reject(seq, "not in the publisher's replay buffer")
+            return
+        self._fill_gap(seq, payload, answer)
+
+    def _fill_gap(self, seq: int, payload: bytes, answer: dict[int, bytes] | None) -> None:
+        assert self.expected is not None
+        self.counters["gaps"] += 1
+        logger.info(
+            "KV events rank %d: gap, expected seq %d, got %d; repairing",
+            self.rank,
+            self.expected,
+            seq,
+        )
+        self._duplicates.clear()
+        self._repair(self.expected, seq, answer)
+        if seq >= self.expected:  # else the repair applied it from the replay
+            self._apply(seq, payload)
+        self.joined = True
+
+    def _step_back(self, seq: int, payload: bytes) -> None:
+        """``seq < expected``, not the live copy of a replayed batch: a restart once confirmed."""
+        assert self.expected is not None
+        answer = self.replay.request(seq) if self.replay is not None else None
+        if answer is None:
+            self._hold(seq, payload)
+            return
+        last = self.expected - 1
+        if answer.get(seq) != payload:
+            self._reject(seq, "a step back the publisher does not confirm")
+        elif last not in answer:  # it sent this, and has not reached our position: restarted
+            self._restarted(seq, payload)
+        elif answer[last] == self._last_payload:
+            pass  # the same publisher: a late copy of a batch applied already
+        elif seq == last:
+            # What was applied as ``last`` was a stray that took the publisher's seq; this is
+            # the publisher's own batch (the stray decoded to nothing or was refused).
+            self._apply(seq, payload)
+        else:
+            self._reject(seq, "a step back the publisher does not confirm")
+
+    def _restarted(self, seq: int, payload: bytes) -> None:
+        self.counters["restarts"] += 1
+        logger.warning(
+            "KV events rank %d: seq went back from %s to %d: publisher restarted",
+            self.rank,
+            self.expected,
+            seq,
+        )
+        self._rejoin()
+        self._duplicates.clear()
+        self._join(seq, payload)
+
+    def _hold(self, seq: int, payload: bytes) -> None:
+        """Keep an out-of-line frame until the next message or ``hold_s`` decides on it."""
+        self._held = (seq, payload, self._clock() + self._hold_s)
+
+    def _resolve_held(self, next_seq: int | None) -> None:
+        """Confirm the held frame (``next_seq``: the message that followed it; None: the wait
+        is over) or drop it when the next message continues from ``expected`` instead."""
+        assert self._held is not None and self.expected is not None
+        seq, payload, _ = self._held
+        self._held = None
+        expected = self.expected
+        if next_seq is not None and abs(next_seq - (seq + 1)) >= abs(next_seq - expected):
+            self._reject(seq, "the stream went on without it")
+        elif seq > expected:
+            self._fill_gap(seq, payload, None)  # no answer from the replay: resync
+        else:
+            self._restarted(seq, payload)
+
+    def _reject(self, seq: int, why: str) -> None:
+        self.counters["bad_sequence"] += 1
+        # The first few at warning level, the rest at debug: a bad peer must not flood logs.
+        level = logging.WARNING if self.counters["bad_sequence"] <= 10 else logging.DEBUG
+        logger.log(
+            level,
+            "KV events rank %d: dropping a frame with seq %d (expected %s): %s",
+            self.rank,
+            seq,
+            self.expected,
+            why,
+        )
+
+    def _replay_from(self, start: int) -> dict[int, bytes] | None:
+        """The replay socket's batches from ``start`` on (None: no socket, or no answer after
+        ``replay_attempts`` tries: a resync drops everything believed cached, worth a retry on
+        a busy machine)."""
+        if self.replay is None:
+            return None
+        for _ in range(self._replay_attempts):
+            answer = self.replay.request(start)
+            if answer is not None:
+                return answer
+        return None
 
     def _check_same_publisher(self) -> None:
         """After a reconnect: compare the publisher's batch ``expected - 1`` with the payload
-        last applied; on a mismatch the publisher restarted (resync, then join afresh)."""
+        last applied; on a mismatch the publisher restarted (resync, then join afresh). A frame
+        held for confirmation is dropped: the replay answer speaks for the publisher now."""
         self._suspect = False
+        self._held = None
         if self.expected is None or self.expected == 0 or self.replay is None:
             return
         last = self.expected - 1
@@ -225,22 +385,15 @@ class RankStream:
         self._last_payload = None
         self._duplicates.clear()
 
-    def _repair(self, start: int, end: int) -> None:
+    def _repair(self, start: int, end: int, answer: dict[int, bytes] | None) -> None:
         """Fill batches ``start .. end - 1`` (``end``: the live batch in hand) from the replay
-        socket; resync when they cannot all be had.
+        socket's ``answer`` (None: no answer); resync when they cannot all be had.
 
         The replay returns every buffered batch from ``start`` on, also those after ``end``
         that the SUB socket will deliver again: they are applied at once (one replay covers
         every gap up to the publisher's head) and their live copies are skipped.
         """
-        replayed = None
-        for _ in range(self._replay_attempts if self.replay is not None else 0):
-            # A resync drops everything believed cached: worth a retry on a busy machine.
-            assert self.replay is not None
-            replayed = self.replay.request(start)
-            if replayed is not None:
-                break
-        replayed = replayed or {}
+        replayed = answer or {}
         run_start = end
         while run_start > start and run_start - 1 in replayed:
             run_start -= 1
@@ -274,3 +427,11 @@ class RankStream:
         self._deliver(seq, payload)
         # Only now: a reader of ``expected`` (stats) may take it as "applied up to here".
         self.expected = seq + 1
+
+
+def _published(answer: dict[int, bytes], seq: int, payload: bytes) -> bool:
+    """Whether a replay ``answer`` (batches from some start <= ``seq``) shows that the publisher
+    sent ``payload`` as ``seq``: it holds it, or its buffer has already moved past ``seq``."""
+    if seq in answer:
+        return answer[seq] == payload
+    return bool(answer) and min(answer) > seq

@@ -43,6 +43,8 @@ class ReplayClient:
         rank: the data-parallel rank, for log messages.
         on_malformed: called with a description of each reply that has neither form (the reply
             is skipped).
+        max_message_bytes: frames larger than this are refused by the socket (ZMQ's
+            ``MAXMSGSIZE``: the request then fails); None: no limit.
     """
 
     def __init__(
@@ -53,8 +55,10 @@ class ReplayClient:
         timeout_s: float,
         rank: int = 0,
         on_malformed: Callable[[str], object] | None = None,
+        max_message_bytes: int | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._max_message_bytes = max_message_bytes
         self.timeout_s = timeout_s
         self._context = context
         self._rank = rank
@@ -82,6 +86,8 @@ class ReplayClient:
             socket = self._socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SNDTIMEO, 0)
+            if self._max_message_bytes is not None:
+                socket.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
             socket.connect(self.endpoint)
         # An inactivity timeout: a long replay (up to the publisher's whole buffer) is fine as
         # long as frames keep coming.

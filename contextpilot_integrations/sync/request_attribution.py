@@ -46,18 +46,27 @@ from collections.abc import Sequence
 from typing import Any
 
 from contextpilot_integrations.core.lru import LRU
-from contextpilot_integrations.sync.block_mirror import BlockMirror, PageKey, StoredPage
+from contextpilot_integrations.sync.block_mirror import (
+    BlockMirror,
+    PackedTokens,
+    PageKey,
+    StoredPage,
+    pack_tokens,
+    packed_length,
+    packed_page,
+)
 from contextpilot_integrations.sync.kv_events import BlockHash
 
 __all__ = ["RequestAttribution"]
 
 
 class _Request:
-    __slots__ = ("rid", "token_ids", "attached", "progress")
+    __slots__ = ("rid", "token_ids", "length", "attached", "progress")
 
-    def __init__(self, rid: str, token_ids: tuple[Any, ...] | None) -> None:
+    def __init__(self, rid: str, token_ids: PackedTokens | None) -> None:
         self.rid = rid
-        self.token_ids = token_ids
+        self.token_ids = token_ids  # packed (block_mirror.pack_tokens): 8 bytes per id
+        self.length = 0 if token_ids is None else packed_length(token_ids)  # token ids
         # rank -> deepest attributed block hashes (one per chain the request stored).
         self.attached: dict[int, set[BlockHash]] = {}
         # rank -> (deepest matched hash or None, number of pages matched) for token matching.
@@ -104,7 +113,7 @@ class RequestAttribution:
     def register(self, rid: str, token_ids: Sequence[Any]) -> int:
         """Track ``rid`` by its prompt tokens (replacing what was tracked of it) and match it on
         every rank; returns the number of whole pages already cached (deepest over ranks)."""
-        tokens = tuple(t if isinstance(t, tuple) else int(t) for t in token_ids)
+        tokens = pack_tokens(token_ids)
         request = self._requests.peek(rid)
         if request is not None:
             self._drop(request)
@@ -282,7 +291,7 @@ class RequestAttribution:
         size = self._blocks.page_size(rank)
         if request.token_ids is None or size is None or rank in request.progress:
             return 0
-        total = len(request.token_ids) // size
+        total = request.length // size
         deepest: BlockHash | None = None
         matched = 0
         while matched < total:
@@ -314,7 +323,7 @@ class RequestAttribution:
     ) -> None:
         assert request.token_ids is not None
         request.progress[rank] = (deepest, matched)
-        if matched == len(request.token_ids) // size:
+        if matched == request.length // size:
             if deepest is not None:
                 self._attach(rank, request, deepest)
             return
@@ -331,7 +340,7 @@ class RequestAttribution:
         if progress is None or size is None or request.token_ids is None:
             return
         deepest, matched = progress
-        if matched >= len(request.token_ids) // size:
+        if matched >= request.length // size:
             return
         marks = self._marks.get(rank)
         if marks is None:
@@ -352,7 +361,7 @@ class RequestAttribution:
 
 def _page(request: _Request, size: int, index: int) -> PageKey:
     assert request.token_ids is not None
-    return request.token_ids[index * size : (index + 1) * size]
+    return packed_page(request.token_ids, size, index)
 
 
 def _discard(table: dict[Any, set[str]], key: Any, rid: str) -> None:

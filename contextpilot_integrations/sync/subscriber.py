@@ -15,8 +15,21 @@ rules (gap repair by replay, restart detection, resync, idle probes: see
 decoded (:mod:`~contextpilot_integrations.sync.kv_events`) and passed to ``on_batch``.
 
 Malformed messages (wrong frame count, bad sequence frame, undecodable payload) are logged,
-counted and skipped; their sequence number, when readable, still counts as received. A
+counted and skipped; their sequence number, when readable, still counts as received. A bad
+event inside a good batch is skipped by the decoder, its batch-mates applied. Frames larger
+than :data:`~contextpilot_integrations.sync.kv_events.MAX_PAYLOAD_BYTES` are refused by the
+sockets themselves (ZMQ's ``MAXMSGSIZE``: the peer is disconnected, then reconnects). A
 handler exception is logged and counted; the stream goes on (DESIGN.md invariant 5).
+
+The thread never dies of an error: any unexpected exception closes the sockets, is counted
+(``thread_restarts``) and logged (the first with its traceback at warning level, later ones at
+debug), and the thread opens new sockets after a pause (0.1 s, doubling to 5 s while it keeps
+failing, back to 0.1 s after a minute without failure) and goes on from the sequence state it
+had: the replay repairs what was missed, ``connected`` follows the new sockets. Only
+:meth:`KVEventSubscriber.stop` ends it.
+
+Nothing here needs an asyncio event loop: events are decoded and applied, and ``on_batch`` /
+``on_resync`` run, on the subscriber's own thread.
 
 Connecting before the engine binds is fine: ZMQ connects in the background and retries.
 Note that ZMQ PUB/SUB drops messages published before a subscription reaches the publisher;
@@ -28,6 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +49,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from contextpilot_integrations.sync.kv_events import (
+    MAX_PAYLOAD_BYTES,
     KVEventBatch,
     KVEventDecoder,
     MalformedEventBatchError,
@@ -45,6 +60,10 @@ from contextpilot_integrations.sync.replay_client import ReplayClient
 __all__ = ["BatchHandler", "KVEventSubscriber", "ResyncHandler", "rank_endpoint"]
 
 logger = logging.getLogger(__name__)
+
+_RESTART_PAUSE_S = 0.1
+_MAX_RESTART_PAUSE_S = 5.0
+_HEALTHY_RUN_S = 60.0
 
 BatchHandler = Callable[[int, KVEventBatch], object]
 """``on_batch(rank, batch)``: called in sequence order on the subscriber's thread."""
@@ -192,6 +211,7 @@ class KVEventSubscriber:
             "disconnects": 0,
             "malformed": 0,
             "handler_errors": 0,
+            "thread_restarts": 0,
         }
 
     # ----------------------------------------------------------------------------------------
@@ -251,16 +271,21 @@ class KVEventSubscriber:
         self.stop()
 
     def stats(self) -> dict[str, Any]:
-        """Counters (received, applied, replayed, gaps, repaired, probes, resyncs, restarts,
-        connects, disconnects, malformed, handler_errors, unknown_events), and per rank
-        ``expected_seq``, ``joined`` (the first batch and the replay of what preceded it are
-        applied: the mirror reflects the engine) and ``connected`` (SUB socket connected now).
+        """Counters (received, applied, replayed, gaps, repaired, probes, resyncs, restarts
+        (of the publisher), bad_sequence (frames dropped for a sequence number that did not fit:
+        :mod:`~contextpilot_integrations.sync.rank_stream`), connects, disconnects, malformed
+        (frames), malformed_events and unknown_events (events skipped inside decoded batches),
+        handler_errors, thread_restarts (of this subscriber's thread, after an unexpected
+        error)), and per rank ``expected_seq``, ``joined`` (the first batch and the replay of
+        what preceded it are applied: the mirror reflects the engine) and ``connected`` (SUB
+        socket connected now).
         """
         out: dict[str, Any] = dict(self._counters)
         for stream in self._streams:
             for name, count in stream.counters.items():
                 out[name] = out.get(name, 0) + count
         out["unknown_events"] = self._decoder.unknown_events
+        out["malformed_events"] = self._decoder.malformed_events
         out["expected_seq"] = [stream.expected for stream in self._streams]
         out["joined"] = [stream.joined for stream in self._streams]
         out["connected"] = [sockets.connected for sockets in self._sockets]
@@ -271,30 +296,63 @@ class KVEventSubscriber:
     # ----------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        context = zmq.Context()
+        """Open the sockets and follow the streams until :meth:`stop`; after an unexpected
+        error, open them again (see the module docstring). The first opening's error is
+        :meth:`start`'s to raise."""
+        pause = _RESTART_PAUSE_S
+        first = True
+        while True:
+            context = zmq.Context()
+            try:
+                poller = self._open(context)
+            except BaseException as exc:
+                self._close(context)
+                if first:  # surfaced by start()
+                    self._start_error = exc
+                    self._ready.set()
+                    return
+                if not isinstance(exc, Exception):
+                    raise
+                self._restarting(exc)
+            else:
+                if first:
+                    first = False
+                    self._ready.set()
+                followed_since = time.monotonic()
+                try:
+                    self._follow(poller)
+                    return  # stopped
+                except Exception as exc:
+                    self._restarting(exc)
+                finally:
+                    self._close(context)
+                if time.monotonic() - followed_since > _HEALTHY_RUN_S:
+                    pause = _RESTART_PAUSE_S  # an isolated failure: no long pause
+            if self._stop.wait(pause):
+                return
+            pause = min(2 * pause, _MAX_RESTART_PAUSE_S)
+
+    def _open(self, context: zmq.Context) -> zmq.Poller:
+        """Create, connect (or bind) and register every rank's sockets."""
         poller = zmq.Poller()
-        try:
-            for sockets in self._sockets:
-                sub = sockets.sub = context.socket(zmq.SUB)
-                sub.setsockopt(zmq.LINGER, 0)
-                sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-                # ZMQ's default of 1,000 queued messages drops silently under a burst; the
-                # engines' PUB side queues 100,000 (SGLang and vLLM ``hwm``).
-                sub.setsockopt(zmq.RCVHWM, 100_000)
-                sockets.monitor = sub.get_monitor_socket(
-                    zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED
-                )
-                if self._bind:
-                    sub.bind(sockets.endpoint)
-                else:
-                    sub.connect(sockets.endpoint)
-                poller.register(sub, zmq.POLLIN)
-                poller.register(sockets.monitor, zmq.POLLIN)
-        except BaseException as exc:  # surfaced by start()
-            self._start_error = exc
-            self._close(context)
-            self._ready.set()
-            return
+        for sockets in self._sockets:
+            sub = sockets.sub = context.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+            # ZMQ's default of 1,000 queued messages drops silently under a burst; the
+            # engines' PUB side queues 100,000 (SGLang and vLLM ``hwm``).
+            sub.setsockopt(zmq.RCVHWM, 100_000)
+            # A frame larger than the decoder takes is refused before it is allocated.
+            sub.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES)
+            sockets.monitor = sub.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED
+            )
+            if self._bind:
+                sub.bind(sockets.endpoint)
+            else:
+                sub.connect(sockets.endpoint)
+            poller.register(sub, zmq.POLLIN)
+            poller.register(sockets.monitor, zmq.POLLIN)
         for sockets, stream in zip(self._sockets, self._streams, strict=True):
             if sockets.replay_endpoint is not None:
                 stream.replay = ReplayClient(
@@ -303,37 +361,52 @@ class KVEventSubscriber:
                     timeout_s=self._replay_timeout_s,
                     rank=stream.rank,
                     on_malformed=functools.partial(self._count_malformed, stream.rank),
+                    max_message_bytes=MAX_PAYLOAD_BYTES,
                 )
             stream.started()
-        self._ready.set()
-        try:
-            while not self._stop.is_set():
-                ready = dict(poller.poll(self._poll_ms))
-                for sockets, stream in zip(self._sockets, self._streams, strict=True):
-                    if sockets.monitor in ready:
-                        self._on_monitor(sockets, stream)
-                    if sockets.sub in ready:
-                        self._drain(sockets, stream)
-                        stream.heard()
-                    elif stream.probe_due():
-                        stream.probe()
-        except Exception:
-            logger.exception("KV-event subscriber thread failed; events are no longer followed")
-        finally:
-            self._close(context)
+        return poller
+
+    def _follow(self, poller: zmq.Poller) -> None:
+        """The loop: read every rank's messages in order until :meth:`stop`."""
+        while not self._stop.is_set():
+            ready = dict(poller.poll(self._poll_ms))
+            for sockets, stream in zip(self._sockets, self._streams, strict=True):
+                if sockets.monitor in ready:
+                    self._on_monitor(sockets, stream)
+                if sockets.sub in ready:
+                    self._drain(sockets, stream)
+                    stream.heard()
+                else:
+                    stream.tick()
+
+    def _restarting(self, exc: Exception) -> None:
+        self._counters["thread_restarts"] += 1
+        if self._counters["thread_restarts"] == 1:
+            logger.warning(
+                "KV-event subscriber failed (%s: %s); reopening its sockets (later failures "
+                "are logged at debug level and counted as thread_restarts)",
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
+        else:
+            logger.debug("KV-event subscriber failed again; reopening", exc_info=exc)
 
     def _close(self, context: zmq.Context) -> None:
         for sockets, stream in zip(self._sockets, self._streams, strict=True):
-            if sockets.monitor is not None and sockets.sub is not None:
-                sockets.sub.disable_monitor()
-            for socket in (sockets.monitor, sockets.sub):
-                if socket is not None:
-                    socket.close(linger=0)
+            try:
+                if sockets.monitor is not None and sockets.sub is not None:
+                    sockets.sub.disable_monitor()
+                for socket in (sockets.monitor, sockets.sub):
+                    if socket is not None:
+                        socket.close(linger=0)
+                if stream.replay is not None:
+                    stream.replay.close()
+            except zmq.ZMQError:
+                logger.debug("closing the sockets of rank %d failed", stream.rank, exc_info=True)
             sockets.sub = sockets.monitor = None
             sockets.connected = False
-            if stream.replay is not None:
-                stream.replay.close()
-                stream.replay = None
+            stream.replay = None
         context.term()
 
     def _on_monitor(self, sockets: _RankSockets, stream: RankStream) -> None:
@@ -380,6 +453,9 @@ class KVEventSubscriber:
             batch = self._decoder.decode(payload)
         except MalformedEventBatchError as exc:
             self._count_malformed(rank, f"seq {seq}: {exc}")
+            return
+        except Exception as exc:  # never let one payload stop the stream (nor replay it forever)
+            self._count_malformed(rank, f"seq {seq}: {type(exc).__name__}: {exc}")
             return
         self._counters["applied"] += 1
         if self._on_batch is None:

@@ -3,6 +3,8 @@ the eviction rule; wiring to the lead's ContextIndex; a hypothesis model test.""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -345,11 +347,120 @@ def test_a_store_of_no_blocks_attaches_nothing() -> None:
     assert mirror.cached_requests() == set() and mirror.stats()["tracked_requests"] == 0
 
 
-def test_evictions_before_a_bad_item_still_reach_on_evict() -> None:
-    # What the events before a bad item removed is gone from the engine all the same.
+def test_a_bad_item_is_skipped_and_the_rest_of_its_batch_applied() -> None:
+    # Issue 12, finding 2: one bad event dropped its batch-mates (a valid removal included).
     recorder = Recorder()
     mirror = CacheMirror(recorder)
-    mirror.apply_events(0, [stored([1], session="a")])
-    with pytest.raises(TypeError, match="KV event"):
-        mirror.apply_events(0, [BlockRemoved([1]), "not an event"])  # type: ignore[list-item]
-    assert recorder.evicted == ["a"] and mirror.stats()["evicted_requests"] == 1
+    mirror.apply_events(0, [stored([1], session="a"), stored([2], session="b")])
+    bad_items = [
+        "not an event",
+        BlockStored(["x"], None, [], 0),  # type: ignore[list-item]
+        BlockStored([3], 2**70, [], 0),  # a parent that fits no 64 bits
+        BlockRemoved([True]),  # a bool is no hash
+        BlockStored([4], session_id=7),  # type: ignore[arg-type]
+    ]
+    evicted = mirror.apply_events(
+        0,
+        [BlockRemoved([1]), *bad_items, BlockRemoved([2])],  # type: ignore[list-item]
+    )
+    assert evicted == ["a", "b"] and recorder.evicted == ["a", "b"]
+    assert mirror.block_hashes(0) == set()
+    stats = mirror.stats()
+    assert stats["malformed_events"] == len(bad_items) and stats["evicted_requests"] == 2
+
+
+def run_with_timeout(call, timeout_s: float = 5.0):  # type: ignore[no-untyped-def]
+    """``call()`` on a thread; fail (instead of hanging the suite) when it does not return."""
+    result: list[object] = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"did not return within {timeout_s} s: a loop?"
+    return result[0]
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 100])
+def test_cyclic_parents_then_a_removal_return_at_once(length: int) -> None:
+    # Issue 12, finding 1: a block whose parent is itself (length 1), or blocks naming each
+    # other as parents, then a BlockRemoved: the walk of dependents looped forever holding
+    # the mirror's lock (/v1/stats hung, the server needed SIGKILL).
+    recorder = Recorder()
+    mirror = CacheMirror(recorder)
+    cycle = [stored([h], parent=h % length + 1, session=f"s{h}") for h in range(1, length + 1)]
+    run_with_timeout(lambda: mirror.apply_events(0, cycle))
+    for h in range(1, length + 1):
+        run_with_timeout(lambda h=h: mirror.apply_events(0, [BlockRemoved([h])]))
+        run_with_timeout(mirror.stats)  # the lock is free again
+    assert mirror.block_hashes(0) == set()
+    assert len(recorder.evicted) == len(set(recorder.evicted))  # each rid once
+    if length == 1:  # refused as malformed: a block cannot continue itself
+        assert mirror.stats()["malformed_events"] == 1 and recorder.evicted == []
+    else:
+        assert sorted(recorder.evicted) == sorted(f"s{h}" for h in range(1, length + 1))
+
+
+def test_unsigned_and_signed_forms_of_a_hash_are_one_block() -> None:
+    # Issue 12, finding 2: a block stored as an unsigned int was not removed by its signed twin.
+    recorder = Recorder()
+    mirror = CacheMirror(recorder)
+    unsigned, signed = 2**64 - 5, -5
+    mirror.apply_events(0, [stored([unsigned], session="u")])
+    mirror.apply_events(0, [stored([2**63 + 1], parent=signed, session="child")])
+    assert mirror.block_hashes(0) == {signed, -(2**63) + 1}  # one canonical form inside
+    assert mirror.block(unsigned) == mirror.block(signed) is not None
+    assert mirror.block(-(2**63) + 1)["parent"] == signed  # type: ignore[index]
+    assert mirror.request_blocks("u") == {0: {signed}}
+    mirror.apply_events(0, [BlockRemoved([signed])])
+    assert sorted(recorder.evicted) == ["child", "u"]
+    # ... and the other way round; bytes hashes stay bytes, never equal to an int.
+    mirror.apply_events(0, [stored([-7], session="s"), stored([b"\xff" * 8], None, [1, 2])])
+    mirror.apply_events(0, [BlockRemoved([2**64 - 7, 2**64 - 1])])
+    assert b"\xff" * 8 in mirror.block_hashes(0) and -7 not in mirror.block_hashes(0)
+    assert recorder.evicted[-1] == "s"
+
+
+def test_a_session_block_without_tokens_is_evicted_with_its_ancestor() -> None:
+    # The gap the previous helper reported: the walk of a removed block's descendants went
+    # through the token index only, so a block stored without usable token ids was missed.
+    recorder = Recorder()
+    mirror = CacheMirror(recorder)
+    mirror.apply_events(0, [stored([1, 2], session="prefix")])
+    mirror.apply_events(0, [stored([3], parent=2, tokens=[9], session="no-tokens")])
+    assert mirror.block(3)["token_ids"] is None  # type: ignore[index]
+    mirror.apply_events(0, [BlockRemoved([1])])  # vLLM can free an inner block first
+    assert sorted(recorder.evicted) == ["no-tokens", "prefix"]
+
+
+def test_the_block_bound_evicts_the_requests_of_dropped_blocks() -> None:
+    # Issue 12, finding 2: the mirror had no bound of its own (about 1.3 GB per million
+    # blocks). Beyond max_blocks the least recently stored leaf goes, as a removal would.
+    recorder = Recorder()
+    mirror = CacheMirror(recorder, max_blocks=4)
+    mirror.apply_events(0, [stored([1], session="root")])  # a shared prefix
+    mirror.apply_events(0, [stored([10 + k], parent=1, session=f"r{k}") for k in range(3)])
+    assert recorder.evicted == [] and len(mirror.block_hashes(0)) == 4
+    mirror.apply_events(0, [stored([20], parent=1, session="new")])
+    assert recorder.evicted == ["r0"]  # the oldest leaf, not the old (but shared) root
+    assert mirror.block_hashes(0) == {1, 11, 12, 20}
+    mirror.apply_events(0, [stored([30, 31, 32], parent=12, session="long")])
+    # 7 blocks: the three oldest leaves go (11, 20, then 32: 30 and 31 have children).
+    assert recorder.evicted == ["r0", "r1", "new", "long"]
+    assert mirror.block_hashes(0) == {1, 12, 30, 31}
+    assert mirror.stats()["bound_evictions"] == 4 and mirror.cached_requests() == {"root", "r2"}
+    with pytest.raises(ValueError, match="max_blocks"):
+        CacheMirror(max_blocks=0)
+
+
+def test_an_event_removing_a_long_chain_root_first_walks_it_once() -> None:
+    # Each removal of an inner block walks its descendants; an event that removes a long chain
+    # root first must not walk the rest of the chain again for every block (quadratic: about
+    # a minute for these 20,000 blocks before).
+    recorder = Recorder()
+    mirror = CacheMirror(recorder)
+    chain = list(range(1, 20_001))
+    mirror.apply_events(0, [BlockStored(chain, None, chain, block_size=1)])
+    for depth in (5, 500, 19_999):
+        mirror.apply_events(0, [stored([100_000 + depth], parent=depth, session=f"at{depth}")])
+    evicted = run_with_timeout(lambda: mirror.apply_events(0, [BlockRemoved(chain)]), 5.0)
+    assert evicted == ["at19999", "at5", "at500"] and recorder.evicted == evicted
+    assert mirror.block_hashes(0) == {100_005, 100_500, 119_999}

@@ -28,6 +28,10 @@ def test_each_kind_builds_its_source() -> None:
     )
     assert isinstance(events, KVEventSource)
     assert events.subscriber.endpoints == ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"]
+    bounded = build_cache_state_source(
+        {"kind": "kv-events", "endpoint": "tcp://h:1", "max_blocks": 10}, None
+    )
+    assert isinstance(bounded, KVEventSource) and bounded.mirror._blocks.max_blocks == 10
     for source in (ttl, capacity, events):
         assert isinstance(source, CacheStateSource)
 
@@ -42,6 +46,7 @@ def test_each_kind_builds_its_source() -> None:
         ({"kind": "ttl"}, "'provider' or 'ttl_s'"),
         ({"kind": "ttl", "provider": "gemini"}, "$.provider"),
         ({"kind": "ttl", "ttl_s": 5, "colour": "red"}, "colour"),
+        ({"kind": "kv-events", "endpoint": "tcp://h:1", "max_blocks": 0}, "max_blocks"),
     ],
 )
 def test_bad_configuration_names_the_field(settings: dict, message: str) -> None:

@@ -119,18 +119,122 @@ def test_unknown_event_kinds_are_skipped_and_counted() -> None:
         (b"\xc1", "bad KV-event batch"),
         (msgspec.msgpack.encode({"ts": 1}), "bad KV-event batch"),
         (msgspec.msgpack.encode(["now", []]), "bad KV-event batch"),
-        (
-            msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": ["x"]}]]),
-            "events[0] (kind 'BlockStored')",
-        ),
-        (msgspec.msgpack.encode([1.0, [["BlockRemoved"]]]), "events[0] (kind 'BlockRemoved')"),
-        (msgspec.msgpack.encode([1.0, [17]]), "events[0] (kind None)"),
+        (msgspec.msgpack.encode([1.0, 17]), "bad KV-event batch"),
     ],
-    ids=["not-msgpack", "map-batch", "bad-ts", "bad-hash", "missing-field", "not-an-event"],
+    ids=["not-msgpack", "map-batch", "bad-ts", "events-not-a-list"],
 )
-def test_malformed_payloads_raise_a_specific_error(payload: bytes, message: str) -> None:
+def test_a_payload_that_is_no_batch_raises_a_specific_error(payload: bytes, message: str) -> None:
     with pytest.raises(MalformedEventBatchError, match=re.escape(message)):
         KVEventDecoder().decode(payload)
+
+
+GOOD_REMOVAL = ["BlockRemoved", [5], "GPU"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"type": "BlockStored", "block_hashes": ["x"]},  # a hash that is a string
+        ["BlockRemoved"],  # a missing field
+        17,  # not an event at all
+        ["BlockStored", [1, 2], [5, 6, 7, 8], 2, None, "GPU"],  # positional, parent missing
+        ["BlockStored", [1], None, "GPU", [5, 6], 2],  # positional, fields swapped
+        {"type": "BlockStored", "block_hashes": [1], "block_size": -2},
+        {"type": "BlockStored", "block_hashes": [1], "session_id": "s" * 5000},
+        [["BlockRemoved"], [1]],  # the tag is not a string
+    ],
+    ids=[
+        "bad-hash",
+        "missing-field",
+        "not-an-event",
+        "shifted",
+        "swapped",
+        "negative-size",
+        "long-string",
+        "nested-tag",
+    ],
+)
+def test_a_malformed_event_is_skipped_and_its_batch_mates_decoded(bad: object) -> None:
+    # Issue 12, finding 2: one bad event dropped the whole batch, valid removals included.
+    decoder = KVEventDecoder()
+    batch = decoder.decode(msgspec.msgpack.encode([1.0, [GOOD_REMOVAL, bad, GOOD_REMOVAL], 0]))
+    assert [event_kind(e) for e in batch.events] == ["BlockRemoved", "BlockRemoved"]
+    assert decoder.malformed_events == 1 and decoder.unknown_events == 0
+
+
+def test_deep_nesting_is_a_malformed_frame_not_a_recursion_error() -> None:
+    # Issue 12, finding 2: about 1 KB nested 1,000+ deep raised RecursionError out of decode.
+    decoder = KVEventDecoder()
+    for depth in (1_100, 100_000):
+        nested = b"\x91" * depth + b"\x90"
+        as_event = b"\x93\xcb" + b"\x00" * 8 + b"\x91" + nested + b"\xc0"
+        in_a_field = (
+            b"\x93\xcb" + b"\x00" * 8 + b"\x91\x82\xa4type\xabBlockStored\xa1x" + nested + b"\xc0"
+        )
+        for payload in (nested, as_event, in_a_field):
+            with pytest.raises(MalformedEventBatchError, match="bad KV-event batch"):
+                decoder.decode(payload)
+    # Nesting inside one event that still fits the recursion limit: that event is skipped.
+    shallow = msgspec.msgpack.encode([1.0, [GOOD_REMOVAL, {"type": "BlockStored", "x": 1}], 0])
+    shallow = shallow.replace(b"\x01", b"\x91" * 800 + b"\x90")
+    assert len(decoder.decode(shallow).events) == 1 and decoder.malformed_events == 1
+
+
+def batch_of(*events: bytes, count: bytes | None = None) -> bytes:
+    """A msgpack batch ``[0.0, [events...], nil]`` from already encoded events (``count``: the
+    events array's header, to claim another length)."""
+    header = count if count is not None else bytes([0x90 + len(events)])
+    return b"\x93\xcb" + b"\x00" * 8 + header + b"".join(events) + b"\xc0"
+
+
+def array32(length: int) -> bytes:
+    return b"\xdd" + length.to_bytes(4, "big")
+
+
+CLEARED = b"\x91\xb0AllBlocksCleared"
+
+
+def test_sizes_beyond_the_limits_are_refused() -> None:
+    from contextpilot_integrations.sync import kv_events
+
+    decoder = KVEventDecoder()
+    padding = b"\xc6" + kv_events.MAX_PAYLOAD_BYTES.to_bytes(4, "big") + b"\x00" * (1 << 24)
+    with pytest.raises(MalformedEventBatchError, match="bytes, more than"):
+        decoder.decode(batch_of(b"\x92\xacBlockRemoved\x91\x01" + padding))
+    many = kv_events.MAX_EVENTS_PER_BATCH + 1
+    with pytest.raises(MalformedEventBatchError, match=f"length <= {many - 1}"):
+        decoder.decode(batch_of(CLEARED * many, count=array32(many)))
+    # A length is checked from the array header, before any item is read or allocated.
+    with pytest.raises(MalformedEventBatchError, match=f"length <= {many - 1}"):
+        decoder.decode(batch_of(count=array32(2**32 - 1)))
+    limit = kv_events.MAX_HASHES_PER_EVENT
+    over = b"\x92\xacBlockRemoved" + array32(limit + 1) + b"\x01" * (limit + 1)
+    at_limit = b"\x92\xacBlockRemoved" + array32(limit) + b"\x01" * limit
+    batch = decoder.decode(batch_of(over, at_limit, CLEARED))
+    assert [event_kind(e) for e in batch.events] == ["BlockRemoved", "AllBlocksCleared"]
+    assert len(batch.events[0].block_hashes) == limit and decoder.malformed_events == 1
+    tokens = kv_events.MAX_TOKENS_PER_EVENT + 1
+    stored = b"\x94\xabBlockStored\x91\x01\xc0" + array32(tokens) + b"\x01" * tokens
+    assert decoder.decode(batch_of(stored, CLEARED)).events == [AllBlocksCleared()]
+    assert decoder.malformed_events == 2
+
+
+def test_hashes_are_decoded_as_sent_and_made_canonical_by_one_function() -> None:
+    from contextpilot_integrations.sync.kv_events import canonical_block_hash
+
+    unsigned = 2**64 - 5
+    (stored,) = (
+        KVEventDecoder()
+        .decode(msgspec.msgpack.encode([1.0, [["BlockStored", [unsigned], None, [], 0]]]))
+        .events
+    )
+    assert stored.block_hashes == [unsigned]  # the decoder is faithful to the wire
+    assert canonical_block_hash(unsigned) == canonical_block_hash(-5) == -5
+    assert canonical_block_hash(2**63 - 1) == 2**63 - 1
+    assert canonical_block_hash(b"\xff" * 8) == b"\xff" * 8  # bytes stay bytes
+    for bad in (2**64, -(2**63) - 1, True, "5", 1.0):
+        with pytest.raises(ValueError):
+            canonical_block_hash(bad)
 
 
 def test_every_event_kind_is_frozen_in_both_shapes() -> None:

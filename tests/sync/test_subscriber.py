@@ -210,7 +210,7 @@ def test_malformed_frames_are_counted_and_skipped(endpoints, wait_for) -> None:
         publisher.publish(store(2, parent=1))
         wait_for(lambda: mirror.block_hashes(0) == {1, 2})
         stats = subscriber.stats()
-    assert stats["malformed"] == 4
+    assert stats["malformed"] == 3 and stats["malformed_events"] == 1  # a bad event in a batch
     assert stats["gaps"] == gaps_before  # a bad payload still advances the sequence
 
 
@@ -351,3 +351,36 @@ def test_restarting_the_subscriber_catches_up_from_the_same_publisher(endpoints,
             wait_for(lambda: mirror.block_hashes(0) == {1, 2, 3, 4, 5})
     stats = subscriber.stats()
     assert stats["restarts"] == 0 and resyncs.ranks == [] and stats["repaired"] >= 1
+
+
+def test_the_thread_restarts_itself_after_an_unexpected_error(endpoints, wait_for, caplog) -> None:
+    # Issue 12, finding 2: an error the loop did not expect (there, a RecursionError from the
+    # decoder) ended the thread for good: /health said disconnected, evictions stopped.
+    pub_ep, replay_ep = endpoints()
+    mirror = CacheMirror()
+    subscriber = KVEventSubscriber(pub_ep, replay_ep, on_batch=mirror.apply_batch)
+    stream = subscriber._streams[0]
+    real_on_message = stream.on_message
+    failures = [RuntimeError("a bug"), MemoryError(), RecursionError()]
+
+    def flaky(seq: int, payload: bytes) -> None:
+        if failures:
+            raise failures.pop(0)
+        real_on_message(seq, payload)
+
+    stream.on_message = flaky  # type: ignore[method-assign]
+    with KVEventPublisher(pub_ep, replay_ep) as publisher, subscriber:
+        published = 0
+        deadline = time.monotonic() + 15
+        while failures or mirror.block_hashes(0) != set(range(1, published + 1)):
+            assert time.monotonic() < deadline, subscriber.stats()
+            if failures or published == 0:
+                published += 1
+                publisher.publish(store(published))
+            time.sleep(0.05)
+        wait_for(lambda: all(subscriber.stats()["connected"]))
+        stats = subscriber.stats()
+        assert subscriber.running
+    assert stats["thread_restarts"] == 3 and stats["resyncs"] == 0
+    restarts = [r for r in caplog.records if "reopening its sockets" in r.getMessage()]
+    assert len(restarts) == 1  # logged once, counted always
