@@ -10,13 +10,16 @@ of any planner (the in-process pilot, the service client) and meets the same
     retriever = ContextPilotRetriever(base_retriever=bm25, pilot=pilot)
 
 A request opens a window or joins the open one; the window closes when it is ``window_ms``
-old, when it holds ``max_batch`` requests, when a request of a conversation already in it
-arrives (its turns are sequential: that request opens the next window), or, when
-``adaptive``, at half its length if no two of its requests share a block yet (joint planning
-could only gain where they do). The window's requests are then planned as one batch and
-released in the batch's schedule order (each caller gets its own plan; requests sharing a
-prefix are handed out back to back, so their LLM calls reach the engine in that order).
-``window_ms=0`` plans every request at once, as the planner alone does.
+old, when it holds ``max_batch`` requests, or when a request of a conversation already in it
+arrives (its turns are sequential: that request opens the next window). With ``adaptive``
+(the default) it closes earlier where waiting cannot pay: at once when the recent arrival rate
+predicts no other request within the window (an exponentially weighted mean of the gaps
+between arrivals; sparse traffic then waits for nothing), and at half its length if no two of
+its requests share a block yet (joint planning could only gain where they do). The window's
+requests are then planned as one batch and released in the batch's schedule order (each caller
+gets its own plan; requests sharing a prefix are handed out back to back, so their LLM calls
+reach the engine in that order); a window of one request is planned with ``plan``, exactly as
+without a window. ``window_ms=0`` plans every request at once.
 
 Threads (``plan``) and coroutines (``aplan``) may share one window; a coroutine never blocks its
 event loop (it waits on a future; its batch is planned with the planner's ``aplan_batch``). A
@@ -44,7 +47,14 @@ from .planner_protocol import Planner, check_planner
 from .rendering import PromptLayout
 from .request import NO_SCOPE, PlanRequest, Scope, check_batch, is_block_text
 
-__all__ = ["PlanningWindow", "WindowPolicy"]
+__all__ = ["ArrivalRate", "PlanningWindow", "WindowPolicy"]
+
+
+class _Alone(Exception):
+    """Marks a window of one request, planned with ``plan`` (not a failure)."""
+
+
+_ALONE = _Alone()
 
 
 @dataclass(frozen=True)
@@ -54,7 +64,8 @@ class WindowPolicy:
     Attributes:
         window_s: how long the first request of a window may wait for others (seconds, >= 0).
         max_batch: most requests in one window (>= 1).
-        adaptive: close at half the length when no two requests share a block yet.
+        adaptive: close at once when fewer than one more request is expected within the
+            window, and at half the length when no two requests share a block yet.
 
     Raises:
         ValueError: a negative ``window_s`` or a ``max_batch`` below 1.
@@ -74,10 +85,13 @@ class WindowPolicy:
 
     def deadline(self, window: _OpenWindow) -> float:
         """When ``window`` closes unless it fills up first (the clock's seconds)."""
-        full = window.opened + self.window_s
-        if self.adaptive and not window.shares_a_block:
+        if not self.adaptive:
+            return window.opened + self.window_s
+        if window.sparse and len(window.members) == 1:
+            return window.opened  # nobody else is expected: waiting buys nothing
+        if not window.shares_a_block:
             return window.opened + self.window_s / 2
-        return full
+        return window.opened + self.window_s
 
     def admits(self, window: _OpenWindow, request: PlanRequest) -> bool:
         """Whether ``request`` may join ``window`` (room left, not a second turn of one of its
@@ -97,14 +111,16 @@ class WindowPolicy:
         """
         windows: list[tuple[float, list[int]]] = []
         open_window: _OpenWindow | None = None
+        rate = ArrivalRate()
         for index, (arrived, request) in enumerate(arrivals):
+            rate.arrive(arrived)
             if open_window is not None:
                 closes = self.deadline(open_window)
                 if arrived >= closes or not self.admits(open_window, request):
                     windows.append((min(closes, arrived), open_window.indices))
                     open_window = None
             if open_window is None:
-                open_window = _OpenWindow(arrived)
+                open_window = _OpenWindow(arrived, sparse=rate.expected(self.window_s) < 1.0)
             open_window.add(request, index=index, track_blocks=self.adaptive)
             if len(open_window.members) >= self.max_batch or self.window_s == 0:
                 windows.append((arrived, open_window.indices))
@@ -114,11 +130,42 @@ class WindowPolicy:
         return windows
 
 
+class ArrivalRate:
+    """An exponentially weighted mean of the gaps between arrivals (seconds), to predict how
+    many requests arrive within a window. Not thread-safe (its owner holds a lock)."""
+
+    __slots__ = ("_last", "mean_gap")
+
+    WEIGHT = 1 / 8  # the last 8 or so gaps dominate
+
+    def __init__(self) -> None:
+        self._last: float | None = None
+        self.mean_gap: float | None = None
+
+    def arrive(self, now: float) -> None:
+        """One more request arrived at ``now``."""
+        if self._last is not None:
+            gap = max(0.0, now - self._last)
+            self.mean_gap = (
+                gap
+                if self.mean_gap is None
+                else (self.mean_gap + self.WEIGHT * (gap - self.mean_gap))
+            )
+        self._last = now
+
+    def expected(self, window_s: float) -> float:
+        """Requests expected within ``window_s`` (0 before two arrivals were seen)."""
+        if self.mean_gap is None:
+            return 0.0
+        return window_s / self.mean_gap if self.mean_gap > 0 else float("inf")
+
+
 @dataclass
 class _OpenWindow:
     """The requests of one window so far, with what the closing rule reads."""
 
     opened: float
+    sparse: bool = False  # the arrival rate predicted no other request within the window
     members: list[_Member] = field(default_factory=list)
     indices: list[int] = field(default_factory=list)
     conversations: set[tuple[str, str]] = field(default_factory=set)
@@ -223,7 +270,14 @@ class PlanningWindow:
         self._clock = clock
         self._lock = threading.Lock()
         self._open: _OpenWindow | None = None
-        self._counts = {"windows": 0, "requests": 0, "early_closes": 0, "batch_failures": 0}
+        self._rate = ArrivalRate()
+        self._counts = {
+            "windows": 0,
+            "requests": 0,
+            "closed_at_once": 0,
+            "closed_at_half": 0,
+            "batch_failures": 0,
+        }
 
     @property
     def layout(self) -> PromptLayout:
@@ -282,8 +336,9 @@ class PlanningWindow:
         return self.planner.evict(rid)
 
     def stats(self) -> dict[str, Any]:
-        """``windows`` closed, ``requests`` planned through them, ``mean_batch``,
-        ``early_closes`` (adaptive), ``batch_failures`` (planned again one by one)."""
+        """``windows`` closed, ``requests`` planned through them, ``mean_batch``, adaptive
+        ``closed_at_once`` (sparse traffic) and ``closed_at_half`` (nothing shared), and
+        ``batch_failures`` (planned again one by one)."""
         with self._lock:
             out: dict[str, Any] = dict(self._counts)
         out["mean_batch"] = out["requests"] / out["windows"] if out["windows"] else 0.0
@@ -296,12 +351,14 @@ class PlanningWindow:
         request = member.request
         with self._lock:
             now = self._clock()
+            self._rate.arrive(now)
             window = self._open
             if window is not None and not self.policy.admits(window, request):
                 self._close(window)
                 window = None
             if window is None:
-                window = _OpenWindow(now)
+                sparse = self._rate.expected(self.policy.window_s) < 1.0
+                window = _OpenWindow(now, sparse=sparse)
                 self._open = window
                 leader = True
             else:
@@ -327,8 +384,11 @@ class PlanningWindow:
             return None
         left = self.policy.deadline(window) - self._clock()
         if left <= 0:
-            if self.policy.adaptive and not window.shares_a_block:
-                self._counts["early_closes"] += 1
+            closes = self.policy.deadline(window)
+            if closes == window.opened and self.policy.window_s > 0:
+                self._counts["closed_at_once"] += 1
+            elif closes < window.opened + self.policy.window_s:
+                self._counts["closed_at_half"] += 1
             self._close(window)
             return None
         return left
@@ -365,6 +425,9 @@ class PlanningWindow:
             wakeup.wait(left)
             wakeup.clear()
         requests = [member.request for member in window.members]
+        if len(requests) == 1:  # exactly what the planner alone does
+            self._release(window, _ALONE, None, [self._plan_one(requests[0])])
+            return
         try:
             outcome: BatchPlan | BaseException = self.planner.plan_batch(requests)
         except Exception as exc:  # planned again one by one below
@@ -389,6 +452,9 @@ class PlanningWindow:
                 await asyncio.wait_for(wakeup.wait(), left)
             wakeup.clear()
         requests = [member.request for member in window.members]
+        if len(requests) == 1:  # exactly what the planner alone does
+            self._release(window, _ALONE, None, [await self._aplan_one(requests[0])])
+            return
         try:
             outcome: BatchPlan | BaseException = await self.planner.aplan_batch(requests)
         except Exception as exc:
@@ -429,7 +495,7 @@ class PlanningWindow:
         with self._lock:
             self._counts["windows"] += 1
             self._counts["requests"] += len(members)
-            if isinstance(outcome, BaseException):
+            if isinstance(outcome, BaseException) and outcome is not _ALONE:
                 self._counts["batch_failures"] += 1
         if isinstance(outcome, BaseException):
             if singles is None:
