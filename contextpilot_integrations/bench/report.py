@@ -8,6 +8,16 @@ Figures per method (all token counts are prompt tokens):
 * ``vs_baseline`` = hit ratio / the baseline's hit ratio (same run; ``None`` when the baseline
   hit nothing);
 * with a real engine: TTFT mean, median and p99 in seconds.
+
+Every run also says whether a method's prefill tokens are above the baseline's
+(:func:`prefill_check`): a user must never pay more than without the library.
+
+Planning windows (:mod:`~contextpilot_integrations.bench.window_runner`), one row per window
+length (:func:`summarize_windows`): requests per window, hit ratio and its share of the offline
+figure, prefill tokens against the baseline's, and the added latency per request (p50, p99, in
+ms); the issue's target is a hit ratio >= :data:`WINDOW_TARGET_VS_OFFLINE` of the offline figure
+with an added p50 latency no more than the window (for a 5% cache and about 16 requests
+arriving per window). :func:`plot_window_tradeoff` draws both against the window length.
 """
 
 from __future__ import annotations
@@ -22,11 +32,28 @@ from typing import Any
 import numpy as np
 
 from contextpilot_integrations.bench.methods import MethodResult
+from contextpilot_integrations.bench.window_runner import WindowResult
 
-__all__ = ["format_table", "plot_results", "summarize", "write_json"]
+__all__ = [
+    "WINDOW_COLUMNS",
+    "WINDOW_TARGET_CACHE",
+    "WINDOW_TARGET_VS_OFFLINE",
+    "format_table",
+    "plot_results",
+    "plot_window_tradeoff",
+    "prefill_check",
+    "summarize",
+    "summarize_windows",
+    "write_json",
+]
 
 BASELINE = "baseline"
 UPPER_BOUND = "upper-bound"
+WINDOW_TARGET_VS_OFFLINE = 0.8
+"""Issue 16: a planning window's hit ratio at least this share of the offline figure (with the
+cache of :data:`WINDOW_TARGET_CACHE`)."""
+WINDOW_TARGET_CACHE = 0.05
+"""The cache the window target is set for: this fraction of the unique block tokens."""
 
 
 def _ratio(a: float, b: float | None) -> float | None:
@@ -79,11 +106,120 @@ _COLUMNS = (
 )
 
 
+def prefill_check(rows: Sequence[Mapping[str, Any]], *, group: str | None = None) -> list[str]:
+    """Whether each method's prefill tokens are above the baseline's, as printed lines.
+
+    Args:
+        rows: figures with ``method`` and ``prefill_tokens`` (:func:`summarize`); the baseline
+            is the row named ``baseline``, the upper bound (no real schedule) is left out.
+        group: a row key to compare within (``sessions``: each method against the baseline
+            with the same value), one line per value; ``None``: one line.
+
+    Returns:
+        Lines such as ``"prefill tokens vs baseline: none above (contextpilot -1.1%)"`` or
+        ``"prefill tokens vs baseline: ABOVE for contextpilot (+2.0%); ..."``.
+    """
+    groups: dict[Any, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(row.get(group) if group else None, []).append(row)
+    lines = []
+    for value, members in groups.items():
+        label = "prefill tokens vs baseline" + (f" ({group} {value})" if group else "")
+        base = next((r["prefill_tokens"] for r in members if r["method"] == BASELINE), None)
+        others = [r for r in members if r["method"] not in (BASELINE, UPPER_BOUND)]
+        if base is None or not others:
+            lines.append(f"{label}: n/a (needs the baseline and a method beside it)")
+            continue
+        changes = [(r["method"], r["prefill_tokens"] / base - 1 if base else 0.0) for r in others]
+        above = [f"{m} ({c:+.1%})" for m, c in changes if c > 0]
+        rest = ", ".join(f"{m} {c:+.1%}" for m, c in changes if c <= 0)
+        if above:
+            tail = f"; not above: {rest}" if rest else ""
+            lines.append(f"{label}: ABOVE for {', '.join(above)}{tail}")
+        else:
+            lines.append(f"{label}: none above ({rest})")
+    return lines
+
+
+def summarize_windows(
+    windows: Sequence[WindowResult],
+    *,
+    baseline_prefill: int | None,
+    offline_hit_ratio: float | None,
+    target_applies: bool = True,
+) -> list[dict[str, Any]]:
+    """One row of figures per window length, in the order of ``windows``.
+
+    Args:
+        windows: the window runs.
+        baseline_prefill: the baseline's prefill tokens (``None``: not run).
+        offline_hit_ratio: offline ContextPilot's hit ratio on the same workload and cache
+            (``None``: not run).
+        target_applies: whether the run is one the target is set for (a 5% cache); else
+            ``target`` is ``None``.
+
+    Returns:
+        Dicts with ``method, window_ms, rate_per_s, windows, requests_per_window,
+        largest_window, hit_ratio, vs_offline, prefill_tokens, prefill_vs_baseline,
+        added_p50_ms, added_p99_ms, plan_ms_per_window, target`` (``"met"``, ``"missed"``, or
+        ``None`` for a zero window, without the offline figure or where the target does not
+        apply). Latencies in milliseconds.
+    """
+    rows = []
+    for w in windows:
+        r = w.result
+        vs_offline = _ratio(r.hit_ratio, offline_hit_ratio)
+        p50 = w.latency_percentile(50)
+        target = None
+        if target_applies and vs_offline is not None and w.window_ms > 0:
+            met = vs_offline >= WINDOW_TARGET_VS_OFFLINE and p50 <= w.window_ms
+            target = "met" if met else "missed"
+        rows.append(
+            {
+                "method": r.method,
+                "window_ms": w.window_ms,
+                "rate_per_s": w.arrivals.rate_per_s,
+                "windows": len(w.window_sizes),
+                "requests_per_window": w.requests_per_window,
+                "largest_window": max(w.window_sizes, default=0),
+                "hit_ratio": r.hit_ratio,
+                "vs_offline": vs_offline,
+                "prefill_tokens": r.prefill_tokens,
+                "prefill_vs_baseline": _ratio(r.prefill_tokens, baseline_prefill),
+                "added_p50_ms": p50,
+                "added_p99_ms": w.latency_percentile(99),
+                "plan_ms_per_window": float(np.mean(w.window_plan_ms)) if w.window_plan_ms else 0.0,
+                "target": target,
+            }
+        )
+    return rows
+
+
+WINDOW_COLUMNS = (
+    ("window ms", "window_ms", "g"),
+    ("rate /s", "rate_per_s", "g"),
+    ("windows", "windows", "int"),
+    ("req/window", "requests_per_window", "f1"),
+    ("hit ratio", "hit_ratio", "ratio"),
+    ("vs offline", "vs_offline", "ratio"),
+    ("prefill tokens", "prefill_tokens", "int"),
+    ("prefill vs baseline", "prefill_vs_baseline", "ratio"),
+    ("added p50 ms", "added_p50_ms", "ms"),
+    ("added p99 ms", "added_p99_ms", "ms"),
+    ("target", "target", "str"),
+)
+"""Columns of :func:`format_table` for the rows of :func:`summarize_windows`."""
+
+
 def _fmt(value: Any, kind: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     if kind == "int":
         return f"{value:,}"
+    if kind == "g":
+        return f"{value:,.4g}"
+    if kind == "f1":
+        return f"{value:.1f}"
     if kind == "ratio":
         return f"{value:.4f}"
     if kind == "x":
@@ -102,8 +238,9 @@ def format_table(
 
     Args:
         rows: the rows.
-        columns: ``(title, row key, kind)`` per column, kind one of ``str``, ``int``,
-            ``ratio``, ``x``, ``s``, ``ms``; default the columns of :func:`summarize`.
+        columns: ``(title, row key, kind)`` per column, kind one of ``str``, ``int``, ``g``
+            (a number, 4 significant digits), ``f1``, ``ratio``, ``x``, ``s``, ``ms``; default
+            the columns of :func:`summarize`.
     """
     columns = list(columns) if columns is not None else list(_COLUMNS)
     if any("ttft_mean_s" in r for r in rows):
@@ -123,18 +260,28 @@ def format_table(
     return "\n".join(out)
 
 
-def write_json(path: str | Path, run: Mapping[str, Any], results: Sequence[MethodResult]) -> Path:
+def write_json(
+    path: str | Path,
+    run: Mapping[str, Any],
+    results: Sequence[MethodResult],
+    windows: Sequence[WindowResult] = (),
+    window_rows: Sequence[Mapping[str, Any]] = (),
+) -> Path:
     """Write the run settings, the summary rows and every per-request record as JSON.
 
     Layout: ``{"run": {...}, "summary": [rows], "methods": {name: {"cache": {...} | null,
     "index": {...}, "records": [{request_index, rid, prompt_tokens, cached_tokens, ttft_s}]}}}``;
-    records are in send order. Parent directories are created.
+    records are in send order. With planning windows also ``"windows": [{**row,
+    "window_sizes": [...], "window_plan_ms": [...], "added_latency_ms": [...]}]`` (a
+    :func:`summarize_windows` row each, sizes and planning times in closing order, latencies in
+    arrival order); their records are under ``methods`` by their method name. Parent
+    directories are created.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "run": dict(run),
-        "summary": summarize(results),
+        "summary": summarize([*results, *(w.result for w in windows)]),
         "methods": {
             r.method: {
                 "plan_seconds": r.plan_seconds,
@@ -142,9 +289,19 @@ def write_json(path: str | Path, run: Mapping[str, Any], results: Sequence[Metho
                 "index": r.index,
                 "records": [asdict(x) for x in r.records],
             }
-            for r in results
+            for r in [*results, *(w.result for w in windows)]
         },
     }
+    if windows:
+        document["windows"] = [
+            {
+                **row,
+                "window_sizes": w.window_sizes,
+                "window_plan_ms": w.window_plan_ms,
+                "added_latency_ms": w.added_latency_ms.tolist(),
+            }
+            for row, w in zip(window_rows, windows, strict=True)
+        ]
     path.write_text(json.dumps(document, indent=1, default=str) + "\n", encoding="utf-8")
     return path
 
@@ -179,6 +336,72 @@ def plot_results(path: str | Path, results: Sequence[MethodResult], title: str) 
     lines.set_ylabel("cumulative cached tokens")
     lines.set_title("cached tokens over the workload")
     lines.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_window_tradeoff(
+    path: str | Path,
+    rows: Sequence[Mapping[str, Any]],
+    title: str,
+    references: Mapping[str, float],
+) -> Path:
+    """Save a PNG of the planning window's trade-off against the window length.
+
+    Left: hit ratio per window length (each point labelled with its mean requests per
+    window), with ``references`` (name -> hit ratio: offline,
+    online without a window, baseline) as horizontal lines and the target share of the
+    offline figure. Right: the added latency p50 and p99 per request (ms), with the line
+    latency = window (the target bounds p50 by it).
+
+    Args:
+        rows: :func:`summarize_windows` rows.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ordered = sorted(rows, key=lambda r: r["window_ms"])
+    x = [r["window_ms"] for r in ordered]
+    fig, (hits, latency) = plt.subplots(1, 2, figsize=(12, 4.5))
+    hits.plot(x, [r["hit_ratio"] for r in ordered], "o-", color="C1", label="planning window")
+    for r in ordered:  # the rate may differ per window: say how many requests each one held
+        hits.annotate(
+            f"{r['requests_per_window']:.1f}/window",
+            (r["window_ms"], r["hit_ratio"]),
+            textcoords="offset points",
+            xytext=(0, 6),
+            ha="center",
+            fontsize="x-small",
+        )
+    for i, (name, value) in enumerate(references.items()):
+        hits.axhline(value, linestyle="--", color=f"C{i + 2}", label=f"{name} ({value:.3f})")
+    offline = references.get("offline")
+    if offline is not None:
+        hits.axhline(
+            WINDOW_TARGET_VS_OFFLINE * offline,
+            linestyle=":",
+            color="grey",
+            label=f"target: {WINDOW_TARGET_VS_OFFLINE:g} x offline",
+        )
+    hits.set_xlabel("window (ms)")
+    hits.set_ylabel("cache hit ratio (cached / prompt tokens)")
+    hits.set_ylim(bottom=0)
+    hits.set_title("hit ratio")
+    hits.legend(fontsize="small")
+    latency.plot(x, [r["added_p50_ms"] for r in ordered], "o-", color="C0", label="p50")
+    latency.plot(x, [r["added_p99_ms"] for r in ordered], "s-", color="C3", label="p99")
+    latency.plot(x, x, ":", color="grey", label="latency = window")
+    latency.set_xlabel("window (ms)")
+    latency.set_ylabel("added latency per request (ms)")
+    latency.set_title("wait for the window + its planning time")
+    latency.legend(fontsize="small")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

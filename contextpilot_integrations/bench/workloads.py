@@ -23,7 +23,9 @@ Built-in workloads (see ``shared/data/README.md`` for the files and their licenc
     every user turn of the 507 conversations (2,191 requests, conversations in file order, turns
     in order) retrieves among the reference passages of its collection: the union of the
     ``contexts`` of all tasks of that ``Collection``, de-duplicated by ``document_id``
-    (scope = collection; 1,152 passages in all).
+    (scope = collection; 1,152 passages in all). Each request carries the time its user turn
+    was written (``metadata.created_at``, Unix seconds; July 2024 to November 2025) as
+    ``Request.arrived_at``; the other workloads record no request times.
 
 ``mtrag-conversations``
     The same conversations, corpus and requests as ``mtrag``, each request also carrying the
@@ -91,6 +93,8 @@ class Request:
         scope: the retrieval scope; the request retrieves only documents of this scope.
         answer: the reply the data records for this request, or ``None``; a multi-turn replay
             shows it in the conversation history of the next turn.
+        arrived_at: when the data records the request was made (Unix seconds), or ``None``;
+            ``contextpilot-bench --arrival replay`` replays the gaps between them.
     """
 
     id: str
@@ -98,6 +102,7 @@ class Request:
     conversation_id: str | None = None
     scope: str = ""
     answer: str | None = None
+    arrived_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -400,6 +405,11 @@ def _mtrag_collections(tasks: Sequence[dict[str, Any]]) -> dict[str, dict[str, s
     return collections
 
 
+def _created_at(message: dict[str, Any]) -> float | None:
+    created = (message.get("metadata") or {}).get("created_at")
+    return float(created) if isinstance(created, (int, float)) else None
+
+
 def _load_mtrag(root: Path, *, name: str = "mtrag", answers: bool = False) -> Workload:
     tasks = _read_jsonl(root / _MTRAG_FILE)
     corpus = tuple(
@@ -427,6 +437,7 @@ def _load_mtrag(root: Path, *, name: str = "mtrag", answers: bool = False) -> Wo
                     conversation_id=conv_id,
                     scope=str(task["Collection"]),
                     answer=answer,
+                    arrived_at=_created_at(message),
                 )
             )
     return Workload(name, corpus, tuple(requests))
