@@ -178,6 +178,15 @@ class LRU(Generic[K, V]):
         self._forget_weight(value)
         return key, value
 
+    def map_values(self, function: Callable[[V], V]) -> None:
+        """Replace every value by ``function(value)``, in place: the order of use is kept
+        (the weights are recomputed; no bound is applied)."""
+        entries = self._entries
+        for key in entries:
+            entries[key] = function(entries[key])
+        if self._weight is not None:
+            self._total = sum(self._weight(value) for value in entries.values())
+
     def clear(self) -> None:
         """Remove every entry."""
         self._entries.clear()

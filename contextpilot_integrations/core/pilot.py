@@ -26,7 +26,7 @@ from .conversation import ConversationTurn
 from .dedup import Deduplicator
 from .distance import DEFAULT_ALPHA
 from .plan import BatchPlan, DedupFigures, Placement, PlacementStatus, Plan
-from .popularity import PopularityMemory
+from .popularity import CooccurrenceMemory, PopularityMemory
 from .rendering import PromptLayout
 from .request import (
     NO_SCOPE,
@@ -101,7 +101,8 @@ class ContextPilot:
         build_method: offline build, ``"auto"``, ``"cluster"`` or ``"frequency"``.
         cluster_limit: largest batch the agglomerative build takes (``"auto"``).
         schedule_method: ``"prefix-tree"`` (default) or ``"first-step"`` (paper Alg. 5).
-        rest_order: order of the unmatched blocks, ``"retriever"`` or ``"popularity"``.
+        rest_order: order of the unmatched blocks of a single request, ``"co-occurrence"``
+            (default), ``"popularity"`` or ``"retriever"`` (:mod:`.alignment`).
         weight_by_tokens: weigh shared blocks by tokens (else by count) when ordering.
         annotate: add the order annotation after the blocks.
         reorder: ``"cost-aware"`` (default): a single request is reordered only when the
@@ -111,7 +112,8 @@ class ContextPilot:
             is always ordered jointly.
         block_cache_size: texts whose (block id, tokens) are memoised (LRU).
         popularity_memory: blocks whose request counts are remembered after eviction, for
-            ``rest_order="popularity"`` (0: use only the requests the index holds).
+            the popularity order (0: use only the requests the index holds).
+        cooccurrence_memory: recent requests whose blocks the co-occurrence order reads.
         deduplicator: multi-turn de-duplication against each conversation's earlier turns;
             default a :class:`Deduplicator` with the layout's labels and this token counter.
         cache_sync: follow the engine's prefix cache: the mapping the index service takes
@@ -141,12 +143,13 @@ class ContextPilot:
         build_method: BuildMethod = "auto",
         cluster_limit: int = DEFAULT_CLUSTER_LIMIT,
         schedule_method: ScheduleMethod = "prefix-tree",
-        rest_order: RestOrder = "popularity",
+        rest_order: RestOrder = "co-occurrence",
         weight_by_tokens: bool = True,
         annotate: bool = True,
         reorder: Reorder = "cost-aware",
         block_cache_size: int = 65_536,
         popularity_memory: int = 262_144,
+        cooccurrence_memory: int = 2_000,
         deduplicator: Deduplicator | None = None,
         cache_sync: Mapping[str, Any] | CacheSyncConfig | None = None,
         cache_salt: str | None = None,
@@ -172,6 +175,7 @@ class ContextPilot:
             raise ValueError(f"reorder must be 'cost-aware' or 'always', got {reorder!r}")
         self.reorder = reorder
         self._history = PopularityMemory(popularity_memory)
+        self._cooccurrence = CooccurrenceMemory(cooccurrence_memory)
         self.deduplicator = deduplicator or Deduplicator(
             token_counter=self.token_counter, label_template=self._layout.label_template
         )
@@ -222,7 +226,11 @@ class ContextPilot:
             prepared = self._blocks_of(request)
             found = self._search(prepared)
             order = align(
-                prepared.ids, found.prefix, rest_order=self.rest_order, popularity=self._popularity
+                prepared.ids,
+                found.prefix,
+                rest_order=self.rest_order,
+                popularity=self._popularity,
+                holders=self._cooccurrence.holders,
             )
             if self.reorder == "cost-aware" and not self._reordering_pays(prepared, order, found):
                 order = list(prepared.ids)
@@ -550,6 +558,7 @@ class ContextPilot:
             ids = [bid for bid, _ in identities]
             self.index.insert(rid, ids, [count for _, count in identities])
             self._history.add(ids)
+            self._cooccurrence.add(ids)
         annotation: list[str] = []
         in_order = all(a.index < b.index for a, b in zip(shown, shown[1:]))
         if self.annotate and (hints or not in_order):

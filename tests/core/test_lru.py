@@ -91,3 +91,12 @@ def test_put_many_puts_every_item_then_applies_the_bound_once(before, batch, max
     dropped = old[: max(0, len(old) - keep)]
     assert lru.put_many(batch) == dropped
     assert list(lru.items()) == old[len(dropped) :] + fresh
+
+
+def test_map_values_keeps_the_order_of_use_and_the_weights() -> None:
+    lru: LRU[str, int] = LRU(max_weight=100, weight=lambda v: v)
+    for key, value in (("a", 1), ("b", 2), ("c", 3)):
+        lru.put(key, value)
+    lru.touch("a")
+    lru.map_values(lambda v: v * 10)
+    assert list(lru.items()) == [("b", 20), ("c", 30), ("a", 10)] and lru.total_weight == 60
