@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .alignment import RestOrder, align
+from .alignment import CONDITIONAL_STEPS, RestOrder, align
 from .blocks import ApproxTokenCounter, TokenCounter, block_id
 from .clustering import DEFAULT_CLUSTER_LIMIT, BuildMethod, order_behind_prefixes
 from .context_index import ContextIndex, SearchResult
@@ -106,10 +106,12 @@ class ContextPilot:
         weight_by_tokens: weigh shared blocks by tokens (else by count) when ordering.
         annotate: add the order annotation after the blocks.
         reorder: ``"cost-aware"`` (default): a single request is reordered only when the
-            prefix it is aligned to is expected to reuse more tokens than its retriever order
-            would by more than the order annotation costs, so planning never adds prefill
-            tokens for nothing; ``"always"``: always aligned (the paper's online rule). A batch
-            is always ordered jointly.
+            tokens its aligned order is expected to reuse beyond what its retriever order would
+            (the matched prefix now, plus the reuse later requests can expect of its leading
+            blocks while the cache holds it: see ``CooccurrenceMemory.future_reuse``, with the
+            index's size as the cache's lifetime in requests) exceed what the order annotation
+            costs, so planning adds no prefill tokens for nothing; ``"always"``: always aligned
+            (the paper's online rule). A batch is always ordered jointly.
         block_cache_size: texts whose (block id, tokens) are memoised (LRU).
         popularity_memory: blocks whose request counts are remembered after eviction, for
             the popularity order (0: use only the requests the index holds).
@@ -446,7 +448,13 @@ class ContextPilot:
         kept = self.index.prefix_tokens(blocks.ids, blocks.tokens)
         labels = [self._layout.label(p) for p in range(len(order))]
         annotation = self.token_counter.count(self._layout.annotation(labels))
-        return found.prefix_tokens - kept > annotation
+        token_of = dict(zip(blocks.ids, blocks.tokens))
+        lifetime = len(self.index)  # requests the cache holds: how long a prompt stays to share
+        depth = len(found.prefix) + CONDITIONAL_STEPS
+        future = self._cooccurrence.future_reuse(
+            order, [token_of[b] for b in order], lifetime, depth
+        ) - self._cooccurrence.future_reuse(blocks.ids, blocks.tokens, lifetime, depth)
+        return found.prefix_tokens - kept + future > annotation
 
     def _popularity(self, block: int) -> float:
         return self.index.block_popularity(block) + self._history.get(block)

@@ -110,6 +110,30 @@ class CooccurrenceMemory:
                         if not holders:
                             del self._holders[block]
 
+    def __len__(self) -> int:
+        """Recent requests remembered."""
+        return len(self._requests)
+
+    def future_reuse(
+        self, blocks: Sequence[int], tokens: Sequence[int], lifetime: int, depth: int
+    ) -> float:
+        """Tokens a prompt starting with ``blocks`` can expect later requests to reuse: for each
+        leading prefix, its tokens times the chance that one of the next ``lifetime`` requests
+        holds it all (each recent request held it with the frequency seen here)."""
+        remembered = len(self._requests)
+        if remembered == 0 or lifetime <= 0:
+            return 0.0
+        together: set[int] | frozenset[int] | None = None
+        value = 0.0
+        for block, count in zip(blocks[:depth], tokens[:depth]):
+            held = self.holders(block)
+            together = held if together is None else together & held
+            if not together:
+                break
+            frequency = len(together) / remembered
+            value += count * (1.0 - (1.0 - frequency) ** lifetime)
+        return value
+
     def holders(self, block: int) -> frozenset[int] | set[int]:
         """The recent requests holding ``block`` (do not change the returned set)."""
         return self._holders.get(block, _NO_REQUESTS)

@@ -59,3 +59,18 @@ def test_the_rest_follows_what_requests_holding_the_prefix_held_next() -> None:
     assert no_prefix == [40, 50, 30]  # the most popular leads, then what it co-occurs with
     with pytest.raises(ValueError, match="needs a holders function"):
         align([1, 2], [], rest_order="co-occurrence", popularity=lambda b: 0.0)
+
+
+def test_future_reuse_grows_with_the_cache_lifetime_and_the_prefix_frequency() -> None:
+    memory = CooccurrenceMemory(horizon=10)
+    for _ in range(4):
+        memory.add([1, 2])
+    for _ in range(4):
+        memory.add([3])
+    # Half the recent requests held [1, 2]: within one later request, half a chance.
+    assert memory.future_reuse([1, 2], [10, 10], lifetime=1, depth=5) == pytest.approx(10.0)
+    assert memory.future_reuse([1, 2], [10, 10], lifetime=20, depth=5) == pytest.approx(20.0)
+    assert memory.future_reuse([2, 3], [10, 10], lifetime=20, depth=5) == pytest.approx(10.0)
+    assert memory.future_reuse([9], [10], lifetime=20, depth=5) == 0.0
+    assert memory.future_reuse([1, 2], [10, 10], lifetime=0, depth=5) == 0.0
+    assert memory.future_reuse([1, 2], [10, 10], lifetime=20, depth=1) == pytest.approx(10.0)
