@@ -22,10 +22,16 @@ GET      ``/health``                   liveness and the engine link (never authe
 =======  ============================  ======================================================
 
 Errors (:mod:`.errors`): every 4xx/5xx body is an ``ErrorResponse`` whose ``message`` names
-the field and the value; invalid input is a 422 (a rid conflict a 409) and never changes the
-index. With an API key set, other endpoints than ``/health`` answer 401 without
-``Authorization: Bearer <key>``. Every request is counted and timed, and bodies over
+the field and the value; invalid input is a 422 (a rid conflict a 409, a body naming another
+tenant a 403) and never changes the index. Every request is counted and timed, and bodies over
 ``max_body_bytes`` are refused with a 413 (:mod:`.middleware`).
+
+Keys (:mod:`.tenants`): with API keys configured, every endpoint but ``/health`` answers 401
+without ``Authorization: Bearer <key>`` of a tenant, and runs as that key's tenant. The API
+documents: ``/openapi.json`` needs a key like the API (tools such as schemathesis send it);
+the browser pages ``/docs`` and ``/redoc`` are off, since a browser cannot send a bearer key
+when it opens a page (read the API in the README, or run a local server without keys). Without
+keys all three are served.
 """
 
 from __future__ import annotations
@@ -65,17 +71,21 @@ def create_app(
         ValueError: an invalid configuration (the message names the field).
     """
     service = service or IndexService(config)
+    keyed = service.tenancy.keyed
     app = FastAPI(
         title="ContextPilot index service",
         version=__version__,
         description="One shared context index for many app processes (plan, plan_batch, "
         "evict, conversations), following the engine's KV cache.",
         lifespan=_lifespan,
+        openapi_url=None if keyed else "/openapi.json",
+        docs_url=None if keyed else "/docs",
+        redoc_url=None if keyed else "/redoc",
     )
     app.state.service = service
     app.state.calls = ServiceCalls(service)
     install_error_handlers(app)
-    router = api_router(authenticated=service.config.api_key is not None)
+    router = api_router(keyed=keyed)
     app.include_router(router)
     add_body_schemas(app)
     app.add_middleware(
@@ -90,8 +100,11 @@ def create_app(
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     service: IndexService = app.state.service
-    await anyio.to_thread.run_sync(service.start)
+    # Their own limiters: worker threads stuck in a call must not keep these from running.
+    await anyio.to_thread.run_sync(service.start, limiter=anyio.CapacityLimiter(1))
     try:
         yield
     finally:
-        await anyio.to_thread.run_sync(service.stop)
+        await anyio.to_thread.run_sync(
+            service.stop, limiter=anyio.CapacityLimiter(1), abandon_on_cancel=True
+        )

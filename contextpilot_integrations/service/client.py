@@ -20,8 +20,8 @@ Errors, as in process: a request is checked by building the core's ``PlanRequest
 ``check_batch``) before anything is sent, so bad input raises the core's ``TypeError`` /
 ``ValueError`` naming the field; the server's own refusals raise the same types with the
 core's message, :class:`~contextpilot_integrations.core.request.RidConflictError` for a rid
-already indexed or being planned (409), ``PermissionError`` for a wrong API key (401), and
-:class:`ServiceError` for anything else.
+already indexed or being planned (409), ``PermissionError`` for a wrong API key (401) or a
+body naming another tenant than the key's (403), and :class:`ServiceError` for anything else.
 
 The service being down never fails a request (DESIGN.md invariant 5): when the service cannot
 be reached, times out or answers 5xx, plans are made by a local in-process ``ContextPilot``
@@ -30,10 +30,30 @@ counted (``stats()["client"]``) and logged once at warning level; ``evict`` and 
 return False (``evict`` asks the local pilot). After a failure the service is retried no sooner
 than ``retry_interval_s`` later, so an outage costs one connection attempt per interval, not
 one per request. Pass ``fallback=False`` to get :class:`ServiceUnavailableError` instead.
+
+Timeouts: a plan waits at most ``timeout`` (default 0.5 s to connect, 1 s for the answer), so
+a service that accepts connections but never answers costs about a second before the local
+plan; batches, statistics and snapshot saves wait ``batch_timeout`` (default 30 s).
+
+No wrong hints across the fallback (DESIGN.md invariant 9):
+
+- a local plan never de-duplicates: it is made without the conversation (the local pilot has
+  not seen the conversation's earlier turns, and would number them from 1), so it shows every
+  block in full; its ``scope`` is the request's (conversation id, and the turn only when the
+  caller gave one);
+- a call that failed after it was sent (a timeout, a 5xx, a broken connection) may have been
+  planned and recorded by the service although the caller never got that plan (a phantom
+  turn, which a later hint could point to). The client remembers such conversations (and
+  explicit rids) in a bounded LRU (``max_unsettled``), and before its next service call for
+  one of them asks the service to forget the conversation (``/v1/conversations/forget``; the
+  service's tombstone keeps its turn numbers going) and to evict the rid; if that fails, the
+  request is planned locally again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -41,8 +61,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
+import pydantic
 import pydantic_core
 
+from contextpilot_integrations.core.lru import LRU
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import BatchPlan, Plan
 from contextpilot_integrations.core.rendering import PromptLayout
@@ -66,7 +88,13 @@ __all__ = ["ContextPilotClient", "ServiceError", "ServiceUnavailableError"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_TIMEOUT = httpx.Timeout(1.0, connect=0.5)
+"""Plans and the small calls: 0.5 s to connect, 1 s for each read and write."""
+
+BATCH_READ_TIMEOUT_S = 30.0
+"""Batches, statistics and snapshot saves: the default read timeout, seconds."""
+
+DEFAULT_MAX_UNSETTLED = 10_000
 
 _PATHS = {
     "plan": "/v1/plan",
@@ -106,17 +134,26 @@ _RAISED_AS: dict[str, type[Exception]] = {
 _UNAVAILABLE = (httpx.TransportError, ServiceUnavailableError)
 """Failures that mean "the service is not there": fall back, never raise to the user."""
 
+_NOT_DELIVERED = (httpx.ConnectError, httpx.ConnectTimeout)
+"""Failures before the request reached the service: it cannot have planned it."""
+
 
 class ContextPilotClient:
     """The index service, called like an in-process ``ContextPilot`` (a ``Planner``).
 
     Args:
         base_url: the service, e.g. ``"http://127.0.0.1:8765"``.
-        api_key: the service's shared secret (sent as ``Authorization: Bearer``).
-        timeout: seconds per HTTP call (or an ``httpx.Timeout``).
+        api_key: the API key of the caller's tenant (sent as ``Authorization: Bearer``).
+        timeout: limit of a plan and of the small calls (evict, usage, forget, layout,
+            health): seconds for every phase, or an ``httpx.Timeout`` (default
+            :data:`DEFAULT_TIMEOUT`: 0.5 s to connect, 1 s to read).
+        batch_timeout: limit of ``plan_batch``, ``stats`` and ``save_snapshot`` (default
+            ``timeout`` with a read timeout of at least 30 s).
         fallback: plan locally when the service is unreachable or fails (default True).
         fallback_layout: layout of local plans made before the server's layout is known.
         retry_interval_s: after a failure, seconds before the service is tried again.
+        max_unsettled: most conversations and rids remembered as possibly planned by the
+            service after a failed call (LRU; module docstring).
         transport: the httpx transport the blocking calls send with (default a keep-alive
             ``httpx.HTTPTransport``; give one for TLS settings, proxies or a Unix socket; the
             caller closes it; :class:`~.transports.Transports`).
@@ -125,8 +162,8 @@ class ContextPilotClient:
             :meth:`aclose` on that loop or when the loop shuts down.
 
     Raises:
-        ValueError: a malformed ``base_url``, an empty ``api_key`` or a negative
-            ``retry_interval_s``.
+        ValueError: a malformed ``base_url``, an empty ``api_key``, a negative
+            ``retry_interval_s`` or a ``max_unsettled`` below 1.
 
     Thread-safe: one client may be shared by threads and event loops.
     """
@@ -135,11 +172,13 @@ class ContextPilotClient:
         self,
         base_url: str,
         api_key: str | None = None,
-        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT_S,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
         *,
+        batch_timeout: float | httpx.Timeout | None = None,
         fallback: bool = True,
         fallback_layout: PromptLayout | None = None,
         retry_interval_s: float = 1.0,
+        max_unsettled: int = DEFAULT_MAX_UNSETTLED,
         transport: httpx.BaseTransport | None = None,
         async_transport_factory: Callable[[], httpx.AsyncBaseTransport] | None = None,
     ) -> None:
@@ -149,11 +188,26 @@ class ContextPilotClient:
             raise ValueError("api_key must be a non-empty str or None")
         if retry_interval_s < 0:
             raise ValueError(f"retry_interval_s must be >= 0, got {retry_interval_s!r}")
+        if isinstance(max_unsettled, bool) or not isinstance(max_unsettled, int):
+            raise ValueError(f"max_unsettled must be an int >= 1, got {max_unsettled!r}")
         self.base_url = base_url.rstrip("/")
         self.fallback = fallback
         self.retry_interval_s = retry_interval_s
-        timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
-        self._extensions = {"timeout": timeout.as_dict()}
+        plan_timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+        if batch_timeout is None:
+            read = max(plan_timeout.read or 0.0, BATCH_READ_TIMEOUT_S)
+            batch_timeout = httpx.Timeout(
+                connect=plan_timeout.connect,
+                read=read,
+                write=plan_timeout.write,
+                pool=plan_timeout.pool,
+            )
+        elif not isinstance(batch_timeout, httpx.Timeout):
+            batch_timeout = httpx.Timeout(batch_timeout)
+        self._timeouts = {
+            "plan": {"timeout": plan_timeout.as_dict()},
+            "batch": {"timeout": batch_timeout.as_dict()},
+        }
         self._headers = {"content-type": "application/json", "accept": "application/json"}
         if api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
@@ -165,7 +219,14 @@ class ContextPilotClient:
         self._local: ContextPilot | None = None
         self._down_until = 0.0
         self._warned = False
-        self._counters = {"calls": 0, "service_failures": 0, "fallback_plans": 0}
+        self._unsettled: LRU[tuple[str, ...], None] = LRU(max_unsettled)
+        self._counters = {
+            "calls": 0,
+            "service_failures": 0,
+            "fallback_plans": 0,
+            "settled": 0,
+            "unsettled_dropped": 0,
+        }
 
     # ------------------------------------------------------------------ Public API: Planner
     @property
@@ -194,14 +255,13 @@ class ContextPilotClient:
         Raises:
             TypeError / ValueError: bad input (the message names the field and the value).
             RidConflictError: ``rid`` is already indexed or being planned.
-            PermissionError: the service refused the API key.
+            PermissionError: the service refused the API key, or ``scope.tenant`` is another
+                tenant's than the key's.
             ServiceUnavailableError: the service is unreachable and ``fallback=False``.
         """
         request = PlanRequest(query, blocks, rid, scope or NO_SCOPE)
         plan = self._transports.run(self._plan(request))
-        if plan is None:
-            return self._fallback_pilot().plan(query, blocks, rid=rid, scope=scope)
-        return plan
+        return plan if plan is not None else self._fallback_plan(request)
 
     async def aplan(
         self,
@@ -214,22 +274,24 @@ class ContextPilotClient:
         """:meth:`plan` without blocking the event loop (the fallback plans in a thread)."""
         request = PlanRequest(query, blocks, rid, scope or NO_SCOPE)
         plan = await self._transports.arun(self._plan(request))
-        if plan is None:
-            return await self._fallback_pilot().aplan(query, blocks, rid=rid, scope=scope)
-        return plan
+        if plan is not None:
+            return plan
+        return await asyncio.to_thread(self._fallback_plan, request)
 
     def plan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
         """As :meth:`ContextPilot.plan_batch`, on the shared index (errors as :meth:`plan`;
         the batch is checked by ``check_batch`` first)."""
         batch = check_batch(requests)
         plans = self._transports.run(self._plan_batch(batch))
-        return plans if plans is not None else self._fallback_pilot().plan_batch(batch)
+        return plans if plans is not None else self._fallback_batch(batch)
 
     async def aplan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
         """:meth:`plan_batch` without blocking the event loop."""
         batch = check_batch(requests)
         plans = await self._transports.arun(self._plan_batch(batch))
-        return plans if plans is not None else await self._fallback_pilot().aplan_batch(batch)
+        if plans is not None:
+            return plans
+        return await asyncio.to_thread(self._fallback_batch, batch)
 
     def evict(self, rid: str) -> bool:
         """Drop ``rid`` from the shared index; False if unknown. While the service is down,
@@ -256,8 +318,9 @@ class ContextPilotClient:
         return await self._transports.arun(self._record_usage(rid, prompt_tokens, cached_tokens))
 
     def forget_conversation(self, conversation_id: str, tenant: str = "") -> bool:
-        """Drop a conversation's de-duplication records (the local fallback's too); False if
-        unknown or the service is down."""
+        """Drop a conversation's de-duplication records; False if unknown or the service is
+        down (then it is forgotten before the service plans it again; local plans record
+        none)."""
         return self._transports.run(self._forget(conversation_id, tenant))
 
     async def aforget_conversation(self, conversation_id: str, tenant: str = "") -> bool:
@@ -275,7 +338,8 @@ class ContextPilotClient:
         return await self._transports.arun(self._stats())
 
     def save_snapshot(self) -> bool:
-        """Ask the service to save its snapshot now; False when it has none or is down."""
+        """Ask the service to save a checkpoint of its snapshot now; False when it has none
+        or is down."""
         return self._transports.run(self._save_snapshot())
 
     async def asave_snapshot(self) -> bool:
@@ -319,15 +383,16 @@ class ContextPilotClient:
     # ------------------------------------------------------------------ the calls, written once
     def _plan(self, request: PlanRequest) -> Steps[Plan | None]:
         """POST /v1/plan; None: plan locally."""
-        return self._planning("plan", plan_request_json(request), PlanResponse)
+        return self._planning("plan", [request], plan_request_json(request), PlanResponse)
 
     def _plan_batch(self, batch: list[PlanRequest]) -> Steps[BatchPlan | None]:
         """POST /v1/plan_batch; None: plan locally."""
-        return self._planning("plan_batch", plan_batch_json(batch), BatchPlanResponse)
+        return self._planning("plan_batch", batch, plan_batch_json(batch), BatchPlanResponse)
 
     def _planning(
         self,
         name: str,
+        requests: list[PlanRequest],
         body: dict[str, Any],
         response_model: type[PlanResponse] | type[BatchPlanResponse],
     ) -> Steps[Any]:
@@ -335,17 +400,40 @@ class ContextPilotClient:
         self._count("calls")
         if self._skipping_service():
             return None
+        touched = _touched(requests)
+        sent = False
         try:
             layout = self._server_layout
             if layout is None:
                 layout = self._set_layout((yield self._request("GET", "layout")))
-            response = self._checked((yield self._request("POST", name, content)))
-            result = response_model.model_validate_json(response.content).to_core(layout)
+            for key in self._unsettled_among(touched):
+                yield from self._settle(key)
+            sent = True
+            timeout = "batch" if name == "plan_batch" else "plan"
+            response = self._checked((yield self._request("POST", name, content, timeout)))
+            try:
+                result = response_model.model_validate_json(response.content).to_core(layout)
+            except pydantic.ValidationError as exc:
+                raise ServiceUnavailableError(f"unreadable answer to POST {_PATHS[name]}") from exc
         except _UNAVAILABLE as exc:
+            if sent and not isinstance(exc, _NOT_DELIVERED):
+                self._remember_unsettled(touched)
             self._failed(f"POST {_PATHS[name]}", exc)
             return None
         self._recovered()
         return result
+
+    def _settle(self, key: tuple[str, ...]) -> Steps[None]:
+        """Undo what a failed call may have left on the service: forget the conversation
+        (``("conversation", tenant, id)``) or evict the rid (``("rid", rid)``)."""
+        if key[0] == "conversation":
+            body = {"conversation_id": key[2], "tenant": key[1]}
+            self._checked((yield self._request("POST", "forget", _encode(body))))
+        else:
+            self._checked((yield self._request("POST", "evict", _encode({"rid": key[1]}))))
+        with self._lock:
+            self._unsettled.pop(key)
+            self._counters["settled"] += 1
 
     def _layout(self) -> Steps[PromptLayout | None]:
         """GET /v1/layout; None while the service is unavailable."""
@@ -374,20 +462,20 @@ class ContextPilotClient:
     def _forget(self, conversation_id: str, tenant: str) -> Steps[bool]:
         body = {"conversation_id": conversation_id, "tenant": tenant}
         result = yield from self._call("POST", "forget", body)
-        local = self._local
-        if local is not None:
-            local.deduplicator.store.forget(tenant, conversation_id)
-        return bool(result["forgotten"]) if result is not None else False
+        if result is None:  # the service keeps it for now: forget it before it plans again
+            self._remember_unsettled([("conversation", tenant, conversation_id)])
+            return False
+        return bool(result["forgotten"])
 
     def _stats(self) -> Steps[dict[str, Any]]:
-        result = yield from self._call("GET", "stats", None)
+        result = yield from self._call("GET", "stats", None, "batch")
         if result is None:
             local = self._local_pilot().stats() if self.fallback else {}
             return {**local, "client": self._counts(), "service_reachable": False}
         return {**result, "client": self._counts(), "service_reachable": True}
 
     def _save_snapshot(self) -> Steps[bool]:
-        result = yield from self._call("POST", "snapshot", {})
+        result = yield from self._call("POST", "snapshot", {}, "batch")
         return bool(result["saved"]) if result is not None else False
 
     def _health(self) -> Steps[dict[str, Any]]:
@@ -398,14 +486,16 @@ class ContextPilotClient:
         health: dict[str, Any] = self._checked(response).json()
         return health
 
-    def _call(self, method: str, name: str, body: dict[str, Any] | None) -> Steps[Any]:
+    def _call(
+        self, method: str, name: str, body: dict[str, Any] | None, timeout: str = "plan"
+    ) -> Steps[Any]:
         """One JSON call; its decoded answer, or None while the service is unavailable."""
         content = None if body is None else _encode(body)
         self._count("calls")
         if self._skipping_service():
             return None
         try:
-            result = self._checked((yield self._request(method, name, content))).json()
+            result = self._checked((yield self._request(method, name, content, timeout))).json()
         except _UNAVAILABLE as exc:
             self._failed(f"{method} {_PATHS[name]}", exc)
             return None
@@ -413,13 +503,15 @@ class ContextPilotClient:
         return result
 
     # ------------------------------------------------------------------ requests and answers
-    def _request(self, method: str, name: str, content: bytes | None = None) -> httpx.Request:
+    def _request(
+        self, method: str, name: str, content: bytes | None = None, timeout: str = "plan"
+    ) -> httpx.Request:
         return httpx.Request(
             method,
             self._urls[name],
             content=content,
             headers=self._headers,
-            extensions=self._extensions,
+            extensions=self._timeouts[timeout],
         )
 
     def _set_layout(self, response: httpx.Response) -> PromptLayout:
@@ -443,6 +535,8 @@ class ContextPilotClient:
             raise ServiceUnavailableError(f"service error {status}: {message}", status)
         if status == 401:
             raise PermissionError(f"index service refused the API key: {message}")
+        if status == 403:
+            raise PermissionError(f"index service refused the call: {message}")
         if status == 409:
             raise RidConflictError(message)
         raised = _RAISED_AS.get(error_type)
@@ -473,7 +567,23 @@ class ContextPilotClient:
 
     def _counts(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._counters)
+            return {**self._counters, "unsettled": len(self._unsettled)}
+
+    def _unsettled_among(self, touched: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+        with self._lock:
+            return [key for key in touched if key in self._unsettled]
+
+    def _remember_unsettled(self, touched: list[tuple[str, ...]]) -> None:
+        with self._lock:
+            dropped = sum(len(self._unsettled.put(key, None)) for key in touched)
+            self._counters["unsettled_dropped"] += dropped
+        if dropped:
+            logger.warning(
+                "index service client: %d conversations that failed calls may have left on "
+                "the service are no longer remembered (max_unsettled=%d)",
+                dropped,
+                self._unsettled.max_entries,
+            )
 
     def _failed(
         self, what: str, exc: BaseException, *, raise_without_fallback: bool = True
@@ -506,10 +616,43 @@ class ContextPilotClient:
                 self._local = ContextPilot(layout=layout)
             return self._local
 
-    def _fallback_pilot(self) -> ContextPilot:
-        """:meth:`_local_pilot`, counting one fallback plan (or batch)."""
+    def _fallback_plan(self, request: PlanRequest) -> Plan:
+        """A local plan of ``request``, made without its conversation (it never hints); its
+        scope is the request's."""
         self._count("fallback_plans")
-        return self._local_pilot()
+        plan = self._local_pilot().plan(
+            request.query, request.blocks, rid=request.rid, scope=_without_conversation(request)
+        )
+        return dataclasses.replace(plan, scope=request.scope)
+
+    def _fallback_batch(self, batch: list[PlanRequest]) -> BatchPlan:
+        """Local plans of a batch, as :meth:`_fallback_plan`."""
+        self._count("fallback_plans")
+        local = self._local_pilot().plan_batch(
+            [dataclasses.replace(r, scope=_without_conversation(r)) for r in batch]
+        )
+        plans = tuple(
+            dataclasses.replace(plan, scope=request.scope)
+            for plan, request in zip(local.plans, batch)
+        )
+        return dataclasses.replace(local, plans=plans)
+
+
+def _without_conversation(request: PlanRequest) -> Scope:
+    return Scope(tenant=request.scope.tenant)
+
+
+def _touched(requests: list[PlanRequest]) -> list[tuple[str, ...]]:
+    """What a call of these requests may leave on the service: their conversations and
+    explicit rids."""
+    touched: list[tuple[str, ...]] = []
+    for request in requests:
+        key = request.scope.conversation
+        if key is not None:
+            touched.append(("conversation", *key))
+        if request.rid is not None:
+            touched.append(("rid", request.rid))
+    return touched
 
 
 def _encode(body: dict[str, Any]) -> bytes:

@@ -4,19 +4,24 @@ Each endpoint is a small coroutine that reads its app's :class:`ServiceCalls`
 (``request.app.state.calls``), so one process can serve several apps (no module-level state).
 :func:`api_router` lays them out (paths, response models, the API-key dependency).
 
-Concurrency: a single plan whose body is at most ``ServiceConfig.inline_plan_bytes`` bytes is
-parsed, planned and encoded on the event loop (a thread hop would cost more than the plan);
-larger plans and every batch are parsed, built and encoded in worker threads
-(``anyio.to_thread``; batches at most ``max_batch_threads`` at once), so a long batch does not
-hold up other requests (``tests/service/test_concurrency.py``). The plan bodies are read raw
-and validated where the work runs: a large body's JSON parse and validation would otherwise
-hold the event loop as long as the build itself.
+Tenants: with keys configured, :func:`caller_tenant` maps the request's
+``Authorization: Bearer <key>`` to its tenant (401 for a missing or unknown key), and every
+call runs as that tenant (:class:`~.index_service.IndexService`'s ``caller``); a body that
+names another tenant gets a 403.
+
+Concurrency: nothing that takes a lock of the index, the conversation store or the engine link
+runs on the event loop. Plans are parsed, planned and encoded in worker threads; batches wait
+for one of ``max_batch_threads``; evictions, usage reports, forgets, statistics, metrics and
+saves for one of ``max_call_threads`` (so a call stuck in the engine link, e.g. a hung mirror
+walk, holds one thread, not the server: ``/health`` and plans go on). A request cancelled
+meanwhile (a client gone, a shutdown) abandons its thread instead of waiting for it. The plan
+bodies are read raw and validated where the work runs: a large body's JSON parse and
+validation would otherwise hold the event loop as long as the build itself.
 """
 
 from __future__ import annotations
 
 import functools
-import hmac
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, TypeVar
 
@@ -32,10 +37,11 @@ from contextpilot_integrations import __version__
 from contextpilot_integrations.service.errors import (
     JSON,
     InvalidInput,
+    ServiceClosing,
     json_response,
     validate_json,
 )
-from contextpilot_integrations.service.index_service import IndexService
+from contextpilot_integrations.service.index_service import IndexService, ServiceClosingError
 from contextpilot_integrations.service.schemas import (
     BatchPlanResponse,
     ErrorResponse,
@@ -53,25 +59,30 @@ from contextpilot_integrations.service.schemas import (
     UsageResponse,
 )
 
-__all__ = ["API_PREFIX", "ServiceCalls", "add_body_schemas", "api_router"]
+__all__ = ["API_PREFIX", "ServiceCalls", "add_body_schemas", "api_router", "caller_tenant"]
 
 T = TypeVar("T")
 
 API_PREFIX = "/v1"
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "The body cannot be read as JSON."},
-    401: {"model": ErrorResponse, "description": "Missing or wrong API key."},
+    401: {"model": ErrorResponse, "description": "Missing or unknown API key."},
+    403: {
+        "model": ErrorResponse,
+        "description": "The body names another tenant than the API key's.",
+    },
     409: {"model": ErrorResponse, "description": "The rid is already indexed or being planned."},
     413: {"model": ErrorResponse, "description": "Request body too large."},
     422: {"model": ErrorResponse, "description": "Invalid input (the message names it)."},
+    503: {"model": ErrorResponse, "description": "The service is stopping."},
 }
-# A stateless scheme description (what the OpenAPI document shows); the key is per app.
-_BEARER = HTTPBearer(auto_error=False, description="The service's shared API key.")
+# A stateless scheme description (what the OpenAPI document shows); the keys are per app.
+_BEARER = HTTPBearer(auto_error=False, description="The API key of the caller's tenant.")
 _RAW_BODIES: tuple[type[BaseModel], ...] = (PlanRequestModel, PlanBatchRequest)
 
 
 class ServiceCalls:
-    """What the endpoints of one app share: its service, its API key, and how calls run.
+    """What the endpoints of one app share: its service and how calls run.
 
     Args:
         service: the service the app serves.
@@ -80,28 +91,30 @@ class ServiceCalls:
     def __init__(self, service: IndexService) -> None:
         self.service = service
         settings = service.config
-        self.api_key = settings.api_key.encode("utf-8") if settings.api_key else None
-        self.inline_plan_bytes = settings.inline_plan_bytes
-        self._max_batch_threads = settings.max_batch_threads
-        self._batch_limiter: anyio.CapacityLimiter | None = None  # made inside the loop
+        self._sizes = {"batch": settings.max_batch_threads, "call": settings.max_call_threads}
+        self._limiters: dict[str, anyio.CapacityLimiter] = {}  # made inside the event loop
 
-    async def in_thread(self, call: Callable[[], T], *, batch: bool = False) -> T:
-        """``call()`` in a worker thread (a batch waits for one of ``max_batch_threads``)."""
-        limiter = None
-        if batch:
-            if self._batch_limiter is None:
-                self._batch_limiter = anyio.CapacityLimiter(self._max_batch_threads)
-            limiter = self._batch_limiter
-        return await anyio.to_thread.run_sync(call, limiter=limiter)
+    def limiter(self, kind: str) -> anyio.CapacityLimiter | None:
+        """The worker-thread limiter of ``kind`` (``plan``: anyio's default)."""
+        if kind == "plan":
+            return None
+        if kind not in self._limiters:
+            self._limiters[kind] = anyio.CapacityLimiter(self._sizes[kind])
+        return self._limiters[kind]
 
-    async def run(self, call: Callable[[], T], *, inline: bool, batch: bool = False) -> T:
-        """Run a service call; its ``TypeError`` / ``ValueError`` (bad input, named by the
-        core) becomes :class:`InvalidInput` (422; 409 for a rid conflict), anything else a
-        500."""
+    async def run(self, call: Callable[[], T], kind: str) -> T:
+        """``call()`` in a worker thread of ``kind`` (``plan``, ``batch``, ``call``); its
+        ``TypeError`` / ``ValueError`` (bad input, named by the core) becomes
+        :class:`InvalidInput` (422; 409 for a rid conflict, 403 for another tenant), a
+        stopping service a 503, anything else a 500."""
         try:
-            return call() if inline else await self.in_thread(call, batch=batch)
+            return await anyio.to_thread.run_sync(
+                call, abandon_on_cancel=True, limiter=self.limiter(kind)
+            )
         except (TypeError, ValueError) as exc:
             raise InvalidInput(exc) from exc
+        except ServiceClosingError as exc:
+            raise ServiceClosing(str(exc)) from exc
 
 
 def _calls(request: Request) -> ServiceCalls:
@@ -109,16 +122,22 @@ def _calls(request: Request) -> ServiceCalls:
     return calls
 
 
-async def require_key(
+async def caller_tenant(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
-) -> None:
-    """401 unless the request carries ``Authorization: Bearer <the app's key>``."""
-    expected = _calls(request).api_key
-    assert expected is not None  # only installed when a key is set
-    given = credentials.credentials.encode("utf-8") if credentials is not None else b""
-    if not hmac.compare_digest(given, expected):
+) -> str | None:
+    """The tenant of the request's ``Authorization: Bearer <key>`` (401 for a missing or
+    unknown key); None on a service without keys."""
+    tenancy = _calls(request).service.tenancy
+    if not tenancy.keyed:
+        return None
+    tenant = tenancy.tenant_of(credentials.credentials) if credentials is not None else None
+    if tenant is None:
         raise StarletteHTTPException(401, "missing or wrong API key (Authorization: Bearer)")
+    return tenant
+
+
+Caller = Annotated["str | None", Depends(caller_tenant)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,80 +145,94 @@ async def require_key(
 # --------------------------------------------------------------------------------------------
 
 
-async def plan(request: Request) -> Response:
+async def plan(request: Request, caller: Caller) -> Response:
     """``PlanRequest`` -> ``PlanResponse`` (``ContextPilot.plan``)."""
     calls = _calls(request)
     raw = await request.body()
 
     def parse_plan_encode() -> Response:
-        planned = calls.service.plan(validate_json(PlanRequestModel, raw).to_core())
-        return json_response(PlanResponse.encode(planned))
+        core = validate_json(PlanRequestModel, raw).to_core()
+        return json_response(PlanResponse.encode(calls.service.plan(core, caller=caller)))
 
-    return await calls.run(parse_plan_encode, inline=len(raw) <= calls.inline_plan_bytes)
+    return await calls.run(parse_plan_encode, "plan")
 
 
-async def plan_batch(request: Request) -> Response:
+async def plan_batch(request: Request, caller: Caller) -> Response:
     """``{"requests": [PlanRequest, ...]}`` -> ``BatchPlanResponse``
     (``ContextPilot.plan_batch``)."""
     calls = _calls(request)
     raw = await request.body()
 
     def parse_plan_encode() -> Response:
-        batch = calls.service.plan_batch(validate_json(PlanBatchRequest, raw).to_core())
-        return json_response(BatchPlanResponse.encode(batch))
+        batch = validate_json(PlanBatchRequest, raw).to_core()
+        return json_response(
+            BatchPlanResponse.encode(calls.service.plan_batch(batch, caller=caller))
+        )
 
-    return await calls.run(parse_plan_encode, inline=False, batch=True)
+    return await calls.run(parse_plan_encode, "batch")
 
 
-async def evict(body: EvictRequest, request: Request) -> Response:
-    """Drop one rid from the index."""
+async def evict(body: EvictRequest, request: Request, caller: Caller) -> Response:
+    """Drop one of the caller's rids from the index."""
     calls = _calls(request)
-    evicted = await calls.run(functools.partial(calls.service.evict, body.rid), inline=True)
-    return json_response({"evicted": evicted})
+    call = functools.partial(calls.service.evict, body.rid, caller=caller)
+    return json_response({"evicted": await calls.run(call, "call")})
 
 
-async def forget_conversation(body: ForgetConversationRequest, request: Request) -> Response:
-    """Drop a conversation's de-duplication records."""
-    calls = _calls(request)
-    call = functools.partial(calls.service.forget_conversation, body.tenant, body.conversation_id)
-    return json_response({"forgotten": await calls.run(call, inline=True)})
-
-
-async def usage(body: UsageReport, request: Request) -> Response:
-    """Record the engine's ``usage`` of a planned request."""
+async def forget_conversation(
+    body: ForgetConversationRequest, request: Request, caller: Caller
+) -> Response:
+    """Drop one of the caller's conversations' de-duplication records."""
     calls = _calls(request)
     call = functools.partial(
-        calls.service.record_usage, body.rid, body.prompt_tokens, body.cached_tokens
+        calls.service.forget_conversation, body.tenant, body.conversation_id, caller=caller
     )
-    return json_response({"indexed": await calls.run(call, inline=True)})
+    return json_response({"forgotten": await calls.run(call, "call")})
 
 
-async def snapshot(request: Request) -> Response:
-    """Save the snapshot now."""
+async def usage(body: UsageReport, request: Request, caller: Caller) -> Response:
+    """Record the engine's ``usage`` of one of the caller's planned requests."""
     calls = _calls(request)
-    return json_response({"saved": await calls.in_thread(calls.service.save_snapshot)})
+    call = functools.partial(
+        calls.service.record_usage,
+        body.rid,
+        body.prompt_tokens,
+        body.cached_tokens,
+        caller=caller,
+    )
+    return json_response({"indexed": await calls.run(call, "call")})
 
 
-async def layout(request: Request) -> LayoutModel:
+async def snapshot(request: Request, caller: Caller) -> Response:
+    """Save a checkpoint of the snapshot now (every tenant's state; calls that arrive during a
+    save share the next one)."""
+    calls = _calls(request)
+    return json_response({"saved": await calls.run(calls.service.save_snapshot, "call")})
+
+
+async def layout(request: Request, caller: Caller) -> LayoutModel:
     """The prompt layout plans are rendered with."""
     return LayoutModel.from_core(_calls(request).service.layout)
 
 
-async def stats(request: Request) -> Response:
-    """``IndexService.stats()``."""
+async def stats(request: Request, caller: Caller) -> Response:
+    """``IndexService.stats()`` of the caller's tenant."""
     calls = _calls(request)
-    return json_response(await calls.in_thread(calls.service.stats))
+    return json_response(
+        await calls.run(functools.partial(calls.service.stats, caller=caller), "call")
+    )
 
 
-async def metrics(request: Request) -> Response:
-    """Prometheus text exposition."""
+async def metrics(request: Request, caller: Caller) -> Response:
+    """Prometheus text exposition (service-wide counts)."""
     calls = _calls(request)
-    body, content_type = await calls.in_thread(calls.service.metrics.exposition)
+    body, content_type = await calls.run(calls.service.metrics.exposition, "call")
     return Response(content=body, media_type=content_type)
 
 
 async def health(request: Request) -> HealthResponse:
-    """Liveness and the engine link (never authenticated)."""
+    """Liveness and the engine link (never authenticated; takes no lock that an event could
+    hold)."""
     service = _calls(request).service
     return HealthResponse(
         status="ok",
@@ -210,21 +243,22 @@ async def health(request: Request) -> HealthResponse:
     )
 
 
+async def openapi_document(request: Request, caller: Caller) -> Response:
+    """The OpenAPI document (with keys configured, it needs one like the API)."""
+    return json_response(request.app.openapi())
+
+
 # --------------------------------------------------------------------------------------------
 # Routes
 # --------------------------------------------------------------------------------------------
 
 
-def api_router(*, authenticated: bool) -> APIRouter:
-    """Every endpoint; ``authenticated``: all but ``/health`` need the API key."""
-    guarded = [Depends(require_key)] if authenticated else []
+def api_router(*, keyed: bool) -> APIRouter:
+    """Every endpoint; ``keyed``: the service has API keys, so ``/openapi.json`` is served
+    here behind a key (FastAPI's own is off then)."""
     router = APIRouter()
-    post = functools.partial(
-        router.add_api_route, methods=["POST"], dependencies=guarded, responses=ERRORS
-    )
-    get = functools.partial(
-        router.add_api_route, methods=["GET"], dependencies=guarded, responses=ERRORS
-    )
+    post = functools.partial(router.add_api_route, methods=["POST"], responses=ERRORS)
+    get = functools.partial(router.add_api_route, methods=["GET"], responses=ERRORS)
     post(
         f"{API_PREFIX}/plan",
         plan,
@@ -261,7 +295,7 @@ def api_router(*, authenticated: bool) -> APIRouter:
         f"{API_PREFIX}/snapshot",
         snapshot,
         response_model=SnapshotResponse,
-        summary="Save the snapshot now",
+        summary="Save a checkpoint of the snapshot now",
     )
     get(
         f"{API_PREFIX}/layout",
@@ -289,6 +323,10 @@ def api_router(*, authenticated: bool) -> APIRouter:
         response_model=HealthResponse,
         summary="Liveness and engine link",
     )
+    if keyed:
+        router.add_api_route(
+            "/openapi.json", openapi_document, methods=["GET"], include_in_schema=False
+        )
     return router
 
 

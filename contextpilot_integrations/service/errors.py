@@ -8,7 +8,10 @@ Every 4xx/5xx body is an :class:`~contextpilot_integrations.service.schemas.Erro
 - a ``TypeError`` / ``ValueError`` the core raised for the input (a rule across fields, e.g. a
   turn without a conversation): 422 with the core's message and type;
   :class:`~contextpilot_integrations.core.request.RidConflictError`: 409;
+  :class:`~contextpilot_integrations.service.tenants.TenantMismatchError` (the body names
+  another tenant than the API key's): 403;
 - a body over the size limit: 413; a missing or wrong API key: 401, ``PermissionError``;
+- a service that is stopping: 503, ``ServiceClosingError`` (the client falls back);
 - anything else: 500, ``InternalError`` (logged with its traceback, never echoed).
 """
 
@@ -26,11 +29,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from contextpilot_integrations.core.request import RidConflictError
+from contextpilot_integrations.service.tenants import TenantMismatchError
 
 __all__ = [
     "JSON",
     "BodyTooLarge",
     "InvalidInput",
+    "ServiceClosing",
     "error_body",
     "install_error_handlers",
     "json_response",
@@ -53,16 +58,22 @@ class BodyTooLarge(Exception):
 class InvalidInput(Exception):
     """A ``TypeError`` / ``ValueError`` the service raised for the request's input."""
 
+    _STATUS: dict[type[Exception], int] = {RidConflictError: 409, TenantMismatchError: 403}
+
     def __init__(self, cause: TypeError | ValueError) -> None:
         super().__init__(str(cause))
         self.cause = cause
-        self.status_code = 409 if isinstance(cause, RidConflictError) else 422
+        self.status_code = self._STATUS.get(type(cause), 422)
 
     @property
     def error_type(self) -> str:
-        if isinstance(self.cause, RidConflictError):
-            return "RidConflictError"
+        if type(self.cause) in self._STATUS:
+            return type(self.cause).__name__
         return "ValueError" if isinstance(self.cause, ValueError) else "TypeError"
+
+
+class ServiceClosing(Exception):
+    """The service is stopping (503)."""
 
 
 def json_response(content: Any, status_code: int = 200) -> Response:
@@ -93,6 +104,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(InvalidInput, _invalid_input)
     app.add_exception_handler(BodyTooLarge, _body_too_large)
+    app.add_exception_handler(ServiceClosing, _closing)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
 
@@ -125,6 +137,10 @@ async def _invalid_input(_: Request, exc: Exception) -> Response:
 
 async def _body_too_large(_: Request, exc: Exception) -> Response:
     return json_response(error_body(str(exc), "ValueError"), 413)
+
+
+async def _closing(_: Request, exc: Exception) -> Response:
+    return json_response(error_body(str(exc), "ServiceClosingError"), 503)
 
 
 async def _http_error(_: Request, exc: Exception) -> Response:

@@ -1,11 +1,18 @@
-"""The shared index behind the HTTP service: one ContextPilot, its engine link, its snapshot.
+"""The shared index behind the HTTP service: its tenants' pilots, one engine link, the snapshot.
 
 :class:`IndexService` holds what the HTTP layer (:mod:`.app`) serves, and is usable on its
-own: a :class:`~contextpilot_integrations.core.pilot.ContextPilot` (index, conversation store)
-that follows the engine through its
-:class:`~contextpilot_integrations.sync.engine_link.EngineLink` (``pilot.engine``: KV events,
-capacity model or TTL model, built from ``ServiceConfig.cache_sync``), the metrics, and the
-snapshot file.
+own: one :class:`~contextpilot_integrations.core.pilot.ContextPilot` (index, popularity
+memory, conversation store) per tenant when the service has tenant keys (the default
+``"partitioned"`` isolation, :mod:`.tenants`), else one for everyone; one
+:class:`~contextpilot_integrations.sync.engine_link.EngineLink` that follows the engine for all
+of them (KV events, capacity model or TTL model, from ``ServiceConfig.cache_sync``) and routes
+each eviction to the pilot of the rid's tenant; the metrics; the snapshot file.
+
+Tenants (DESIGN.md invariant 8): every call takes ``caller``, the tenant of the request's API
+key (``None`` on a service without keys). A request whose ``scope.tenant`` names another
+tenant is refused (:class:`~.tenants.TenantMismatchError`); rids are resolved within the
+caller's tenant (its rid tag, :mod:`.tenants`), so no call of one tenant can evict, probe,
+plan under, read, forget or add to another tenant's requests or conversations.
 
 The sync path never breaks a request (DESIGN.md invariant 5): the engine link absorbs, counts
 and logs once every failure of recording, touching, an unreachable engine or a resync that
@@ -13,47 +20,57 @@ cannot complete; a snapshot that cannot be read or written is counted the same w
 engine link, or by the service when it has none: ``stats()["sync"]["failures"]``,
 ``contextpilot_sync_failures_total``), and plans are served all the same.
 
-Snapshot and resync (``ServiceConfig.snapshot_path``): the service restores the index from the
-file when it is made, and saves it on :meth:`IndexService.stop` (and on a periodic timer, if
-set). The restored requests were indexed by an earlier process, so :meth:`IndexService.start`
-asks the engine link to re-establish what the engine still caches
-(:meth:`EngineLink.resync <contextpilot_integrations.sync.engine_link.EngineLink.resync>`:
-KV events replay the engine's stream and evict the restored rids it no longer holds; the
-capacity model records them again, least recently used first; the TTL model evicts them all
-when the service was down for ``ttl_s`` or longer).
+Snapshot (``ServiceConfig.snapshot_path``; :mod:`.persistence`, file format in
+:mod:`.snapshot`): each pilot's whole state (index and conversations). Restored when the service
+is made; saved as a *checkpoint* by the periodic timer and ``/v1/snapshot`` (planning goes on:
+the conversation stores restored from it keep turn numbers, not records), and *final* by
+:meth:`IndexService.stop` once planning has stopped (they come back whole). A file that cannot
+be restored is set aside, counted, and the service starts empty with amnesic stores. Saves do
+not stall plans (``benchmarks/bench_snapshot_save.py``).
 
-Thread-safety: every method may be called from any thread. Planning calls into the pilot
-concurrently (its index and conversation store take their own locks; it reserves an explicit
-rid for the duration of its call, so two concurrent calls never plan the same rid).
+The restored requests were indexed by an earlier process, so :meth:`IndexService.start` asks
+the engine link to re-establish what the engine still caches
+(:meth:`EngineLink.resync <contextpilot_integrations.sync.engine_link.EngineLink.resync>`);
+``resync_pending`` stays true while it waits (``/health``).
+
+Thread-safety: every method may be called from any thread. :meth:`stop` is bounded
+(``shutdown_timeout_s``): a call stuck in the engine link or a lock does not keep the service
+from saving and stopping.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from contextpilot_integrations import __version__
-from contextpilot_integrations.core.context_index import ContextIndex
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import BatchPlan, Plan
 from contextpilot_integrations.core.rendering import PromptLayout
-from contextpilot_integrations.core.request import PlanRequest
+from contextpilot_integrations.core.request import PlanRequest, check_batch
 from contextpilot_integrations.service.metrics import ServiceMetrics
-from contextpilot_integrations.service.snapshot import (
-    ServiceSnapshot,
-    load_snapshot,
-    save_snapshot,
-)
+from contextpilot_integrations.service.partitions import Partitions, sum_stats
+from contextpilot_integrations.service.persistence import Restored, ServiceSnapshots
+from contextpilot_integrations.service.tenants import Tenancy, TenantKeys, TenantMismatchError
 from contextpilot_integrations.sync.configuration import CacheSyncConfig
-from contextpilot_integrations.sync.engine_link import RestoredRequest
+from contextpilot_integrations.sync.engine_link import EngineLink
+
+__all__ = ["IndexService", "ServiceClosingError", "ServiceConfig"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ServiceClosingError(RuntimeError):
+    """The service is stopping: it plans and forgets nothing more (HTTP 503)."""
 
 
 @dataclass
@@ -67,20 +84,31 @@ class ServiceConfig:
             ``{"kind": "capacity", ...}``, ``{"kind": "ttl", ...}``); the same mapping
             ``ContextPilot(cache_sync=...)`` takes. None: no engine feedback (the index's own
             LRU bound).
-        snapshot_path: file to restore on start and save on stop; None: no snapshot.
-        snapshot_interval_s: also save every this many seconds (None: only on stop).
-        max_requests: LRU bound of the context index.
+        snapshot_path: file to restore on start and save on stop; None: no snapshot. A
+            symlink is followed (its target is read and replaced).
+        snapshot_interval_s: also save a checkpoint every this many seconds (None: only on
+            stop).
+        max_requests: LRU bound of the context index (of each tenant's, when partitioned).
         layout: the prompt layout (None: the default :class:`PromptLayout`).
-        api_key: shared secret every request but ``/health`` must present as
-            ``Authorization: Bearer <key>``; None: no authentication.
-        inline_plan_bytes: a single plan whose request body is at most this many bytes is
-            parsed, planned and encoded on the event loop (a thread hop would cost more than
-            the plan); larger ones, and every batch, in a worker thread.
+        api_key: the single shared secret of earlier releases: one tenant named ``""``. Every
+            request but ``/health`` must present a key as ``Authorization: Bearer <key>``
+            once any key is set.
+        tenants: tenant name -> its keys and optional ``cache_salt`` (:mod:`.tenants`); None:
+            none (with ``api_key`` neither: no authentication).
+        share_prefixes_across_tenants: one index for all tenants instead of one per tenant;
+            opens the side channel described in :mod:`.tenants`.
         max_body_bytes: largest request body accepted (413 above).
         max_batch_threads: batch builds running at once (others wait their turn).
+        max_call_threads: other calls that take a lock (evict, usage, forget, stats,
+            metrics, snapshot) running at once in worker threads.
+        shutdown_timeout_s: longest :meth:`IndexService.stop` waits for in-flight plans, the
+            engine link and the final save together.
+        tenancy: (made from ``api_key``, ``tenants`` and ``share_prefixes_across_tenants``)
+            the :class:`~.tenants.Tenancy`: key -> tenant, rid tags, salts, isolation mode.
 
     Raises:
-        ValueError: a setting out of range or an invalid ``cache_sync`` (names the field).
+        ValueError: a setting out of range, an invalid ``cache_sync`` or tenant set (names
+            the field).
     """
 
     cache_sync: Mapping[str, Any] | CacheSyncConfig | None = None
@@ -89,74 +117,80 @@ class ServiceConfig:
     max_requests: int = 100_000
     layout: PromptLayout | None = None
     api_key: str | None = None
-    inline_plan_bytes: int = 65_536
+    tenants: Mapping[str, TenantKeys] | None = None
+    share_prefixes_across_tenants: bool = False
     max_body_bytes: int = 64 * 1024 * 1024
     max_batch_threads: int = 2
+    max_call_threads: int = 8
+    shutdown_timeout_s: float = 10.0
+    tenancy: Tenancy = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_requests, int) or self.max_requests < 1:
             raise ValueError(f"max_requests must be a positive int, got {self.max_requests!r}")
-        if self.snapshot_interval_s is not None and not self.snapshot_interval_s > 0:
-            raise ValueError(
-                f"snapshot_interval_s must be positive or None, got {self.snapshot_interval_s!r}"
-            )
+        for name in ("snapshot_interval_s", "shutdown_timeout_s"):
+            value = getattr(self, name)
+            if (value is not None or name == "shutdown_timeout_s") and not (
+                isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
+            ):
+                raise ValueError(f"{name} must be positive, got {value!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty str or None, got ''")
-        for name in ("inline_plan_bytes", "max_body_bytes", "max_batch_threads"):
+        for name in ("max_body_bytes", "max_batch_threads", "max_call_threads"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < (0 if name == "inline_plan_bytes" else 1):
+            if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.cache_sync is not None and not isinstance(self.cache_sync, CacheSyncConfig):
             self.cache_sync = CacheSyncConfig.from_mapping(self.cache_sync)
-
-
-@dataclass(frozen=True)
-class _Restored:
-    """What the snapshot gave back: the requests still indexed (LRU first) and how long the
-    saving service has been gone."""
-
-    requests: list[RestoredRequest]
-    downtime_s: float
+        tenants: dict[str, TenantKeys] = dict(self.tenants or {})
+        if self.api_key is not None:
+            legacy = tenants.get("")
+            keys = (*(legacy.keys if legacy else ()), self.api_key)
+            tenants[""] = TenantKeys(
+                tuple(dict.fromkeys(keys)), legacy.cache_salt if legacy else None
+            )
+        self.tenancy = Tenancy(tenants, share_prefixes=self.share_prefixes_across_tenants)
 
 
 class IndexService:
-    """One shared context index with its engine link, metrics and snapshot.
+    """The tenants' context indexes with one engine link, metrics and a snapshot.
 
-    Made, it holds the restored index (``snapshot_path``) and a pilot whose engine link is
-    already started (``ContextPilot(cache_sync=...)``); :meth:`start` resyncs the restored
-    requests with the engine and starts the snapshot timer, :meth:`stop` stops both and the
-    engine link and saves the snapshot. It plans before :meth:`start` as well.
+    Made, it holds the restored pilots (``snapshot_path``); :meth:`start` starts the engine
+    link, resyncs the restored requests with the engine and starts the snapshot timer;
+    :meth:`stop` stops planning, the timer and the link and saves the final snapshot. It plans
+    before :meth:`start` as well.
 
     Args:
         config: the settings.
 
     Raises:
-        ValueError: an invalid cache-sync configuration (the message names the field).
-        zmq.ZMQError: a malformed KV-event endpoint (an engine that is merely down is not an
-            error: the subscriber connects when it comes up).
+        ValueError: an invalid configuration (the message names the field).
     """
 
     def __init__(self, config: ServiceConfig | None = None) -> None:
         self.config = config or ServiceConfig()
-        self.metrics = ServiceMetrics(self.stats)
+        self.tenancy = self.config.tenancy
+        self.metrics = ServiceMetrics(self._service_stats)
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._active = 0  # plans and forgets in flight
+        self._closing = False
         self._failures: dict[str, int] = {}  # only without an engine link
         self._warned: set[str] = set()
-        self._api_evictions = 0
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._timer_stop = threading.Event()
+        self._timer: threading.Thread | None = None
         self._started = False
-        index, self._restored, problem = self._restore()
         sync = self.config.cache_sync
         assert sync is None or isinstance(sync, CacheSyncConfig)
-        self.pilot = ContextPilot(
-            layout=self.config.layout,
-            index=index,
-            max_requests=self.config.max_requests,
-            cache_sync=sync,
-        )
-        if problem is not None:
-            self._failure("snapshot", problem)
+        self.engine = EngineLink(sync, on_evict=self._engine_evicted) if sync else None
+        self._restored: Restored | None = None
+        self._snapshots: ServiceSnapshots | None = None
+        path = self.config.snapshot_path
+        if path is None:
+            self._partitions = self._new_partitions()
+        else:
+            self._snapshots = ServiceSnapshots(path, self._failure)
+            self._partitions, self._restored = self._snapshots.restore(self._new_partitions)
 
     # ----------------------------------------------------------------------------------------
     # Public API: planning
@@ -164,104 +198,154 @@ class IndexService:
 
     @property
     def layout(self) -> PromptLayout:
-        """The layout plans are rendered with."""
-        return self.pilot.layout
+        """The layout plans are rendered with (the same for every tenant)."""
+        return self._partitions.sections()[0][2].layout
 
-    def plan(self, request: PlanRequest) -> Plan:
-        """``ContextPilot.plan`` of one request (recorded with the engine link by the pilot).
+    def pilot_of(self, caller: str | None = None) -> ContextPilot:
+        """The pilot that plans ``caller``'s requests (shared by all but when partitioned).
+
+        Raises:
+            TenantMismatchError: ``caller`` is not a tenant of this service (or None on a
+                service with keys).
+        """
+        return self._partitions.of(caller).pilot
+
+    def plan(self, request: PlanRequest, *, caller: str | None = None) -> Plan:
+        """``ContextPilot.plan`` of one request of ``caller`` (the tenant of its API key;
+        None on a service without keys).
+
+        Returns:
+            The plan; its ``rid`` is the engine-facing rid (the tenant's tag, a dot, the
+            request's rid or a new one) and its ``cache_salt`` the tenant's.
 
         Raises:
             TypeError / ValueError: as ``ContextPilot.plan``.
-            RidConflictError: ``request.rid`` is already indexed or being planned.
+            RidConflictError: the rid is already indexed or being planned (in the tenant's
+                namespace).
+            TenantMismatchError: ``request.scope.tenant`` is another tenant's.
+            ServiceClosingError: the service is stopping.
         """
-        plan = self.pilot.plan(request.query, request.blocks, rid=request.rid, scope=request.scope)
+        tenant = self._partitions.of(caller)
+        request = tenant.admit(request)
+        with self._planning():
+            plan = tenant.pilot.plan(
+                request.query, request.blocks, rid=request.rid, scope=request.scope
+            )
         self.metrics.plans.labels("single").inc()
         return plan
 
-    def plan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
-        """``ContextPilot.plan_batch`` (recorded with the engine link by the pilot).
-
-        Raises:
-            TypeError / ValueError: as ``ContextPilot.plan_batch``.
-            RidConflictError: a rid is already indexed or being planned.
-        """
-        batch = self.pilot.plan_batch(requests)
-        self.metrics.plans.labels("batch").inc(len(batch.plans))
-        return batch
+    def plan_batch(
+        self, requests: Sequence[PlanRequest], *, caller: str | None = None
+    ) -> BatchPlan:
+        """``ContextPilot.plan_batch`` of ``caller``'s requests (errors as :meth:`plan`; the
+        batch's own as ``check_batch``)."""
+        tenant = self._partitions.of(caller)
+        batch = [
+            tenant.admit(request, f"requests[{i}].")
+            for i, request in enumerate(check_batch(requests))
+        ]
+        with self._planning():
+            plans = tenant.pilot.plan_batch(batch)
+        self.metrics.plans.labels("batch").inc(len(plans.plans))
+        return plans
 
     # ----------------------------------------------------------------------------------------
     # Public API: index and conversation operations
     # ----------------------------------------------------------------------------------------
 
-    def evict(self, rid: str) -> bool:
-        """Drop ``rid`` from the index (asked by the app; counted as an ``api`` eviction);
-        False if it was not indexed."""
-        evicted = self.pilot.evict(rid)
+    def evict(self, rid: str, *, caller: str | None = None) -> bool:
+        """Drop ``caller``'s ``rid`` from the index (asked by the app; counted as an ``api``
+        eviction); False if the tenant has no such rid.
+
+        Raises:
+            TypeError / ValueError: a rid that is not a str of at most 512 characters.
+        """
+        tenant = self._partitions.of(caller)
+        evicted = tenant.pilot.evict(tenant.engine_rid(rid))
         if evicted:
             with self._lock:
-                self._api_evictions += 1
+                tenant.api_evictions += 1
         return evicted
 
-    def forget_conversation(self, tenant: str, conversation_id: str) -> bool:
-        """Drop a conversation's de-duplication records; False if it was not held.
+    def forget_conversation(
+        self, tenant: str, conversation_id: str, *, caller: str | None = None
+    ) -> bool:
+        """Drop a conversation's de-duplication records; False if it was not held. Its turn
+        numbers are kept (a tombstone), so numbering goes on after it.
+
+        Args:
+            tenant: the conversation's tenant as the request names it (``""``: the caller's;
+                another tenant's name is refused).
+            conversation_id: the conversation.
+            caller: the tenant of the request's API key (None without keys).
 
         Raises:
             TypeError / ValueError: a bad ``tenant`` or ``conversation_id``.
+            TenantMismatchError: ``tenant`` is another tenant's.
+            ServiceClosingError: the service is stopping.
         """
-        return self.pilot.deduplicator.store.forget(tenant, conversation_id)
+        owner = self._partitions.of(caller)
+        if owner.name is not None:
+            if tenant and tenant != owner.name:
+                raise TenantMismatchError(
+                    f"tenant {tenant!r:.80} is not the tenant of this API key "
+                    f"({owner.name!r:.80}); leave it empty (the key decides)"
+                )
+            tenant = owner.name
+        with self._planning():
+            return owner.pilot.deduplicator.store.forget(tenant, conversation_id)
 
-    def record_usage(self, rid: str, prompt_tokens: int, cached_tokens: int) -> bool:
-        """``ContextPilot.record_usage``: the engine's ``usage`` of one sent request; a hit
-        marks the request as just used (index LRU, capacity and TTL models).
+    def record_usage(
+        self, rid: str, prompt_tokens: int, cached_tokens: int, *, caller: str | None = None
+    ) -> bool:
+        """``ContextPilot.record_usage`` of ``caller``'s ``rid``: the engine's ``usage`` of one
+        sent request; a hit marks the request as just used (index LRU, capacity and TTL
+        models).
 
         Returns:
-            Whether ``rid`` is indexed.
+            Whether the tenant's ``rid`` is indexed.
 
         Raises:
             TypeError / ValueError: as ``ContextPilot.record_usage``.
         """
-        return self.pilot.record_usage(rid, prompt_tokens, cached_tokens)
+        tenant = self._partitions.of(caller)
+        return tenant.pilot.record_usage(tenant.engine_rid(rid), prompt_tokens, cached_tokens)
 
-    def stats(self) -> dict[str, Any]:
-        """``ContextPilot.stats()`` (the index's figures at the top level, ``index``,
-        ``conversations``, ``usage``), with ``sync`` always present (the engine link's stats:
-        ``cache_model``, ``engine_connected``, ``resync_pending``, ``failures``,
-        ``evictions``, ``source``; without one ``cache_model="none"`` and the service's own
-        ``failures``) and ``service`` (``version``, ``evictions`` it was asked for:
-        ``{"api": n}``)."""
-        stats = self.pilot.stats()
+    def stats(self, *, caller: str | None = None) -> dict[str, Any]:
+        """``caller``'s pilot's ``ContextPilot.stats()`` (the index's figures at the top level,
+        ``index``, ``conversations``, ``usage``: the tenant's own when partitioned, the shared
+        index's otherwise), with ``sync`` (the one engine link's: ``cache_model``,
+        ``engine_connected``, ``resync_pending``, ``failures``, ``evictions``, ``source``;
+        without one ``cache_model="none"`` and the service's own ``failures``) and ``service``
+        (``version``, ``isolation``, the tenant's ``evictions`` asked for: ``{"api": n}``,
+        ``snapshot`` figures). ``sync`` and ``service.snapshot`` are service-wide counts."""
+        tenant = self._partitions.of(caller)
+        stats = self._pilot_stats(tenant.pilot)
         with self._lock:
-            api_evictions = self._api_evictions
-            failures = dict(self._failures)
-        if "sync" not in stats:
-            stats["sync"] = {
-                "cache_model": "none",
-                "engine_connected": None,
-                "resync_pending": False,
-                "failures": failures,
-                "evictions": {},
-            }
-        stats["service"] = {"version": __version__, "evictions": {"api": api_evictions}}
+            evictions = (
+                tenant.api_evictions
+                if self.tenancy.partitioned or tenant.name is None
+                else sum(p.api_evictions for p in self._partitions)
+            )
+        stats["sync"] = self._sync_stats()
+        stats["service"] = self._service_section({"api": evictions})
         return stats
 
     @property
     def cache_model(self) -> str:
         """The engine link's kind (``kv-events``, ``capacity``, ``ttl``), or ``none``."""
-        engine = self.pilot.engine
-        return engine.kind if engine is not None else "none"
+        return self.engine.kind if self.engine is not None else "none"
 
     @property
     def engine_connected(self) -> bool | None:
         """Whether the KV-event subscriber is connected to every rank's publisher; None
         without an event stream."""
-        engine = self.pilot.engine
-        return engine.engine_connected if engine is not None else None
+        return self.engine.engine_connected if self.engine is not None else None
 
     @property
     def resync_pending(self) -> bool:
         """True while restored requests still wait for the engine's state."""
-        engine = self.pilot.engine
-        return engine.resync_pending if engine is not None else False
+        return self.engine.resync_pending if self.engine is not None else False
 
     # ----------------------------------------------------------------------------------------
     # Public API: lifecycle
@@ -272,68 +356,149 @@ class IndexService:
         start the snapshot timer. Idempotent.
 
         Raises:
-            zmq.ZMQError: as :class:`IndexService`.
+            zmq.ZMQError: a malformed KV-event endpoint (an engine that is merely down is not
+                an error: the subscriber connects when it comes up).
         """
         if self._started:
             return
-        self._stop.clear()
-        engine = self.pilot.engine
-        if engine is not None:
-            engine.start()
-            if self._restored is not None and self._restored.requests:
-                engine.resync(self._restored.requests, self._restored.downtime_s)
+        with self._lock:
+            self._closing = False
+        if self.engine is not None:
+            self.engine.start()
+            if self._restored is not None and self._restored[0]:
+                self.engine.resync(*self._restored)
         self._restored = None
         if self.config.snapshot_path is not None and self.config.snapshot_interval_s:
-            thread = threading.Thread(
+            self._timer_stop.clear()
+            self._timer = threading.Thread(
                 target=self._save_periodically, name="snapshot-timer", daemon=True
             )
-            self._threads.append(thread)
-            thread.start()
+            self._timer.start()
         self._started = True
 
     def stop(self) -> None:
-        """Stop the snapshot timer and the engine link, then save the snapshot (idempotent
-        after a :meth:`start`)."""
+        """Stop planning, the snapshot timer and the engine link, then save the final
+        snapshot; idempotent after a :meth:`start`.
+
+        Bounded by ``shutdown_timeout_s`` in all: plans still in flight when it runs out make
+        the save a checkpoint (they may record turns after it); a step that does not finish in
+        time (a stuck engine link, a lock held for ever) is left behind, logged.
+        """
         if not self._started:
             return
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(5.0)
-        self._threads.clear()
-        self.pilot.close()
-        self.save_snapshot()
+        # The budget: half for the plans in flight, a quarter for the timer and the engine
+        # link, the rest (at least a quarter) for the save.
+        budget = self.config.shutdown_timeout_s
+        started = time.monotonic()
+        with self._lock:
+            self._closing = True
+            while self._active and time.monotonic() < started + budget / 2:
+                self._idle.wait(max(0.0, started + budget / 2 - time.monotonic()))
+            drained = self._active == 0
+        if not drained:
+            logger.warning("stopping with plans still running: the snapshot is a checkpoint")
+        link_deadline = time.monotonic() + budget / 4
+        self._timer_stop.set()
+        if self._timer is not None:
+            self._timer.join(max(0.0, link_deadline - time.monotonic()))
+            self._timer = None
+        if self.engine is not None:
+            _within(link_deadline, self.engine.stop, "stopping the engine link")
+        if self._snapshots is not None:
+            saved = _within(
+                started + budget, lambda: self.save_snapshot(final=drained), "saving the snapshot"
+            )
+            if saved and drained:
+                self._snapshots.stopped_cleanly()
         self._started = False
 
-    def save_snapshot(self) -> bool:
-        """Save the index to ``snapshot_path`` now; False when none is set or saving failed
-        (counted, logged)."""
-        path = self.config.snapshot_path
-        if path is None:
+    def save_snapshot(self, *, final: bool = False) -> bool:
+        """Save every pilot's state to ``snapshot_path`` now; False when none is set or saving
+        failed (counted, logged). Calls that arrive while a save runs share the next one.
+
+        Args:
+            final: planning has stopped (at shutdown): the restored conversation stores will
+                miss no turn. Otherwise the save is a checkpoint.
+        """
+        if self._snapshots is None:
             return False
-        snapshot = ServiceSnapshot(time.time(), self.cache_model, self.pilot.index.snapshot())
-        try:
-            size = save_snapshot(path, snapshot)
-        except OSError as exc:
-            self._failure("snapshot", f"cannot save snapshot {str(path)!r}: {exc}")
-            return False
-        logger.info(
-            "saved snapshot %s: %d requests, %d bytes",
-            path,
-            len(snapshot.index.get("requests", [])),
-            size,
-        )
-        return True
+        return self._snapshots.save(self._partitions, cache_model=self.cache_model, final=final)
 
     # ----------------------------------------------------------------------------------------
-    # Internals
+    # Internals: tenants and calls
+    # ----------------------------------------------------------------------------------------
+
+    @contextmanager
+    def _planning(self) -> Iterator[None]:
+        """A call that records conversation state (a plan, a forget): refused once stopping,
+        so the final snapshot misses none; counted while in flight."""
+        with self._lock:
+            if self._closing:
+                raise ServiceClosingError("the index service is stopping")
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                if not self._active:
+                    self._idle.notify_all()
+
+    def _engine_evicted(self, rid: str) -> bool:
+        """The engine link's ``on_evict``: drop ``rid`` from its tenant's index."""
+        pilot = self._partitions.route(rid)
+        return pilot.index.evict(rid) if pilot is not None else False
+
+    # ----------------------------------------------------------------------------------------
+    # Internals: statistics
+    # ----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _pilot_stats(pilot: ContextPilot) -> dict[str, Any]:
+        stats = pilot.stats()
+        stats.pop("sync", None)
+        return stats
+
+    def _sync_stats(self) -> dict[str, Any]:
+        if self.engine is not None:
+            return self.engine.stats()
+        with self._lock:
+            failures = dict(self._failures)
+        return {
+            "cache_model": "none",
+            "engine_connected": None,
+            "resync_pending": False,
+            "failures": failures,
+            "evictions": {},
+        }
+
+    def _service_section(self, evictions: dict[str, int]) -> dict[str, Any]:
+        snapshot = self._snapshots.figures() if self._snapshots is not None else {}
+        return {
+            "version": __version__,
+            "isolation": self.tenancy.mode,
+            "evictions": evictions,
+            "snapshot": snapshot,
+        }
+
+    def _service_stats(self) -> dict[str, Any]:
+        """Every pilot's figures added up (the metrics' source: service-wide counts)."""
+        stats = sum_stats([self._pilot_stats(p) for _, _, p in self._partitions.sections()])
+        with self._lock:
+            evictions = sum(p.api_evictions for p in self._partitions)
+        stats["sync"] = self._sync_stats()
+        stats["service"] = self._service_section({"api": evictions})
+        return stats
+
+    # ----------------------------------------------------------------------------------------
+    # Internals: failures, pilots
     # ----------------------------------------------------------------------------------------
 
     def _failure(self, kind: str, detail: str) -> None:
         """A failure the service absorbs: counted by the engine link (or here without one),
         logged once at warning level."""
-        engine = self.pilot.engine
-        if engine is not None:
-            engine.failure(kind, detail)
+        if self.engine is not None:
+            self.engine.failure(kind, detail)
             return
         with self._lock:
             self._failures[kind] = self._failures.get(kind, 0) + 1
@@ -342,40 +507,43 @@ class IndexService:
         level = logging.WARNING if first else logging.DEBUG
         logger.log(level, "sync path failure (%s): %s; plans are still served", kind, detail)
 
-    def _restore(self) -> tuple[ContextIndex | None, _Restored | None, str | None]:
-        """The index of the snapshot file, what it restored, and why it could not (the
-        unreadable file is set aside)."""
-        path = self.config.snapshot_path
-        if path is None:
-            return None, None, None
-        try:
-            snapshot = load_snapshot(path)
-            if snapshot is None:
-                logger.info("no snapshot at %s: starting with an empty index", path)
-                return None, None, None
-            index = ContextIndex.restore(snapshot.index, max_requests=self.config.max_requests)
-        except (OSError, ValueError) as exc:
-            _set_aside(Path(path))
-            return None, None, f"cannot restore {str(path)!r}: {exc}"
-        requests: list[RestoredRequest] = [
-            (entry["rid"], tuple(zip((int(b) for b in entry["blocks"]), entry["tokens"])))
-            for entry in snapshot.index.get("requests", [])
-            if entry.get("rid") in index
-        ]
-        logger.info("restored %d requests from snapshot %s", len(requests), path)
-        return index, _Restored(requests, max(0.0, time.time() - snapshot.saved_at)), None
+    def _new_partitions(self) -> Partitions:
+        """Empty pilots: one per tenant when partitioned, else one for all; each records,
+        touches and forgets through the service's one engine link (the service starts and
+        stops it)."""
+
+        def pilot(tenant: str | None) -> ContextPilot:
+            salt = self.tenancy.cache_salt(tenant) if tenant is not None else None
+            made = ContextPilot(
+                layout=self.config.layout, max_requests=self.config.max_requests, cache_salt=salt
+            )
+            made.engine = self.engine
+            return made
+
+        return Partitions(self.tenancy, pilot)
 
     def _save_periodically(self) -> None:
         interval = self.config.snapshot_interval_s
         assert interval is not None
-        while not self._stop.wait(interval):
-            self.save_snapshot()
+        while not self._timer_stop.wait(interval):
+            self.save_snapshot(final=False)
 
 
-def _set_aside(path: Path) -> None:
-    """Keep an unreadable snapshot for inspection; the next save must not overwrite it."""
-    if path.exists():
-        aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
-        with contextlib.suppress(OSError):
-            path.rename(aside)
-            logger.info("moved the unreadable snapshot to %s", aside)
+def _within(deadline: float, call: Callable[[], T], what: str) -> T | None:
+    """``call()`` on a helper thread, waited for until ``deadline``; None when it did not
+    finish in time (it is left running, logged) or raised (logged)."""
+    result: list[T] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except Exception:
+            logger.exception("%s failed", what)
+
+    helper = threading.Thread(target=run, name=what, daemon=True)
+    helper.start()
+    helper.join(max(0.0, deadline - time.monotonic()))
+    if helper.is_alive():
+        logger.warning("%s did not finish within the shutdown timeout; going on", what)
+        return None
+    return result[0] if result else None

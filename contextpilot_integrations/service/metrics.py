@@ -7,7 +7,9 @@ registry: several services can live in one process, e.g. in tests). Counted as t
   ``contextpilot_http_request_duration_seconds{endpoint}`` (histogram, seconds);
 - ``contextpilot_plans_total{kind}`` (``single``, ``batch``: plans made, a batch counts each).
 
-Read from the live state at each scrape (no copy to keep in step; ``IndexService.stats()``):
+Read from the live state at each scrape (no copy to keep in step), service-wide: every
+tenant's pilot added up (``IndexService``; no tenant names in the labels, so a key holder who
+reads the metrics learns volumes, never which tenant or what):
 
 - ``contextpilot_evictions_total{source}``: requests dropped from the index, by who asked
   (``api``: the service's own count; ``kv-events``, ``capacity``, ``ttl``, ``resync``: the

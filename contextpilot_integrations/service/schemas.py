@@ -129,7 +129,11 @@ class ScopeModel(_Strict):
     conversation_id: Identifier | None = Field(
         default=None, description="Conversation for multi-turn de-duplication; null: none."
     )
-    tenant: Tenant = Field(default="", description="Owner of the conversation.")
+    tenant: Tenant = Field(
+        default="",
+        description="Owner of the conversation. With API keys the key decides: empty, or the "
+        "key's tenant (another tenant's name is refused with a 403).",
+    )
     turn: TurnNumber | None = Field(
         default=None, description="Turn number; null: one after the conversation's latest."
     )
@@ -168,7 +172,11 @@ class PlanRequestModel(_Strict):
         description="Block texts in retriever (relevance) order; empty or whitespace-only "
         "ones come back as skipped placements."
     )
-    rid: Identifier | None = Field(default=None, description="Request id; a new one when null.")
+    rid: Identifier | None = Field(
+        default=None,
+        description="Request id; a new one when null. With API keys the plan's rid is the "
+        "tenant's tag, a dot and this rid (at most 499 characters then).",
+    )
     scope: ScopeModel = ScopeModel()  # frozen: one shared default is safe
 
     def to_core(self) -> PlanRequest:
@@ -213,10 +221,13 @@ class EvictRequest(_Strict):
 
 
 class ForgetConversationRequest(_Strict):
-    """Drop a conversation's de-duplication records (the user deleted it)."""
+    """Drop a conversation's de-duplication records (the user deleted it); its turn numbers go
+    on after it."""
 
     conversation_id: Identifier
-    tenant: Tenant = ""
+    tenant: Tenant = Field(
+        default="", description="With API keys: empty, or the key's tenant (else a 403)."
+    )
 
 
 class UsageReport(_Strict):

@@ -13,11 +13,20 @@ Examples::
     # a hosted API with prompt caching
     contextpilot-server --cache-model ttl --ttl-provider openai
 
-The API key comes from ``--api-key`` or, better (a command line is visible to other users),
-the environment variable ``CONTEXTPILOT_API_KEY``. One process holds the index: uvicorn runs
+    # tenants: each key belongs to one tenant (format in service/tenants.py)
+    contextpilot-server --api-keys /etc/contextpilot/keys.json --snapshot /var/lib/cp/index.json
+    CONTEXTPILOT_API_KEYS="alice=<key>,bob=<key>" contextpilot-server
+
+Keys: ``--api-keys FILE`` (a JSON key file) and/or the environment variable
+``CONTEXTPILOT_API_KEYS`` map keys to tenants (:mod:`.tenants`; each tenant gets its own index
+unless ``--share-prefixes-across-tenants``); the single shared key of earlier releases comes
+from ``--api-key`` or, better (a command line is visible to other users),
+``CONTEXTPILOT_API_KEY``, and is the tenant ``""``. One process holds the index: uvicorn runs
 one worker, and many app processes share it through
 :class:`~contextpilot_integrations.service.client.ContextPilotClient`. SIGTERM or Ctrl-C stops
-it gracefully: in-flight requests finish, then the snapshot is saved.
+it gracefully: in-flight requests get ``--shutdown-timeout`` seconds to finish, then planning
+stops and the final snapshot is saved, within another ``--shutdown-timeout`` even if a call is
+stuck.
 """
 
 from __future__ import annotations
@@ -37,8 +46,10 @@ from contextpilot_integrations import __version__
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.service.app import create_app
 from contextpilot_integrations.service.index_service import ServiceConfig
+from contextpilot_integrations.service.tenants import TenantKeys, parse_key_list, read_key_file
 
 API_KEY_ENV = "CONTEXTPILOT_API_KEY"
+API_KEYS_ENV = "CONTEXTPILOT_API_KEYS"
 DEFAULT_PORT = 8765
 _CACHE_MODELS = {"events": "kv-events", "capacity": "capacity", "ttl": "ttl"}
 
@@ -122,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--snapshot-interval",
         type=float,
         metavar="SECONDS",
-        help="also save the snapshot every SECONDS (survives a hard kill)",
+        help="also save a checkpoint every SECONDS (survives a hard kill; conversations "
+        "restored from a checkpoint keep their turn numbers, not their records)",
     )
     state.add_argument("--max-requests", type=int, default=100_000, help="index LRU bound")
     state.add_argument(
@@ -134,8 +146,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     serving = parser.add_argument_group("serving")
     serving.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        type=Path,
+        help='tenant keys, a JSON file {"tenants": {"<name>": {"keys": ["..."], '
+        f'"cache_salt": "..."}}}} (also ${API_KEYS_ENV}="name=key,..."); each request runs '
+        "as its key's tenant",
+    )
+    serving.add_argument(
+        "--share-prefixes-across-tenants",
+        action="store_true",
+        help="one index for all tenants (prefix reuse across tenants; a tenant can then tell "
+        "from matched_prefix_blocks whether another sent a document; no cache_salt)",
+    )
+    serving.add_argument(
         "--api-key",
-        help=f"shared secret clients must send (default: ${API_KEY_ENV}; none: no auth)",
+        help=f"one shared secret, the tenant '' (default: ${API_KEY_ENV}; no key at all: no auth)",
+    )
+    serving.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM: for in-flight requests, then again for the final save (default 10)",
     )
     serving.add_argument(
         "--max-body-bytes", type=int, default=64 * 1024 * 1024, help="largest request body"
@@ -194,6 +227,13 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Servi
         except (OSError, ValueError, TypeError) as exc:
             raise ValueError(f"--layout {str(args.layout)!r}: {exc}") from exc
     api_key = args.api_key or environ.get(API_KEY_ENV) or None
+    tenants: dict[str, TenantKeys] = {}
+    if args.api_keys is not None:
+        tenants.update(read_key_file(args.api_keys))
+    for name, listed in parse_key_list(environ.get(API_KEYS_ENV, "")).items():
+        known = tenants.get(name)
+        keys = (*(known.keys if known else ()), *listed.keys)
+        tenants[name] = TenantKeys(tuple(dict.fromkeys(keys)), known.cache_salt if known else None)
     return ServiceConfig(
         cache_sync=cache_sync,
         snapshot_path=args.snapshot,
@@ -201,7 +241,10 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Servi
         max_requests=args.max_requests,
         layout=layout,
         api_key=api_key,
+        tenants=tenants or None,
+        share_prefixes_across_tenants=args.share_prefixes_across_tenants,
         max_body_bytes=args.max_body_bytes,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
 
 
@@ -226,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers=1,
         log_level=args.log_level,
         access_log=args.access_log,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s)),
     )
     return 0
 

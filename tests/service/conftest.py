@@ -12,13 +12,17 @@ from service_testing import RunningServer, start_server
 
 @pytest.fixture
 def server_factory(tmp_path: Path) -> Iterator[Callable[..., RunningServer]]:
-    """``server_factory(*args, env=None, port=None)`` -> a started :class:`RunningServer`."""
+    """``server_factory(*args, env=None, port=None, launcher=None)`` -> a started
+    :class:`RunningServer`."""
     started: list[RunningServer] = []
 
     def make(
-        *args: str, env: dict[str, str] | None = None, port: int | None = None
+        *args: str,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+        launcher: Path | None = None,
     ) -> RunningServer:
-        server = start_server(tmp_path, args, env, port)
+        server = start_server(tmp_path, args, env, port, launcher)
         started.append(server)
         return server
 

@@ -8,7 +8,9 @@ with the given options and waits until ``/health`` answers (the ``server_factory
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from contextpilot_integrations.core.plan import PlacementStatus, Plan
 
 
 def free_port() -> int:
@@ -67,19 +71,29 @@ class RunningServer:
 
 
 def start_server(
-    tmp_path: Path, args: tuple[str, ...], env: dict[str, str] | None, port: int | None
+    tmp_path: Path,
+    args: tuple[str, ...],
+    env: dict[str, str] | None,
+    port: int | None,
+    launcher: Path | None = None,
 ) -> RunningServer:
+    """Start a server (``launcher``: a script run instead of the server module, which patches
+    the service and then calls its ``main``)."""
     port = port or free_port()
+    program = [str(launcher)] if launcher else ["-m", "contextpilot_integrations.service.server"]
     log_path = tmp_path / f"server-{port}-{time.monotonic_ns()}.log"
-    # The key comes only from the test's own env, never from the caller's environment.
-    full_env = {k: v for k, v in os.environ.items() if k != "CONTEXTPILOT_API_KEY"}
+    # The keys come only from the test's own env, never from the caller's environment.
+    full_env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("CONTEXTPILOT_API_KEY", "CONTEXTPILOT_API_KEYS")
+    }
     full_env.update(env or {})
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "contextpilot_integrations.service.server",
+                *program,
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -118,3 +132,33 @@ def blocks_of(number: int, shared: int = 4, own: int = 2, size: int = 60) -> lis
         for j in range(own)
     ]
     return mine[:1] + common + mine[1:]
+
+
+def saved_requests(path: Path) -> list[dict[str, object]]:
+    """The index entries of a snapshot file (every partition's, in file order)."""
+    document = json.loads(Path(path).read_text(encoding="utf-8"))
+    return [
+        entry
+        for partition in document["partitions"]
+        for entry in partition["pilot"]["index"]["requests"]
+    ]
+
+
+_HINT = re.compile(r"(\[Doc \d+\]) (?:of turn (\d+)|in this message)")
+
+
+def check_hints(plan: Plan, received: dict[int, Plan]) -> None:
+    """Every hint of ``plan`` names a place the app's prompts really show: a block of a turn
+    the app received (``received``: turn number -> its plan), or of this prompt, holding the
+    same text under that label (DESIGN.md invariant 9)."""
+    for placement in plan.placements:
+        if placement.status is not PlacementStatus.REPLACED:
+            continue
+        found = _HINT.search(placement.hint or "")
+        assert found, placement.hint
+        label, turn = found.group(1), found.group(2)
+        shown_in = plan if turn is None else received.get(int(turn))
+        assert shown_in is not None, f"hint to turn {turn}, which the app never received"
+        assert any(p.label == label and p.text == placement.text for p in shown_in.blocks), (
+            f"{placement.hint!r} names text the app's turn {turn} did not show there"
+        )

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
-from service_testing import blocks_of
+from service_testing import blocks_of, saved_requests
 
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import MAX_TURN, PlanRequest
@@ -239,8 +239,7 @@ def test_health_layout_and_snapshot_endpoints(client, tmp_path) -> None:  # type
     plan = client.post("/v1/plan", json={"query": "q", "blocks": blocks_of(0)}).json()
     assert plan["segments"][0] == "Custom system prompt.\n"
     assert client.post("/v1/snapshot").json() == {"saved": True}
-    saved = json.loads((tmp_path / "index.json").read_text())
-    assert [entry["rid"] for entry in saved["index"]["requests"]] == [plan["rid"]]
+    assert [entry["rid"] for entry in saved_requests(tmp_path / "index.json")] == [plan["rid"]]
 
 
 def test_a_batch_with_some_rids_gets_new_ones_for_the_rest(client) -> None:  # type: ignore[no-untyped-def]
@@ -287,6 +286,7 @@ def test_the_service_object_plans_without_http() -> None:
     # The capacity model keeps the index within the engine's token budget.
     assert stats["sync"]["source"]["used_tokens"] <= 10_000
     assert stats["requests"] == stats["sync"]["source"]["requests"] < 40
-    assert plans[-1].rid in service.pilot.index and plans[0].rid not in service.pilot.index
+    index = service.pilot_of().index
+    assert plans[-1].rid in index and plans[0].rid not in index
     # The capacity model's evictions are the engine link's, counted by cause.
     assert stats["sync"]["evictions"] == {"capacity": 40 - stats["requests"]}

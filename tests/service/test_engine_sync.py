@@ -141,3 +141,41 @@ def test_the_engine_coming_up_later_is_followed(server_factory) -> None:  # type
             engine.publish(_removed([5]))
             wait_for(lambda: client.stats()["requests"] == 0)
         assert client.stats()["sync"]["failures"] == {"engine_unreachable": 1}
+
+
+def _free_port_pair() -> int:
+    """A port whose successor is free too (rank r of a data-parallel engine: port + r)."""
+    for _ in range(50):
+        base = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_a_rank_that_never_publishes_does_not_keep_resync_pending(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Issue 12, finding 5: the service reports what the engine link decides (sync/).
+    snapshot = tmp_path / "index.json"
+    pub_base, replay_base = _free_port_pair(), _free_port_pair()
+    pub, replay = f"tcp://127.0.0.1:{pub_base}", f"tcp://127.0.0.1:{replay_base}"
+    events = ("--kv-events", pub, "--kv-events-replay", replay, "--dp-size", "2")
+    first = server_factory("--snapshot", str(snapshot), *events)
+    with ContextPilotClient(first.base_url, fallback=False) as client:
+        for rid in ("kept", "gone"):
+            client.plan(rid, blocks_of(len(rid)), rid=rid)
+    first.stop(signal.SIGTERM)
+    with KVEventPublisher(pub, replay) as rank0:  # rank 1 never comes up
+        rank0.publish(_stored([1], "kept"))
+        second = server_factory("--snapshot", str(snapshot), *events, "--engine-grace", "3")
+        assert httpx.get(f"{second.base_url}/health").json()["resync_pending"] is True
+        wait_for(
+            lambda: httpx.get(f"{second.base_url}/health").json()["resync_pending"] is False,
+            timeout_s=15,
+            what="the resync finished without the silent rank",
+        )
+        stats = _stats(second.base_url)
+    assert stats["sync"]["failures"].get("resync_timeout") == 1
+    assert stats["requests"] == 1  # "kept" (rank 0 holds it); "gone" evicted

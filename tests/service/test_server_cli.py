@@ -50,6 +50,14 @@ def test_api_key_from_the_environment_or_the_flag() -> None:
     assert _config(["--api-key", "flag"], {"CONTEXTPILOT_API_KEY": "env"}).api_key == "flag"
 
 
+def test_tenant_keys_sharing_and_the_shutdown_timeout(tmp_path: Path) -> None:
+    environ = {"CONTEXTPILOT_API_KEYS": "alice=k1,bob=k2"}
+    config = _config(["--shutdown-timeout", "3"], environ)
+    assert config.tenancy.mode == "partitioned" and config.shutdown_timeout_s == 3.0
+    shared = _config(["--share-prefixes-across-tenants"], environ)
+    assert shared.tenancy.mode == "shared" and shared.tenancy.cache_salt("alice") is None
+
+
 def test_layout_from_a_json_file(tmp_path: Path) -> None:
     path = tmp_path / "layout.json"
     path.write_text(json.dumps({"system_prompt": "Be brief."}))
@@ -74,6 +82,9 @@ def test_layout_from_a_json_file(tmp_path: Path) -> None:
         (["--snapshot-interval", "0"], "snapshot_interval_s must be positive"),
         (["--max-requests", "0"], "max_requests"),
         (["--kv-events", "tcp://127.0.0.1:x"], "tcp://host:port"),
+        (["--api-keys", "/nonexistent/keys.json"], "key file '/nonexistent/keys.json'"),
+        (["--share-prefixes-across-tenants"], "needs tenant keys"),
+        (["--shutdown-timeout", "0"], "shutdown_timeout_s must be positive"),
     ],
 )
 def test_inconsistent_options_exit_with_a_message(argv, words, capsys) -> None:  # type: ignore[no-untyped-def]
