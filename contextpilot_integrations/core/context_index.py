@@ -215,9 +215,10 @@ class ContextIndex:
         with self._lock:
             return _path_of(self._request(rid).node)
 
-    def prefix_tokens(self, blocks: Sequence[int], tokens: Sequence[int]) -> int:
-        """Tokens of the longest indexed prefix of ``blocks`` taken in exactly this order (what
-        a prompt in this order would hit if the index is right). ``O(len(blocks))``, read-only.
+    def prefix_in_order(self, blocks: Sequence[int], tokens: Sequence[int]) -> tuple[int, int]:
+        """The longest indexed prefix of ``blocks`` taken in exactly this order (what a prompt in
+        this order would hit if the index is right): ``(blocks, tokens)`` of it.
+        ``O(len(blocks))``, read-only.
 
         Raises:
             ValueError: ``tokens`` of another length than ``blocks``.
@@ -232,11 +233,11 @@ class ContextIndex:
                     break
                 for edge_block in child.blocks:
                     if i >= len(blocks) or blocks[i] != edge_block:
-                        return gained
+                        return i, gained
                     gained += tokens[i]
                     i += 1
                 node = child
-            return gained
+            return i, gained
 
     def search_paths(self, rids: Sequence[str]) -> list[tuple[int, ...]]:
         """:meth:`search_path` of each rid, read in one step; ``()`` for a rid not indexed
@@ -403,12 +404,21 @@ class ContextIndex:
         """A JSON-serialisable copy of the indexed contexts, least recently used first.
 
         The tree is rebuilt from the contexts on :meth:`restore`; node ids are not kept. The lock
-        is held only to copy the request list (a request's blocks and tokens never change), so
-        planning is not held up while a large index is formatted (issue 12: 100,000 requests
-        held the lock for most of a second).
+        is held only to copy the request list, a few thousand entries at a time (a request's
+        blocks and tokens never change), so planning is not held up while a large index is
+        copied and formatted (issue 12: 100,000 requests held the lock for most of a second). A
+        request inserted meanwhile may be missed and one evicted meanwhile is left out: the copy
+        is a checkpoint, not an atomic view.
         """
         with self._lock:
-            held = list(self._requests.items())
+            rids = list(self._requests)
+        held: list[tuple[str, _Request]] = []
+        for start in range(0, len(rids), _SNAPSHOT_CHUNK):
+            with self._lock:
+                for rid in rids[start : start + _SNAPSHOT_CHUNK]:
+                    request = self._requests.peek(rid)
+                    if request is not None:
+                        held.append((rid, request))
         return {
             "version": SNAPSHOT_VERSION,
             "requests": [
@@ -536,6 +546,9 @@ class ContextIndex:
             self._evict(oldest, by_lru=True)
             if self._on_evict is not None:
                 self._on_evict(oldest)
+
+
+_SNAPSHOT_CHUNK = 4096  # requests copied per hold of the lock by snapshot()
 
 
 def _weights(blocks: Sequence[int], tokens: Sequence[int] | None) -> dict[int, int]:

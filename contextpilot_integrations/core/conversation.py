@@ -397,10 +397,11 @@ class ConversationStore:
             ],
         }
 
-    def restore(self, snapshot: object) -> int:
+    def restore(self, snapshot: object, *, checkpoint: bool = False) -> int:
         """Replace the store's content with :meth:`snapshot` output; returns the conversations
-        restored. From a checkpoint (not ``final``) only the turn numbers are kept and the store
-        is amnesic (module docstring).
+        restored. From a checkpoint (not ``final``, or ``checkpoint=True``: the owner knows
+        planning went on after it) only the turn numbers are kept and the store is amnesic
+        (module docstring).
 
         Raises:
             ValueError: a malformed snapshot (the store is then left empty and amnesic).
@@ -409,6 +410,8 @@ class ConversationStore:
             self._conversations.clear()
             self._tombstones.clear()
             self._amnesic = True
+            if checkpoint and isinstance(snapshot, dict):
+                snapshot = {**snapshot, "final": False}
             try:
                 count = self._load(snapshot)
             except (KeyError, TypeError, ValueError, IndexError) as exc:

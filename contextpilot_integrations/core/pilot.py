@@ -127,6 +127,9 @@ class ContextPilot:
             drop requests from the index. ``None`` (default): the index's own LRU bound only.
         cache_salt: the engine's ``cache_salt`` for every plan of this pilot (one tenant's
             pilot; see :attr:`Plan.cache_salt`); ``None``: none.
+        engine: an engine link shared with other pilots (the index service's, one per engine,
+            whose owner routes its evictions and starts and stops it): plans are recorded with
+            it, but this pilot neither starts nor stops it. Not with ``cache_sync``.
 
     Raises:
         ValueError: an invalid ``cache_sync`` mapping (the message names the field).
@@ -155,7 +158,10 @@ class ContextPilot:
         deduplicator: Deduplicator | None = None,
         cache_sync: Mapping[str, Any] | CacheSyncConfig | None = None,
         cache_salt: str | None = None,
+        engine: EngineLink | None = None,
     ) -> None:
+        if engine is not None and cache_sync is not None:
+            raise ValueError("give cache_sync (the pilot builds its own link) or engine, not both")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r:.80}")
         self.cache_salt = cache_salt
@@ -186,11 +192,13 @@ class ContextPilot:
         self._planning: set[str] = set()
         self._planning_lock = threading.Lock()
         self._usage = UsageCounter()
-        self.engine: EngineLink | None = None
+        self.engine: EngineLink | None = engine
+        self._owns_engine = False
         if cache_sync is not None:
             from contextpilot_integrations.sync.engine_link import EngineLink
 
             self.engine = EngineLink(cache_sync, on_evict=self.index.evict).start()
+            self._owns_engine = True
 
     @property
     def layout(self) -> PromptLayout:
@@ -235,7 +243,10 @@ class ContextPilot:
                 holders=self._cooccurrence.holders,
             )
             if self.reorder == "cost-aware" and not self._reordering_pays(prepared, order, found):
+                # The retriever's order stays; what it hits is its own indexed prefix.
                 order = list(prepared.ids)
+                kept, kept_tokens = self.index.prefix_in_order(prepared.ids, prepared.tokens)
+                found = SearchResult(tuple(order[:kept]), kept_tokens, (), 0, False)
             plan = self._finish(rid, request, prepared, order, found, turns)
         if self.engine is not None:
             self.engine.record([plan])
@@ -356,10 +367,16 @@ class ContextPilot:
             "conversations": self.deduplicator.store.snapshot(final=final),
         }
 
-    def restore(self, snapshot: object) -> int:
-        """Load :meth:`snapshot` output into this pilot's index and conversation store (the
-        store is amnesic afterwards: see :mod:`.conversation`); returns the requests indexed.
-        Call it before planning (at start-up).
+    def restore(self, snapshot: object, *, checkpoint: bool = False) -> int:
+        """Load :meth:`snapshot` output into this pilot's index and conversation store;
+        returns the requests indexed. Call it before planning (at start-up).
+
+        Args:
+            snapshot: :meth:`snapshot` output.
+            checkpoint: restore the conversations as from a checkpoint even when the snapshot
+                says ``final`` (the owner knows planning went on after it, e.g. the last run did
+                not stop cleanly): they keep their turn numbers, not their records, and the
+                store is amnesic (:mod:`.conversation`).
 
         Raises:
             ValueError: a malformed snapshot; the index and the conversations are then empty
@@ -370,7 +387,7 @@ class ContextPilot:
             if not isinstance(snapshot, dict) or snapshot.get("version") != SNAPSHOT_VERSION:
                 raise ValueError(f"pilot snapshot version must be {SNAPSHOT_VERSION}")
             count = self.index.load(snapshot["index"])
-            store.restore(snapshot["conversations"])
+            store.restore(snapshot["conversations"], checkpoint=checkpoint)
         except (KeyError, ValueError) as exc:
             self.index.clear()
             store.mark_history_lost()
@@ -378,8 +395,9 @@ class ContextPilot:
         return count
 
     def close(self) -> None:
-        """Stop the engine link (idempotent); the index stays usable."""
-        if self.engine is not None:
+        """Stop the engine link this pilot started (idempotent; a link given as ``engine=``
+        is its owner's to stop); the index stays usable."""
+        if self.engine is not None and self._owns_engine:
             self.engine.stop()
 
     def __enter__(self) -> ContextPilot:
@@ -445,7 +463,7 @@ class ContextPilot:
         counter; the annotation is uncached prompt text)."""
         if list(order) == blocks.ids:
             return True  # nothing moves: no annotation either way
-        kept = self.index.prefix_tokens(blocks.ids, blocks.tokens)
+        _, kept = self.index.prefix_in_order(blocks.ids, blocks.tokens)
         labels = [self._layout.label(p) for p in range(len(order))]
         annotation = self.token_counter.count(self._layout.annotation(labels))
         token_of = dict(zip(blocks.ids, blocks.tokens))

@@ -37,6 +37,14 @@ def _tokens(section: _Section) -> int:
     return section.tokens
 
 
+class _Conversation:
+    __slots__ = ("last_turn", "sections")
+
+    def __init__(self) -> None:
+        self.sections: LRU[int, _Section] = LRU(weight=_tokens)
+        self.last_turn = 0
+
+
 class ConversationSections:
     """The rendered context sections of each conversation's turns, keyed by (tenant, id).
 
@@ -58,20 +66,32 @@ class ConversationSections:
         self.max_conversations = max_conversations
         self.history_tokens = history_tokens
         self._lock = threading.Lock()
-        # (tenant, conversation id) -> turn -> section, oldest turn first.
-        self._conversations: LRU[tuple[str, str], LRU[int, _Section]] = LRU(max_conversations)
+        # (tenant, conversation id) -> its sections (turn -> section, oldest turn first) and
+        # the last turn number it was given.
+        self._conversations: LRU[tuple[str, str], _Conversation] = LRU(max_conversations)
 
     # ------------------------------------------------------------------ Public API
-    def shown(self, tenant: str, conversation_id: str) -> tuple[tuple[int, str], ...]:
-        """``(turn, section text)`` the next prompt of this conversation shows, oldest first
-        (marks the conversation used). The planner gets these turns as the visible ones and the
-        template renders exactly these texts (they travel with the plan in
-        :class:`~.plan_store.StoredPlan`), so a later drop cannot make a hint dangle."""
+    def begin_turn(
+        self, tenant: str, conversation_id: str
+    ) -> tuple[int, tuple[tuple[int, str], ...]]:
+        """The next turn's number and the ``(turn, section text)`` its prompt shows, oldest
+        first (marks the conversation used).
+
+        The number is this adapter's own (one more than the last it gave the conversation),
+        passed to the planner as ``Scope.turn``: the sections rendered here are numbered the
+        same way, so a hint's turn names the section the prompt shows, also when the planner's
+        store lost its history (a restarted service). The planner gets these turns as the
+        visible ones and the template renders exactly these texts (they travel with the plan
+        in :class:`~.plan_store.StoredPlan`), so a later drop cannot make a hint dangle."""
         with self._lock:
-            sections = self._conversations.get((tenant, conversation_id))
-            if sections is None:
-                return ()
-            return tuple((turn, section.text) for turn, section in sections.items())
+            key = (tenant, conversation_id)
+            conversation = self._conversations.get(key)
+            if conversation is None:
+                conversation = _Conversation()
+                self._conversations.put(key, conversation)
+            conversation.last_turn += 1
+            shown = tuple((turn, section.text) for turn, section in conversation.sections.items())
+            return conversation.last_turn, shown
 
     def record(self, tenant: str, conversation_id: str, turn: int, text: str, tokens: int) -> None:
         """Remember that turn ``turn``'s prompt showed ``text`` (``tokens`` long, by the
@@ -82,10 +102,12 @@ class ConversationSections:
         """
         key = (tenant, conversation_id)
         with self._lock:
-            sections = self._conversations.get(key)
-            if sections is None:
-                sections = LRU(weight=_tokens)
-                self._conversations.put(key, sections)
+            conversation = self._conversations.get(key)
+            if conversation is None:
+                conversation = _Conversation()
+                self._conversations.put(key, conversation)
+            conversation.last_turn = max(conversation.last_turn, turn)
+            sections = conversation.sections
             for later in [t for t in sections if t >= turn]:
                 sections.pop(later)
             sections.put(turn, _Section(text, tokens))

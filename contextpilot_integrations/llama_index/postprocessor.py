@@ -219,14 +219,14 @@ class ContextPilotNodePostprocessor(BaseNodePostprocessor):
 
     # ------------------------------------------------------------------ internals
     def _call_scope(self) -> tuple[Scope, tuple[tuple[int, str], ...]]:
-        """This call's scope (visibility: the turns whose sections the prompt will show) and
-        those sections."""
+        """This call's scope (its turn number, and as visible the turns whose sections the
+        prompt will show) and those sections."""
         conversation = self.scope.conversation
         if conversation is None:
             return self.scope, ()
-        sections = self._sections.shown(*conversation)
-        visibility = TurnVisibility.only(turn for turn, _ in sections)
-        return dataclasses.replace(self.scope, visibility=visibility), sections
+        turn, sections = self._sections.begin_turn(*conversation)
+        visibility = TurnVisibility.only(shown for shown, _ in sections)
+        return dataclasses.replace(self.scope, turn=turn, visibility=visibility), sections
 
     def _finish(
         self,

@@ -111,16 +111,18 @@ class PlanRenderer:
         """
         plan = stored.plan
         conversation, turn = plan.scope.conversation, plan.scope.turn
-        if conversation is None or turn is None:
+        if conversation is None:
             return plan.context  # the question comes from the template
         turns: list[tuple[int, tuple[str, ...]]] = [
             (earlier, (text,)) for earlier, text in stored.earlier_sections
         ]
         own = plan.segments[1:-1]
-        if own:  # no own section when every block is replaced by a hint
+        if own and turn is not None:  # no own section when every block is replaced by a hint
             turns.append((turn, own))
             self.sections.record(*conversation, turn, "".join(own), plan.prompt_tokens)
         segments, _ = plan.layout.render_turns(turns)
+        if turn is None:  # a planner that numbered no turn: shown, never pointed to later
+            segments.extend(own)
         return "".join(segments) + plan.context_tail
 
     def _context(self, stored: StoredPlan | None, context_str: object) -> str:

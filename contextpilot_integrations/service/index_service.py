@@ -514,11 +514,12 @@ class IndexService:
 
         def pilot(tenant: str | None) -> ContextPilot:
             salt = self.tenancy.cache_salt(tenant) if tenant is not None else None
-            made = ContextPilot(
-                layout=self.config.layout, max_requests=self.config.max_requests, cache_salt=salt
+            return ContextPilot(
+                layout=self.config.layout,
+                max_requests=self.config.max_requests,
+                cache_salt=salt,
+                engine=self.engine,
             )
-            made.engine = self.engine
-            return made
 
         return Partitions(self.tenancy, pilot)
 

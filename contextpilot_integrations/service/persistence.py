@@ -156,8 +156,7 @@ class ServiceSnapshots:
                 )
             for section in document["partitions"]:
                 state = section["pilot"]
-                if unclean or not document["final"]:
-                    state = _as_checkpoint(state)
+                checkpoint = unclean or not document["final"]
                 if partitions.tenancy.partitioned:
                     partition = partitions.get(section["tenant"])
                     if partition is None:
@@ -172,7 +171,7 @@ class ServiceSnapshots:
                     raise ValueError("an unpartitioned snapshot has a tenant's partition")
                 else:
                     pilot = partitions.sections()[0][2]
-                pilot.restore(state)
+                pilot.restore(state, checkpoint=checkpoint)
                 sections.append((pilot, state["index"]))
         requests = _restored_requests(sections)
         kind = "final snapshot" if document.get("final") and not unclean else "checkpoint"
@@ -250,14 +249,6 @@ def plans_first() -> Iterator[None]:
 def _in_use_marker(path: str | Path) -> Path:
     target = resolved(path)
     return target.with_name(f".{target.name}.in-use")
-
-
-def _as_checkpoint(state: Any) -> Any:
-    """A pilot state restored as a checkpoint: its conversation store keeps the turn numbers,
-    not the records (``ConversationStore.restore`` reads its ``final`` flag)."""
-    if isinstance(state, dict) and isinstance(state.get("conversations"), dict):
-        return {**state, "conversations": {**state["conversations"], "final": False}}
-    return state
 
 
 def _restored_requests(sections: list[tuple[ContextPilot, Any]]) -> list[RestoredRequest]:

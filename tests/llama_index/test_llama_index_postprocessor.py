@@ -406,14 +406,15 @@ def test_stores_are_bounded() -> None:
     sections = ConversationSections(max_conversations=2, history_tokens=100)
     for conversation in ("a", "b", "c"):
         sections.record("t", conversation, 1, "text", 10)
-    assert len(sections) == 2 and sections.shown("t", "a") == ()
+    assert len(sections) == 2 and sections.begin_turn("t", "a") == (1, ())
     # Past the token budget the oldest turns go until at most half of it is left.
     for turn in range(2, 12):
         sections.record("t", "c", turn, f"turn {turn}", 10)
-    assert [turn for turn, _ in sections.shown("t", "c")] == [7, 8, 9, 10, 11]
-    # Recording a turn again drops the later ones.
+    turn, shown = sections.begin_turn("t", "c")
+    assert turn == 12 and [t for t, _ in shown] == [7, 8, 9, 10, 11]
+    # Recording a turn again drops the later ones (numbers never go back).
     sections.record("t", "c", 9, "retried", 10)
-    assert sections.shown("t", "c") == ((7, "turn 7"), (8, "turn 8"), (9, "retried"))
+    assert sections.begin_turn("t", "c") == (13, ((7, "turn 7"), (8, "turn 8"), (9, "retried")))
     assert sections.forget("t", "c") and not sections.forget("t", "c")
     with pytest.raises(ValueError, match="history_tokens must be an int >= 1"):
         ConversationSections(history_tokens=0)
