@@ -250,6 +250,32 @@ class ContextIndex:
                 paths.append(_path_of(request.node) if request is not None else ())
             return paths
 
+    def shared_prefixes(self, rids: Sequence[str]) -> list[tuple[int, int]]:
+        """For each rid, ``(blocks, tokens)`` of the longest prefix of its context that another
+        indexed request also starts with (``(0, 0)`` for a rid not indexed), read in one step.
+
+        In the compressed tree a request's node is shared when another request ends there or
+        goes on below it; otherwise its parent is the deepest shared node (a node with fewer
+        than two branches and no request of its own does not exist). ``O(height)`` per rid.
+        """
+        with self._lock:
+            out = []
+            for rid in rids:
+                request = self._requests.peek(rid)
+                if request is None:
+                    out.append((0, 0))
+                    continue
+                node: _Node | None = request.node
+                if node is not None and len(node.rids) < 2 and not node.children:
+                    node = node.parent
+                blocks = tokens = 0
+                while node is not None and node.parent is not None:
+                    blocks += len(node.blocks)
+                    tokens += sum(node.tokens)
+                    node = node.parent
+                out.append((blocks, tokens))
+            return out
+
     def __contains__(self, rid: object) -> bool:
         with self._lock:
             return rid in self._requests

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -301,7 +302,12 @@ class ContextPilot:
             )
             # Paths are read after every insert (a later insert can split a node on an earlier
             # request's path) in one step: a request evicted meanwhile has none.
-            paths = self.index.search_paths([plan.rid for plan in plans])
+            rids = [plan.rid for plan in plans]
+            paths = self.index.search_paths(rids)
+            plans = tuple(
+                dataclasses.replace(plan, shared_prefix_blocks=blocks, shared_prefix_tokens=tokens)
+                for plan, (blocks, tokens) in zip(plans, self.index.shared_prefixes(rids))
+            )
         if self.engine is not None:
             self.engine.record(plans)
         return BatchPlan(plans=plans, schedule=tuple(schedule(paths, self.schedule_method)))
@@ -592,6 +598,7 @@ class ContextPilot:
         segments = layout.render_segments(
             rendered, request.query, annotation_labels=annotation, hints=hints
         )
+        ((shared_blocks, shared_tokens),) = self.index.shared_prefixes([rid]) if shown else [(0, 0)]
         return Plan(
             rid=rid,
             query=request.query,
@@ -602,6 +609,8 @@ class ContextPilot:
             annotation_labels=tuple(annotation),
             matched_prefix_blocks=len(found.prefix),
             matched_prefix_tokens=found.prefix_tokens,
+            shared_prefix_blocks=shared_blocks,
+            shared_prefix_tokens=shared_tokens,
             dedup_figures=figures,
             layout=layout,
             cache_salt=self.cache_salt,

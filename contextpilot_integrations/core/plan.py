@@ -128,6 +128,10 @@ class Plan:
             first (empty when the prompt already shows relevance order or annotation is off).
         matched_prefix_blocks: blocks of the prefix the index already held.
         matched_prefix_tokens: their tokens.
+        shared_prefix_blocks: leading shown blocks that another indexed request also starts
+            with, once this plan (and the rest of its batch) was indexed: where the prefix a
+            cache can reuse ends (a hosted API's cache breakpoint goes after it).
+        shared_prefix_tokens: their tokens (the planner's counter).
         dedup_figures: the request's :class:`DedupFigures`.
         layout: the layout that rendered the plan.
         cache_salt: the engine's ``cache_salt`` for this request's tenant (its prefix cache is
@@ -144,6 +148,8 @@ class Plan:
     annotation_labels: tuple[str, ...]
     matched_prefix_blocks: int
     matched_prefix_tokens: int
+    shared_prefix_blocks: int
+    shared_prefix_tokens: int
     dedup_figures: DedupFigures
     layout: PromptLayout = field(repr=False)
     cache_salt: str | None = None

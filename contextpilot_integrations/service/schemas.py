@@ -318,6 +318,8 @@ class PlanResponse(BaseModel):
     annotation_labels: list[str]
     matched_prefix_blocks: int
     matched_prefix_tokens: int
+    shared_prefix_blocks: int
+    shared_prefix_tokens: int
     dedup_figures: DedupFiguresModel
     cache_salt: str | None = Field(
         None, description="The engine's cache_salt for the caller's tenant (send it along)."
@@ -336,6 +338,8 @@ class PlanResponse(BaseModel):
             "annotation_labels": plan.annotation_labels,
             "matched_prefix_blocks": plan.matched_prefix_blocks,
             "matched_prefix_tokens": plan.matched_prefix_tokens,
+            "shared_prefix_blocks": plan.shared_prefix_blocks,
+            "shared_prefix_tokens": plan.shared_prefix_tokens,
             "dedup_figures": dataclasses.asdict(plan.dedup_figures),
             "cache_salt": plan.cache_salt,
         }
@@ -352,6 +356,8 @@ class PlanResponse(BaseModel):
             annotation_labels=tuple(self.annotation_labels),
             matched_prefix_blocks=self.matched_prefix_blocks,
             matched_prefix_tokens=self.matched_prefix_tokens,
+            shared_prefix_blocks=self.shared_prefix_blocks,
+            shared_prefix_tokens=self.shared_prefix_tokens,
             dedup_figures=DedupFigures(**self.dedup_figures.model_dump()),
             layout=layout,
             cache_salt=self.cache_salt,

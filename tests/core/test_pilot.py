@@ -408,3 +408,20 @@ def test_a_request_is_reordered_only_when_the_reuse_it_expects_pays_for_the_anno
     assert same.order == [0, 1, 2] and not same.annotation_labels
     with pytest.raises(ValueError, match="reorder must be"):
         ContextPilot(reorder="never")
+
+
+def test_the_shared_prefix_is_where_another_indexed_request_parts_ways():
+    pilot = ContextPilot(reorder="always")
+    a, b, c = (f"passage {x}: " + "words " * 40 for x in "abc")
+    first = pilot.plan("q1", [a, b])
+    assert (first.shared_prefix_blocks, first.shared_prefix_tokens) == (0, 0)  # alone
+    second = pilot.plan("q2", [a, c])
+    assert second.shared_prefix_blocks == 1  # [a] is shared, then they part
+    assert second.shared_prefix_tokens == second.blocks[0].tokens
+    again = pilot.plan("q3", [a, b])  # the same context as the first: all of it is shared
+    assert again.shared_prefix_blocks == 2
+    x, y, z = (f"new passage {n}: " + "other words " * 30 for n in "xyz")
+    batch = pilot.plan_batch([PlanRequest("q4", [x, y]), PlanRequest("q5", [y, x, z])])
+    # Read once the whole batch is indexed: each shares its two common blocks with the other.
+    assert [p.shared_prefix_blocks for p in batch.plans] == [2, 2]
+    assert pilot.plan("q6", []).shared_prefix_blocks == 0
