@@ -325,21 +325,34 @@ class ContextPilot:
             self.engine.forget(rid)
         return evicted
 
-    def record_usage(self, rid: str, prompt_tokens: int, cached_tokens: int) -> bool:
-        """Add the engine's ``usage`` of one sent request (``prompt_tokens``,
-        ``prompt_tokens_details.cached_tokens``: ``engine_fields.read_usage``) to
-        :meth:`stats`; a hit (``cached_tokens > 0``) marks the request as just used in the
-        index and the engine link (LRU and TTL refresh).
+    def record_usage(
+        self,
+        rid: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        cache_write_tokens: int | None = None,
+    ) -> bool:
+        """Add the engine's ``usage`` of one sent request (``prompt_tokens``, the cached
+        tokens read, and, where the provider reports them, the tokens written to its cache:
+        Anthropic's ``cache_creation_input_tokens``; ``engine_fields.read_usage``) to
+        :meth:`stats`. A request that read or wrote the cache is marked as just used in the
+        index and the engine link (LRU and TTL refresh: a read renews a hosted cache's
+        lifetime, a write starts it).
+
+        A request that did neither stays indexed: its prefix is not cached yet, but the next
+        request that shares it places a breakpoint there and writes it (a hosted cache is
+        written only where a breakpoint stands, and the index is what tells where requests
+        share). Requests below the minimum cacheable length are the TTL model's to drop.
 
         Returns:
             Whether ``rid`` is indexed.
 
         Raises:
             TypeError / ValueError: figures that are not ints with
-                ``0 <= cached_tokens <= prompt_tokens``.
+                ``0 <= cached_tokens + cache_write_tokens <= prompt_tokens``.
         """
-        self._usage.add(prompt_tokens, cached_tokens)
-        if cached_tokens > 0:
+        self._usage.add(prompt_tokens, cached_tokens, cache_write_tokens)
+        if cached_tokens > 0 or (cache_write_tokens or 0) > 0:
             indexed = self.index.touch(rid)
             if self.engine is not None:
                 self.engine.touch(rid)

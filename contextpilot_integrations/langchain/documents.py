@@ -35,6 +35,10 @@ key                        meaning
 ``original_page_content``  the retriever's text, only where ``page_content`` differs from it
                            (``replaced``; ``shown`` with sub-block pointers)
 ``schedule_position``      batch only: 0-based position of the request in the batch's schedule
+``shared_prefix_blocks``   the plan's ``shared_prefix_blocks`` (where a hosted API's cache
+                           breakpoint goes; :mod:`contextpilot_integrations.hosted_cache`)
+``conversation``           whether the plan is a turn of a conversation
+``prompt_cache_key``       the plan's OpenAI ``prompt_cache_key`` (``hosted_cache``)
 =========================  ======================================================================
 """
 
@@ -46,6 +50,7 @@ from typing import Any
 from langchain_core.documents import Document
 
 from contextpilot_integrations.core.plan import Plan
+from contextpilot_integrations.hosted_cache import CachePrefix, prompt_cache_key
 from contextpilot_integrations.placement_metadata import METADATA_KEY, placement_entry
 
 __all__ = ["planned_documents", "planned_entry"]
@@ -80,11 +85,19 @@ def planned_documents(
     # format_documents sees only the documents, not the plan: it renders the tail after the
     # shown blocks, so the context equals the plan's prompt byte for byte.
     context_tail = plan.context_tail
+    # The hosted APIs' cache controls (with_request_id(engine="anthropic" | "openai")) see only
+    # the prompt value too: the plan-level figures they place breakpoints and keys by.
+    hosted = {
+        "shared_prefix_blocks": plan.shared_prefix_blocks,
+        "conversation": plan.scope.conversation_id is not None,
+        "prompt_cache_key": prompt_cache_key(CachePrefix.of(plan)),
+    }
     out = []
     for placement in plan.output_order():
         source = documents[placement.index]
         entry = placement_entry(plan, placement)
         entry["context_tail"] = context_tail
+        entry.update(hosted)
         page_content = placement.prompt_text
         if page_content is None:  # a duplicate or skipped document keeps its text
             page_content = source.page_content

@@ -42,6 +42,7 @@ from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 from langchain_core.runnables import Runnable, RunnableLambda
 
 from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.hosted_cache import CachePrefix
 
 from .documents import planned_entry
 
@@ -67,25 +68,50 @@ class RenderedContext(str):
             from several plans).
         schedule_position: the request's position in its batch's schedule; ``None`` outside
             a batch.
+        cache_prefix: the plan's rendered blocks and shared prefix, for a hosted API's cache
+            breakpoints (:class:`~contextpilot_integrations.hosted_cache.CachePrefix`; block
+            ids are not needed there); ``None`` without one plan.
+        prompt_cache_key: the plan's OpenAI ``prompt_cache_key``, or ``None``.
     """
 
     rid: str | None
     schedule_position: int | None
+    cache_prefix: CachePrefix | None
+    prompt_cache_key: str | None
 
     def __new__(
-        cls, text: str, *, rid: str | None = None, schedule_position: int | None = None
+        cls,
+        text: str,
+        *,
+        rid: str | None = None,
+        schedule_position: int | None = None,
+        cache_prefix: CachePrefix | None = None,
+        prompt_cache_key: str | None = None,
     ) -> RenderedContext:
         rendered = super().__new__(cls, text)
         rendered.rid = rid
         rendered.schedule_position = schedule_position
+        rendered.cache_prefix = cache_prefix
+        rendered.prompt_cache_key = prompt_cache_key
         return rendered
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_context, (str(self), self.rid, self.schedule_position))
+        return (
+            _rebuild_context,
+            (str(self), self.rid, self.schedule_position, self.cache_prefix, self.prompt_cache_key),
+        )
 
 
-def _rebuild_context(text: str, rid: str | None, position: int | None) -> RenderedContext:
-    return RenderedContext(text, rid=rid, schedule_position=position)
+def _rebuild_context(
+    text: str,
+    rid: str | None,
+    position: int | None,
+    cache_prefix: CachePrefix | None = None,
+    key: str | None = None,
+) -> RenderedContext:
+    return RenderedContext(
+        text, rid=rid, schedule_position=position, cache_prefix=cache_prefix, prompt_cache_key=key
+    )
 
 
 def render_context(
@@ -145,10 +171,17 @@ def render_context(
         blocks.append(layout.render_block(position, doc.page_content))
     if one_plan:
         first: Mapping[str, Any] = entries[0]  # type: ignore[assignment]
+        prefix = CachePrefix(
+            tuple(blocks),
+            int(first.get("shared_prefix_blocks") or 0),
+            conversation=bool(first.get("conversation")),
+        )
         return RenderedContext(
             "".join(blocks) + str(first.get("context_tail", "")),
             rid=first.get("rid"),
             schedule_position=first.get("schedule_position"),
+            cache_prefix=prefix,
+            prompt_cache_key=first.get("prompt_cache_key"),
         )
     hints = [e["hint"] for e in entries if e is not None and e.get("status") == "replaced"]
     return RenderedContext("".join(blocks) + layout.context_tail(hints=hints))
@@ -172,10 +205,15 @@ class ContextPilotPromptValue(ChatPromptValue):
     Attributes:
         rid: the plan's request id (``None``: no plan).
         schedule_position: the request's position in its batch's schedule, or ``None``.
+        cache_prefix: the plan's :class:`~contextpilot_integrations.hosted_cache.CachePrefix`
+            (Anthropic breakpoints), or ``None``.
+        prompt_cache_key: the plan's OpenAI ``prompt_cache_key``, or ``None``.
     """
 
     rid: str | None = None
     schedule_position: int | None = None
+    cache_prefix: Any = None
+    prompt_cache_key: str | None = None
 
 
 class ContextPilotChatPromptTemplate(ChatPromptTemplate):
@@ -203,6 +241,8 @@ def _with_request(value: ChatPromptValue, inputs: Mapping[str, Any]) -> ContextP
         messages=value.messages,
         rid=context.rid if context else None,
         schedule_position=context.schedule_position if context else None,
+        cache_prefix=context.cache_prefix if context else None,
+        prompt_cache_key=context.prompt_cache_key if context else None,
     )
 
 

@@ -26,8 +26,20 @@ opens no run of its own: traces show the model's run as before.
 input order. Inputs without a schedule position keep their input order, after the scheduled
 ones.
 
-Hosted APIs reject unknown body fields (OpenAI's answers HTTP 400): use ``engine="hosted"``
-there (no fields), or do not wrap the model.
+Hosted APIs reject unknown body fields (OpenAI's answers HTTP 400), and cache by their own
+controls (:mod:`contextpilot_integrations.hosted_cache`), one line each::
+
+    with_request_id(ChatAnthropic(model="claude-sonnet-4-5"), engine="anthropic")
+    with_request_id(ChatOpenAI(model="gpt-4.1"), engine="openai")
+
+``engine="anthropic"`` sends the prompt as content blocks, one per rendered document, with
+``cache_control`` breakpoints placed from the plan (after the system prompt, after the prefix
+shared with indexed requests, where the history ends and, in a conversation, after the
+documents; at most four, none below the model's minimum cacheable length: ``cache_policy``);
+``engine="openai"`` sends the plan's ``prompt_cache_key`` (and ``prompt_cache_retention`` when
+set); ``engine="hosted"`` sends nothing. With ``tracker`` (an
+:class:`~contextpilot_integrations.engine_fields.CacheUsageTracker`) each response's cache reads
+and writes go back to the pilot.
 """
 
 from __future__ import annotations
@@ -38,6 +50,8 @@ import logging
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
+from langchain_core.messages import BaseMessage, SystemMessage
+from langchain_core.prompt_values import ChatPromptValue
 from langchain_core.runnables import (
     Runnable,
     RunnableConfig,
@@ -49,7 +63,9 @@ from langchain_core.runnables.base import RunnableBindingBase
 from langchain_core.runnables.config import get_config_list, get_executor_for_config
 from pydantic import ConfigDict, PrivateAttr, field_validator
 
+from contextpilot_integrations.core.blocks import TokenCounter
 from contextpilot_integrations.engine_fields import EngineKind, engine_body_fields
+from contextpilot_integrations.hosted_cache import AnthropicCachePolicy, anthropic_prompt
 
 from .prompts import ContextPilotPromptValue
 
@@ -70,6 +86,14 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
             ``"hosted"`` (none).
         max_concurrency: calls in flight in ``batch``/``abatch`` when the config sets none
             (``None``: the executor's default).
+        cache_policy: ``engine="anthropic"``: where breakpoints go and the model's minimum
+            (:class:`~contextpilot_integrations.hosted_cache.AnthropicCachePolicy`; default:
+            the bound model's ``model`` attribute decides the minimum).
+        token_counter: counts prefix tokens against that minimum (default the approximate
+            counter; give the pilot's).
+        prompt_cache_retention: ``engine="openai"``: ``"in_memory"`` or ``"24h"``, sent as is.
+        tracker: a :class:`~contextpilot_integrations.engine_fields.CacheUsageTracker` that
+            each response of a planned call is recorded with (``invoke``/``ainvoke``).
 
     An input that is not a :class:`~.prompts.ContextPilotPromptValue` with a ``rid`` is passed
     through unchanged (a warning is logged once when it is not a ContextPilot prompt value at
@@ -81,6 +105,10 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
     bound: Runnable[Any, Any]
     engine: EngineKind = "any"
     max_concurrency: int | None = None
+    cache_policy: AnthropicCachePolicy | None = None
+    token_counter: TokenCounter | None = None
+    prompt_cache_retention: str | None = None
+    tracker: Any = None
     _warned: bool = PrivateAttr(default=False)
 
     @field_validator("max_concurrency")
@@ -104,21 +132,59 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
 
     # ------------------------------------------------------------------ one call
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
-        return self.bound.invoke(input, config, **self.call_kwargs(input, kwargs))
+        result = self.bound.invoke(
+            self.call_input(input), config, **self.call_kwargs(input, kwargs)
+        )
+        self._record(input, result)
+        return result
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
-        return await self.bound.ainvoke(input, config, **self.call_kwargs(input, kwargs))
+        result = await self.bound.ainvoke(
+            self.call_input(input), config, **self.call_kwargs(input, kwargs)
+        )
+        if self.tracker is not None:
+            await asyncio.to_thread(self._record, input, result)
+        return result
 
     def stream(
         self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
     ) -> Iterator[Any]:
-        yield from self.bound.stream(input, config, **self.call_kwargs(input, kwargs))
+        yield from self.bound.stream(
+            self.call_input(input), config, **self.call_kwargs(input, kwargs)
+        )
 
     async def astream(
         self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
     ) -> AsyncIterator[Any]:
-        async for chunk in self.bound.astream(input, config, **self.call_kwargs(input, kwargs)):
+        async for chunk in self.bound.astream(
+            self.call_input(input), config, **self.call_kwargs(input, kwargs)
+        ):
             yield chunk
+
+    def call_input(self, input: Any) -> Any:
+        """The model's input: ``input`` itself, or for ``engine="anthropic"`` its messages as
+        content blocks with the plan's ``cache_control`` breakpoints (a prompt value whose
+        messages are not plain system / human / AI text goes unchanged)."""
+        if self.engine != "anthropic" or not isinstance(input, ContextPilotPromptValue):
+            return input
+        roles = {"system": "system", "human": "user", "ai": "assistant"}
+        messages = input.to_messages()
+        if any(m.type not in roles or not isinstance(m.content, (str, list)) for m in messages):
+            return input
+        policy = self.cache_policy or AnthropicCachePolicy(model=_model_name(self.bound))
+        prompt = anthropic_prompt(
+            [{"role": roles[m.type], "content": m.content} for m in messages],
+            input.cache_prefix,
+            policy,
+            self.token_counter,
+        )
+        has_system = bool(messages) and messages[0].type == "system"
+        out: list[BaseMessage] = []
+        if has_system:
+            out.append(SystemMessage(content=prompt.system or ""))  # type: ignore[arg-type]
+        for original, message in zip(messages[1:] if has_system else messages, prompt.messages):
+            out.append(original.model_copy(update={"content": message["content"]}))
+        return ChatPromptValue(messages=out)
 
     def call_kwargs(self, input: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """The call keywords for ``input``: ``kwargs`` plus the merged ``extra_body``."""
@@ -133,6 +199,10 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
                 )
             return dict(kwargs)
         fields = engine_body_fields(input.rid, self.engine) if input.rid is not None else {}
+        if self.engine == "openai" and input.prompt_cache_key is not None:
+            fields["prompt_cache_key"] = input.prompt_cache_key
+        if self.engine == "openai" and self.prompt_cache_retention is not None:
+            fields["prompt_cache_retention"] = self.prompt_cache_retention
         if not fields:
             return dict(kwargs)
         extra_body = {
@@ -141,6 +211,11 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
             **fields,
         }
         return {**kwargs, "extra_body": extra_body}
+
+    def _record(self, input: Any, result: Any) -> None:
+        rid = getattr(input, "rid", None)
+        if self.tracker is not None and isinstance(rid, str) and rid:
+            self.tracker.record(rid, result)
 
     # ------------------------------------------------------------------ a batch
     def batch(
@@ -220,14 +295,22 @@ def with_request_id(
     *,
     engine: EngineKind = "any",
     max_concurrency: int | None = None,
+    cache_policy: AnthropicCachePolicy | None = None,
+    token_counter: TokenCounter | None = None,
+    prompt_cache_retention: str | None = None,
+    tracker: Any = None,
 ) -> RequestIdChatModel:
-    """Wrap a chat model so that each call sends the plan's request id (see the module doc).
+    """Wrap a chat model so that each call sends the plan's engine-facing fields (see the
+    module doc).
 
     Args:
         llm: the chat model, e.g. ``ChatOpenAI(base_url=..., model=...)``.
-        engine: which request-id fields to send (``"any"``, ``"sglang"``, ``"vllm"``,
-            ``"hosted"``: none; ``engine_fields.engine_body_fields``).
+        engine: which fields to send (``"any"``, ``"sglang"``, ``"vllm"``; hosted:
+            ``"anthropic"`` breakpoints, ``"openai"`` cache key, ``"hosted"`` none;
+            ``engine_fields.engine_body_fields``).
         max_concurrency: default limit of calls in flight in ``batch``/``abatch``.
+        cache_policy, token_counter, prompt_cache_retention, tracker: see
+            :class:`RequestIdChatModel`.
 
     Raises:
         TypeError: ``llm`` is not a runnable.
@@ -235,7 +318,33 @@ def with_request_id(
     """
     if not isinstance(llm, Runnable):
         raise TypeError(f"llm must be a LangChain Runnable, got {type(llm).__name__}")
-    return RequestIdChatModel(bound=llm, engine=engine, max_concurrency=max_concurrency)
+    return RequestIdChatModel(
+        bound=llm,
+        engine=engine,
+        max_concurrency=max_concurrency,
+        cache_policy=cache_policy,
+        token_counter=token_counter,
+        prompt_cache_retention=prompt_cache_retention,
+        tracker=tracker,
+    )
+
+
+def _model_name(runnable: Runnable[Any, Any]) -> str | None:
+    """The model id of the chat model under bindings (``ChatAnthropic.model``)."""
+    for _ in range(32):
+        if isinstance(runnable, RunnableBindingBase):
+            runnable = runnable.bound
+        elif isinstance(runnable, RunnableSequence):
+            runnable = runnable.first
+        elif isinstance(runnable, RunnableWithFallbacks):
+            runnable = runnable.runnable
+        else:
+            break
+    for name in ("model", "model_name"):
+        value = getattr(runnable, name, None)
+        if isinstance(value, str):
+            return value
+    return None
 
 
 def _extra_body_of(runnable: Runnable[Any, Any]) -> dict[str, Any]:

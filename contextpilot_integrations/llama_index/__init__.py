@@ -1,7 +1,9 @@
 """LlamaIndex adapter: a node post-processor, prompt templates and request-id plumbing.
 
-Needs ``llama-index-core`` (0.14); ``ContextPilotOpenAILike`` also needs
-``llama-index-llms-openai-like`` and is imported on first use.
+Needs ``llama-index-core`` (0.14); the LLMs are imported on first use and need their
+integration package: ``ContextPilotOpenAILike`` (self-hosted engines)
+``llama-index-llms-openai-like``, ``ContextPilotOpenAI`` ``llama-index-llms-openai``,
+``ContextPilotAnthropic`` ``llama-index-llms-anthropic``.
 
 Quick start::
 
@@ -23,7 +25,9 @@ Chat (one conversation per chat engine; its second turn de-duplicates against th
                                 context_prompt=chat_context_template(chat_pp))
 
 Request ids: use ``ContextPilotOpenAILike`` (an ``OpenAILike``) as the LLM and each request
-carries its plan's rid (see :mod:`.request_ids`).
+carries its plan's rid (see :mod:`.request_ids`). Hosted APIs: ``ContextPilotAnthropic`` places
+the plan's cache breakpoints, ``ContextPilotOpenAI`` sends its ``prompt_cache_key``
+(:mod:`contextpilot_integrations.hosted_cache`).
 """
 
 from typing import Any
@@ -35,7 +39,9 @@ from .prompts import PlanRenderer, chat_context_template, text_qa_template
 from .request_ids import arm_request, nodes_rid, request_id_kwargs, take_request
 
 __all__ = [
+    "ContextPilotAnthropic",
     "ContextPilotNodePostprocessor",
+    "ContextPilotOpenAI",
     "ContextPilotOpenAILike",
     "ConversationSections",
     "PlanRenderer",
@@ -51,8 +57,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name == "ContextPilotOpenAILike":  # optional dependency, imported on first use
-        from .llms import ContextPilotOpenAILike
+    # optional dependencies, imported on first use
+    if name in ("ContextPilotOpenAI", "ContextPilotOpenAILike"):
+        from . import llms
 
-        return ContextPilotOpenAILike
+        return getattr(llms, name)
+    if name == "ContextPilotAnthropic":
+        from .anthropic import ContextPilotAnthropic
+
+        return ContextPilotAnthropic
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,16 +1,25 @@
-"""``ContextPilotOpenAILike``: an ``OpenAILike`` LLM that sends each plan's request id.
+"""``ContextPilotOpenAI`` and ``ContextPilotOpenAILike``: OpenAI LLMs that send each plan's
+engine-facing fields.
 
-Needs ``llama-index-llms-openai-like``. The mechanism is described in :mod:`.request_ids`: the
-post-processor (and the ContextPilot templates) arm the plan's rid in the caller's context;
-each ``chat``/``complete`` call (sync, async, streaming; the LlamaIndex entry points) whose
-prompt shows the plan's first block takes it once, before the client's retries, and
-``_get_model_kwargs`` merges the engine's request-id body fields
+Needs ``llama-index-llms-openai`` (``ContextPilotOpenAI``) and ``llama-index-llms-openai-like``
+(``ContextPilotOpenAILike``). The mechanism is described in :mod:`.request_ids`: the
+post-processor (and the ContextPilot templates) arm the plan in the caller's context; each
+``chat``/``complete`` call (sync, async, streaming; the LlamaIndex entry points) whose prompt
+shows the plan's first block takes it once, before the client's retries, and
+``_get_model_kwargs`` merges the plan's body fields
 (:func:`contextpilot_integrations.engine_fields.with_engine_fields`) into the request body's
 ``extra_body``, on top of any ``extra_body`` the user set in ``additional_kwargs``. Calls that
-take no request are sent unchanged. The fields default to SGLang's ``rid``, vLLM's
-``request_id`` and ``session_id`` (``request_id_engine="any"``). An endpoint that rejects
-unknown body fields (the hosted OpenAI API) needs ``request_id_engine="hosted"``, or the plain
-``OpenAI`` class.
+take no request are sent unchanged.
+
+- ``ContextPilotOpenAILike`` (self-hosted SGLang / vLLM): SGLang's ``rid``, vLLM's
+  ``request_id`` and ``session_id`` by default (``request_id_engine="any"``).
+- ``ContextPilotOpenAI`` (the hosted OpenAI API, which refuses unknown fields): the plan's
+  ``prompt_cache_key`` (:func:`contextpilot_integrations.hosted_cache.prompt_cache_key`:
+  requests whose aligned prefix starts alike share it, so they reach the machine that caches
+  it) and ``prompt_cache_retention`` when set (``request_id_engine="openai"``).
+
+With ``usage_tracker`` (an :class:`~contextpilot_integrations.engine_fields.CacheUsageTracker`)
+the usage of each planned ``chat``/``complete`` response is read back to the pilot.
 """
 
 from __future__ import annotations
@@ -28,65 +37,87 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
 )
 from llama_index.core.bridge.pydantic import Field
+from llama_index.llms.openai import OpenAI
 from llama_index.llms.openai_like import OpenAILike
 
 from contextpilot_integrations.engine_fields import EngineKind, with_engine_fields
 
-from .request_ids import take_request
+from .request_ids import PendingRequest, take_pending
 
-__all__ = ["ContextPilotOpenAILike"]
+__all__ = ["ContextPilotOpenAI", "ContextPilotOpenAILike"]
 
-# Per-call keyword argument carrying the taken request's rid from the public entry
-# point down to _get_model_kwargs (through LlamaIndex's and the client's retry wrappers).
+# Per-call keyword argument carrying the taken request from the public entry point down to
+# _get_model_kwargs (through LlamaIndex's and the client's retry wrappers).
 _REQUEST_KWARG = "contextpilot_request"
 
 
-class ContextPilotOpenAILike(OpenAILike):
-    """``OpenAILike`` that sends the armed ContextPilot request id with the next request.
+class ContextPilotOpenAI(OpenAI):
+    """``OpenAI`` that sends the armed ContextPilot plan's fields with the next request.
 
-    Same constructor as ``OpenAILike`` (``model``, ``api_base``, ``api_key``,
-    ``is_chat_model``, ``context_window``, ``additional_kwargs``, ...), plus:
+    Same constructor as ``OpenAI`` (``model``, ``api_key``, ``api_base``,
+    ``additional_kwargs``, ...), plus:
 
     Args:
-        request_id_engine: whose body fields carry the rid
-            (:func:`~contextpilot_integrations.engine_fields.engine_body_fields`): ``"any"``
-            (default: ``rid``, ``request_id``, ``session_id``), ``"sglang"``, ``"vllm"``, or
-            ``"hosted"`` (none; the armed request is then left untaken).
+        request_id_engine: whose body fields to send
+            (:func:`~contextpilot_integrations.engine_fields.engine_body_fields`): ``"openai"``
+            (default: ``prompt_cache_key``), ``"any"``, ``"sglang"``, ``"vllm"``, or ``"hosted"``
+            (none; the armed request is then left untaken).
+        prompt_cache_retention: ``"in_memory"`` or ``"24h"``, sent with ``"openai"``.
+        usage_tracker: where each planned response's usage is recorded, or ``None``.
     """
 
     request_id_engine: EngineKind = Field(
-        default="any",
-        description="Engine whose request-body fields carry the ContextPilot request id.",
+        default="openai",
+        description="Engine whose request-body fields carry the ContextPilot plan's fields.",
+    )
+    prompt_cache_retention: str | None = Field(
+        default=None, description="OpenAI prompt_cache_retention sent with planned requests."
+    )
+    usage_tracker: Any = Field(
+        default=None, exclude=True, description="CacheUsageTracker for planned responses."
     )
 
     @classmethod
     def class_name(cls) -> str:
-        return "ContextPilotOpenAILike"
+        return "ContextPilotOpenAI"
 
     def _with_request(self, kwargs: dict[str, Any], prompt_text: str) -> dict[str, Any]:
         if _REQUEST_KWARG in kwargs or self.request_id_engine == "hosted":
             return kwargs
-        rid = take_request(prompt_text)
-        if rid is None:
+        taken = take_pending(prompt_text)
+        if taken is None:
             return kwargs
-        return {**kwargs, _REQUEST_KWARG: rid}
+        return {**kwargs, _REQUEST_KWARG: taken}
 
     def _get_model_kwargs(self, **kwargs: Any) -> dict[str, Any]:
-        rid = kwargs.pop(_REQUEST_KWARG, None)
+        taken: PendingRequest | None = kwargs.pop(_REQUEST_KWARG, None)
         model_kwargs = super()._get_model_kwargs(**kwargs)
-        if rid is None:
+        if taken is None:
             return model_kwargs
-        return with_engine_fields(model_kwargs, rid, self.request_id_engine)
+        if self.request_id_engine != "openai":
+            return with_engine_fields(model_kwargs, taken.rid, self.request_id_engine)
+        merged = with_engine_fields(model_kwargs, taken.plan or taken.rid, "openai")
+        if self.prompt_cache_retention is not None:
+            merged["extra_body"]["prompt_cache_retention"] = self.prompt_cache_retention
+        return merged
+
+    def _record(self, kwargs: dict[str, Any], response: Any) -> Any:
+        taken = kwargs.get(_REQUEST_KWARG)
+        if self.usage_tracker is not None and isinstance(taken, PendingRequest):
+            self.usage_tracker.record(taken.rid, response)
+        return response
 
     # --- entry points: take the armed request once, then delegate --------------------------
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return super().chat(messages, **self._with_request(kwargs, _text(messages)))
+        kwargs = self._with_request(kwargs, _text(messages))
+        return self._record(kwargs, super().chat(messages, **kwargs))
 
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         return super().stream_chat(messages, **self._with_request(kwargs, _text(messages)))
 
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return super().complete(prompt, formatted=formatted, **self._with_request(kwargs, prompt))
+        kwargs = self._with_request(kwargs, prompt)
+        return self._record(kwargs, super().complete(prompt, formatted=formatted, **kwargs))
 
     def stream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
@@ -96,7 +127,8 @@ class ContextPilotOpenAILike(OpenAILike):
         )
 
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await super().achat(messages, **self._with_request(kwargs, _text(messages)))
+        kwargs = self._with_request(kwargs, _text(messages))
+        return self._record(kwargs, await super().achat(messages, **kwargs))
 
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
@@ -106,9 +138,8 @@ class ContextPilotOpenAILike(OpenAILike):
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
-        return await super().acomplete(
-            prompt, formatted=formatted, **self._with_request(kwargs, prompt)
-        )
+        kwargs = self._with_request(kwargs, prompt)
+        return self._record(kwargs, await super().acomplete(prompt, formatted=formatted, **kwargs))
 
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
@@ -116,6 +147,24 @@ class ContextPilotOpenAILike(OpenAILike):
         return await super().astream_complete(
             prompt, formatted=formatted, **self._with_request(kwargs, prompt)
         )
+
+
+class ContextPilotOpenAILike(ContextPilotOpenAI, OpenAILike):
+    """``OpenAILike`` (an OpenAI-compatible server: SGLang, vLLM) that sends the armed plan's
+    request id with the next request: ``ContextPilotOpenAI`` with ``request_id_engine="any"``
+    by default (``rid``, ``request_id``, ``session_id``), and ``OpenAILike``'s constructor
+    (``model``, ``api_base``, ``api_key``, ``is_chat_model``, ``context_window``,
+    ``additional_kwargs``, ...). An endpoint that rejects unknown body fields needs
+    ``request_id_engine="hosted"``."""
+
+    request_id_engine: EngineKind = Field(
+        default="any",
+        description="Engine whose request-body fields carry the ContextPilot request id.",
+    )
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ContextPilotOpenAILike"
 
 
 def _text(messages: Sequence[ChatMessage]) -> str:

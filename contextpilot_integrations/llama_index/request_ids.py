@@ -47,6 +47,7 @@ __all__ = [
     "nodes_rid",
     "pending_request",
     "request_id_kwargs",
+    "take_pending",
     "take_request",
 ]
 
@@ -61,13 +62,16 @@ class PendingRequest:
         rid: the plan's request id.
         markers: texts of which at least one stands in the prompt of the request that may
             take it (the start of the plan's first block); empty: any request may.
+        plan: the plan itself when armed by :func:`arm_plan` (the hosted APIs' cache controls
+            are placed from it), else ``None``.
     """
 
-    __slots__ = ("_lock", "_taken", "markers", "rid")
+    __slots__ = ("_lock", "_taken", "markers", "plan", "rid")
 
-    def __init__(self, rid: str, markers: Sequence[str] = ()) -> None:
+    def __init__(self, rid: str, markers: Sequence[str] = (), plan: Plan | None = None) -> None:
         self.rid = rid
         self.markers = tuple(m for m in markers if m)
+        self.plan = plan
         self._taken = False
         self._lock = threading.Lock()
 
@@ -104,9 +108,9 @@ _PENDING: ContextVar[PendingRequest | None] = ContextVar(
 )
 
 
-def arm_request(rid: str | None, markers: Sequence[str] = ()) -> None:
+def arm_request(rid: str | None, markers: Sequence[str] = (), plan: Plan | None = None) -> None:
     """Make ``rid`` the request the next matching LLM call in this context sends (``None``
-    disarms). See :class:`PendingRequest` for ``markers``.
+    disarms). See :class:`PendingRequest` for ``markers`` and ``plan``.
 
     Arming the rid that is already armed keeps the holder (and whether it was taken), so a
     template rendering the same plan twice does not send the id twice.
@@ -118,7 +122,7 @@ def arm_request(rid: str | None, markers: Sequence[str] = ()) -> None:
         return
     if current is not None and current.rid == rid:
         return
-    _PENDING.set(PendingRequest(rid, markers))
+    _PENDING.set(PendingRequest(rid, markers, plan))
 
 
 def arm_plan(plan: Plan) -> None:
@@ -129,9 +133,9 @@ def arm_plan(plan: Plan) -> None:
     if plan.blocks:
         first = plan.blocks[0]
         texts = (first.rendered_text or "", first.text)
-        arm_request(plan.rid, tuple(dict.fromkeys(t[:MARKER_CHARS] for t in texts)))
+        arm_request(plan.rid, tuple(dict.fromkeys(t[:MARKER_CHARS] for t in texts)), plan)
     elif plan.hints:
-        arm_request(plan.rid, plan.hints[:1])
+        arm_request(plan.rid, plan.hints[:1], plan)
     else:
         arm_request(None)
 
@@ -145,8 +149,16 @@ def take_request(prompt_text: str | None = None) -> str | None:
     """Take the armed request's rid for the LLM call being made now, whose prompt is
     ``prompt_text`` (``None``: none armed, already taken, or the prompt does not show the
     plan)."""
+    taken = take_pending(prompt_text)
+    return taken.rid if taken is not None else None
+
+
+def take_pending(prompt_text: str | None = None) -> PendingRequest | None:
+    """:func:`take_request`, returning the taken :class:`PendingRequest` (with its plan)."""
     current = _PENDING.get()
-    return current.take(prompt_text) if current is not None else None
+    if current is None or current.take(prompt_text) is None:
+        return None
+    return current
 
 
 def nodes_rid(nodes: Sequence[Any]) -> str | None:

@@ -6,6 +6,7 @@ A mapping (from a config file, CLI flags or environment) such as::
      "replay_endpoint": "tcp://127.0.0.1:5558"}
     {"kind": "capacity", "capacity_tokens": 200000}
     {"kind": "ttl", "provider": "anthropic"}            # or "openai", or "ttl_s": 600
+    {"kind": "ttl", "provider": "anthropic", "model": "claude-haiku-4-5"}  # its minimum
 
 is validated into :class:`CacheSyncConfig` and built by :func:`build_cache_state_source` into a
 :class:`~contextpilot_integrations.sync.cache_state_source.CacheStateSource` that reports evictions
@@ -26,15 +27,17 @@ from contextpilot_integrations.sync.kv_event_source import KVEventSource
 from contextpilot_integrations.sync.ttl_model import TTLModel
 
 _PROVIDER_TTL_S = {"openai": 300.0, "anthropic": 300.0, "anthropic-1h": 3600.0}
-_PROVIDER_MIN_TOKENS = {"openai": 1024, "anthropic": 1024, "anthropic-1h": 1024}
+_PROVIDER_MIN_TOKENS = {"openai": 1024}
 
 
 class CacheSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Which source follows the engine's cache, and its settings.
 
     ``kind="kv-events"`` needs ``endpoint``; ``kind="capacity"`` needs ``capacity_tokens``;
-    ``kind="ttl"`` needs ``provider`` ("openai", "anthropic", "anthropic-1h") or ``ttl_s``
-    (``min_cached_tokens`` overrides the provider's minimum). ``engine_grace_s``: seconds the
+    ``kind="ttl"`` needs ``provider`` ("openai", "anthropic", "anthropic-1h") or ``ttl_s``;
+    ``model`` picks an Anthropic model's minimum cacheable length
+    (:func:`~contextpilot_integrations.hosted_cache.anthropic_min_cacheable_tokens`), and
+    ``min_cached_tokens`` overrides the minimum either way. ``engine_grace_s``: seconds the
     KV-event publisher may stay unconnected before the engine counts as unreachable (and a
     resync after a restore may wait for every rank: then it finishes with the ranks that
     joined, and counts a failure). ``max_blocks``: the KV-event mirror's bound on blocks per
@@ -51,6 +54,7 @@ class CacheSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     capacity_tokens: int | None = None
     provider: Literal["openai", "anthropic", "anthropic-1h"] | None = None
     ttl_s: float | None = None
+    model: str | None = None
     min_cached_tokens: int | None = None
     max_requests: int = 100_000
     max_blocks: int = DEFAULT_MAX_BLOCKS
@@ -118,6 +122,10 @@ def build_cache_state_source(
         return CapacityModel(config.capacity_tokens, on_evict)
     ttl_s = config.ttl_s if config.ttl_s is not None else _PROVIDER_TTL_S[config.provider or ""]
     min_tokens = config.min_cached_tokens
+    if min_tokens is None and config.provider in ("anthropic", "anthropic-1h"):
+        from contextpilot_integrations.hosted_cache import anthropic_min_cacheable_tokens
+
+        min_tokens = anthropic_min_cacheable_tokens(config.model)
     if min_tokens is None:
         min_tokens = _PROVIDER_MIN_TOKENS.get(config.provider or "", 0)
     return TTLModel(ttl_s, on_evict, min_cached_tokens=min_tokens, max_requests=config.max_requests)

@@ -2,17 +2,24 @@
 
 Hosted APIs cache a prompt prefix for a while after its last use and say nothing when it goes:
 
-- OpenAI, "Prompt caching" guide: prompts of 1,024 tokens or more are cached; cached prefixes
-  stay active after 5 to 10 minutes of inactivity, up to an hour off-peak.
+- OpenAI, "Prompt caching" guide: prompts of 1,024 tokens or more are cached (hits in 128-token
+  steps); with ``prompt_cache_retention="in_memory"`` (the default) cached prefixes stay active
+  after 5 to 10 minutes of inactivity, at most an hour; ``"24h"`` keeps them longer, up to a
+  day, without a stated lower bound.
 - Anthropic, "Prompt caching" docs: the cache has a 5-minute lifetime (1 hour with
-  ``"ttl": "1h"``), refreshed each time the cached content is used; the minimum cacheable
-  prompt is 1,024 tokens (Claude Opus/Sonnet) or 2,048 (Haiku).
+  ``"ttl": "1h"``), refreshed at no cost each time the cached content is read; the prefix up
+  to a breakpoint must hold a minimum per model (1,024 tokens for Claude Sonnet 4.x and Opus
+  4/4.1, 2,048 for Haiku 3/3.5, 4,096 for Opus 4.5-4.7 and Haiku 4.5:
+  :func:`contextpilot_integrations.hosted_cache.anthropic_min_cacheable_tokens`).
 
 So a request is modelled as cached from its last use until ``ttl_s`` later; a request whose
-prompt is below ``min_cached_tokens`` is never cached and is evicted at once. Expiry runs on
-each :meth:`TTLModel.record` and, after :meth:`TTLModel.start`, on a timer thread.
-The presets take the shorter documented lifetime: believing a prefix cached when it is not
-costs a reordering that buys nothing, the opposite costs nothing.
+prompt is below ``min_cached_tokens`` is never cached and is evicted at once. A read reported
+back (``ContextPilot.record_usage`` with cached tokens, through the engine link's ``touch``)
+refreshes the lifetime; a response that shows nothing was cached evicts the request there
+(``record_usage`` with ``cache_write_tokens=0``). Expiry runs on each :meth:`TTLModel.record`
+and, after :meth:`TTLModel.start`, on a timer thread. The presets take the shorter documented
+lifetime: believing a prefix cached when it is not costs a reordering that buys nothing, the
+opposite costs nothing.
 """
 
 from __future__ import annotations
@@ -80,16 +87,27 @@ class TTLModel:
 
     @classmethod
     def openai(cls, on_evict: EvictCallback | None = None, **kwargs: object) -> TTLModel:
-        """OpenAI prompt caching: 5 minutes (the short end of 5-10), 1,024-token minimum."""
+        """OpenAI prompt caching: 5 minutes (the short end of 5-10, for either retention),
+        1,024-token minimum."""
         return cls(300.0, on_evict, **{"min_cached_tokens": 1024, **kwargs})  # type: ignore[arg-type]
 
     @classmethod
     def anthropic(
-        cls, on_evict: EvictCallback | None = None, *, one_hour: bool = False, **kwargs: object
+        cls,
+        on_evict: EvictCallback | None = None,
+        *,
+        one_hour: bool = False,
+        model: str | None = None,
+        **kwargs: object,
     ) -> TTLModel:
-        """Anthropic prompt caching: 5 minutes (1 hour with ``one_hour``), 1,024-token minimum."""
+        """Anthropic prompt caching: 5 minutes (1 hour with ``one_hour``), refreshed by reads;
+        the minimum cacheable length of ``model`` (1,024 tokens when unknown or ``None``;
+        ``min_cached_tokens=`` overrides it)."""
+        from contextpilot_integrations.hosted_cache import anthropic_min_cacheable_tokens
+
         ttl = 3600.0 if one_hour else 300.0
-        return cls(ttl, on_evict, **{"min_cached_tokens": 1024, **kwargs})  # type: ignore[arg-type]
+        minimum = anthropic_min_cacheable_tokens(model)
+        return cls(ttl, on_evict, **{"min_cached_tokens": minimum, **kwargs})  # type: ignore[arg-type]
 
     def record(self, request: SentRequest) -> list[str]:
         """The request was sent (a use): hold it until ``ttl_s`` from now, then expire others.

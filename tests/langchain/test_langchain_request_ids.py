@@ -92,7 +92,7 @@ def test_inputs_without_a_plan_pass_through(chat_server):
     with pytest.raises(ValueError, match="max_concurrency must be >= 1"):
         with_request_id(openai_model(url), max_concurrency=0)
     with pytest.raises(ValueError, match="engine"):
-        with_request_id(openai_model(url), engine="openai")  # type: ignore[arg-type]
+        with_request_id(openai_model(url), engine="bogus")  # type: ignore[arg-type]
 
 
 def test_batch_goes_out_in_schedule_order_and_comes_back_in_input_order(

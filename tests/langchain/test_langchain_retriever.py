@@ -50,8 +50,10 @@ def test_returns_copies_in_prompt_order_with_the_entry(topic_documents):
     assert sorted(d.page_content for d in docs) == sorted(d.page_content for d in inner)
     for position, doc in enumerate(docs):
         e = entry(doc)
-        # The one layout of every face, plus the tail format_documents renders; no more.
-        assert list(e) == [*PLACEMENT_KEYS, "context_tail"]
+        # The one layout of every face, plus the tail format_documents renders and the
+        # plan-level figures of the hosted APIs' cache controls; no more.
+        hosted = ["shared_prefix_blocks", "conversation", "prompt_cache_key"]
+        assert list(e) == [*PLACEMENT_KEYS, "context_tail", *hosted]
         assert e["rid"] == plan.rid and e["status"] == "shown"
         assert e["position"] == position and e["label"] == f"[Doc {position + 1}]"
         assert e["index"] == plan.order[position]
