@@ -24,7 +24,8 @@ GET      ``/health``                   liveness and the engine link (never authe
 Errors (:mod:`.errors`): every 4xx/5xx body is an ``ErrorResponse`` whose ``message`` names
 the field and the value; invalid input is a 422 (a rid conflict a 409, a body naming another
 tenant a 403) and never changes the index. Every request is counted and timed, and bodies over
-``max_body_bytes`` are refused with a 413 (:mod:`.middleware`).
+``max_body_bytes`` are refused with a 413 (:mod:`.middleware`). Every answer carries the
+service's boot id (header ``x-contextpilot-boot``, random per start).
 
 Keys (:mod:`.tenants`): with API keys configured, every endpoint but ``/health`` answers 401
 without ``Authorization: Bearer <key>`` of a tenant, and runs as that key's tenant. The API
@@ -47,7 +48,7 @@ from contextpilot_integrations import __version__
 from contextpilot_integrations.service.endpoints import ServiceCalls, add_body_schemas, api_router
 from contextpilot_integrations.service.errors import install_error_handlers
 from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
-from contextpilot_integrations.service.middleware import MeteringMiddleware
+from contextpilot_integrations.service.middleware import BootIdMiddleware, MeteringMiddleware
 
 __all__ = ["create_app"]
 
@@ -94,6 +95,7 @@ def create_app(
         max_body_bytes=service.config.max_body_bytes,
         known_paths=frozenset(r.path for r in router.routes if isinstance(r, APIRoute)),
     )
+    app.add_middleware(BootIdMiddleware, boot_id=service.boot_id)  # type: ignore[arg-type]
     return app
 
 

@@ -237,6 +237,7 @@ async def health(request: Request) -> HealthResponse:
     return HealthResponse(
         status="ok",
         version=__version__,
+        boot_id=service.boot_id,
         cache_model=service.cache_model,
         engine_connected=service.engine_connected,
         resync_pending=service.resync_pending,

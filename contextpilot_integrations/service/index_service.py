@@ -33,6 +33,12 @@ the engine link to re-establish what the engine still caches
 (:meth:`EngineLink.resync <contextpilot_integrations.sync.engine_link.EngineLink.resync>`);
 ``resync_pending`` stays true while it waits (``/health``).
 
+Boot id (:attr:`IndexService.boot_id`, random per service made, i.e. per server process
+start): the HTTP layer sends it with every answer (:data:`~.schemas.BOOT_HEADER`), so a client
+tells a restarted service from the one that numbered its conversations' turns, and keeps the
+app's numbering when a service started without its snapshot numbers them afresh
+(:mod:`.client_conversations`).
+
 Thread-safety: every method may be called from any thread. :meth:`stop` is bounded
 (``shutdown_timeout_s``): a call stuck in the engine link or a lock does not keep the service
 from saving and stopping.
@@ -41,13 +47,11 @@ from saving and stopping.
 from __future__ import annotations
 
 import logging
-import math
+import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from contextpilot_integrations import __version__
@@ -58,10 +62,12 @@ from contextpilot_integrations.core.request import PlanRequest, check_batch
 from contextpilot_integrations.service.metrics import ServiceMetrics
 from contextpilot_integrations.service.partitions import Partitions, sum_stats
 from contextpilot_integrations.service.persistence import Restored, ServiceSnapshots
-from contextpilot_integrations.service.tenants import Tenancy, TenantKeys, TenantMismatchError
+from contextpilot_integrations.service.service_config import ServiceConfig
+from contextpilot_integrations.service.tenants import TenantMismatchError
 from contextpilot_integrations.sync.configuration import CacheSyncConfig
 from contextpilot_integrations.sync.engine_link import EngineLink
 
+# ServiceConfig lives in .service_config; it is imported from here as well.
 __all__ = ["IndexService", "ServiceClosingError", "ServiceConfig"]
 
 logger = logging.getLogger(__name__)
@@ -71,85 +77,6 @@ T = TypeVar("T")
 
 class ServiceClosingError(RuntimeError):
     """The service is stopping: it plans and forgets nothing more (HTTP 503)."""
-
-
-@dataclass
-class ServiceConfig:
-    """Settings of one index service.
-
-    Attributes:
-        cache_sync: the engine link, as
-            :meth:`~contextpilot_integrations.sync.configuration.CacheSyncConfig.from_mapping`
-            takes it (``{"kind": "kv-events", "endpoint": ..., "engine_grace_s": 5.0}``,
-            ``{"kind": "capacity", ...}``, ``{"kind": "ttl", ...}``); the same mapping
-            ``ContextPilot(cache_sync=...)`` takes. None: no engine feedback (the index's own
-            LRU bound).
-        snapshot_path: file to restore on start and save on stop; None: no snapshot. A
-            symlink is followed (its target is read and replaced).
-        snapshot_interval_s: also save a checkpoint every this many seconds (None: only on
-            stop).
-        max_requests: LRU bound of the context index (of each tenant's, when partitioned).
-        layout: the prompt layout (None: the default :class:`PromptLayout`).
-        api_key: the single shared secret of earlier releases: one tenant named ``""``. Every
-            request but ``/health`` must present a key as ``Authorization: Bearer <key>``
-            once any key is set.
-        tenants: tenant name -> its keys and optional ``cache_salt`` (:mod:`.tenants`); None:
-            none (with ``api_key`` neither: no authentication).
-        share_prefixes_across_tenants: one index for all tenants instead of one per tenant;
-            opens the side channel described in :mod:`.tenants`.
-        max_body_bytes: largest request body accepted (413 above).
-        max_batch_threads: batch builds running at once (others wait their turn).
-        max_call_threads: other calls that take a lock (evict, usage, forget, stats,
-            metrics, snapshot) running at once in worker threads.
-        shutdown_timeout_s: longest :meth:`IndexService.stop` waits for in-flight plans, the
-            engine link and the final save together.
-        tenancy: (made from ``api_key``, ``tenants`` and ``share_prefixes_across_tenants``)
-            the :class:`~.tenants.Tenancy`: key -> tenant, rid tags, salts, isolation mode.
-
-    Raises:
-        ValueError: a setting out of range, an invalid ``cache_sync`` or tenant set (names
-            the field).
-    """
-
-    cache_sync: Mapping[str, Any] | CacheSyncConfig | None = None
-    snapshot_path: str | Path | None = None
-    snapshot_interval_s: float | None = None
-    max_requests: int = 100_000
-    layout: PromptLayout | None = None
-    api_key: str | None = None
-    tenants: Mapping[str, TenantKeys] | None = None
-    share_prefixes_across_tenants: bool = False
-    max_body_bytes: int = 64 * 1024 * 1024
-    max_batch_threads: int = 2
-    max_call_threads: int = 8
-    shutdown_timeout_s: float = 10.0
-    tenancy: Tenancy = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_requests, int) or self.max_requests < 1:
-            raise ValueError(f"max_requests must be a positive int, got {self.max_requests!r}")
-        for name in ("snapshot_interval_s", "shutdown_timeout_s"):
-            value = getattr(self, name)
-            if (value is not None or name == "shutdown_timeout_s") and not (
-                isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
-            ):
-                raise ValueError(f"{name} must be positive, got {value!r}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must be a non-empty str or None, got ''")
-        for name in ("max_body_bytes", "max_batch_threads", "max_call_threads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.cache_sync is not None and not isinstance(self.cache_sync, CacheSyncConfig):
-            self.cache_sync = CacheSyncConfig.from_mapping(self.cache_sync)
-        tenants: dict[str, TenantKeys] = dict(self.tenants or {})
-        if self.api_key is not None:
-            legacy = tenants.get("")
-            keys = (*(legacy.keys if legacy else ()), self.api_key)
-            tenants[""] = TenantKeys(
-                tuple(dict.fromkeys(keys)), legacy.cache_salt if legacy else None
-            )
-        self.tenancy = Tenancy(tenants, share_prefixes=self.share_prefixes_across_tenants)
 
 
 class IndexService:
@@ -163,12 +90,16 @@ class IndexService:
     Args:
         config: the settings.
 
+    Attributes:
+        boot_id: 16 random hex digits, new for every service made (module docstring).
+
     Raises:
         ValueError: an invalid configuration (the message names the field).
     """
 
     def __init__(self, config: ServiceConfig | None = None) -> None:
         self.config = config or ServiceConfig()
+        self.boot_id = secrets.token_hex(8)
         self.tenancy = self.config.tenancy
         self.metrics = ServiceMetrics(self._service_stats)
         self._lock = threading.Lock()

@@ -1,9 +1,11 @@
 """The index service's ASGI middleware: every HTTP request counted and timed, bodies over the
-limit refused (413).
+limit refused (413), every answer stamped with the service's boot id.
 
-A plain ASGI middleware (cheaper per request than Starlette's ``BaseHTTPMiddleware``). The
+Plain ASGI middleware (cheaper per request than Starlette's ``BaseHTTPMiddleware``). The
 limit holds both for a declared ``Content-Length`` (refused before the body is read) and for a
-streamed body without one (refused as soon as the received bytes pass it).
+streamed body without one (refused as soon as the received bytes pass it). The boot id
+(:data:`~.schemas.BOOT_HEADER`) goes on every answer, errors and 413s included, so a client
+can tell a restarted service from any answer.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import pydantic_core
 
 from contextpilot_integrations.service.errors import JSON, BodyTooLarge, error_body
 from contextpilot_integrations.service.metrics import ServiceMetrics
+from contextpilot_integrations.service.schemas import BOOT_HEADER
 
-__all__ = ["MeteringMiddleware"]
+__all__ = ["BootIdMiddleware", "MeteringMiddleware"]
 
 ASGIScope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -89,6 +92,31 @@ class MeteringMiddleware:
             return message
 
         return receive_limited
+
+
+class BootIdMiddleware:
+    """Adds the :data:`~.schemas.BOOT_HEADER` header to every HTTP answer.
+
+    Args:
+        app: the ASGI app to wrap.
+        boot_id: the service's boot id (``IndexService.boot_id``).
+    """
+
+    def __init__(self, app: Any, *, boot_id: str) -> None:
+        self.app = app
+        self._header = (BOOT_HEADER.encode(), boot_id.encode())
+
+    async def __call__(self, scope: ASGIScope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_stamped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self._header]
+            await send(message)
+
+        await self.app(scope, receive, send_stamped)
 
 
 def _content_length(scope: ASGIScope) -> int | None:

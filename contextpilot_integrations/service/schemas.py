@@ -23,7 +23,9 @@ Wire conventions:
 - block ids are unsigned 64-bit integers sent as decimal strings (JSON numbers above 2**53 lose
   precision in many JSON readers);
 - a shown placement's ``rendered_text`` is ``null`` when it equals ``text`` (the usual case; it
-  halves the payload); other placements have none.
+  halves the payload); other placements have none;
+- every answer carries the service's boot id in the :data:`BOOT_HEADER` header (random per
+  service start; also ``HealthResponse.boot_id``).
 
 Every error body is an :class:`ErrorResponse` whose ``message`` names the field and the value.
 """
@@ -52,6 +54,10 @@ from contextpilot_integrations.core.request import (
     PlanRequest,
     Scope,
 )
+
+BOOT_HEADER = "x-contextpilot-boot"
+"""The response header holding the service's boot id (random per start): a client that sees it
+change knows the service restarted (``service/client_conversations.py``)."""
 
 MAX_VISIBLE_TURNS = 10_000
 """Most turn numbers in one ``visibility.turns`` list."""
@@ -441,6 +447,10 @@ class HealthResponse(BaseModel):
 
     status: Literal["ok"]
     version: str
+    boot_id: str = Field(
+        description="Random per service start (also the x-contextpilot-boot header of every "
+        "answer): a new value means the service restarted."
+    )
     cache_model: str
     engine_connected: bool | None = Field(
         description="KV-event publisher connected (null: no event stream configured)."

@@ -45,7 +45,7 @@ import uvicorn
 from contextpilot_integrations import __version__
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.service.app import create_app
-from contextpilot_integrations.service.index_service import ServiceConfig
+from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.service.tenants import TenantKeys, parse_key_list, read_key_file
 
 API_KEY_ENV = "CONTEXTPILOT_API_KEY"

@@ -45,11 +45,16 @@ def test_a_server_that_never_answers_costs_about_a_second(silent_server: str) ->
         strict.plan("q", ["a block"])
     assert time.perf_counter() - started < 1.5
     # Batches, statistics and saves may wait longer (a large build takes seconds).
-    timeouts = ContextPilotClient(silent_server)._timeouts
-    assert timeouts["plan"]["timeout"] == {"connect": 0.5, "read": 1.0, "write": 1.0, "pool": 1.0}
-    assert timeouts["batch"]["timeout"]["read"] == 30.0
-    custom = ContextPilotClient(silent_server, timeout=2.0, batch_timeout=90.0)._timeouts
-    assert custom["plan"]["timeout"]["read"] == 2.0 and custom["batch"]["timeout"]["read"] == 90
+    default = ContextPilotClient(silent_server)
+    assert default.plan_timeout.as_dict() == {
+        "connect": 0.5,
+        "read": 1.0,
+        "write": 1.0,
+        "pool": 1.0,
+    }
+    assert default.batch_timeout.read == 30.0
+    custom = ContextPilotClient(silent_server, timeout=2.0, batch_timeout=90.0)
+    assert custom.plan_timeout.read == 2.0 and custom.batch_timeout.read == 90
 
 
 def test_local_plans_never_hint(unreachable_url: str) -> None:
@@ -153,6 +158,7 @@ def test_a_failed_forget_plans_locally_and_is_retried(shared_server) -> None:  #
     assert counters["unsettled"] == 0 and counters["settled"] == 1
     # A retried explicit rid whose first try timed out after the service indexed it.
     transport.next_plan = "timeout"
-    client.plan("q", ["a block"], rid=f"retried-{uuid.uuid4().hex}")
-    rid = next(iter(client._unsettled))[1]
+    rid = f"retried-{uuid.uuid4().hex}"
+    client.plan("q", ["a block"], rid=rid)
+    assert client.stats()["client"]["unsettled"] == 1
     assert client.plan("q", ["a block"], rid=rid).rid == rid  # evicted first: no 409

@@ -77,7 +77,7 @@ SEMANTIC_RULES = {
         "rids must be unique within a batch",
         "are turns of the same conversation",
     ),
-    "POST /v1/usage": ("need 0 <= cached_tokens <= prompt_tokens",),
+    "POST /v1/usage": ("need 0 <= cached_tokens",),  # (+ cache_write_tokens) <= prompt_tokens
     "POST /v1/conversations/forget": (ANOTHER_TENANT,),
 }
 

@@ -1,0 +1,100 @@
+"""The settings of one index service (:class:`ServiceConfig`), checked when made.
+
+What the command line (:mod:`.server`) and embedders give
+:class:`~contextpilot_integrations.service.index_service.IndexService` (which re-exports it):
+the engine link, the snapshot file, the index bound, the layout, the tenants and their keys,
+and the limits of the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.service.tenants import Tenancy, TenantKeys
+from contextpilot_integrations.sync.configuration import CacheSyncConfig
+
+__all__ = ["ServiceConfig"]
+
+
+@dataclass
+class ServiceConfig:
+    """Settings of one index service.
+
+    Attributes:
+        cache_sync: the engine link, as
+            :meth:`~contextpilot_integrations.sync.configuration.CacheSyncConfig.from_mapping`
+            takes it (``{"kind": "kv-events", "endpoint": ..., "engine_grace_s": 5.0}``,
+            ``{"kind": "capacity", ...}``, ``{"kind": "ttl", ...}``); the same mapping
+            ``ContextPilot(cache_sync=...)`` takes. None: no engine feedback (the index's own
+            LRU bound).
+        snapshot_path: file to restore on start and save on stop; None: no snapshot. A
+            symlink is followed (its target is read and replaced).
+        snapshot_interval_s: also save a checkpoint every this many seconds (None: only on
+            stop).
+        max_requests: LRU bound of the context index (of each tenant's, when partitioned).
+        layout: the prompt layout (None: the default :class:`PromptLayout`).
+        api_key: the single shared secret of earlier releases: one tenant named ``""``. Every
+            request but ``/health`` must present a key as ``Authorization: Bearer <key>``
+            once any key is set.
+        tenants: tenant name -> its keys and optional ``cache_salt`` (:mod:`.tenants`); None:
+            none (with ``api_key`` neither: no authentication).
+        share_prefixes_across_tenants: one index for all tenants instead of one per tenant;
+            opens the side channel described in :mod:`.tenants`.
+        max_body_bytes: largest request body accepted (413 above).
+        max_batch_threads: batch builds running at once (others wait their turn).
+        max_call_threads: other calls that take a lock (evict, usage, forget, stats,
+            metrics, snapshot) running at once in worker threads.
+        shutdown_timeout_s: longest :meth:`IndexService.stop` waits for in-flight plans, the
+            engine link and the final save together.
+        tenancy: (made from ``api_key``, ``tenants`` and ``share_prefixes_across_tenants``)
+            the :class:`~.tenants.Tenancy`: key -> tenant, rid tags, salts, isolation mode.
+
+    Raises:
+        ValueError: a setting out of range, an invalid ``cache_sync`` or tenant set (names
+            the field).
+    """
+
+    cache_sync: Mapping[str, Any] | CacheSyncConfig | None = None
+    snapshot_path: str | Path | None = None
+    snapshot_interval_s: float | None = None
+    max_requests: int = 100_000
+    layout: PromptLayout | None = None
+    api_key: str | None = None
+    tenants: Mapping[str, TenantKeys] | None = None
+    share_prefixes_across_tenants: bool = False
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_batch_threads: int = 2
+    max_call_threads: int = 8
+    shutdown_timeout_s: float = 10.0
+    tenancy: Tenancy = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_requests, int) or self.max_requests < 1:
+            raise ValueError(f"max_requests must be a positive int, got {self.max_requests!r}")
+        for name in ("snapshot_interval_s", "shutdown_timeout_s"):
+            value = getattr(self, name)
+            if (value is not None or name == "shutdown_timeout_s") and not (
+                isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
+            ):
+                raise ValueError(f"{name} must be positive, got {value!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be a non-empty str or None, got ''")
+        for name in ("max_body_bytes", "max_batch_threads", "max_call_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.cache_sync is not None and not isinstance(self.cache_sync, CacheSyncConfig):
+            self.cache_sync = CacheSyncConfig.from_mapping(self.cache_sync)
+        tenants: dict[str, TenantKeys] = dict(self.tenants or {})
+        if self.api_key is not None:
+            legacy = tenants.get("")
+            keys = (*(legacy.keys if legacy else ()), self.api_key)
+            tenants[""] = TenantKeys(
+                tuple(dict.fromkeys(keys)), legacy.cache_salt if legacy else None
+            )
+        self.tenancy = Tenancy(tenants, share_prefixes=self.share_prefixes_across_tenants)
