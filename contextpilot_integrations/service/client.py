@@ -270,20 +270,35 @@ class ContextPilotClient:
         return await self._transports.arun(self._calls.evict(rid))
 
     # ------------------------------------------------------------------ Public API: service
-    def record_usage(self, rid: str, prompt_tokens: int, cached_tokens: int) -> bool:
-        """Report the engine's usage of a planned request (``usage.prompt_tokens`` and
-        ``usage.prompt_tokens_details.cached_tokens``); True if the rid is indexed, False
-        also when the service is down.
+    def record_usage(
+        self,
+        rid: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        cache_write_tokens: int | None = None,
+    ) -> bool:
+        """Report the engine's usage of a planned request (``usage.prompt_tokens``,
+        ``usage.prompt_tokens_details.cached_tokens`` and, from Anthropic, the tokens written
+        to its cache; ``engine_fields.read_usage``); True if the rid is indexed, False also
+        when the service is down.
 
         Raises:
             ValueError: ``cached_tokens > prompt_tokens`` or a negative figure (the core's).
         """
-        return self._transports.run(self._calls.record_usage(rid, prompt_tokens, cached_tokens))
+        return self._transports.run(
+            self._calls.record_usage(rid, prompt_tokens, cached_tokens, cache_write_tokens)
+        )
 
-    async def arecord_usage(self, rid: str, prompt_tokens: int, cached_tokens: int) -> bool:
+    async def arecord_usage(
+        self,
+        rid: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        cache_write_tokens: int | None = None,
+    ) -> bool:
         """:meth:`record_usage` without blocking the event loop."""
         return await self._transports.arun(
-            self._calls.record_usage(rid, prompt_tokens, cached_tokens)
+            self._calls.record_usage(rid, prompt_tokens, cached_tokens, cache_write_tokens)
         )
 
     def forget_conversation(self, conversation_id: str, tenant: str = "") -> bool:

@@ -128,9 +128,16 @@ class ClientCalls:
         local = self.fallback.local
         return local.evict(rid) if local is not None else False
 
-    def record_usage(self, rid: str, prompt_tokens: int, cached_tokens: int) -> Steps[bool]:
+    def record_usage(
+        self, rid: str, prompt_tokens: int, cached_tokens: int, cache_write_tokens: int | None
+    ) -> Steps[bool]:
         """POST /v1/usage; False while the service is down."""
-        body = {"rid": rid, "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens}
+        body = {
+            "rid": rid,
+            "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached_tokens,
+            "cache_write_tokens": cache_write_tokens,
+        }
         result = yield from self._call("POST", "usage", body)
         return bool(result["indexed"]) if result is not None else False
 

@@ -198,6 +198,7 @@ async def usage(body: UsageReport, request: Request, caller: Caller) -> Response
         body.rid,
         body.prompt_tokens,
         body.cached_tokens,
+        cache_write_tokens=body.cache_write_tokens,
         caller=caller,
     )
     return json_response({"indexed": await calls.run(call, "call")})

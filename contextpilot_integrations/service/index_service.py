@@ -227,7 +227,13 @@ class IndexService:
             return owner.pilot.deduplicator.store.forget(tenant, conversation_id)
 
     def record_usage(
-        self, rid: str, prompt_tokens: int, cached_tokens: int, *, caller: str | None = None
+        self,
+        rid: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        *,
+        cache_write_tokens: int | None = None,
+        caller: str | None = None,
     ) -> bool:
         """``ContextPilot.record_usage`` of ``caller``'s ``rid``: the engine's ``usage`` of one
         sent request; a hit marks the request as just used (index LRU, capacity and TTL
@@ -240,7 +246,9 @@ class IndexService:
             TypeError / ValueError: as ``ContextPilot.record_usage``.
         """
         tenant = self._partitions.of(caller)
-        return tenant.pilot.record_usage(tenant.engine_rid(rid), prompt_tokens, cached_tokens)
+        return tenant.pilot.record_usage(
+            tenant.engine_rid(rid), prompt_tokens, cached_tokens, cache_write_tokens
+        )
 
     def stats(self, *, caller: str | None = None) -> dict[str, Any]:
         """``caller``'s pilot's ``ContextPilot.stats()`` (the index's figures at the top level,

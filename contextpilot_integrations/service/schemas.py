@@ -243,6 +243,11 @@ class UsageReport(_Strict):
     rid: Identifier
     prompt_tokens: TokenCount
     cached_tokens: TokenCount
+    cache_write_tokens: TokenCount | None = Field(
+        None,
+        description="Prompt tokens the engine wrote to its cache (Anthropic's "
+        "cache_creation_input_tokens); null: not reported.",
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ def test_no_wrong_hints_no_lost_or_phantom_turns(seed: int) -> None:
         app.count += 1
         turn = app.count if app.numbered_by_app else None
         visibility = TurnVisibility.all() if app.window is None else TurnVisibility.last(app.window)
-        if app.suspect:  # the client's rule after a failed call (service/client.py)
+        if app.suspect:  # the client's rule after a failed call (service/client_conversations.py)
             pilot.deduplicator.store.forget("", conversation_id)
             app.suspect = False
         if event < 0.25:  # the service is unreachable: the client plans locally, no hints

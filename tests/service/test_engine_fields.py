@@ -240,3 +240,14 @@ def test_a_plans_cache_salt_rides_along_except_to_hosted_apis() -> None:
     }
     assert engine_body_fields(plan, "hosted") == {}
     assert "cache_salt" not in engine_body_fields(ContextPilot().plan("q", ["a block"]))
+
+
+def test_cache_writes_reach_the_service_usage(service_url: str) -> None:
+    client = ContextPilotClient(service_url)
+    plan = client.plan("q", ["a block for the usage test " * 10])
+    before = client.stats()["usage"]
+    assert client.record_usage(plan.rid, 120, 20, cache_write_tokens=90) is True
+    usage = client.stats()["usage"]
+    assert usage["cache_write_tokens"] - before["cache_write_tokens"] == 90
+    assert usage["cached_tokens"] - before["cached_tokens"] == 20
+    client.close()
