@@ -57,6 +57,7 @@ from typing import Any, TypeVar
 from contextpilot_integrations import __version__
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import BatchPlan, Plan
+from contextpilot_integrations.core.planning_window import PlanningWindow
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import PlanRequest, check_batch
 from contextpilot_integrations.service.metrics import ServiceMetrics
@@ -122,6 +123,11 @@ class IndexService:
         else:
             self._snapshots = ServiceSnapshots(path, self._failure)
             self._partitions, self._restored = self._snapshots.restore(self._new_partitions)
+        # One planning window per distinct pilot (a shared index shares its window).
+        self._windows: dict[ContextPilot, PlanningWindow] = {}
+        if self.config.window_ms > 0:
+            for _, _, pilot in self._partitions.sections():
+                self._windows[pilot] = PlanningWindow(pilot, window_ms=self.config.window_ms)
 
     # ----------------------------------------------------------------------------------------
     # Public API: planning
@@ -158,10 +164,9 @@ class IndexService:
         """
         tenant = self._partitions.of(caller)
         request = tenant.admit(request)
+        planner = self._windows.get(tenant.pilot, tenant.pilot)
         with self._planning():
-            plan = tenant.pilot.plan(
-                request.query, request.blocks, rid=request.rid, scope=request.scope
-            )
+            plan = planner.plan(request.query, request.blocks, rid=request.rid, scope=request.scope)
         self.metrics.plans.labels("single").inc()
         return plan
 
@@ -257,7 +262,8 @@ class IndexService:
         ``engine_connected``, ``resync_pending``, ``failures``, ``evictions``, ``source``;
         without one ``cache_model="none"`` and the service's own ``failures``) and ``service``
         (``version``, ``isolation``, the tenant's ``evictions`` asked for: ``{"api": n}``,
-        ``snapshot`` figures). ``sync`` and ``service.snapshot`` are service-wide counts."""
+        ``snapshot`` figures, and with a planning window its ``window`` figures). ``sync`` and
+        ``service.snapshot`` are service-wide counts."""
         tenant = self._partitions.of(caller)
         stats = self._pilot_stats(tenant.pilot)
         with self._lock:
@@ -268,6 +274,9 @@ class IndexService:
             )
         stats["sync"] = self._sync_stats()
         stats["service"] = self._service_section({"api": evictions})
+        window = self._windows.get(tenant.pilot)
+        if window is not None:
+            stats["service"]["window"] = window.stats()
         return stats
 
     @property

@@ -164,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"one shared secret, the tenant '' (default: ${API_KEY_ENV}; no key at all: no auth)",
     )
     serving.add_argument(
+        "--window-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="plan single requests arriving within MS milliseconds of each other jointly "
+        "(a planning window; default 0: each at once)",
+    )
+    serving.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,
@@ -245,6 +253,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Servi
         share_prefixes_across_tenants=args.share_prefixes_across_tenants,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
+        window_ms=args.window_ms,
     )
 
 

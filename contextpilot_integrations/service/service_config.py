@@ -49,6 +49,10 @@ class ServiceConfig:
         max_batch_threads: batch builds running at once (others wait their turn).
         max_call_threads: other calls that take a lock (evict, usage, forget, stats,
             metrics, snapshot) running at once in worker threads.
+        window_ms: a planning window in front of each tenant's pilot
+            (:class:`~contextpilot_integrations.core.planning_window.PlanningWindow`): single
+            plans arriving within this many milliseconds are planned jointly (at most as many
+            as run at once: anyio's 40 worker threads); 0 (default): each at once.
         shutdown_timeout_s: longest :meth:`IndexService.stop` waits for in-flight plans, the
             engine link and the final save together.
         tenancy: (made from ``api_key``, ``tenants`` and ``share_prefixes_across_tenants``)
@@ -71,6 +75,7 @@ class ServiceConfig:
     max_batch_threads: int = 2
     max_call_threads: int = 8
     shutdown_timeout_s: float = 10.0
+    window_ms: float = 0.0
     tenancy: Tenancy = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +87,10 @@ class ServiceConfig:
                 isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
             ):
                 raise ValueError(f"{name} must be positive, got {value!r}")
+        if isinstance(self.window_ms, bool) or not (
+            isinstance(self.window_ms, (int, float)) and 0 <= self.window_ms < math.inf
+        ):
+            raise ValueError(f"window_ms must be >= 0, got {self.window_ms!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty str or None, got ''")
         for name in ("max_body_bytes", "max_batch_threads", "max_call_threads"):

@@ -149,3 +149,25 @@ def test_a_long_batch_build_does_not_hold_up_single_plans(server_factory) -> Non
     # single plan would wait about the whole build. In a worker thread they keep going.
     assert build_s > 1.0, build_s
     assert max(latencies) < 0.5 * build_s, (max(latencies), build_s, len(latencies))
+
+
+def test_a_planning_window_plans_concurrent_requests_jointly(server_factory) -> None:  # type: ignore[no-untyped-def]
+    server = server_factory("--window-ms", "300")
+    client = ContextPilotClient(server.base_url, timeout=5.0)
+    shared = [f"window shared passage {i}: " + "common words " * 40 for i in range(3)]
+    barrier = threading.Barrier(6)
+
+    def plan(i: int):  # type: ignore[no-untyped-def]
+        barrier.wait()
+        return client.plan(f"q{i}", [f"own passage {i}: " + "words " * 30, *reversed(shared)])
+
+    with ThreadPoolExecutor(6) as pool:
+        plans = list(pool.map(plan, range(6)))
+    window = client.stats()["service"]["window"]
+    # The very first request finds no recent arrivals and goes at once (adaptive); the rest
+    # arrive together and are planned as one batch, all aligned to the same shared prefix.
+    assert window["requests"] == 6 and window["windows"] <= 2
+    prefixes = [tuple(b.text for b in p.blocks[:3]) for p in plans]
+    common = max(set(prefixes), key=prefixes.count)
+    assert prefixes.count(common) >= 5 and set(common) == set(shared)
+    client.close()
