@@ -12,6 +12,14 @@ APIs"):
 - openai-python sends non-standard fields through ``extra_body={...}``; LangChain's
   ``ChatOpenAI(..., extra_body=...)`` or ``.bind(extra_body=...)`` forwards them.
 
+With several engine replicas (:class:`~contextpilot_integrations.core.routing.ReplicaRouter`)
+the plan also says how to reach the replica it was planned for: behind a gateway, its
+``routing_key`` goes in a header (:data:`ROUTING_HEADER` by default; SMG routes on it with
+``--routing-key-headers x-contextpilot-route --routing-key-override``), which openai-python
+sends through ``extra_headers`` (:func:`engine_headers`, merged by :func:`with_engine_fields`);
+without a gateway (the router's ``"direct"`` mode), its ``base_url`` is the replica's own
+(:func:`engine_base_url`; :func:`create_chat_completion` calls it there).
+
 Hosted APIs (OpenAI, Anthropic) refuse unknown fields, so they get no ids: ``engine="openai"``
 sends the plan's ``prompt_cache_key``
 (:func:`contextpilot_integrations.hosted_cache.openai_cache_fields`),
@@ -53,13 +61,17 @@ from typing import Any, Literal, Protocol
 
 __all__ = [
     "REQUEST_ID_FIELDS",
+    "ROUTING_HEADER",
     "CacheUsageTracker",
     "EngineKind",
     "Usage",
     "acreate_chat_completion",
     "create_chat_completion",
-    "read_usage",
+    "engine_base_url",
     "engine_body_fields",
+    "engine_headers",
+    "read_usage",
+    "routing_headers",
     "with_engine_fields",
 ]
 
@@ -79,6 +91,10 @@ _ID_FIELDS: dict[str, tuple[str, ...]] = {
     "anthropic": (),
 }
 _HOSTED = ("hosted", "openai", "anthropic")
+
+ROUTING_HEADER = "x-contextpilot-route"
+"""The header a plan's ``routing_key`` goes in by default (configure the gateway to route on
+it: SMG ``--routing-key-headers x-contextpilot-route --routing-key-override``)."""
 
 
 class _HasRid(Protocol):
@@ -131,20 +147,65 @@ def engine_body_fields(plan: _HasRid | str, engine: EngineKind = "any") -> dict[
     return fields
 
 
-def with_engine_fields(
-    kwargs: Mapping[str, Any], plan: _HasRid | str, engine: EngineKind = "any"
-) -> dict[str, Any]:
-    """A copy of an OpenAI call's keyword arguments with the plan ids merged into
-    ``extra_body`` (fields already in ``extra_body`` are kept; the ids win on a clash).
+def engine_headers(
+    plan: object, engine: EngineKind = "any", routing_header: str = ROUTING_HEADER
+) -> dict[str, str]:
+    """The request headers a plan sends: :func:`routing_headers` of its ``routing_key`` (none
+    for a plan without one, or a bare rid)."""
+    return routing_headers(getattr(plan, "routing_key", None), engine, routing_header)
+
+
+def routing_headers(
+    routing_key: str | None, engine: EngineKind = "any", routing_header: str = ROUTING_HEADER
+) -> dict[str, str]:
+    """``{routing_header: routing_key}``, for a gateway in front of engine replicas; empty
+    without a key or for a hosted ``engine``.
 
     Raises:
-        TypeError: ``kwargs["extra_body"]`` is not a mapping, or ``plan`` has no rid.
+        ValueError: an unknown ``engine``, or an empty ``routing_header``.
+    """
+    if engine not in _ID_FIELDS:
+        raise ValueError(f"engine must be one of {sorted(_ID_FIELDS)}, got {engine!r}")
+    if not isinstance(routing_header, str) or not routing_header:
+        raise ValueError(f"routing_header must be a non-empty str, got {routing_header!r}")
+    if not isinstance(routing_key, str) or not routing_key or engine in _HOSTED:
+        return {}
+    return {routing_header: routing_key}
+
+
+def engine_base_url(plan: object) -> str | None:
+    """The base URL of the replica a plan was planned for, in a router's ``"direct"`` mode
+    (call it instead of a gateway); None otherwise."""
+    url = getattr(plan, "base_url", None)
+    return url if isinstance(url, str) and url else None
+
+
+def with_engine_fields(
+    kwargs: Mapping[str, Any],
+    plan: _HasRid | str,
+    engine: EngineKind = "any",
+    *,
+    routing_header: str = ROUTING_HEADER,
+) -> dict[str, Any]:
+    """A copy of an OpenAI call's keyword arguments with the plan ids merged into
+    ``extra_body`` and its routing key into ``extra_headers`` (:func:`engine_headers`;
+    entries already there are kept; the plan's win on a clash).
+
+    Raises:
+        TypeError: ``kwargs["extra_body"]`` or ``kwargs["extra_headers"]`` is not a mapping,
+            or ``plan`` has no rid.
     """
     merged = dict(kwargs)
     extra = merged.get("extra_body") or {}
     if not isinstance(extra, Mapping):
         raise TypeError(f"extra_body must be a mapping, got {type(extra).__name__}")
     merged["extra_body"] = {**extra, **engine_body_fields(plan, engine)}
+    headers = engine_headers(plan, engine, routing_header)
+    if headers:
+        given = merged.get("extra_headers") or {}
+        if not isinstance(given, Mapping):
+            raise TypeError(f"extra_headers must be a mapping, got {type(given).__name__}")
+        merged["extra_headers"] = {**given, **headers}
     return merged
 
 
@@ -315,23 +376,29 @@ def create_chat_completion(
     *,
     tracker: CacheUsageTracker | None = None,
     engine: EngineKind = "any",
+    routing_header: str = ROUTING_HEADER,
     **kwargs: Any,
 ) -> Any:
     """``client.chat.completions.create(messages=plan.messages, ...)`` with the plan ids in
-    ``extra_body``, and the response's usage recorded with ``tracker``.
+    ``extra_body`` and its routing key in ``extra_headers``, sent to the plan's replica when it
+    carries its ``base_url`` (``client.with_options(base_url=...)``: the router's direct
+    mode), and the response's usage recorded with ``tracker``.
 
     Args:
-        client: an ``openai.OpenAI`` client (any object with ``chat.completions.create``).
+        client: an ``openai.OpenAI`` client (any object with ``chat.completions.create``;
+            ``with_options`` for a plan with a ``base_url``).
         plan: the ``Plan`` (its ``messages`` and ``rid``).
         tracker: where the usage goes (None: not recorded).
         engine: which id fields to send (:func:`engine_body_fields`).
+        routing_header: the header the plan's routing key goes in (:func:`engine_headers`).
         kwargs: the other arguments of ``create`` (``model``, ``max_tokens``, ...).
 
     Returns:
         The response (a stream is returned as is and not recorded).
     """
-    response = client.chat.completions.create(
-        messages=plan.messages, **with_engine_fields(kwargs, plan, engine)
+    response = _replica_client(client, plan).chat.completions.create(
+        messages=plan.messages,
+        **with_engine_fields(kwargs, plan, engine, routing_header=routing_header),
     )
     if tracker is not None and not kwargs.get("stream"):
         tracker.record(plan, response)
@@ -344,13 +411,22 @@ async def acreate_chat_completion(
     *,
     tracker: CacheUsageTracker | None = None,
     engine: EngineKind = "any",
+    routing_header: str = ROUTING_HEADER,
     **kwargs: Any,
 ) -> Any:
     """:func:`create_chat_completion` for an ``openai.AsyncOpenAI`` client. A tracker whose
     pilot is a blocking client forwards from a worker thread."""
-    response = await client.chat.completions.create(
-        messages=plan.messages, **with_engine_fields(kwargs, plan, engine)
+    response = await _replica_client(client, plan).chat.completions.create(
+        messages=plan.messages,
+        **with_engine_fields(kwargs, plan, engine, routing_header=routing_header),
     )
     if tracker is not None and not kwargs.get("stream"):
         await asyncio.to_thread(tracker.record, plan, response)
     return response
+
+
+def _replica_client(client: Any, plan: Any) -> Any:
+    """``client``, or a copy of it bound to the plan's replica (direct mode; it shares the
+    client's connection pool)."""
+    url = engine_base_url(plan)
+    return client if url is None else client.with_options(base_url=url)

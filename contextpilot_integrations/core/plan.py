@@ -137,6 +137,12 @@ class Plan:
         cache_salt: the engine's ``cache_salt`` for this request's tenant (its prefix cache is
             not shared with other salts), or ``None`` (``engine_fields.engine_body_fields``
             sends it).
+        replica: with several engine replicas, the name of the one the request was planned
+            for (:class:`~contextpilot_integrations.core.routing.ReplicaRouter`); else ``None``.
+        routing_key: the key a gateway routes the request to that replica by (sent in a
+            header: ``engine_fields.engine_headers``), or ``None``.
+        base_url: the replica's own OpenAI-compatible base URL, for apps that call the
+            replicas without a gateway (``engine_fields.engine_base_url``), or ``None``.
     """
 
     rid: str
@@ -153,6 +159,9 @@ class Plan:
     dedup_figures: DedupFigures
     layout: PromptLayout = field(repr=False)
     cache_salt: str | None = None
+    replica: str | None = None
+    routing_key: str | None = None
+    base_url: str | None = None
 
     # ------------------------------------------------------------------ the prompt
     @property

@@ -20,6 +20,15 @@ context variable was not used: LCEL runs each step, and each branch of a ``{...}
 copied context, so a value set by the retriever never reaches the model step. The wrapper
 opens no run of its own: traces show the model's run as before.
 
+Several engine replicas behind a gateway: with ``router`` (the
+:class:`~contextpilot_integrations.core.routing.ReplicaRouter` the retriever plans with), each
+call also sends the plan's routing key in a header (``routing_header``, default
+:data:`~contextpilot_integrations.engine_fields.ROUTING_HEADER`) through ``extra_headers``, which
+``ChatOpenAI`` forwards to openai-python, so the gateway sends the request to the replica it was
+planned for::
+
+    llm = with_request_id(ChatOpenAI(base_url=gateway_url, model=...), router=router)
+
 ``batch``/``abatch`` issue the calls in the order of the batch's schedule
 (``schedule_position``, set by ``ContextPilotRetriever.batch``) with at most
 ``config["max_concurrency"]`` (or ``max_concurrency``) calls in flight, and return the results in
@@ -64,7 +73,12 @@ from langchain_core.runnables.config import get_config_list, get_executor_for_co
 from pydantic import ConfigDict, PrivateAttr, field_validator
 
 from contextpilot_integrations.core.blocks import TokenCounter
-from contextpilot_integrations.engine_fields import EngineKind, engine_body_fields
+from contextpilot_integrations.engine_fields import (
+    ROUTING_HEADER,
+    EngineKind,
+    engine_body_fields,
+    routing_headers,
+)
 from contextpilot_integrations.hosted_cache import AnthropicCachePolicy, anthropic_prompt
 
 from .prompts import ContextPilotPromptValue
@@ -94,6 +108,10 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
         prompt_cache_retention: ``engine="openai"``: ``"in_memory"`` or ``"24h"``, sent as is.
         tracker: a :class:`~contextpilot_integrations.engine_fields.CacheUsageTracker` that
             each response of a planned call is recorded with (``invoke``/``ainvoke``).
+        router: where the plan's routing key is looked up by its rid (``routing_key(rid)``:
+            the :class:`~contextpilot_integrations.core.routing.ReplicaRouter`); None: no
+            routing header.
+        routing_header: the header the routing key goes in.
 
     An input that is not a :class:`~.prompts.ContextPilotPromptValue` with a ``rid`` is passed
     through unchanged (a warning is logged once when it is not a ContextPilot prompt value at
@@ -109,6 +127,8 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
     token_counter: TokenCounter | None = None
     prompt_cache_retention: str | None = None
     tracker: Any = None
+    router: Any = None
+    routing_header: str = ROUTING_HEADER
     _warned: bool = PrivateAttr(default=False)
 
     @field_validator("max_concurrency")
@@ -187,7 +207,8 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
         return ChatPromptValue(messages=out)
 
     def call_kwargs(self, input: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """The call keywords for ``input``: ``kwargs`` plus the merged ``extra_body``."""
+        """The call keywords for ``input``: ``kwargs`` plus the merged ``extra_body`` and, with a
+        ``router``, ``extra_headers`` with the plan's routing key."""
         if not isinstance(input, ContextPilotPromptValue):
             if not self._warned:
                 self._warned = True
@@ -203,14 +224,26 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
             fields["prompt_cache_key"] = input.prompt_cache_key
         if self.engine == "openai" and self.prompt_cache_retention is not None:
             fields["prompt_cache_retention"] = self.prompt_cache_retention
-        if not fields:
-            return dict(kwargs)
-        extra_body = {
-            **_extra_body_of(self.bound),
-            **dict(kwargs.get("extra_body") or {}),
-            **fields,
-        }
-        return {**kwargs, "extra_body": extra_body}
+        out = dict(kwargs)
+        if fields:
+            out["extra_body"] = {
+                **_bound_mapping(self.bound, "extra_body"),
+                **dict(kwargs.get("extra_body") or {}),
+                **fields,
+            }
+        headers = self._routing_headers(input.rid)
+        if headers:
+            out["extra_headers"] = {
+                **_bound_mapping(self.bound, "extra_headers"),
+                **dict(kwargs.get("extra_headers") or {}),
+                **headers,
+            }
+        return out
+
+    def _routing_headers(self, rid: str | None) -> dict[str, str]:
+        if self.router is None or rid is None:
+            return {}
+        return routing_headers(self.router.routing_key(rid), self.engine, self.routing_header)
 
     def _record(self, input: Any, result: Any) -> None:
         rid = getattr(input, "rid", None)
@@ -299,6 +332,8 @@ def with_request_id(
     token_counter: TokenCounter | None = None,
     prompt_cache_retention: str | None = None,
     tracker: Any = None,
+    router: Any = None,
+    routing_header: str = ROUTING_HEADER,
 ) -> RequestIdChatModel:
     """Wrap a chat model so that each call sends the plan's engine-facing fields (see the
     module doc).
@@ -309,8 +344,8 @@ def with_request_id(
             ``"anthropic"`` breakpoints, ``"openai"`` cache key, ``"hosted"`` none;
             ``engine_fields.engine_body_fields``).
         max_concurrency: default limit of calls in flight in ``batch``/``abatch``.
-        cache_policy, token_counter, prompt_cache_retention, tracker: see
-            :class:`RequestIdChatModel`.
+        cache_policy, token_counter, prompt_cache_retention, tracker, router, routing_header:
+            see :class:`RequestIdChatModel`.
 
     Raises:
         TypeError: ``llm`` is not a runnable.
@@ -326,6 +361,8 @@ def with_request_id(
         token_counter=token_counter,
         prompt_cache_retention=prompt_cache_retention,
         tracker=tracker,
+        router=router,
+        routing_header=routing_header,
     )
 
 
@@ -347,15 +384,16 @@ def _model_name(runnable: Runnable[Any, Any]) -> str | None:
     return None
 
 
-def _extra_body_of(runnable: Runnable[Any, Any]) -> dict[str, Any]:
-    """The ``extra_body`` a call would send without ours: the innermost binding's
-    (``.bind``, ``.with_retry``, ``.with_config``), else the model's own field. Wrappers are
-    followed to the model: a binding's ``bound``, a sequence's first step (``bind_tools`` and
-    ``with_structured_output`` put the model first), a fallback chain's primary runnable."""
+def _bound_mapping(runnable: Runnable[Any, Any], name: str) -> dict[str, Any]:
+    """The ``extra_body`` (or ``extra_headers``: ``name``) a call would send without ours: the
+    innermost binding's (``.bind``, ``.with_retry``, ``.with_config``), else the model's own
+    field. Wrappers are followed to the model: a binding's ``bound``, a sequence's first step
+    (``bind_tools`` and ``with_structured_output`` put the model first), a fallback chain's
+    primary runnable."""
     for _ in range(32):  # wrappers nest a few levels; never loop on a cycle
         if isinstance(runnable, RunnableBindingBase):
-            if "extra_body" in runnable.kwargs:
-                return dict(runnable.kwargs["extra_body"] or {})
+            if name in runnable.kwargs:
+                return dict(runnable.kwargs[name] or {})
             runnable = runnable.bound
         elif isinstance(runnable, RunnableSequence):
             runnable = runnable.first
@@ -363,5 +401,5 @@ def _extra_body_of(runnable: Runnable[Any, Any]) -> dict[str, Any]:
             runnable = runnable.runnable
         else:
             break
-    extra_body = getattr(runnable, "extra_body", None)
-    return dict(extra_body) if isinstance(extra_body, Mapping) else {}
+    own = getattr(runnable, name, None)
+    return dict(own) if isinstance(own, Mapping) else {}

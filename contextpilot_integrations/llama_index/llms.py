@@ -18,6 +18,12 @@ take no request are sent unchanged.
   requests whose aligned prefix starts alike share it, so they reach the machine that caches
   it) and ``prompt_cache_retention`` when set (``request_id_engine="openai"``).
 
+Behind a gateway in front of several engine replicas (the plan of a
+:class:`~contextpilot_integrations.core.routing.ReplicaRouter`), the plan's routing key goes in
+a header (``routing_header``, default
+:data:`~contextpilot_integrations.engine_fields.ROUTING_HEADER`) through the client's
+``extra_headers``, so the gateway sends the request to the replica it was planned for.
+
 With ``usage_tracker`` (an :class:`~contextpilot_integrations.engine_fields.CacheUsageTracker`)
 the usage of each planned ``chat``/``complete`` response is read back to the pilot.
 """
@@ -40,7 +46,12 @@ from llama_index.core.bridge.pydantic import Field
 from llama_index.llms.openai import OpenAI
 from llama_index.llms.openai_like import OpenAILike
 
-from contextpilot_integrations.engine_fields import EngineKind, with_engine_fields
+from contextpilot_integrations.engine_fields import (
+    ROUTING_HEADER,
+    EngineKind,
+    engine_headers,
+    with_engine_fields,
+)
 
 from .request_ids import PendingRequest, take_pending
 
@@ -64,6 +75,8 @@ class ContextPilotOpenAI(OpenAI):
             (none; the armed request is then left untaken).
         prompt_cache_retention: ``"in_memory"`` or ``"24h"``, sent with ``"openai"``.
         usage_tracker: where each planned response's usage is recorded, or ``None``.
+        routing_header: the header a routed plan's ``routing_key`` goes in (self-hosted
+            engines behind a gateway; never to a hosted API).
     """
 
     request_id_engine: EngineKind = Field(
@@ -75,6 +88,10 @@ class ContextPilotOpenAI(OpenAI):
     )
     usage_tracker: Any = Field(
         default=None, exclude=True, description="CacheUsageTracker for planned responses."
+    )
+    routing_header: str = Field(
+        default=ROUTING_HEADER,
+        description="Header a routed ContextPilot plan's routing key is sent in (gateways).",
     )
 
     @classmethod
@@ -95,7 +112,11 @@ class ContextPilotOpenAI(OpenAI):
         if taken is None:
             return model_kwargs
         if self.request_id_engine != "openai":
-            return with_engine_fields(model_kwargs, taken.rid, self.request_id_engine)
+            merged = with_engine_fields(model_kwargs, taken.rid, self.request_id_engine)
+            headers = engine_headers(taken.plan, self.request_id_engine, self.routing_header)
+            if headers:
+                merged["extra_headers"] = {**(merged.get("extra_headers") or {}), **headers}
+            return merged
         merged = with_engine_fields(model_kwargs, taken.plan or taken.rid, "openai")
         if self.prompt_cache_retention is not None:
             merged["extra_body"]["prompt_cache_retention"] = self.prompt_cache_retention

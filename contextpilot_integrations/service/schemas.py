@@ -335,6 +335,11 @@ class PlanResponse(BaseModel):
     cache_salt: str | None = Field(
         None, description="The engine's cache_salt for the caller's tenant (send it along)."
     )
+    replica: str | None = Field(None, description="The engine replica the plan was made for.")
+    routing_key: str | None = Field(
+        None, description="The gateway routing key of that replica (send it in a header)."
+    )
+    base_url: str | None = Field(None, description="That replica's own base URL (direct mode).")
 
     @staticmethod
     def encode(plan: Plan) -> dict[str, Any]:
@@ -353,6 +358,9 @@ class PlanResponse(BaseModel):
             "shared_prefix_tokens": plan.shared_prefix_tokens,
             "dedup_figures": dataclasses.asdict(plan.dedup_figures),
             "cache_salt": plan.cache_salt,
+            "replica": plan.replica,
+            "routing_key": plan.routing_key,
+            "base_url": plan.base_url,
         }
 
     def to_core(self, layout: PromptLayout) -> Plan:
@@ -372,6 +380,9 @@ class PlanResponse(BaseModel):
             dedup_figures=DedupFigures(**self.dedup_figures.model_dump()),
             layout=layout,
             cache_salt=self.cache_salt,
+            replica=self.replica,
+            routing_key=self.routing_key,
+            base_url=self.base_url,
         )
 
 

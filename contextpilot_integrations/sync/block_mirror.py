@@ -9,6 +9,19 @@ the engine's own (``BlockStored.block_hashes``), never recomputed (DESIGN.md inv
 caller passes them in canonical form
 (:func:`~contextpilot_integrations.sync.kv_events.canonical_block_hash`).
 
+Namespaces (tenants and adapters, DESIGN.md invariant 8): an engine keeps the prefixes of
+requests with different ``cache_salt`` or LoRA adapter apart, so the mirror does too. A block
+is keyed by ``(namespace, hash)`` (:func:`block_key`; the plain hash in the default namespace,
+no salt and no adapter), the token index by ``(namespace's root or parent, page tokens)``, so a
+request registered in one namespace never matches a chain stored in another
+(:mod:`~contextpilot_integrations.sync.request_attribution`), even where the engine publishes
+the same hash for both (SGLang's hashes need not include the salt). A ``BlockStored`` names its
+namespace by ``cache_salt`` (SGLang 0.5.18+), ``lora_name`` (or an old vLLM's ``lora_id``) and
+vLLM's ``extra_keys`` (:func:`event_namespace`); a store that names none continues its parent's
+(vLLM puts the salt on a request's first block only). ``BlockRemoved`` carries no namespace: it
+removes the hash from every namespace holding it (exact where the engine's hashes are already
+namespaced, conservative where they are not).
+
 A block counts as present while it is held in any medium (GPU, host memory, disk): a GPU
 eviction that keeps a host copy removes nothing.
 
@@ -40,9 +53,10 @@ CacheMirror` applies each event here, then tells the attribution what changed (t
 stored, the blocks whose removal breaks a cached prefix). Not thread-safe by itself: the
 ``CacheMirror`` lock is held around every call.
 
-Public API: :class:`BlockMirror`, :class:`Block`, :data:`StoredPage`, :data:`PageKey`,
-:func:`pack_tokens`, :func:`packed_page`, :func:`packed_length`, :func:`page_tokens`,
-:data:`DEFAULT_MAX_BLOCKS`.
+Public API: :class:`BlockMirror`, :class:`Block`, :class:`Chain`, :class:`Namespace`,
+:data:`BlockKey`, :data:`StoredPage`, :data:`PageKey`, :func:`block_key`, :func:`root_key`,
+:func:`namespace_of`, :func:`event_namespace`, :func:`pack_tokens`, :func:`packed_page`,
+:func:`packed_length`, :func:`page_tokens`, :data:`DEFAULT_MAX_BLOCKS`.
 """
 
 from __future__ import annotations
@@ -51,21 +65,28 @@ import logging
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from contextpilot_integrations.sync.kv_events import MEDIUM_GPU, BlockHash, BlockStored
 
 __all__ = [
     "DEFAULT_MAX_BLOCKS",
     "Block",
+    "BlockKey",
     "BlockMirror",
+    "Chain",
+    "Namespace",
     "PackedTokens",
     "PageKey",
     "StoredPage",
+    "block_key",
+    "event_namespace",
+    "namespace_of",
     "pack_tokens",
     "packed_length",
     "packed_page",
     "page_tokens",
+    "root_key",
 ]
 
 logger = logging.getLogger(__name__)
@@ -126,12 +147,106 @@ def page_tokens(key: PageKey) -> list[Any]:
     return list(key)
 
 
-Children = BlockHash | set[BlockHash] | None
+class Namespace(NamedTuple):
+    """Where cached blocks may be shared: requests share a cached prefix only within one
+    namespace (the engines key their prefix caches the same way).
+
+    Attributes:
+        cache_salt: the tenant's ``cache_salt``, or None.
+        adapter: the LoRA adapter's name (an event with only ``lora_id`` gives
+            ``"lora-id:<id>"``, which no named request matches), or None.
+        opaque: the chain's hash depends on more than tokens, salt and adapter (vLLM extra keys
+            of images or prompt embeddings): no registered request's tokens match it.
+    """
+
+    cache_salt: str | None
+    adapter: str | None
+    opaque: bool = False
+
+
+BlockKey = BlockHash | tuple[Namespace, BlockHash]
+"""A block in the mirror: its hash in the default namespace, ``(namespace, hash)`` in another."""
+
+TokenParent = BlockKey | tuple[Namespace, None] | None
+"""What the token index keys a page under: its parent block, or its namespace's root."""
+
+_AMBIGUOUS = Namespace(None, None, opaque=True)
+
+
+def namespace_of(cache_salt: str | None = None, adapter: str | None = None) -> Namespace | None:
+    """The namespace of a request with this salt and LoRA adapter name; None: the default."""
+    if cache_salt is None and adapter is None:
+        return None
+    return Namespace(cache_salt, adapter)
+
+
+def block_key(namespace: Namespace | None, block_hash: BlockHash) -> BlockKey:
+    """How the mirror keys ``block_hash`` (canonical form) in ``namespace``."""
+    return block_hash if namespace is None else (namespace, block_hash)
+
+
+def root_key(namespace: Namespace | None) -> TokenParent:
+    """What the token index keys a namespace's first pages under (None: the default's)."""
+    return None if namespace is None else (namespace, None)
+
+
+def event_namespace(event: BlockStored) -> Namespace | None:
+    """The namespace a ``BlockStored`` names, or None when it names none (what it does not
+    name continues its parent's: :meth:`BlockMirror.chain`).
+
+    ``cache_salt`` is SGLang's field; vLLM puts the salt among the first block's
+    ``extra_keys``, after the LoRA name: a lone string there is taken as the salt; any other
+    extra key (an image's ``(identifier, offset)``, a digest) makes the namespace opaque.
+    """
+    name = event.lora_name
+    adapter = name
+    if adapter is None and event.lora_id is not None:
+        adapter = f"lora-id:{event.lora_id}"
+    salt = event.cache_salt
+    opaque = False
+    for extras in event.extra_keys or ():
+        rest = list(extras or ())
+        if name is not None and rest and rest[0] == name:
+            rest = rest[1:]
+        if not rest:
+            continue
+        if len(rest) == 1 and isinstance(rest[0], str) and salt in (None, rest[0]):
+            salt = rest[0]
+        else:
+            opaque = True
+    if salt is None and adapter is None and not opaque:
+        return None
+    return Namespace(salt, adapter, opaque)
+
+
+def _inherit(own: Namespace | None, parent: Namespace | None) -> Namespace | None:
+    """``own`` with the parts it does not name taken from ``parent`` (opacity is kept)."""
+    if parent is None:
+        return own
+    if own is None:
+        return parent
+    return Namespace(
+        own.cache_salt if own.cache_salt is not None else parent.cache_salt,
+        own.adapter if own.adapter is not None else parent.adapter,
+        own.opaque or parent.opaque,
+    )
+
+
+class Chain(NamedTuple):
+    """Where a ``BlockStored`` goes: its namespace, its first page's parent key (None: the
+    root) and its deepest page's key (None: no pages)."""
+
+    namespace: Namespace | None
+    parent: BlockKey | None
+    deepest: BlockKey | None
+
+
+Children = BlockKey | set[BlockKey] | None
 """The present children of a block: None, the one child's hash (most blocks continue a single
 chain: no container at all), or a set of two or more."""
 
 
-def _with_child(children: Children, child: BlockHash) -> Children:
+def _with_child(children: Children, child: BlockKey) -> Children:
     if children is None or children == child:
         return child
     if isinstance(children, set):
@@ -140,7 +255,7 @@ def _with_child(children: Children, child: BlockHash) -> Children:
     return {children, child}
 
 
-def _without_child(children: Children, child: BlockHash) -> Children:
+def _without_child(children: Children, child: BlockKey) -> Children:
     if isinstance(children, set):
         children.discard(child)
         if len(children) == 1:
@@ -149,13 +264,13 @@ def _without_child(children: Children, child: BlockHash) -> Children:
     return None if children == child else children
 
 
-def _has_child(children: Children, child: BlockHash) -> bool:
+def _has_child(children: Children, child: BlockKey) -> bool:
     if isinstance(children, set):
         return child in children
     return children is not None and children == child
 
 
-def _each_child(children: Children) -> Iterator[BlockHash]:
+def _each_child(children: Children) -> Iterator[BlockKey]:
     if isinstance(children, set):
         yield from children
     elif children is not None:
@@ -163,46 +278,56 @@ def _each_child(children: Children) -> Iterator[BlockHash]:
 
 
 class Block:
-    """One present block: its parent (None: the root), its page's token ids (None when the
-    event did not carry them page by page), the session id it was stored with, the media
-    holding it, and its present children (:data:`Children`)."""
+    """One present block: its parent's key (None: the root), its page's token ids (None when
+    the event did not carry them page by page), the session id it was stored with, the media
+    holding it, its present children (:data:`Children`) and its namespace (None: default)."""
 
-    __slots__ = ("parent", "tokens", "session_id", "media", "children")
+    __slots__ = ("parent", "tokens", "session_id", "media", "children", "namespace")
 
     def __init__(
         self,
-        parent: BlockHash | None,
+        parent: BlockKey | None,
         tokens: PageKey | None,
         session_id: str | None,
         media: frozenset[str],
+        namespace: Namespace | None = None,
     ) -> None:
         self.parent = parent
         self.tokens = tokens
         self.session_id = session_id
         self.media = media
         self.children: Children = None
+        self.namespace = namespace
+
+    @property
+    def token_parent(self) -> TokenParent:
+        """What the token index keys this block's page under."""
+        return self.parent if self.parent is not None else root_key(self.namespace)
 
 
-StoredPage = tuple[BlockHash | None, BlockHash, PageKey]
-"""A page of a ``BlockStored`` with known tokens: ``(parent it was stored under, its hash, its
-page key)`` (a plain tuple: one is made per stored page, on the event path)."""
+StoredPage = tuple[TokenParent, BlockKey, PageKey]
+"""A page of a ``BlockStored`` with known tokens: ``(parent it was stored under, or its
+namespace's root; its key; its page key)`` (a plain tuple: one is made per stored page, on the
+event path)."""
 
 
 class _Rank:
     """The mirrored cache of one data-parallel rank."""
 
-    __slots__ = ("blocks", "tokens", "orphans", "leaves", "page_size")
+    __slots__ = ("blocks", "tokens", "orphans", "leaves", "page_size", "namespaced")
 
     def __init__(self, page_size: int | None) -> None:
-        self.blocks: dict[BlockHash, Block] = {}
-        # (parent hash or None, page key) -> hash, for present blocks with known tokens.
-        self.tokens: dict[tuple[BlockHash | None, PageKey], BlockHash] = {}
-        # absent parent hash -> its present children (linked if the parent is stored again);
+        self.blocks: dict[BlockKey, Block] = {}
+        # (parent key or namespace root, page key) -> key, for present blocks with known tokens.
+        self.tokens: dict[tuple[TokenParent, PageKey], BlockKey] = {}
+        # absent parent key -> its present children (linked if the parent is stored again);
         # also present parent -> children whose link would have closed a cycle.
-        self.orphans: dict[BlockHash, Children] = {}
+        self.orphans: dict[BlockKey, Children] = {}
         # present blocks without present children, least recently stored first.
-        self.leaves: OrderedDict[BlockHash, None] = OrderedDict()
+        self.leaves: OrderedDict[BlockKey, None] = OrderedDict()
         self.page_size = page_size
+        # hash -> its keys in namespaces other than the default (removals name hashes only).
+        self.namespaced: dict[BlockHash, dict[BlockKey, None]] = {}
 
 
 class BlockMirror:
@@ -253,21 +378,61 @@ class BlockMirror:
         state = self._ranks.get(rank)
         return state.page_size if state is not None else None
 
-    def child(self, rank: int, parent: BlockHash | None, tokens: PageKey) -> BlockHash | None:
-        """The hash of the present block with page key ``tokens`` under ``parent`` (None: the
-        root), or None."""
+    def child(self, rank: int, parent: TokenParent, tokens: PageKey) -> BlockKey | None:
+        """The key of the present block with page key ``tokens`` under ``parent`` (a block's
+        key, or a namespace's :func:`root_key`; None: the default root), or None."""
         state = self._ranks.get(rank)
         return state.tokens.get((parent, tokens)) if state is not None else None
 
-    def block(self, rank: int, block_hash: BlockHash) -> Block | None:
-        """The present block ``block_hash`` of ``rank`` (the live object: do not change it)."""
+    def block(self, rank: int, key: BlockKey) -> Block | None:
+        """The present block ``key`` (:func:`block_key`) of ``rank`` (the live object: do not
+        change it)."""
         state = self._ranks.get(rank)
-        return state.blocks.get(block_hash) if state is not None else None
+        return state.blocks.get(key) if state is not None else None
 
     def hashes(self, rank: int) -> set[BlockHash]:
-        """The hashes of the blocks present on ``rank`` (a copy)."""
+        """The hashes of the blocks present on ``rank``, every namespace (a copy)."""
         state = self._ranks.get(rank)
-        return set(state.blocks) if state is not None else set()
+        if state is None:
+            return set()
+        return {key[1] if isinstance(key, tuple) else key for key in state.blocks}
+
+    def chain(self, rank: int, event: BlockStored) -> Chain:
+        """Where :meth:`store` puts ``event`` (hashes in canonical form) on ``rank``, read
+        before it: its namespace (:func:`event_namespace`, each part it does not name taken
+        from its present parent's namespace: vLLM names the salt on a request's first block
+        only) and the keys of its first page's parent and of its deepest page."""
+        state = self._ranks[rank]
+        parent = event.parent_block_hash
+        own = event_namespace(event)
+        namespace = _inherit(own, self._parent_namespace(state, parent, own))
+        hashes = event.block_hashes
+        return Chain(
+            namespace,
+            block_key(namespace, parent) if parent is not None else None,
+            block_key(namespace, hashes[-1]) if hashes else None,
+        )
+
+    @staticmethod
+    def _parent_namespace(
+        state: _Rank, parent: BlockHash | None, own: Namespace | None
+    ) -> Namespace | None:
+        """The namespace of the present block ``parent``: the event's own where it holds the
+        parent, else the default's, else the one namespace holding it (opaque when several
+        do; the default when none: an orphan)."""
+        if parent is None:
+            return None
+        if own is not None and block_key(own, parent) in state.blocks:
+            return own
+        if parent in state.blocks:
+            return None
+        keys = state.namespaced.get(parent)
+        if not keys:
+            return None
+        if len(keys) > 1:
+            return _AMBIGUOUS
+        only = next(iter(keys))
+        return only[0] if isinstance(only, tuple) else None
 
     def stats(self) -> dict[str, int]:
         """The counters (see the class docstring), ``blocks`` present and ``ranks`` seen."""
@@ -308,35 +473,41 @@ class BlockMirror:
         Raises:
             ValueError: the event names one of its own blocks as parent (nothing is changed).
         """
-        parent = event.parent_block_hash
-        if parent is not None and parent in event.block_hashes:
-            raise ValueError(f"BlockStored names its own block {parent!r} as parent")
+        if event.parent_block_hash is not None and event.parent_block_hash in event.block_hashes:
+            raise ValueError(
+                f"BlockStored names its own block {event.parent_block_hash!r} as parent"
+            )
         state = self._ranks[rank]
+        namespace, parent, _ = self.chain(rank, event)
+        root = root_key(namespace)
         pages = self._split_pages(event)
         medium = event.medium or MEDIUM_GPU
         media = self._media_of(frozenset((medium,)))
         stored: list[StoredPage] = []
         for index, block_hash in enumerate(event.block_hashes):
             tokens = pages[index] if pages is not None else None
-            block = state.blocks.get(block_hash)
+            key = block_key(namespace, block_hash)
+            block = state.blocks.get(key)
             if block is None:
-                block = Block(parent, tokens, event.session_id, media)
-                state.blocks[block_hash] = block
+                block = Block(parent, tokens, event.session_id, media, namespace)
+                state.blocks[key] = block
+                if namespace is not None:
+                    state.namespaced.setdefault(block_hash, {})[key] = None
                 self._counters["stored_blocks"] += 1
                 if tokens is not None:
-                    state.tokens[(parent, tokens)] = block_hash
-                self._link(state, block_hash, block)
+                    state.tokens[(block.token_parent, tokens)] = key
+                self._link(state, key, block)
             else:
                 if medium not in block.media:
                     block.media = self._media_of(block.media | {medium})
                 if block.tokens is None and tokens is not None:
                     block.tokens = tokens
-                    state.tokens[(block.parent, tokens)] = block_hash
-                if block_hash in state.leaves:
-                    state.leaves.move_to_end(block_hash)
+                    state.tokens[(block.token_parent, tokens)] = key
+                if key in state.leaves:
+                    state.leaves.move_to_end(key)
             if tokens is not None:
-                stored.append((parent, block_hash, tokens))
-            parent = block_hash
+                stored.append((parent if parent is not None else root, key, tokens))
+            parent = key
         return stored
 
     def remove(
@@ -344,9 +515,10 @@ class BlockMirror:
         rank: int,
         block_hash: BlockHash,
         medium: str | None,
-        walked: set[BlockHash] | None = None,
-    ) -> list[BlockHash]:
-        """Apply the removal of one block from ``medium`` (None: GPU).
+        walked: set[BlockKey] | None = None,
+    ) -> list[BlockKey]:
+        """Apply the removal of one block hash from ``medium`` (None: GPU), in every namespace
+        that holds it (a removal names no namespace).
 
         Args:
             walked: blocks already reported broken by an earlier removal of the same event
@@ -354,29 +526,33 @@ class BlockMirror:
                 removing a long chain root first costs one walk, not one per block.
 
         Returns:
-            empty when the block is not present (counted) or still held in another medium;
-            otherwise the block is gone and the result is the hashes whose cached prefix the
-            removal breaks: ``block_hash`` first, then its present descendants not in
+            empty when the hash is not present (counted) or still held in another medium;
+            otherwise the block is gone and the result is the keys whose cached prefix the
+            removal breaks: the block's first, then its present descendants not in
             ``walked`` (usually none: engines evict leaves first), each once.
         """
         state = self._ranks[rank]
-        block = state.blocks.get(block_hash)
-        if block is None:
+        keys: list[BlockKey] = [block_hash] if block_hash in state.blocks else []
+        keys.extend(state.namespaced.get(block_hash, ()))
+        if not keys:
             self._counters["unknown_removals"] += 1
             return []
         medium = medium or MEDIUM_GPU
-        if medium in block.media:
-            block.media = self._media_of(block.media - {medium})
-        if block.media:
-            return []
-        self._counters["removed_blocks"] += 1
-        return self._drop(state, block_hash, block, walked)
+        broken: list[BlockKey] = []
+        for key in keys:
+            block = state.blocks[key]
+            if medium in block.media:
+                block.media = self._media_of(block.media - {medium})
+            if not block.media:
+                self._counters["removed_blocks"] += 1
+                broken.extend(self._drop(state, key, block, walked))
+        return broken
 
     def over_bound(self, rank: int) -> bool:
         """Whether ``rank`` holds more than ``max_blocks`` blocks."""
         return len(self._ranks[rank].blocks) > self.max_blocks
 
-    def evict_lru(self, rank: int) -> list[BlockHash]:
+    def evict_lru(self, rank: int) -> list[BlockKey]:
         """Drop ``rank``'s least recently stored leaf (counted in ``bound_evictions``); returns
         what it breaks, as :meth:`remove` does (a leaf: itself, and a block waiting beside it
         if a cycle was refused there), empty when the rank is empty."""
@@ -398,6 +574,7 @@ class BlockMirror:
         state.tokens.clear()
         state.orphans.clear()
         state.leaves.clear()
+        state.namespaced.clear()
 
     # ----------------------------------------------------------------------------------------
     # Internals
@@ -413,7 +590,7 @@ class BlockMirror:
             self._media[media] = media
         return media
 
-    def _link(self, state: _Rank, block_hash: BlockHash, block: Block) -> None:
+    def _link(self, state: _Rank, block_hash: BlockKey, block: Block) -> None:
         """Link a new block to its parent (or as an orphan of an absent one) and adopt the
         orphans waiting for it; it is a leaf unless it adopted a child."""
         parent = block.parent
@@ -443,9 +620,9 @@ class BlockMirror:
             state.leaves[block_hash] = None
 
     @staticmethod
-    def _ancestors(state: _Rank, block: Block) -> set[BlockHash]:
+    def _ancestors(state: _Rank, block: Block) -> set[BlockKey]:
         """The present ancestors of ``block`` (bounded by the rank's blocks, cycle-safe)."""
-        found: set[BlockHash] = set()
+        found: set[BlockKey] = set()
         parent = block.parent
         while parent is not None and parent not in found:
             above = state.blocks.get(parent)
@@ -458,17 +635,24 @@ class BlockMirror:
     def _drop(
         self,
         state: _Rank,
-        block_hash: BlockHash,
+        block_hash: BlockKey,
         block: Block,
-        walked: set[BlockHash] | None = None,
-    ) -> list[BlockHash]:
+        walked: set[BlockKey] | None = None,
+    ) -> list[BlockKey]:
         """Remove a present block; its children become orphans. Returns it and its present
         descendants (those not in ``walked``)."""
         broken = self._subtree(state, block_hash, block, set() if walked is None else walked)
         del state.blocks[block_hash]
         state.leaves.pop(block_hash, None)
+        if isinstance(block_hash, tuple):
+            raw = block_hash[1]
+            others = state.namespaced.get(raw)
+            if others is not None:
+                others.pop(block_hash, None)
+                if not others:
+                    del state.namespaced[raw]
         if block.tokens is not None:
-            key = (block.parent, block.tokens)
+            key = (block.token_parent, block.tokens)
             if state.tokens.get(key) == block_hash:
                 del state.tokens[key]
         parent = block.parent
@@ -507,9 +691,7 @@ class BlockMirror:
         return [packed_page(packed, size, index) for index in range(len(event.block_hashes))]
 
     @staticmethod
-    def _subtree(
-        state: _Rank, root: BlockHash, block: Block, seen: set[BlockHash]
-    ) -> list[BlockHash]:
+    def _subtree(state: _Rank, root: BlockKey, block: Block, seen: set[BlockKey]) -> list[BlockKey]:
         """``root`` and its present descendants (the blocks that name it as parent, theirs,
         ..., tokens known or not) not in ``seen``, each once; adds them to ``seen``."""
         seen.add(root)

@@ -12,7 +12,12 @@ point that applies events and reports the requests whose cached prefix the engin
   attached on that rank.
 
 For each event the mirror of blocks is changed first, then the attribution is told what
-changed; every rid it evicts is passed to ``on_evict`` once.
+changed; every rid it evicts is passed to ``on_evict`` once. Blocks are kept per namespace
+(tenant ``cache_salt``, LoRA adapter: see :mod:`~contextpilot_integrations.sync.block_mirror`),
+and a request registered for token matching names its own, so salted tenants and adapters never
+count as sharing a cache. Each ``session_id`` a store echoes is passed to ``on_session`` (once
+per batch): the request reached this engine (a router learns from it which replica a gateway
+sent it to).
 
 Untrusted input: each event is checked before it changes anything, and one that fails (a hash
 that is neither a 64-bit int nor bytes, a store naming one of its own blocks as parent, a field
@@ -41,8 +46,19 @@ from typing import Any
 
 import msgspec
 
-from contextpilot_integrations.sync.block_mirror import DEFAULT_MAX_BLOCKS, BlockMirror, page_tokens
-from contextpilot_integrations.sync.cache_state_source import EvictCallback, notify_evicted
+from contextpilot_integrations.sync.block_mirror import (
+    DEFAULT_MAX_BLOCKS,
+    BlockKey,
+    BlockMirror,
+    block_key,
+    namespace_of,
+    page_tokens,
+)
+from contextpilot_integrations.sync.cache_state_source import (
+    EvictCallback,
+    SessionCallback,
+    notify_evicted,
+)
 from contextpilot_integrations.sync.kv_events import (
     MAX_HASHES_PER_EVENT,
     MAX_STRING_LENGTH,
@@ -80,6 +96,9 @@ class CacheMirror:
             the least recently stored leaf is dropped and the requests attached there are
             evicted (``bound_evictions``). The mirror's memory is bounded by this many blocks
             per rank plus ``max_requests`` requests.
+        on_session: called with each ``session_id`` echoed by a ``BlockStored`` (once per
+            batch, after the batch is applied, on the same thread as ``on_evict``); an
+            exception is logged and counted (``session_callback_errors``).
 
     Raises:
         ValueError: ``page_size``, ``max_requests`` or ``max_blocks`` is not positive.
@@ -92,12 +111,14 @@ class CacheMirror:
         page_size: int | None = None,
         max_requests: int = 100_000,
         max_blocks: int = DEFAULT_MAX_BLOCKS,
+        on_session: SessionCallback | None = None,
     ) -> None:
         if page_size is not None and page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size!r}")
         if max_requests <= 0:
             raise ValueError(f"max_requests must be positive, got {max_requests!r}")
         self._on_evict = on_evict
+        self._on_session = on_session
         self._lock = threading.Lock()
         self._blocks = BlockMirror(page_size, max_blocks)
         self._attribution = RequestAttribution(self._blocks, max_requests)
@@ -106,6 +127,7 @@ class CacheMirror:
             "resyncs": 0,
             "evicted_requests": 0,
             "evict_callback_errors": 0,
+            "session_callback_errors": 0,
             "malformed_events": 0,
         }
 
@@ -130,6 +152,7 @@ class CacheMirror:
     def apply_events(self, rank: int, events: Iterable[KVEvent]) -> list[str]:
         """Apply events of ``rank`` in order; returns the rids evicted (see :meth:`apply_batch`)."""
         evicted: list[str] = []
+        sessions: dict[str, None] = {}
         try:
             for index, event in enumerate(events):
                 # One event at a time under the lock: readers and request registration wait
@@ -137,14 +160,22 @@ class CacheMirror:
                 with self._lock:
                     self._add_rank(rank)
                     try:
-                        self._apply(rank, _checked(event), evicted)
+                        self._apply(rank, _checked(event), evicted, sessions)
                     except (TypeError, ValueError) as exc:
                         self._skip(rank, index, event, exc)
         finally:
             self._notify(evicted)
+            self._notify_sessions(sessions)
         return evicted
 
-    def register_request(self, rid: str, token_ids: Sequence[Any]) -> int:
+    def register_request(
+        self,
+        rid: str,
+        token_ids: Sequence[Any],
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> int:
         """Attribute blocks to ``rid`` by matching its prompt tokens (for engines that do not
         echo ``session_id``, or in addition to it).
 
@@ -153,6 +184,8 @@ class CacheMirror:
             token_ids: the prompt's token ids (or only its shared part: see
                 :mod:`~contextpilot_integrations.sync.request_attribution`); whole pages count,
                 a trailing partial page is never cached.
+            cache_salt, lora_name: the request's tenant salt and LoRA adapter: it matches only
+                blocks stored in that namespace.
 
         Returns:
             the number of pages of ``token_ids`` already cached (deepest match over ranks).
@@ -166,7 +199,7 @@ class CacheMirror:
         if not rid:
             raise ValueError("rid must be a non-empty string, got ''")
         with self._lock:
-            return self._attribution.register(rid, token_ids)
+            return self._attribution.register(rid, token_ids, namespace_of(cache_salt, lora_name))
 
     def forget_request(self, rid: str) -> bool:
         """Stop tracking ``rid`` without calling ``on_evict``; False if it was not tracked."""
@@ -196,15 +229,25 @@ class CacheMirror:
         with self._lock:
             return self._blocks.hashes(rank)
 
-    def block(self, block_hash: BlockHash, rank: int = 0) -> dict[str, Any] | None:
-        """``{"parent", "token_ids", "session_id", "media"}`` of a present block (``block_hash``
-        in either form), else None."""
+    def block(
+        self,
+        block_hash: BlockHash,
+        rank: int = 0,
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> dict[str, Any] | None:
+        """``{"parent", "token_ids", "session_id", "media"}`` of a present block
+        (``block_hash`` in either form) in the namespace of ``cache_salt`` and ``lora_name``
+        (``parent``: its key, :func:`~contextpilot_integrations.sync.block_mirror.block_key`),
+        else None."""
         try:
             block_hash = canonical_block_hash(block_hash)
         except ValueError:
             return None
+        key = block_key(namespace_of(cache_salt, lora_name), block_hash)
         with self._lock:
-            block = self._blocks.block(rank, block_hash)
+            block = self._blocks.block(rank, key)
             if block is None:
                 return None
             return {
@@ -224,8 +267,8 @@ class CacheMirror:
         with self._lock:
             return self._attribution.cached_requests()
 
-    def request_blocks(self, rid: str) -> dict[int, set[BlockHash]]:
-        """rank -> the deepest attributed block hashes of ``rid`` (empty if none)."""
+    def request_blocks(self, rid: str) -> dict[int, set[BlockKey]]:
+        """rank -> the deepest attributed block keys of ``rid`` (empty if none)."""
         with self._lock:
             return self._attribution.request_blocks(rid)
 
@@ -233,7 +276,8 @@ class CacheMirror:
         """Counters and sizes: ``stored_blocks``, ``removed_blocks``, ``unknown_removals``,
         ``token_mismatch_events``, ``bound_evictions``, ``cycles_refused``,
         ``malformed_events``, ``clears``, ``resyncs``, ``evicted_requests``,
-        ``forgotten_requests``, ``evict_callback_errors``; ``blocks`` present, ``ranks``,
+        ``forgotten_requests``, ``evict_callback_errors``, ``session_callback_errors``;
+        ``blocks`` present, ``ranks``,
         ``tracked_requests``, ``attributed_requests``."""
         with self._lock:
             return {**self._blocks.stats(), **self._counters, **self._attribution.stats()}
@@ -246,9 +290,11 @@ class CacheMirror:
         if self._blocks.add_rank(rank):
             self._attribution.start_rank(rank)
 
-    def _apply(self, rank: int, event: KVEvent, evicted: list[str]) -> None:
+    def _apply(
+        self, rank: int, event: KVEvent, evicted: list[str], sessions: dict[str, None]
+    ) -> None:
         if isinstance(event, BlockStored):
-            self._store(rank, event, evicted)
+            self._store(rank, event, evicted, sessions)
         elif isinstance(event, BlockRemoved):
             self._remove(rank, event, evicted)
         else:
@@ -267,9 +313,12 @@ class CacheMirror:
             exc,
         )
 
-    def _store(self, rank: int, event: BlockStored, evicted: list[str]) -> None:
+    def _store(
+        self, rank: int, event: BlockStored, evicted: list[str], sessions: dict[str, None]
+    ) -> None:
         learnt = self._blocks.learn_page_size(rank, event)
         try:
+            chain = self._blocks.chain(rank, event)
             pages = self._blocks.store(rank, event)
         except (TypeError, ValueError):
             if learnt:  # the page size stays learnt; the requests still start matching
@@ -278,20 +327,19 @@ class CacheMirror:
         if learnt:
             self._attribution.start_rank(rank)
         self._attribution.pages_stored(rank, pages)
-        if event.session_id and event.block_hashes:
-            self._attribution.session_stored(
-                rank, event.session_id, event.parent_block_hash, event.block_hashes[-1]
-            )
+        if event.session_id and chain.deepest is not None:
+            self._attribution.session_stored(rank, event.session_id, chain.parent, chain.deepest)
+            sessions[event.session_id] = None
         while self._blocks.over_bound(rank):
             self._broken(rank, self._blocks.evict_lru(rank), evicted)
 
     def _remove(self, rank: int, event: BlockRemoved, evicted: list[str]) -> None:
-        walked: set[BlockHash] = set()  # each block walked once per event
+        walked: set[BlockKey] = set()  # each block walked once per event
         for block_hash in event.block_hashes:
             broken = self._blocks.remove(rank, block_hash, event.medium, walked)
             self._broken(rank, broken, evicted)
 
-    def _broken(self, rank: int, broken: list[BlockHash], evicted: list[str]) -> None:
+    def _broken(self, rank: int, broken: list[BlockKey], evicted: list[str]) -> None:
         if broken:
             rids = self._attribution.blocks_removed(rank, broken)
             evicted.extend(rids)
@@ -309,6 +357,14 @@ class CacheMirror:
         if errors:
             with self._lock:
                 self._counters["evict_callback_errors"] += errors
+
+    def _notify_sessions(self, sessions: dict[str, None]) -> None:
+        if self._on_session is None or not sessions:
+            return
+        errors = notify_evicted(self._on_session, sessions, "on_session")
+        if errors:
+            with self._lock:
+                self._counters["session_callback_errors"] += errors
 
 
 def _checked(event: object) -> KVEvent:
@@ -328,8 +384,10 @@ def _checked(event: object) -> KVEvent:
             raise ValueError(f"token_ids must be a list of at most {MAX_TOKENS_PER_EVENT} ids")
         if type(event.block_size) is not int or event.block_size < 0:
             raise ValueError(f"block_size must be an int >= 0, got {event.block_size!r}")
-        for name in ("medium", "session_id"):
+        for name in ("medium", "session_id", "cache_salt", "lora_name"):
             _check_text(name, getattr(event, name))
+        if event.extra_keys is not None and not isinstance(event.extra_keys, list):
+            raise ValueError("extra_keys must be None or a list")
         if hashes is event.block_hashes and parent is event.parent_block_hash:
             return event
         return msgspec.structs.replace(event, block_hashes=hashes, parent_block_hash=parent)

@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 EvictCallback = Callable[[str], object]
 """``on_evict(rid)``; its return value (``ContextIndex.evict`` returns a bool) is ignored."""
 
+SessionCallback = Callable[[str], object]
+"""``on_session(rid)``: the engine stored blocks for the request whose rid it echoed as
+``session_id`` (the request reached this engine); its return value is ignored."""
+
 
 @dataclass(frozen=True)
 class SentRequest:
@@ -38,11 +42,15 @@ class SentRequest:
         blocks: the prompt's context blocks in prompt order, as ``(block_id, tokens)``.
         token_ids: the prompt's token ids (engine tokenizer), for token-matching attribution
             of KV events; None when not known.
+        cache_salt: the request's ``cache_salt`` (its tenant's cache namespace), or None.
+        lora_name: the LoRA adapter the request was served with, or None.
     """
 
     rid: str
     blocks: tuple[tuple[int, int], ...] = ()
     token_ids: tuple[int, ...] | None = None
+    cache_salt: str | None = None
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rid, str) or not self.rid:
@@ -60,10 +68,12 @@ class SentRequest:
 
     @classmethod
     def from_plan(cls, plan: Plan, token_ids: Sequence[int] | None = None) -> SentRequest:
-        """From a :class:`~contextpilot_integrations.core.plan.Plan`: its rid and its shown
-        blocks in prompt order (a shown placement always has a ``block_id``)."""
+        """From a :class:`~contextpilot_integrations.core.plan.Plan`: its rid, its shown
+        blocks in prompt order (a shown placement always has a ``block_id``) and its
+        ``cache_salt``."""
         blocks = tuple((b.block_id, b.tokens) for b in plan.blocks if b.block_id is not None)
-        return cls(plan.rid, blocks, tuple(token_ids) if token_ids is not None else None)
+        tokens = tuple(token_ids) if token_ids is not None else None
+        return cls(plan.rid, blocks, tokens, cache_salt=plan.cache_salt)
 
 
 @runtime_checkable
@@ -95,9 +105,12 @@ class CacheStateSource(Protocol):
         ...
 
 
-def notify_evicted(on_evict: EvictCallback | None, rids: Iterable[str]) -> int:
-    """Call ``on_evict`` for each rid; an exception is logged, never raised (DESIGN.md
-    invariant 5). Returns the number of calls that raised."""
+def notify_evicted(
+    on_evict: EvictCallback | None, rids: Iterable[str], name: str = "on_evict"
+) -> int:
+    """Call ``on_evict`` (or another per-rid callback, ``name`` in the log) for each rid; an
+    exception is logged, never raised (DESIGN.md invariant 5). Returns the number of calls
+    that raised."""
     if on_evict is None:
         return 0
     errors = 0
@@ -106,5 +119,5 @@ def notify_evicted(on_evict: EvictCallback | None, rids: Iterable[str]) -> int:
             on_evict(rid)
         except Exception:
             errors += 1
-            logger.exception("on_evict(%r) failed", rid)
+            logger.exception("%s(%r) failed", name, rid)
     return errors

@@ -21,7 +21,11 @@ from typing import Any, Literal
 import msgspec
 
 from contextpilot_integrations.sync.block_mirror import DEFAULT_MAX_BLOCKS
-from contextpilot_integrations.sync.cache_state_source import CacheStateSource, EvictCallback
+from contextpilot_integrations.sync.cache_state_source import (
+    CacheStateSource,
+    EvictCallback,
+    SessionCallback,
+)
 from contextpilot_integrations.sync.capacity_model import CapacityModel
 from contextpilot_integrations.sync.kv_event_source import KVEventSource
 from contextpilot_integrations.sync.ttl_model import TTLModel
@@ -93,9 +97,13 @@ class CacheSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def build_cache_state_source(
-    config: CacheSyncConfig | Mapping[str, Any], on_evict: EvictCallback | None
+    config: CacheSyncConfig | Mapping[str, Any],
+    on_evict: EvictCallback | None,
+    *,
+    on_session: SessionCallback | None = None,
 ) -> CacheStateSource:
-    """Build the configured source (not started: call ``start()``).
+    """Build the configured source (not started: call ``start()``); ``on_session`` is called
+    with each rid the engine echoes on a stored block (KV events only).
 
     Raises:
         ValueError: as :meth:`CacheSyncConfig.from_mapping`.
@@ -116,6 +124,7 @@ def build_cache_state_source(
             max_requests=config.max_requests,
             max_blocks=config.max_blocks,
             replay_timeout_s=config.replay_timeout_s,
+            on_session=on_session,
         )
     if config.kind == "capacity":
         assert config.capacity_tokens is not None

@@ -12,10 +12,15 @@ through an :class:`EngineLink` built from the same configuration mapping
   publish nothing;
 - ``{"kind": "ttl", "provider": "openai" | "anthropic" | ...}``: a time-to-live, for hosted APIs.
 
-Every source ends in ``on_evict(rid)``. The link records each planned request with the source
-(:meth:`EngineLink.record`), passes cache hits on (:meth:`~EngineLink.touch`), and
-re-establishes what the engine still holds after an index was restored from a snapshot
-(:meth:`~EngineLink.resync`).
+Every source ends in ``on_evict(rid)``. With several engine replicas there is one link per
+replica (:class:`~contextpilot_integrations.core.routing.ReplicaRouter`), each evicting from its
+own replica's index; ``on_session(rid)`` says that a request reached this link's engine (its
+rid echoed on a stored block), and ``on_health(up)`` that the engine's KV-event publisher has
+been unreachable for ``engine_grace_s`` (``False``) or is connected again (``True``).
+
+The link records each planned request with the source (:meth:`EngineLink.record`), passes cache
+hits on (:meth:`~EngineLink.touch`), and re-establishes what the engine still holds after an
+index was restored from a snapshot (:meth:`~EngineLink.resync`).
 
 The sync path never breaks a request (DESIGN.md invariant 5): a source or an ``on_evict`` that
 raises, an engine that is unreachable, a resync that cannot complete is counted
@@ -25,6 +30,7 @@ debug), and never raised to the caller.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -55,6 +61,12 @@ class EngineLink:
         on_evict: ``on_evict(rid) -> bool``, called when the engine dropped ``rid``'s prefix
             (e.g. ``ContextIndex.evict``); True when the rid was indexed (only those count as
             evictions). An exception is counted as a failure of kind ``evict``.
+        on_session: ``on_session(rid)``, called on the subscriber's thread with each rid the
+            engine echoed as ``session_id`` on a stored block (KV events only).
+        on_health: ``on_health(up)``, called on the link's watch thread with False once the
+            KV-event publisher has been unconnected for ``engine_grace_s`` (when the outage is
+            counted), and with True when it connects again after that. An exception is
+            counted as a failure of kind ``health``.
 
     Raises:
         ValueError: an invalid configuration (the message names the field).
@@ -67,6 +79,9 @@ class EngineLink:
         self,
         config: Mapping[str, Any] | CacheSyncConfig,
         on_evict: Callable[[str], bool],
+        *,
+        on_session: Callable[[str], object] | None = None,
+        on_health: Callable[[bool], object] | None = None,
     ) -> None:
         self.config = (
             config if isinstance(config, CacheSyncConfig) else CacheSyncConfig.from_mapping(config)
@@ -74,7 +89,10 @@ class EngineLink:
         self.config.validate()
         self.kind: str = self.config.kind
         self._on_evict = on_evict
-        self.source: CacheStateSource = build_cache_state_source(self.config, self._evicted)
+        self._on_health = on_health
+        self.source: CacheStateSource = build_cache_state_source(
+            self.config, self._evicted, on_session=on_session
+        )
         self._lock = threading.Lock()
         self._lifecycle = threading.Lock()
         self._failures: dict[str, int] = {}
@@ -136,12 +154,23 @@ class EngineLink:
             if plan.blocks:
                 self._guard("record", self.source.record, SentRequest.from_plan(plan))
 
-    def register_tokens(self, rid: str, token_ids: Sequence[int]) -> None:
+    def register_tokens(
+        self,
+        rid: str,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> None:
         """Give the prompt's token ids (engine tokenizer) of a sent request, for attribution of
-        KV events by token matching (engines that do not echo ``session_id``); nothing to do
-        for the other sources."""
+        KV events by token matching (engines that do not echo ``session_id``), in the cache
+        namespace of its ``cache_salt`` and LoRA adapter; nothing to do for the other
+        sources."""
         if isinstance(self.source, KVEventSource):
-            self._guard("record", self.source.mirror.register_request, rid, token_ids)
+            register = functools.partial(
+                self.source.mirror.register_request, cache_salt=cache_salt, lora_name=lora_name
+            )
+            self._guard("record", register, rid, token_ids)
 
     def touch(self, rid: str) -> None:
         """The engine served ``rid`` from its cache (refreshes an LRU or TTL model)."""
@@ -150,6 +179,14 @@ class EngineLink:
     def forget(self, rid: str) -> None:
         """Stop following ``rid`` without an eviction callback (the index dropped it)."""
         self._guard("forget", self.source.forget, rid)
+
+    def reset(self) -> list[str]:
+        """Forget what the engine is believed to cache (its replica went down): a KV-event
+        mirror drops every block, evicting each attributed request through ``on_evict``; the
+        other sources keep their model. Returns the rids the mirror held."""
+        if not isinstance(self.source, KVEventSource):
+            return []
+        return list(self._guard("reset", self.source.mirror.resync) or [])
 
     def resync(self, restored: Sequence[RestoredRequest], downtime_s: float) -> None:
         """Re-establish what the engine still caches of requests restored from a snapshot.
@@ -248,6 +285,10 @@ class EngineLink:
                 self._evictions[cause] = self._evictions.get(cause, 0) + 1
         return evicted
 
+    def _health(self, up: bool) -> None:
+        if self._on_health is not None:
+            self._guard("health", self._on_health, up)
+
     def _guard(self, kind: str, call: Callable[..., Any], *args: Any) -> Any:
         try:
             return call(*args)
@@ -286,6 +327,7 @@ class EngineLink:
             if connected or reconnected:
                 if reported:
                     logger.info("KV-event publisher connected again")
+                    self._health(True)
                 down_since, reported = (None if connected else now), False
             elif down_since is None:
                 down_since = now
@@ -296,6 +338,7 @@ class EngineLink:
                     f"KV-event publisher {', '.join(subscriber.endpoints)} not connected "
                     f"for {grace} s",
                 )
+                self._health(False)
 
     def _resync_with_events(self) -> None:
         source = self.source

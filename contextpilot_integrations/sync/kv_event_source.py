@@ -12,7 +12,11 @@ from typing import Any
 
 from contextpilot_integrations.sync.block_mirror import DEFAULT_MAX_BLOCKS
 from contextpilot_integrations.sync.cache_mirror import CacheMirror
-from contextpilot_integrations.sync.cache_state_source import EvictCallback, SentRequest
+from contextpilot_integrations.sync.cache_state_source import (
+    EvictCallback,
+    SentRequest,
+    SessionCallback,
+)
 from contextpilot_integrations.sync.subscriber import KVEventSubscriber
 
 
@@ -25,6 +29,7 @@ class KVEventSource:
         page_size: as for :class:`CacheMirror` (None: learnt from the events).
         max_requests, max_blocks: as for :class:`CacheMirror`.
         replay_timeout_s: as for :class:`KVEventSubscriber`.
+        on_session: as for :class:`CacheMirror` (each echoed ``session_id``).
     """
 
     def __init__(
@@ -39,9 +44,14 @@ class KVEventSource:
         max_requests: int = 100_000,
         max_blocks: int = DEFAULT_MAX_BLOCKS,
         replay_timeout_s: float = 2.0,
+        on_session: SessionCallback | None = None,
     ) -> None:
         self.mirror = CacheMirror(
-            on_evict, page_size=page_size, max_requests=max_requests, max_blocks=max_blocks
+            on_evict,
+            page_size=page_size,
+            max_requests=max_requests,
+            max_blocks=max_blocks,
+            on_session=on_session,
         )
         self.subscriber = KVEventSubscriber(
             endpoint,
@@ -54,13 +64,19 @@ class KVEventSource:
         )
 
     def record(self, request: SentRequest) -> list[str]:
-        """Register the request's token ids for attribution (nothing to do without them).
+        """Register the request's token ids for attribution, in its namespace (its
+        ``cache_salt`` and LoRA adapter; nothing to do without token ids).
 
         Returns:
             always empty: evictions arrive with the engine's events.
         """
         if request.token_ids is not None:
-            self.mirror.register_request(request.rid, request.token_ids)
+            self.mirror.register_request(
+                request.rid,
+                request.token_ids,
+                cache_salt=request.cache_salt,
+                lora_name=request.lora_name,
+            )
         return []
 
     def touch(self, rid: str) -> bool:

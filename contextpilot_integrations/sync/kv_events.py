@@ -16,10 +16,16 @@ Wire format (SGLang ``sglang/srt/disaggregation/kv_events.py``, vLLM
 
 Fields added by later releases (``medium``, ``cache_salt``, ``session_id``, ``lora_name``,
 vLLM's ``extra_keys``...) are tolerated: unknown map keys and extra trailing array items are
-ignored, missing optional fields take their defaults. Block hashes are opaque ids taken from the
-engine (SGLang: signed 64-bit ints; recent vLLM: bytes); they are never recomputed here, only
-brought to one canonical form (:func:`canonical_block_hash`: an int as signed 64 bits, bytes as
-they are), so that a hash published unsigned matches its signed twin.
+ignored, missing optional fields take their defaults. ``extra_keys`` (vLLM: per block, the
+untagged keys mixed into its hash: the LoRA name, ``(mm_identifier, offset)`` pairs, the
+``cache_salt`` on a request's first block, prompt-embedding digests) is kept, so that the mirror
+can tell which tenant or adapter a chain belongs to
+(:func:`~contextpilot_integrations.sync.block_mirror.event_namespace`).
+
+Block hashes are opaque ids taken from the engine (SGLang: signed 64-bit ints; recent vLLM:
+bytes); they are never recomputed here, only brought to one canonical form
+(:func:`canonical_block_hash`: an int as signed 64 bits, bytes as they are), so that a hash
+published unsigned matches its signed twin.
 
 Hostile or broken input (the decoder reads whatever arrives on the engine's socket):
 
@@ -46,7 +52,7 @@ Public API: :class:`BlockStored`, :class:`BlockRemoved`, :class:`AllBlocksCleare
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -76,6 +82,9 @@ MAX_TOKENS_PER_EVENT = 1 << 22
 MAX_STRING_LENGTH = 4096
 """Longest ``medium``, ``cache_salt``, ``session_id`` or ``lora_name`` (a rid is at most 512)."""
 
+MAX_EXTRA_KEYS = 64
+"""Most extra keys of one block (vLLM: the LoRA name, one pair per image, the salt, digests)."""
+
 _INT64_MIN, _INT64_MAX, _UINT64_SPAN = -(1 << 63), (1 << 63) - 1, 1 << 64
 
 _Hashes = Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_HASHES_PER_EVENT)]
@@ -84,6 +93,10 @@ _Tokens = Annotated[
     msgspec.Meta(max_length=MAX_TOKENS_PER_EVENT),
 ]
 _Text = Annotated[str, msgspec.Meta(max_length=MAX_STRING_LENGTH)]
+_ExtraKeys = Annotated[
+    list[Annotated[list[Any], msgspec.Meta(max_length=MAX_EXTRA_KEYS)] | None],
+    msgspec.Meta(max_length=MAX_HASHES_PER_EVENT),
+]
 _BlockSize = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS_PER_EVENT)]
 
 
@@ -123,7 +136,9 @@ class BlockStored(KVCacheEvent, frozen=True, tag="BlockStored"):
 
     ``block_hashes[i]`` is the hash of page i; its parent is ``block_hashes[i - 1]``, and the
     parent of page 0 is ``parent_block_hash`` (None: the page hangs from the root).
-    ``token_ids`` holds ``block_size`` ids per page, pages in order.
+    ``token_ids`` holds ``block_size`` ids per page, pages in order. ``cache_salt``
+    (SGLang 0.5.18+), ``lora_name`` / ``lora_id`` and vLLM's per-block ``extra_keys`` name the
+    cache namespace (tenant, adapter) the chain was stored in.
     """
 
     block_hashes: _Hashes
@@ -135,6 +150,7 @@ class BlockStored(KVCacheEvent, frozen=True, tag="BlockStored"):
     cache_salt: _Text | None = None
     session_id: _Text | None = None
     lora_name: _Text | None = None
+    extra_keys: _ExtraKeys | None = None
 
 
 class BlockRemoved(KVCacheEvent, frozen=True, tag="BlockRemoved"):

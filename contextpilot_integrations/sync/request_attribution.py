@@ -29,6 +29,11 @@ there. Note that a request's tail (question, output tokens) is its deepest part:
 the tokens of the shared part (system prompt and context blocks) if the tail should not count;
 session-echoed chains include whatever the engine stored.
 
+Namespaces: a request is registered in its tenant's and adapter's namespace
+(:class:`~contextpilot_integrations.sync.block_mirror.Namespace`: its ``cache_salt``, its LoRA
+name) and matches only pages stored in that namespace, from that namespace's root: a salted
+tenant's chain never counts as another's cache, whatever tokens they share.
+
 Data-parallel ranks are attributed separately; a registered request matches on every rank (it
 is not known which rank serves it), so a cached request is evicted when its chain breaks on any
 rank that holds it: conservative (less believed reuse), never wrong reuse.
@@ -47,30 +52,40 @@ from typing import Any
 
 from contextpilot_integrations.core.lru import LRU
 from contextpilot_integrations.sync.block_mirror import (
+    BlockKey,
     BlockMirror,
+    Namespace,
     PackedTokens,
     PageKey,
     StoredPage,
+    TokenParent,
     pack_tokens,
     packed_length,
     packed_page,
+    root_key,
 )
-from contextpilot_integrations.sync.kv_events import BlockHash
 
 __all__ = ["RequestAttribution"]
 
 
 class _Request:
-    __slots__ = ("rid", "token_ids", "length", "attached", "progress")
+    __slots__ = ("rid", "token_ids", "length", "attached", "progress", "root")
 
-    def __init__(self, rid: str, token_ids: PackedTokens | None) -> None:
+    def __init__(
+        self, rid: str, token_ids: PackedTokens | None, namespace: Namespace | None = None
+    ) -> None:
         self.rid = rid
         self.token_ids = token_ids  # packed (block_mirror.pack_tokens): 8 bytes per id
         self.length = 0 if token_ids is None else packed_length(token_ids)  # token ids
-        # rank -> deepest attributed block hashes (one per chain the request stored).
-        self.attached: dict[int, set[BlockHash]] = {}
-        # rank -> (deepest matched hash or None, number of pages matched) for token matching.
-        self.progress: dict[int, tuple[BlockHash | None, int]] = {}
+        # rank -> deepest attributed block keys (one per chain the request stored).
+        self.attached: dict[int, set[BlockKey]] = {}
+        # rank -> (deepest matched key or None, number of pages matched) for token matching.
+        self.progress: dict[int, tuple[BlockKey | None, int]] = {}
+        self.root = root_key(namespace)  # where its token matching starts
+
+    def after(self, deepest: BlockKey | None) -> TokenParent:
+        """What the page after ``deepest`` (None: nothing matched) is keyed under."""
+        return deepest if deepest is not None else self.root
 
 
 class _RankMarks:
@@ -79,12 +94,12 @@ class _RankMarks:
     __slots__ = ("attached", "matching", "pending")
 
     def __init__(self) -> None:
-        # block hash -> cached requests attached there.
-        self.attached: dict[BlockHash, set[str]] = {}
-        # block hash -> requests whose partial token match ends there.
-        self.matching: dict[BlockHash, set[str]] = {}
-        # (deepest matched hash, next page tokens) -> rids whose matching waits on that page.
-        self.pending: dict[tuple[BlockHash | None, PageKey], set[str]] = {}
+        # block key -> cached requests attached there.
+        self.attached: dict[BlockKey, set[str]] = {}
+        # block key -> requests whose partial token match ends there.
+        self.matching: dict[BlockKey, set[str]] = {}
+        # (deepest matched key or root, next page tokens) -> rids whose matching waits on it.
+        self.pending: dict[tuple[TokenParent, PageKey], set[str]] = {}
 
 
 class RequestAttribution:
@@ -110,14 +125,17 @@ class RequestAttribution:
     # Public API: requests
     # ----------------------------------------------------------------------------------------
 
-    def register(self, rid: str, token_ids: Sequence[Any]) -> int:
-        """Track ``rid`` by its prompt tokens (replacing what was tracked of it) and match it on
-        every rank; returns the number of whole pages already cached (deepest over ranks)."""
+    def register(
+        self, rid: str, token_ids: Sequence[Any], namespace: Namespace | None = None
+    ) -> int:
+        """Track ``rid`` by its prompt tokens in ``namespace`` (None: the default; replacing
+        what was tracked of it) and match it on every rank; returns the number of whole pages
+        already cached (deepest over ranks)."""
         tokens = pack_tokens(token_ids)
         request = self._requests.peek(rid)
         if request is not None:
             self._drop(request)
-        request = _Request(rid, tokens)
+        request = _Request(rid, tokens, namespace)
         self._track(request)
         matched = 0
         for rank in self._blocks.ranks():
@@ -141,8 +159,8 @@ class RequestAttribution:
         """The rids with at least one attributed block present."""
         return {rid for rid, request in self._requests.items() if request.attached}
 
-    def request_blocks(self, rid: str) -> dict[int, set[BlockHash]]:
-        """rank -> the deepest attributed block hashes of ``rid`` (a copy; empty if none)."""
+    def request_blocks(self, rid: str) -> dict[int, set[BlockKey]]:
+        """rank -> the deepest attributed block keys of ``rid`` (a copy; empty if none)."""
         request = self._requests.peek(rid)
         if request is None:
             return {}
@@ -175,10 +193,10 @@ class RequestAttribution:
             waiting = marks.pending.pop((parent, tokens), None)
             if waiting:
                 for rid in waiting:
-                    self._advance(rank, marks, self._tracked(rid), parent, block_hash)
+                    self._advance(rank, marks, self._tracked(rid), block_hash)
 
     def session_stored(
-        self, rank: int, rid: str, first_parent: BlockHash | None, deepest: BlockHash
+        self, rank: int, rid: str, first_parent: BlockKey | None, deepest: BlockKey
     ) -> None:
         """A chain from ``first_parent`` to ``deepest`` was stored with ``session_id=rid``:
         attach ``rid`` there (tracking it if needed); a chain that continues one ``rid``
@@ -193,7 +211,7 @@ class RequestAttribution:
             self._detach(rank, request, first_parent)
         self._attach(rank, request, deepest)
 
-    def blocks_removed(self, rank: int, broken: Sequence[BlockHash]) -> list[str]:
+    def blocks_removed(self, rank: int, broken: Sequence[BlockKey]) -> list[str]:
         """A block left the cache; ``broken`` is it and its present descendants (as
         :meth:`BlockMirror.remove` returns them, the block already gone).
 
@@ -248,7 +266,7 @@ class RequestAttribution:
             self._drop(oldest)
             self.forgotten_requests += 1
 
-    def _dependents(self, rank: int, broken: Sequence[BlockHash]) -> tuple[list[str], list[str]]:
+    def _dependents(self, rank: int, broken: Sequence[BlockKey]) -> tuple[list[str], list[str]]:
         """(cached rids attached, matching rids whose partial match ends) at the ``broken``
         blocks; sorted, so that the eviction order is deterministic."""
         marks = self._marks.get(rank)
@@ -270,11 +288,11 @@ class RequestAttribution:
                 matching.update(ending)
         return sorted(attached), sorted(matching - attached)
 
-    def _attach(self, rank: int, request: _Request, block_hash: BlockHash) -> None:
+    def _attach(self, rank: int, request: _Request, block_hash: BlockKey) -> None:
         self._marks_of(rank).attached.setdefault(block_hash, set()).add(request.rid)
         request.attached.setdefault(rank, set()).add(block_hash)
 
-    def _detach(self, rank: int, request: _Request, block_hash: BlockHash) -> None:
+    def _detach(self, rank: int, request: _Request, block_hash: BlockKey) -> None:
         hashes = request.attached.get(rank)
         if hashes is None or block_hash not in hashes:
             return
@@ -292,10 +310,10 @@ class RequestAttribution:
         if request.token_ids is None or size is None or rank in request.progress:
             return 0
         total = request.length // size
-        deepest: BlockHash | None = None
+        deepest: BlockKey | None = None
         matched = 0
         while matched < total:
-            child = self._blocks.child(rank, deepest, _page(request, size, matched))
+            child = self._blocks.child(rank, request.after(deepest), _page(request, size, matched))
             if child is None:
                 break
             deepest = child
@@ -308,18 +326,17 @@ class RequestAttribution:
         rank: int,
         marks: _RankMarks,
         request: _Request,
-        parent: BlockHash | None,
-        block_hash: BlockHash,
+        block_hash: BlockKey,
     ) -> None:
-        _, matched = request.progress[rank]
-        if parent is not None:
-            _discard(marks.matching, parent, request.rid)
+        deepest, matched = request.progress[rank]
+        if deepest is not None:
+            _discard(marks.matching, deepest, request.rid)
         size = self._blocks.page_size(rank)
         assert size is not None, "a request matches only where the page size is known"
         self._set_progress(rank, request, size, block_hash, matched + 1)
 
     def _set_progress(
-        self, rank: int, request: _Request, size: int, deepest: BlockHash | None, matched: int
+        self, rank: int, request: _Request, size: int, deepest: BlockKey | None, matched: int
     ) -> None:
         assert request.token_ids is not None
         request.progress[rank] = (deepest, matched)
@@ -330,7 +347,7 @@ class RequestAttribution:
         marks = self._marks_of(rank)
         if deepest is not None:
             marks.matching.setdefault(deepest, set()).add(request.rid)
-        key = (deepest, _page(request, size, matched))
+        key = (request.after(deepest), _page(request, size, matched))
         marks.pending.setdefault(key, set()).add(request.rid)
 
     def _stop_matching(self, rank: int, request: _Request) -> None:
@@ -347,7 +364,8 @@ class RequestAttribution:
             return
         if deepest is not None:
             _discard(marks.matching, deepest, request.rid)
-        _discard(marks.pending, (deepest, _page(request, size, matched)), request.rid)
+        waiting = (request.after(deepest), _page(request, size, matched))
+        _discard(marks.pending, waiting, request.rid)
 
     def _drop(self, request: _Request) -> None:
         """Remove every trace of ``request`` (attachments, pending matches, the record)."""
