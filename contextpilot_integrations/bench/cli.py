@@ -18,8 +18,18 @@ p99) beside the methods, and plots the trade-off to ``results/<workload>-window.
 
 Every run says whether a method's prefill tokens are above the baseline's.
 
+``--engine hosted-anthropic`` (or ``hosted-openai``) sends the requests, arriving at ``--rate`` per
+second (default 1) in virtual time, through a model of the provider's prompt cache and reports
+prompt tokens, cache reads, cache writes and the input cost against the baseline at the price
+ratios given (``--price-write``, ``--price-read``; :mod:`~contextpilot_integrations.bench.hosted`).
+
 ``--engine vllm-cpu`` starts vLLM's CPU build with random weights, runs the workload through it
-and stops it (:mod:`~contextpilot_integrations.bench.vllm_setup`). Every engine (the embedded
+and stops it (:mod:`~contextpilot_integrations.bench.vllm_setup`). With ``--engine-model
+smollm2`` the model is real (SmolLM2-135M-Instruct): its answers are scored against the data's
+references, with the methods baseline, ContextPilot, ContextPilot without the annotation and a
+shuffled control (:mod:`~contextpilot_integrations.bench.real_model`); a multi-turn workload is
+then replayed as chat messages, each turn's generated answer in the next turn's history
+(:mod:`~contextpilot_integrations.bench.chat_replay`). Every engine (the embedded
 model, ``--engine-url``, ``--engine vllm-cpu``) goes through the same driver below and the same
 methods runner (:mod:`~contextpilot_integrations.bench.methods`): only its setup differs
 (:mod:`~contextpilot_integrations.bench.engine_setups`). Ctrl-C and SIGTERM stop the run and the
@@ -34,11 +44,21 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from contextpilot_integrations.bench import real_model
 from contextpilot_integrations.bench.arrivals import ARRIVALS, arrivals_for
 from contextpilot_integrations.bench.engine_client import EngineError
 from contextpilot_integrations.bench.engine_setups import engine_setup
+from contextpilot_integrations.bench.hosted import (
+    HOSTED_ENGINES,
+    HOSTED_METHODS,
+    HOSTED_TARGET,
+    HostedSettings,
+    format_hosted_table,
+    hosted_rows,
+    run_hosted,
+)
 from contextpilot_integrations.bench.methods import (
     METHODS,
     MODES,
@@ -127,9 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--mode",
         choices=MODES,
-        default="offline",
-        help="offline: the workload is one batch (plan_batch + schedule); online: one request "
-        "at a time in arrival order (a multi-turn workload is always planned turn by turn)",
+        default=None,
+        help="offline (default): the workload is one batch (plan_batch + schedule); online: one "
+        "request at a time in arrival order (a multi-turn workload is always planned turn by "
+        "turn; a hosted engine always online)",
     )
     parser.add_argument(
         "--arrival",
@@ -226,6 +247,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     add_vllm_arguments(parser)
+    hosted = parser.add_argument_group("hosted APIs (--engine hosted-anthropic | hosted-openai)")
+    hosted.add_argument(
+        "--price-write",
+        type=float,
+        help="cache-write price as a multiple of the base input price (Anthropic publishes 1.25 "
+        "for 5-minute writes, 2 for 1-hour ones); required with hosted-anthropic",
+    )
+    hosted.add_argument(
+        "--price-read",
+        type=float,
+        help="cache-read price as a multiple of the base input price (Anthropic publishes 0.1); "
+        "required with a hosted engine",
+    )
+    hosted.add_argument(
+        "--hosted-model",
+        help="the model id, for its minimum cacheable length (hosted-anthropic; default: "
+        "unknown, 1,024 tokens)",
+    )
+    hosted.add_argument(
+        "--hosted-min-tokens",
+        type=int,
+        help="the minimum cacheable prefix in tokens, instead of the model's",
+    )
+    hosted.add_argument(
+        "--cache-ttl",
+        choices=("5m", "1h"),
+        default="5m",
+        help="hosted-anthropic: the breakpoints' cache lifetime (default 5m)",
+    )
+    hosted.add_argument(
+        "--prompt-cache-retention",
+        choices=("in_memory", "24h"),
+        help="hosted-openai: passed through; the model keeps the in-memory lifetime",
+    )
     return parser
 
 
@@ -327,6 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.block_size = DEFAULT_BLOCK_SIZE if args.engine == VLLM_ENGINE else 1
     try:
         with StopSignals() as stop:
+            if args.engine in HOSTED_ENGINES:
+                return _run_hosted(args)
+            args.mode = args.mode or "offline"
             windows = _window_settings(args)
             if args.workload in MULTITURN_WORKLOADS:
                 if args.arrival is not None:
@@ -355,7 +413,7 @@ def _run(
 ) -> int:
     """One run of the single-turn methods through the chosen engine (and, with ``--arrival``,
     ContextPilot behind each planning window)."""
-    methods = _parse_methods(args.methods, METHODS)
+    methods = _parse_methods(args.methods, real_model.methods_for(args, METHODS))
     setup = engine_setup(
         args, default_cache=DEFAULT_CACHE_TOKENS, multiturn=False, stop_check=stop.check
     )
@@ -372,7 +430,8 @@ def _run(
             workload, args.k, counter=setup.counter, store_dir=args.mem0_store, progress=progress
         )
     else:
-        prepared = prepare_workload(workload, args.k, counter=setup.counter)
+        layout = getattr(setup, "prompt_layout", None)  # a real model's scored layout
+        prepared = prepare_workload(workload, args.k, counter=setup.counter, layout=layout)
     if arrivals:  # every method sees the requests in arrival order
         prepared = prepared.reordered(arrivals[0].order)
 
@@ -402,7 +461,8 @@ def _run(
     try:
         engine_line = setup.start(prepared, run)
         engines = setup.new_engine
-        results = run_methods(
+        runner = real_model.run_scored_methods if real_model.scores_answers(args) else run_methods
+        results = runner(
             methods,
             prepared,
             mode=args.mode,
@@ -422,6 +482,7 @@ def _run(
         # in the order their engines were created (a setup reports per engine)
         created = [*results, *([offline] if offline else []), *(w.result for w in window_results)]
         notes = setup.report(created, run)
+        notes += real_model.answer_lines(results, prepared, run, args.data_dir)
     finally:
         setup.close()
     run["seconds"] = round(time.perf_counter() - started, 3)
@@ -438,6 +499,7 @@ def _run(
     shown += ([offline] if offline else []) + [w.result for w in window_results]
     shown += [r for r in results if r.method == "upper-bound"]
     rows = summarize(shown)
+    real_model.add_answer_columns(rows, run)
     print(format_table(rows))
     print()
     window_rows: list[dict[str, Any]] = []
@@ -464,7 +526,10 @@ def _run(
     elif not args.no_plot:
         plot_path = args.plot or f"results/{name}-{args.mode}{setup.plot_suffix}.png"
         title = f"{name}, {args.mode}, k={args.k}, {setup.plot_label}"
-        print(f"wrote {plot_results(plot_path, results, title)}")
+        if "answer_scores" in run:
+            print(f"wrote {real_model.plot_answers(plot_path, results, run, title)}")
+        else:
+            print(f"wrote {plot_results(plot_path, results, title)}")
     return 0
 
 
@@ -515,6 +580,10 @@ def _print_windows(
 def _run_multiturn(args: argparse.Namespace, stop: StopSignals) -> int:
     """The multi-turn replay: one run per ``--sessions`` value, each method through a fresh
     engine; prints the table and the prefill target, writes JSON and plots."""
+    if real_model.scores_answers(args):
+        from contextpilot_integrations.bench.chat_replay import run_chat_replay
+
+        return run_chat_replay(args, stop.check)
     methods = _parse_methods(args.methods, MULTITURN_METHODS)
     sessions = _parse_sessions(args.sessions)
     if args.history_turns is not None and args.history_turns < 0:
@@ -611,4 +680,113 @@ def _run_multiturn(args: argparse.Namespace, stop: StopSignals) -> int:
             title = f"{workload.name}, {n} session(s) at a time, k={args.k}, {setup.plot_label}"
             chosen = [r.result for r in results if r.sessions == n]
             print(f"wrote {plot_results(path, chosen, title)}")
+    return 0
+
+
+def _run_hosted(args: argparse.Namespace) -> int:
+    """The hosted-API cost report: baseline and ContextPilot online on a model of the
+    provider's prompt cache, requests arriving in virtual time."""
+    provider: Literal["anthropic", "openai"] = (
+        "anthropic" if args.engine == "hosted-anthropic" else "openai"
+    )
+    if args.mode == "offline":
+        raise ValueError(f"--engine {args.engine} plans online (one request at a time)")
+    for option in ("window_ms", "max_batch", "window_adaptive"):
+        if getattr(args, option) is not None:
+            raise ValueError(
+                f"--{option.replace('_', '-')} does not apply to --engine {args.engine}"
+            )
+    if args.workload in MULTITURN_WORKLOADS:
+        raise ValueError(f"--engine {args.engine} takes a single-turn workload")
+    if args.price_read is None or (provider == "anthropic" and args.price_write is None):
+        needed = "--price-write and --price-read" if provider == "anthropic" else "--price-read"
+        raise ValueError(
+            f"--engine {args.engine} needs {needed} (multiples of the base input price; no "
+            "price is assumed)"
+        )
+    prices = [args.price_read] + ([args.price_write] if args.price_write is not None else [])
+    if any(not (p >= 0) for p in prices):
+        raise ValueError("--price-write and --price-read must be >= 0")
+    methods = _parse_methods(args.methods, HOSTED_METHODS)
+    settings = HostedSettings(
+        provider,
+        price_write=args.price_write if args.price_write is not None else 1.0,
+        price_read=args.price_read,
+        model=args.hosted_model,
+        min_tokens=args.hosted_min_tokens,
+        ttl=args.cache_ttl,
+        retention=args.prompt_cache_retention,
+    )
+    from contextpilot_integrations.bench.engine_setups import load_tokenizer
+    from contextpilot_integrations.core.blocks import ApproxTokenCounter
+
+    counter = load_tokenizer(args.tokenizer) if args.tokenizer else ApproxTokenCounter()
+    workload = load_workload(args.workload, args.data_dir).head(args.limit)
+    rate = 1.0 if args.rate is None else _parse_numbers(args.rate, "--rate", positive=True)[0]
+    arrivals = arrivals_for(args.arrival or "poisson", workload, rate, args.seed or 0)
+    prepared = prepare_workload(workload, args.k, counter=counter).reordered(arrivals.order)
+    started = time.perf_counter()
+    results = run_hosted(prepared, arrivals.times_s.tolist(), settings, methods)
+    rows = hosted_rows(results, provider)
+    minimum = settings.policy(baseline=False).min_cacheable_tokens
+    print(
+        f"workload {workload.name}: {len(workload.requests):,} requests, BM25 top-{args.k}, "
+        f"online, {arrivals.process} arrivals at {arrivals.rate_per_s:g}/s (virtual time)"
+    )
+    if provider == "anthropic":
+        print(
+            f"engine: Anthropic prompt-cache model, ttl {settings.ttl}, minimum cacheable prefix "
+            f"{minimum:,} tokens ({settings.model or 'model not given'}), prices: write "
+            f"{settings.price_write:g}x, read {settings.price_read:g}x the base input price"
+        )
+    else:
+        print(
+            "engine: OpenAI prompt-cache model (1,024-token minimum, 128-token steps, routing by "
+            f"the first ~256 tokens and prompt_cache_key, ~15/min per route), read price "
+            f"{settings.price_read:g}x the base input price"
+        )
+    print()
+    print(format_hosted_table(rows))
+    print()
+    for row in rows:
+        if row["method"] == "contextpilot" and row["vs_baseline"] is not None:
+            target = ""
+            five_minute = (settings.ttl, settings.price_write, settings.price_read) == (
+                "5m",
+                1.25,
+                0.1,
+            )
+            if provider == "anthropic" and five_minute:
+                verdict = "ok" if row["vs_baseline"] <= HOSTED_TARGET else "MISSED"
+                target = f" (target <= {HOSTED_TARGET}: {verdict})"
+            elif provider == "anthropic":
+                target = (
+                    f" (the target <= {HOSTED_TARGET} is for Anthropic's 5-minute ratios: "
+                    "--cache-ttl 5m --price-write 1.25 --price-read 0.1)"
+                )
+            print(f"contextpilot input cost = {row['vs_baseline']:.3f} of the baseline's{target}")
+    if provider == "anthropic":
+        most = max(r.max_breakpoints for r in results)
+        below = sum(r.breakpoints_below_minimum for r in results)
+        print(f"breakpoints per request: at most {most} (the provider allows 4)")
+        print(f"breakpoints whose prefix is below the minimum ({minimum:,} tokens): {below}")
+    print(f"time: {time.perf_counter() - started:.2f} s")
+    if args.out:
+        import json
+
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        run = {
+            "workload": workload.name,
+            "requests": len(workload.requests),
+            "k": args.k,
+            "engine": args.engine,
+            "rate_per_s": arrivals.rate_per_s,
+            "arrival": arrivals.process,
+            "seed": args.seed or 0,
+            "settings": vars(settings) | {"min_cacheable_tokens": minimum},
+        }
+        usage = {r.method: {"usage": r.usage, "index": r.index} for r in results}
+        path.write_text(json.dumps({"run": run, "summary": rows, "methods": usage}, indent=2))
+        print(f"wrote {path}")
     return 0

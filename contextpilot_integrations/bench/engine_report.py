@@ -36,6 +36,8 @@ class EngineRequest:
         model_cached_tokens: the paged prefix-cache model's prediction.
         radix_cached_tokens: the token-level radix model's prediction.
         ttft_s: time to first token, seconds (streaming).
+        answer: the generated text (a real model's answer; one token of noise with random
+            weights).
     """
 
     rid: str
@@ -45,6 +47,7 @@ class EngineRequest:
     model_cached_tokens: int
     radix_cached_tokens: int
     ttft_s: float
+    answer: str | None = None
 
 
 @dataclass

@@ -31,14 +31,19 @@ ChatTokenizer = Callable[[Sequence[Mapping[str, str]]], Sequence[int]]
 
 
 def max_model_len_for(
-    prepared: PreparedWorkload, tokenize: ChatTokenizer, block_size: int, max_positions: int
+    prepared: PreparedWorkload,
+    tokenize: ChatTokenizer,
+    block_size: int,
+    max_positions: int,
+    *,
+    answer_tokens: int = ANSWER_TOKENS,
 ) -> tuple[int, int]:
     """``(max_model_len, longest prompt)`` for the workload on the engine, in tokens.
 
     The longest prompt is the longest baseline prompt (the layout's chat messages, tokenised by
     ``tokenize``); ContextPilot's prompts hold the same blocks plus an order annotation, whose
     tokens for ``k`` labels (``prepared.counter``) are added, with 16 tokens of slack and the
-    answer token; the result is rounded up to whole blocks.
+    ``answer_tokens`` generated; the result is rounded up to whole blocks.
 
     Raises:
         ValueError: it exceeds the model's ``max_positions``.
@@ -50,7 +55,7 @@ def max_model_len_for(
         longest = max(longest, len(tokenize(messages)))
     labels = [layout.label(i) for i in range(prepared.k)]
     annotation = prepared.counter.count(layout.annotation(labels))
-    needed = longest + annotation + 16 + ANSWER_TOKENS
+    needed = longest + annotation + 16 + answer_tokens
     length = -(-needed // block_size) * block_size
     if length > max_positions:
         raise ValueError(

@@ -7,7 +7,10 @@ Figures per method (all token counts are prompt tokens):
 * ``vs_upper_bound`` = hit ratio / the upper bound's hit ratio (same run);
 * ``vs_baseline`` = hit ratio / the baseline's hit ratio (same run; ``None`` when the baseline
   hit nothing);
-* with a real engine: TTFT mean, median and p99 in seconds.
+* with a real engine: TTFT mean, median and p99 in seconds;
+* with a real model's answers (:mod:`~contextpilot_integrations.bench.real_model`): exact
+  match, token F1, gold contained, and gold contained's paired difference to the baseline with
+  its 95% interval.
 
 Every run also says whether a method's prefill tokens are above the baseline's
 (:func:`prefill_check`): a user must never pay more than without the library.
@@ -35,6 +38,7 @@ from contextpilot_integrations.bench.methods import MethodResult
 from contextpilot_integrations.bench.window_runner import WindowResult
 
 __all__ = [
+    "ANSWER_COLUMNS",
     "WINDOW_COLUMNS",
     "WINDOW_TARGET_CACHE",
     "WINDOW_TARGET_VS_OFFLINE",
@@ -93,6 +97,15 @@ def summarize(results: Sequence[MethodResult]) -> list[dict[str, Any]]:
         rows.append(row)
     return rows
 
+
+ANSWER_COLUMNS = (
+    ("EM", "exact_match", "ratio"),
+    ("F1", "f1", "ratio"),
+    ("gold contained", "gold_contained", "ratio"),
+    ("gold vs baseline, points [95%]", "gold_contained_vs_baseline", "str"),
+)
+"""Answer columns, shown when the rows carry answer scores
+(:func:`~contextpilot_integrations.bench.real_model.add_answer_columns`)."""
 
 _COLUMNS = (
     ("method", "method", "str"),
@@ -245,6 +258,8 @@ def format_table(
     columns = list(columns) if columns is not None else list(_COLUMNS)
     if any("ttft_mean_s" in r for r in rows):
         columns += [("TTFT mean s", "ttft_mean_s", "s"), ("TTFT p50 s", "ttft_p50_s", "s")]
+    if any("gold_contained" in r for r in rows):
+        columns += list(ANSWER_COLUMNS)
     cells = [[_fmt(r.get(key), kind) for _, key, kind in columns] for r in rows]
     widths = [
         max(len(title), *(len(c[i]) for c in cells)) for i, (title, _, _) in enumerate(columns)

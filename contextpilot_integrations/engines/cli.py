@@ -4,7 +4,10 @@ vLLM's CPU build by hand.
 - ``prepare --dir DIR``: write the model directory
   (:func:`~contextpilot_integrations.engines.model_dir.prepare_model_dir`, no download);
 - ``serve --dir DIR``: run :class:`~contextpilot_integrations.engines.vllm_server.VllmCpuServer`
-  until Ctrl-C or SIGTERM, printing its URL and KV-event endpoints. ``--vllm-python`` names
+  until Ctrl-C or SIGTERM, printing its URL and KV-event endpoints; a directory with weights
+  (``model.safetensors``: SmolLM2 from
+  :func:`~contextpilot_integrations.engines.smollm2.ensure_smollm2_dir`) is served with them,
+  one without with random weights (``--load-format`` says otherwise). ``--vllm-python`` names
   the Python that runs vLLM (default: ``$CONTEXTPILOT_VLLM_PYTHON``, else the source
   checkout's ``.venv-vllm``, else this interpreter when it has vllm;
   :mod:`~contextpilot_integrations.engines.locations`).
@@ -57,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--work-dir", type=Path, default=None)
     serve.add_argument("--startup-timeout", type=float, default=240.0)
     serve.add_argument(
+        "--load-format",
+        choices=("dummy", "auto"),
+        default=None,
+        help="dummy: random weights; auto: the directory's weights (default: auto when the "
+        "directory has model.safetensors, else dummy)",
+    )
+    serve.add_argument(
         "--vllm-python",
         type=Path,
         default=None,
@@ -86,6 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"model dir ready: {directory} ({time.monotonic() - began:.1f} s)")
         return 0
+    load_format = args.load_format or (
+        "auto" if (args.dir / "model.safetensors").is_file() else "dummy"
+    )
     try:
         server = VllmCpuServer(
             args.dir,
@@ -98,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             work_dir=args.work_dir,
             vllm_python=args.vllm_python,
             startup_timeout=args.startup_timeout,
+            load_format=load_format,
         )
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -3,7 +3,8 @@
 :class:`VllmCpuServer` starts ``vllm.entrypoints.openai.api_server`` with the Python that runs
 vLLM (:func:`~contextpilot_integrations.engines.locations.find_vllm_python`: an argument,
 ``$CONTEXTPILOT_VLLM_PYTHON``, the source checkout's ``.venv-vllm`` or the running interpreter)
-on a model directory (:mod:`~contextpilot_integrations.engines.model_dir`), with prefix
+on a model directory (random weights, :mod:`~contextpilot_integrations.engines.model_dir`,
+or real ones, :mod:`~contextpilot_integrations.engines.smollm2`), with prefix
 caching, cached-token usage and KV-cache events over ``ipc://``, waits until it answers, and
 stops its whole process group (:mod:`~contextpilot_integrations.engines.process_group`) on
 exit, on errors and on Ctrl-C. Flags and traps: ``../shared/notes/engine-kv-events.md``
@@ -28,10 +29,9 @@ from types import TracebackType
 from typing import IO, Any
 
 import httpx
-from tokenizers import Tokenizer
 
-from contextpilot_integrations.engines.chat_template import tokenize_prompt
 from contextpilot_integrations.engines.locations import require_vllm_python
+from contextpilot_integrations.engines.model_chat import ModelChat
 from contextpilot_integrations.engines.process_group import start_in_own_group, stop_group
 
 __all__ = ["VllmCpuServer"]
@@ -46,7 +46,7 @@ def _free_port() -> int:
 
 
 class VllmCpuServer:
-    """A vLLM OpenAI-compatible server on the CPU, random weights, KV events over ``ipc://``.
+    """A vLLM OpenAI-compatible server on the CPU, KV events over ``ipc://``.
 
     Use as a context manager::
 
@@ -54,8 +54,9 @@ class VllmCpuServer:
             httpx.post(f"{server.base_url}/v1/chat/completions", json={...,
                        "session_id": plan.rid})
 
-    Flags (source: the note "vLLM on a CPU, with random weights"): ``--load-format dummy
-    --dtype bfloat16 --enable-prefix-caching --enforce-eager --enable-prompt-tokens-details``,
+    Flags (source: the note "vLLM on a CPU, with random weights"; a real model:
+    ``../shared/notes/real-model.md``): ``--load-format dummy`` (or ``auto``), ``--dtype
+    bfloat16 --enable-prefix-caching --enforce-eager --enable-prompt-tokens-details``,
     ``--kv-events-config`` with a ZMQ publisher on ``ipc://<work_dir>/kv-events.ipc`` (topic
     ``kv-events``) and a replay ROUTER on ``ipc://<work_dir>/kv-replay.ipc``. Environment:
     ``VLLM_CPU_KVCACHE_SPACE`` (GiB), ``OMP_NUM_THREADS``, ``VLLM_CACHE_ROOT`` inside the work
@@ -68,8 +69,9 @@ class VllmCpuServer:
 
     Attributes (valid after :meth:`start`): ``base_url`` (``http://127.0.0.1:PORT``),
     ``kv_events_endpoint``, ``replay_endpoint``, ``kv_events_topic``, ``cache_sync``, ``model_dir``,
-    ``model_name`` (the served model name to put in requests), ``tokenizer`` (the model's
-    ``tokenizers.Tokenizer``), ``block_size``, ``log_path``, ``pid``.
+    ``model_name`` (the served model name to put in requests), ``chat`` (the model's tokenizer
+    and chat template, :class:`~contextpilot_integrations.engines.model_chat.ModelChat`),
+    ``tokenizer`` (its ``tokenizers.Tokenizer``), ``block_size``, ``log_path``, ``pid``.
     """
 
     kv_events_topic = "kv-events"
@@ -91,6 +93,7 @@ class VllmCpuServer:
         startup_timeout: float = 240.0,
         stop_timeout: float = 20.0,
         extra_args: Sequence[str] = (),
+        load_format: str = "dummy",
     ) -> None:
         """Configure (nothing starts until :meth:`start` or ``with``).
 
@@ -121,12 +124,14 @@ class VllmCpuServer:
             startup_timeout: seconds to wait for ``/health``.
             stop_timeout: seconds between SIGTERM and SIGKILL.
             extra_args: more ``api_server`` arguments, appended.
+            load_format: ``--load-format``: ``"dummy"`` (random weights, the default) or
+                ``"auto"`` (the directory's safetensors, a real model).
 
         Raises:
             ValueError: a bad size (block size not a positive multiple of 32, a cache smaller
                 than ``max_model_len``, ...), or a work dir too long for IPC paths.
             FileNotFoundError: the model directory lacks ``config.json``/``tokenizer.json``,
-                or there is no vLLM environment.
+                or there is no vLLM environment, or the directory has no chat template.
         """
         self.model_dir = Path(model_dir).resolve()
         for required in ("config.json", "tokenizer.json"):
@@ -163,8 +168,10 @@ class VllmCpuServer:
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.extra_args = tuple(extra_args)
+        self.load_format = load_format
         self._requested_port = port
-        self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        self.chat = ModelChat.from_model_dir(self.model_dir)
+        self.tokenizer = self.chat.tokenizer
         self._process: subprocess.Popen[bytes] | None = None
         self._pid: int | None = None
         self._log_file: IO[bytes] | None = None
@@ -243,7 +250,7 @@ class VllmCpuServer:
             "--served-model-name",
             self.model_name,
             "--load-format",
-            "dummy",
+            self.load_format,
             "--dtype",
             "bfloat16",
             "--seed",
@@ -400,9 +407,31 @@ class VllmCpuServer:
         *,
         add_generation_prompt: bool = True,
     ) -> list[int]:
-        """Token ids the server prefills for ``prompt``: :func:`tokenize_prompt` with this
-        model's tokenizer (no request to the server)."""
-        return tokenize_prompt(self.tokenizer, prompt, add_generation_prompt=add_generation_prompt)
+        """Token ids the server prefills for ``prompt``: the model's chat template and tokenizer
+        (:meth:`ModelChat.token_ids`; no request to the server)."""
+        return self.chat.token_ids(prompt, add_generation_prompt=add_generation_prompt)
+
+    def tokenize_on_server(
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The server's own token ids for chat ``messages`` (``POST /tokenize``), to check
+        :meth:`tokenize` against.
+
+        Raises:
+            RuntimeError: the server answered an HTTP error.
+        """
+        body = {
+            "model": self.model_name,
+            "messages": [dict(m) for m in messages],
+            "add_generation_prompt": add_generation_prompt,
+        }
+        with httpx.Client(timeout=60.0) as client:
+            response = client.post(f"{self.base_url}/tokenize", json=body)
+        if response.status_code != 200:
+            raise RuntimeError(
+                f"POST /tokenize answered {response.status_code}: {response.text[:200]}"
+            )
+        return [int(t) for t in response.json()["tokens"]]
 
     def reset_prefix_cache(self, timeout: float = 10.0) -> None:
         """Drop every cached prefix block (``POST /reset_prefix_cache``, dev mode).
