@@ -22,7 +22,9 @@
   - :mod:`~contextpilot_integrations.sync.cache_mirror`: ``CacheMirror``, the entry point that
     applies events and reports evicted requests, joining
   - :mod:`~contextpilot_integrations.sync.block_mirror`: ``BlockMirror``, the blocks each rank
-    holds, and
+    holds (its tree: :mod:`~contextpilot_integrations.sync.block_tree`; tenant and adapter
+    namespaces: :mod:`~contextpilot_integrations.sync.block_namespaces`; page keys:
+    :mod:`~contextpilot_integrations.sync.page_tokens`), and
   - :mod:`~contextpilot_integrations.sync.request_attribution`: ``RequestAttribution``, blocks
     attributed to request ids (echoed session id, token matching) and the eviction rule;
   - :mod:`~contextpilot_integrations.sync.event_publisher`: ``KVEventPublisher``, a publisher

@@ -13,7 +13,7 @@ point that applies events and reports the requests whose cached prefix the engin
 
 For each event the mirror of blocks is changed first, then the attribution is told what
 changed; every rid it evicts is passed to ``on_evict`` once. Blocks are kept per namespace
-(tenant ``cache_salt``, LoRA adapter: see :mod:`~contextpilot_integrations.sync.block_mirror`),
+(tenant ``cache_salt``, LoRA adapter: see :mod:`~contextpilot_integrations.sync.block_namespaces`),
 and a request registered for token matching names its own, so salted tenants and adapters never
 count as sharing a cache. Each ``session_id`` a store echoes is passed to ``on_session`` (once
 per batch): the request reached this engine (a router learns from it which replica a gateway
@@ -46,14 +46,8 @@ from typing import Any
 
 import msgspec
 
-from contextpilot_integrations.sync.block_mirror import (
-    DEFAULT_MAX_BLOCKS,
-    BlockKey,
-    BlockMirror,
-    block_key,
-    namespace_of,
-    page_tokens,
-)
+from contextpilot_integrations.sync.block_mirror import DEFAULT_MAX_BLOCKS, BlockMirror
+from contextpilot_integrations.sync.block_namespaces import BlockKey, block_key, namespace_of
 from contextpilot_integrations.sync.cache_state_source import (
     EvictCallback,
     SessionCallback,
@@ -71,6 +65,7 @@ from contextpilot_integrations.sync.kv_events import (
     KVEventBatch,
     canonical_block_hash,
 )
+from contextpilot_integrations.sync.page_tokens import page_tokens
 from contextpilot_integrations.sync.request_attribution import RequestAttribution
 
 __all__ = ["CacheMirror"]
@@ -239,7 +234,7 @@ class CacheMirror:
     ) -> dict[str, Any] | None:
         """``{"parent", "token_ids", "session_id", "media"}`` of a present block
         (``block_hash`` in either form) in the namespace of ``cache_salt`` and ``lora_name``
-        (``parent``: its key, :func:`~contextpilot_integrations.sync.block_mirror.block_key`),
+        (``parent``: its key, :func:`~contextpilot_integrations.sync.block_namespaces.block_key`),
         else None."""
         try:
             block_hash = canonical_block_hash(block_hash)

@@ -51,18 +51,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from contextpilot_integrations.core.lru import LRU
-from contextpilot_integrations.sync.block_mirror import (
+from contextpilot_integrations.sync.block_mirror import BlockMirror, StoredPage
+from contextpilot_integrations.sync.block_namespaces import (
     BlockKey,
-    BlockMirror,
     Namespace,
+    TokenParent,
+    root_key,
+)
+from contextpilot_integrations.sync.page_tokens import (
     PackedTokens,
     PageKey,
-    StoredPage,
-    TokenParent,
     pack_tokens,
     packed_length,
     packed_page,
-    root_key,
 )
 
 __all__ = ["RequestAttribution"]
