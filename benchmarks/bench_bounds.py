@@ -72,7 +72,7 @@ TARGET = 0.95
 
 class _MergeTree:
     """A binary tree over contexts, worth ``sum over internal nodes of w(blocks all its leaves
-    hold)``: the cached tokens its top-down order reaches (bench/bounds.py, the theorem).
+    hold)``: the cached tokens its top-down order reaches (bench/optimal_orders.py, the theorem).
     Leaves are the contexts ``0..n-1``; ``common[node]`` is the blocks all its leaves hold."""
 
     def __init__(self, contexts: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]]):

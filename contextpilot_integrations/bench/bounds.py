@@ -1,44 +1,9 @@
-"""What offline ordering can reach: bounds on, and the exact optimum of, the unlimited-cache hit.
+"""What offline ordering can reach: upper bounds on the unlimited-cache hit of a whole workload.
 
-The problem
------------
-Request ``i`` holds a set ``S_i`` of *units*, each with a weight in tokens: its distinct blocks
-(a text repeated within one request is a second unit, held by the requests that repeat it) and
-its tail (annotation and question, shareable only by a request with the same question). The
-system prompt, ``s`` tokens, is a prefix of every prompt. An ordering gives every request a
-permutation of its units. With an unlimited prefix cache, whatever the schedule, every node of
-the batch's prefix trie is computed once, by the first request through it, and matched by every
-later one, so the cached tokens of the batch are::
-
-    cached = (N - 1) s + sum over trie nodes v of (|M_v| - 1) w_v        (M_v: requests through v)
-
-and the hit ratio is ``1 - trie tokens / prompt tokens``. (The engine's last-token rule and block
-rounding only lower the real figure, so every bound below holds for them too.) A unit's weight
-``w_u`` is its rendered segment's token count at its heaviest prompt position (the label
-``[Doc 10]`` may cost a token more than ``[Doc 9]``), so the bounds hold for every position; the
-optimum computed with these weights exceeds the true one by at most that token per shared node.
-
-The optimum is a tree (:func:`optimal_orders`)
-------------------------------------------------
-**Theorem.** ``max over orderings of cached = (N - 1) s + max over rooted binary trees T with the
-requests as leaves of sum over internal nodes P of w(I_P)``, where ``I_P`` is the intersection
-of ``S_i`` over the leaves ``i`` below ``P``.
-
-*Reached:* order top-down (the paper's offline build, section 4.1): node ``P`` appends the units
-``I_P \\ I_parent(P)`` to its parent's order, a leaf appends the rest. Every leaf below ``P``
-then shares those units at one trie node, saving ``(|P| - 1) w(I_P \\ I_parent)``; summed over
-``P`` this is ``sum_P (children(P) - 1) w(I_P)`` (telescoping), ``sum_P w(I_P)`` for a binary tree.
-*Not exceeded:* the member sets of a trie's nodes form a laminar family, so a tree ``T'``. A
-unit ``u`` labels disjoint trie nodes, each inside ``H_u`` (the requests holding ``u``) and so
-inside one maximal node ``M*`` of ``T'`` contained in ``H_u``; those nodes save at most
-``(|M*| - 1) w_u``, which is what the top-down order of ``T'`` credits ``u``. Splitting a node
-with more than two children into two never lowers ``sum_P (children(P) - 1) w(I_P)``.
-
-So the cluster build is optimal *given its tree*; only the tree is left to choose (an NP-hard
-problem: it is Camin-Sokal parsimony with units as characters, Day, Johnson and Sankoff 1986).
-:func:`optimal_orders` solves it exactly for up to :data:`MAX_EXACT_REQUESTS` requests by the
-subset recursion ``f(Z) = w(I_Z) + max over splits Z = A + B of f(A) + f(B)`` (``3**N / 2`` steps,
-vectorised per subset size).
+The problem (units, weights, the cached tokens of an ordering) is
+:mod:`~contextpilot_integrations.bench.ordering_problem`'s; its exact optimum, a tree ``T`` with
+the requests as leaves crediting ``w(I_P)`` per internal node ``P`` (the theorem), is
+:mod:`~contextpilot_integrations.bench.optimal_orders`'s, for slices of up to 18 requests.
 
 Upper bounds for a whole workload (:func:`offline_bounds`)
 ----------------------------------------------------------
@@ -75,25 +40,37 @@ optimum against brute force). Measured by ``benchmarks/bench_bounds.py`` (k=10):
 bound's hit ratio is 0.539 / 0.455 / 0.455 on MultiHop-RAG / MTRAG / LoCoMo against today's
 0.646 / 0.577 / 0.649, and 5-7% above the exact optimum on slices of 16 connected requests.
 
-A tail unit may stand anywhere in these orders (a relaxation: only a request with the same
-question can share it), so the optimum of a batch with repeated questions may read a tail's
-tokens above the true one.
+Public API: :func:`offline_bounds`, :class:`OfflineBounds`, :func:`spanning_forest_bound`,
+:func:`prefix_intersection_bound`, :func:`two_level_lp_bound`. Re-exported for the importers
+of this module: :class:`OrderingProblem`, :func:`ordering_problem`, :func:`cached_tokens`,
+:func:`orders_of_plans` (:mod:`~contextpilot_integrations.bench.ordering_problem`);
+:func:`optimal_orders`, :class:`OptimalOrders`, :data:`MAX_EXACT_REQUESTS`,
+:func:`connected_slices` (:mod:`~contextpilot_integrations.bench.optimal_orders`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 from scipy import sparse
 from scipy.optimize import linprog
 from scipy.sparse.csgraph import minimum_spanning_tree
 
-from contextpilot_integrations.bench.methods import PreparedWorkload
-from contextpilot_integrations.core.clustering import trie_tokens
-from contextpilot_integrations.core.plan import Plan
+from contextpilot_integrations.bench.optimal_orders import (
+    MAX_EXACT_REQUESTS,
+    OptimalOrders,
+    connected_slices,
+    optimal_orders,
+)
+from contextpilot_integrations.bench.ordering_problem import (
+    OrderingProblem,
+    cached_tokens,
+    ordering_problem,
+    orders_of_plans,
+)
 
 __all__ = [
     "MAX_EXACT_REQUESTS",
@@ -111,168 +88,8 @@ __all__ = [
     "two_level_lp_bound",
 ]
 
-MAX_EXACT_REQUESTS = 18
-"""Largest slice :func:`optimal_orders` takes (``3**18 / 2`` steps, a few seconds)."""
-
 DEFAULT_EXACT_UNITS = 14
 """Shared units per request the prefix-intersection program orders exactly (``2**14`` subsets)."""
-
-UnitKey = tuple[str, str, int]
-"""``("block", text, occurrence)`` (occurrence 1 for the first copy in a request) or
-``("tail", question, 1)``."""
-
-
-@dataclass(frozen=True)
-class OrderingProblem:
-    """A batch as the ordering sees it.
-
-    Attributes:
-        units: per request, its unit indices in retriever order (its tail last), no repeats.
-        unit_tokens: ``(U,)`` int64, the tokens a unit saves each time it is shared (its
-            segment at its heaviest position).
-        shared_tokens: tokens of the system prompt, a prefix of every request.
-        prompt_tokens: ``(N,)`` int64, each request's baseline prompt (retriever order).
-        unit_ids: unit key (:data:`UnitKey`) -> unit index.
-    """
-
-    units: tuple[tuple[int, ...], ...]
-    unit_tokens: np.ndarray
-    shared_tokens: int = 0
-    prompt_tokens: np.ndarray | None = None
-    unit_ids: Mapping[UnitKey, int] = field(default_factory=dict)
-
-    @property
-    def requests(self) -> int:
-        return len(self.units)
-
-    def holders(self) -> sparse.csr_matrix:
-        """``(N, U)`` 0/1 int64 incidence matrix: request ``i`` holds unit ``u``."""
-        n, u = len(self.units), len(self.unit_tokens)
-        lengths = np.fromiter((len(x) for x in self.units), dtype=np.int64, count=n)
-        rows = np.repeat(np.arange(n, dtype=np.int64), lengths)
-        cols = np.fromiter((v for x in self.units for v in x), dtype=np.int64, count=lengths.sum())
-        data = np.ones(cols.size, dtype=np.int64)
-        return sparse.csr_matrix((data, (rows, cols)), shape=(n, max(u, 1)))
-
-    def restrict(self, requests: Sequence[int]) -> OrderingProblem:
-        """The sub-batch of ``requests`` (indices), its units renumbered."""
-        keep = sorted({u for i in requests for u in self.units[i]})
-        new = {u: j for j, u in enumerate(keep)}
-        ids = {k: new[v] for k, v in self.unit_ids.items() if v in new}
-        prompts = None if self.prompt_tokens is None else self.prompt_tokens[list(requests)]
-        return OrderingProblem(
-            tuple(tuple(new[u] for u in self.units[i]) for i in requests),
-            self.unit_tokens[keep].astype(np.int64),
-            self.shared_tokens,
-            prompts,
-            ids,
-        )
-
-
-# --- Public API: the problem of a workload ----------------------------------------------------
-
-
-def ordering_problem(prepared: PreparedWorkload) -> OrderingProblem:
-    """The ordering problem of a retrieved workload, weighed as the benchmark renders it.
-
-    A block unit weighs ``max over positions p < K`` of its rendered segment's tokens
-    (``K``: the most blocks of any request); a tail unit, the larger of the question's tail
-    with no annotation and with the annotation of all its blocks. Prompt tokens are the
-    baseline prompts' (the denominator of the benchmark's upper bound).
-    """
-    layout, counter = prepared.layout, prepared.counter
-    memo: dict[str, int] = {}
-
-    def count(text: str) -> int:
-        c = memo.get(text)
-        if c is None:
-            c = memo[text] = counter.count(text)
-        return c
-
-    positions = max((len(docs) for docs in prepared.retrieved), default=0)
-    unit_ids: dict[UnitKey, int] = {}
-    tokens: list[int] = []
-    units: list[tuple[int, ...]] = []
-    prompts = np.zeros(len(prepared.retrieved), dtype=np.int64)
-
-    def unit(key: UnitKey, weight: int) -> int:
-        index = unit_ids.get(key)
-        if index is None:
-            index = unit_ids[key] = len(tokens)
-            tokens.append(weight)
-        else:
-            tokens[index] = max(tokens[index], weight)
-        return index
-
-    for i, request in enumerate(prepared.workload.requests):
-        texts = prepared.block_texts(i)
-        prompts[i] = sum(count(s) for s in layout.render_segments(texts, request.query))
-        seen: dict[str, int] = {}
-        mine: list[int] = []
-        for text in texts:
-            seen[text] = seen.get(text, 0) + 1
-            key = ("block", text, seen[text])
-            if key not in unit_ids:
-                weight = max(count(layout.render_block(p, text)) for p in range(positions))
-                unit(key, weight)
-            mine.append(unit_ids[key])
-        labels = [layout.label(p) for p in range(len(seen))]
-        tail = max(
-            count(layout.tail(request.query)),
-            count(layout.tail(request.query, annotation_labels=labels)),
-        )
-        mine.append(unit(("tail", request.query, 1), tail))
-        units.append(tuple(mine))
-    return OrderingProblem(
-        tuple(units),
-        np.asarray(tokens, dtype=np.int64),
-        count(layout.system_segment()),
-        prompts,
-        unit_ids,
-    )
-
-
-def cached_tokens(problem: OrderingProblem, orders: Sequence[Sequence[int]]) -> int:
-    """Cached tokens of ``orders`` (unit indices per request) with an unlimited cache, any
-    schedule: ``(N - 1) s`` plus the tokens the trie shares. An order may omit units (a
-    planner that drops a duplicate block); they are not counted.
-
-    Raises:
-        ValueError: ``orders`` has another length than the problem, or a unit a request lacks.
-    """
-    if len(orders) != problem.requests:
-        raise ValueError(f"{len(orders)} orders for {problem.requests} requests")
-    weights = problem.unit_tokens
-    token_of = []
-    total = 0
-    for i, order in enumerate(orders):
-        if not set(order) <= set(problem.units[i]) or len(set(order)) != len(order):
-            raise ValueError(f"order {i} is not a sub-permutation of the request's units")
-        token_of.append({u: int(weights[u]) for u in order})
-        total += sum(token_of[-1].values())
-    n = problem.requests
-    return max(n - 1, 0) * problem.shared_tokens + total - trie_tokens(orders, token_of)
-
-
-def orders_of_plans(problem: OrderingProblem, plans: Sequence[Plan]) -> list[list[int]]:
-    """The unit orders of a planner's plans (one per request, in the problem's order): the
-    shown blocks in prompt order, then the tail. A block the plan does not show (a duplicate
-    of an earlier input) is left out.
-
-    Raises:
-        KeyError: a shown block or a question that is not in the problem.
-    """
-    orders = []
-    for plan in plans:
-        shown = sorted((p for p in plan.placements if p.shown), key=lambda p: p.position or 0)
-        seen: dict[str, int] = {}
-        order = []
-        for placement in shown:
-            seen[placement.text] = seen.get(placement.text, 0) + 1
-            order.append(problem.unit_ids[("block", placement.text, seen[placement.text])])
-        order.append(problem.unit_ids[("tail", plan.query, 1)])
-        orders.append(order)
-    return orders
 
 
 # --- Public API: upper bounds ------------------------------------------------------------------
@@ -628,152 +445,3 @@ def _cost_to_go(chunk: _Chunk) -> np.ndarray:
             step = chunk.weights[:, t : t + 1] / chunk.count[:, after] + rest[:, after]
             rest[:, lacks] = np.minimum(rest[:, lacks], step)
     return rest
-
-
-# --- Public API: the exact optimum of a slice --------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class OptimalOrders:
-    """The best ordering of a small batch.
-
-    Attributes:
-        cached_tokens: its cached tokens (unlimited cache, any schedule).
-        orders: per request, its units in that order (a permutation of the request's units).
-    """
-
-    cached_tokens: int
-    orders: list[list[int]]
-
-
-def optimal_orders(
-    problem: OrderingProblem, *, max_requests: int = MAX_EXACT_REQUESTS
-) -> OptimalOrders:
-    """The exact optimum (the theorem of the module docstring), by the subset recursion.
-
-    Cost: ``3**N / 2`` vectorised steps and ``2**N`` int64 of memory (N = 16: about a second).
-
-    Raises:
-        ValueError: more than ``max_requests`` requests.
-    """
-    n = problem.requests
-    if n > max_requests:
-        raise ValueError(f"the exact optimum takes at most {max_requests} requests, got {n}")
-    if n == 0:
-        return OptimalOrders(0, [])
-    size = 1 << n
-    holder_mask: dict[int, int] = {}
-    for i, units in enumerate(problem.units):
-        for u in units:
-            holder_mask[u] = holder_mask.get(u, 0) | (1 << i)
-    # shared[Z] = w(I_Z): the tokens of the units every request of Z holds.
-    shared = np.zeros(size, dtype=np.int64)
-    for u, mask in holder_mask.items():
-        if mask & (mask - 1):
-            shared[mask] += int(problem.unit_tokens[u])
-    for t in range(n):
-        view = shared.reshape(-1, 2, 1 << t)
-        view[:, 0, :] += view[:, 1, :]
-    best = np.zeros(size, dtype=np.int64)
-    split = np.zeros(size, dtype=np.int64)
-    subsets = np.arange(size, dtype=np.int64)
-    popcount = np.zeros(size, dtype=np.int64)
-    for t in range(n):
-        popcount += (subsets >> t) & 1
-    for s in range(2, n + 1):
-        sets = subsets[popcount == s]
-        bits = ((sets[:, None] >> np.arange(n)) & 1).astype(bool)
-        position = np.nonzero(bits)[1].reshape(-1, s)
-        # Splits Z = A + B with A holding Z's lowest member, B not empty.
-        patterns = np.arange((1 << (s - 1)) - 1, dtype=np.int64)
-        step = max(1, (1 << 22) // max(patterns.size, 1))
-        for start in range(0, sets.size, step):
-            z = sets[start : start + step]
-            pos = position[start : start + step]
-            part = np.broadcast_to((1 << pos[:, :1]), (z.size, patterns.size)).copy()
-            for t in range(1, s):
-                part |= ((patterns[None, :] >> (t - 1)) & 1) << pos[:, t : t + 1]
-            value = best[part] + best[z[:, None] ^ part]
-            choice = value.argmax(axis=1)
-            rows = np.arange(z.size)
-            best[z] = shared[z] + value[rows, choice]
-            split[z] = part[rows, choice]
-    orders = _orders_of_tree(problem, split, holder_mask)
-    total = max(n - 1, 0) * problem.shared_tokens + int(best[size - 1])
-    return OptimalOrders(total, orders)
-
-
-def _orders_of_tree(
-    problem: OrderingProblem, split: np.ndarray, holder_mask: Mapping[int, int]
-) -> list[list[int]]:
-    """Top-down orders of the tree ``split`` encodes: each node appends the units all its
-    requests hold that its parent's requests did not all hold; a leaf appends the rest."""
-    n = problem.requests
-    orders: list[list[int]] = [[] for _ in range(n)]
-    stack: list[tuple[int, frozenset[int]]] = [((1 << n) - 1, frozenset())]
-    while stack:
-        z, placed = stack.pop()
-        if z & (z - 1) == 0:
-            i = z.bit_length() - 1
-            orders[i].extend(u for u in problem.units[i] if u not in placed)
-            continue
-        common = {u for u in problem.units[(z & -z).bit_length() - 1] if holder_mask[u] & z == z}
-        new = sorted(common - placed)
-        for i in range(n):
-            if z >> i & 1:
-                orders[i].extend(new)
-        a = int(split[z])
-        here = placed | frozenset(new)
-        stack.append((z ^ a, here))
-        stack.append((a, here))
-    return orders
-
-
-# --- Public API: slices ------------------------------------------------------------------------
-
-
-def connected_slices(
-    problem: OrderingProblem, size: int, count: int, *, seed: int = 0
-) -> list[list[int]]:
-    """``count`` groups of ``size`` requests that share blocks, for the exact optimum.
-
-    Each grows from a random request (one that shares a block with another) by adding, one at
-    a time, the request with the most overlap tokens with the group so far (ties: lowest
-    index). A seed whose whole connected group is smaller than ``size`` is skipped; fewer
-    than ``count`` groups come back when the draws run out (``20 * count`` draws).
-
-    Returns:
-        Lists of request indices (each sorted), deterministic for a given ``seed``.
-    """
-    holders = problem.holders()
-    tail_free = problem.unit_tokens.copy()
-    for key, u in problem.unit_ids.items():
-        if key[0] == "tail":
-            tail_free[u] = 0
-    weighted = holders.multiply(tail_free[None, : holders.shape[1]]).tocsr()
-    overlap = (weighted @ holders.T).tocsr()
-    overlap.setdiag(0)
-    overlap.eliminate_zeros()
-    candidates = np.flatnonzero(np.diff(overlap.indptr) > 0)
-    rng = np.random.default_rng(seed)
-    slices: list[list[int]] = []
-    seen: set[tuple[int, ...]] = set()
-    for _ in range(20 * count):
-        if len(slices) == count or candidates.size == 0:
-            break
-        start = int(rng.choice(candidates))
-        group = [start]
-        score = overlap[start].toarray().ravel().astype(np.float64)
-        score[start] = -np.inf
-        while len(group) < size:
-            nxt = int(np.argmax(score))
-            if score[nxt] <= 0:
-                break
-            group.append(nxt)
-            score += overlap[nxt].toarray().ravel()
-            score[group] = -np.inf
-        members = tuple(sorted(group))
-        if len(group) == size and members not in seen:
-            seen.add(members)
-            slices.append(list(members))
-    return slices
