@@ -18,6 +18,11 @@ p99) beside the methods, and plots the trade-off to ``results/<workload>-window.
 
 Every run says whether a method's prefill tokens are above the baseline's.
 
+``--replicas 1,2,8,32`` compares, per replica count, routing across engine replicas on the
+embedded model (N prefix-cache models sharing the total ``--cache-tokens``; models of SMG's
+round_robin, cache_aware and prefix_hash; ContextPilot's own routing) and prints the issue's
+targets (:mod:`~contextpilot_integrations.bench.replica_report`).
+
 ``--engine hosted-anthropic`` (or ``hosted-openai``) sends the requests, arriving at ``--rate`` per
 second (default 1) in virtual time, through a model of the provider's prompt cache and reports
 prompt tokens, cache reads, cache writes and the input cost against the baseline at the price
@@ -39,6 +44,7 @@ engine it started (exit codes 130 and 143).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 import time
@@ -82,6 +88,7 @@ from contextpilot_integrations.bench.multiturn_report import (
     summarize_multiturn,
     write_multiturn_json,
 )
+from contextpilot_integrations.bench.replica_model import parse_replica_counts
 from contextpilot_integrations.bench.report import (
     WINDOW_COLUMNS,
     WINDOW_TARGET_CACHE,
@@ -247,6 +254,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     add_vllm_arguments(parser)
+    replicas = parser.add_argument_group("engine replicas (--replicas)")
+    replicas.add_argument(
+        "--replicas",
+        type=parse_replica_counts,
+        help="comma-separated replica counts, e.g. 1,2,8,32: the embedded model compares, per "
+        "count, baseline prompts via SMG's round_robin, cache_aware and prefix_hash, ContextPilot "
+        "prompts via cache_aware and ContextPilot routing, the total --cache-tokens split "
+        "evenly over the replicas (default online); with --engine vllm-cpu: N real replicas",
+    )
+    replicas.add_argument(
+        "--router",
+        choices=("smg", "direct"),
+        help="with --engine vllm-cpu --replicas: ContextPilot's routing through SMG's routing "
+        "key, or straight to the chosen replica's URL",
+    )
+    replicas.add_argument(
+        "--gateway-in-flight",
+        type=int,
+        help="with --replicas (embedded): requests in flight per replica, the load the gateway "
+        "models count (default 4)",
+    )
     hosted = parser.add_argument_group("hosted APIs (--engine hosted-anthropic | hosted-openai)")
     hosted.add_argument(
         "--price-write",
@@ -382,6 +410,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.block_size = DEFAULT_BLOCK_SIZE if args.engine == VLLM_ENGINE else 1
     try:
         with StopSignals() as stop:
+            if args.replicas and args.engine == VLLM_ENGINE:
+                # bench/replicas_vllm.py: N real vLLM CPU replicas (and SMG), its own module
+                replicas_vllm = importlib.import_module(
+                    "contextpilot_integrations.bench.replicas_vllm"
+                )
+                return int(replicas_vllm.run_vllm_replicas(args))
+            if args.replicas:
+                from contextpilot_integrations.bench.replica_report import run_embedded_replicas
+
+                return run_embedded_replicas(args, DEFAULT_CACHE_TOKENS)
             if args.engine in HOSTED_ENGINES:
                 return _run_hosted(args)
             args.mode = args.mode or "offline"
