@@ -5,39 +5,32 @@ conversation) -> index insert -> annotate -> render. A batch is ordered jointly 
 (:mod:`.clustering`) and scheduled (:mod:`.scheduling`). Each plan carries a request id
 (``rid``) to send with the LLM call, so the engine's cache events and evictions can be tied
 back to it; with ``cache_sync`` the pilot follows the engine itself
-(:class:`~contextpilot_integrations.sync.engine_link.EngineLink`).
+(:class:`~contextpilot_integrations.sync.engine_link.EngineLink`). Steps with a home of
+their own: a request's distinct blocks (:mod:`.request_blocks`), where each input goes in the
+prompt (:mod:`.placements`), the rids a running call holds (:mod:`.rid_reservations`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
-import threading
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from .alignment import CONDITIONAL_STEPS, RestOrder, align
 from .blocks import ApproxTokenCounter, TokenCounter, block_id
 from .clustering import DEFAULT_CLUSTER_LIMIT, BuildMethod, order_behind_prefixes
 from .context_index import ContextIndex, SearchResult
-from .conversation import ConversationTurn
 from .dedup import Deduplicator
 from .distance import DEFAULT_ALPHA
-from .plan import BatchPlan, DedupFigures, Placement, PlacementStatus, Plan
+from .placements import PendingTurns, place_blocks
+from .plan import BatchPlan, Plan
 from .popularity import CooccurrenceMemory, PopularityMemory
 from .rendering import PromptLayout
-from .request import (
-    NO_SCOPE,
-    PlanRequest,
-    RidConflictError,
-    Scope,
-    check_batch,
-    is_block_text,
-    new_rid,
-)
+from .request import NO_SCOPE, PlanRequest, Scope, check_batch, new_rid
+from .request_blocks import RequestBlocks, distinct_blocks
+from .rid_reservations import RidReservations
 from .scheduling import ScheduleMethod, schedule
 from .usage import UsageCounter
 
@@ -52,42 +45,6 @@ Reorder = Literal["cost-aware", "always"]
 
 SNAPSHOT_VERSION = 1
 """Version of :meth:`ContextPilot.snapshot`'s format."""
-
-
-class _Turns:
-    """The conversation turns one call records: committed when the call completes, aborted
-    when it raises, so a failed plan or batch records nothing (no phantom turns)."""
-
-    def __init__(self) -> None:
-        self._pending: list[ConversationTurn] = []
-
-    def add(self, turn: ConversationTurn | None) -> None:
-        if turn is not None:
-            self._pending.append(turn)
-
-    def __enter__(self) -> _Turns:
-        return self
-
-    def __exit__(self, error_type: object, error: object, traceback: object) -> None:
-        for turn in self._pending:
-            if error_type is None:
-                turn.commit()
-            else:
-                turn.abort()
-
-
-@dataclass(frozen=True, slots=True)
-class _Blocks:
-    """A request's distinct block texts (input order) with their ids, tokens and input index,
-    the duplicates (input index -> input index of the first identical text) and the skipped
-    inputs (empty or whitespace only)."""
-
-    texts: list[str]
-    ids: list[int]
-    tokens: list[int]
-    indices: list[int]
-    duplicates: dict[int, int]
-    skipped: list[int]
 
 
 class ContextPilot:
@@ -190,8 +147,7 @@ class ContextPilot:
         )
         # Popular blocks recur across requests: remember (id, tokens) of recent texts.
         self._identify = functools.lru_cache(maxsize=block_cache_size)(self._identify_uncached)
-        self._planning: set[str] = set()
-        self._planning_lock = threading.Lock()
+        self._reservations = RidReservations()
         self._usage = UsageCounter()
         self.engine: EngineLink | None = engine
         self._owns_engine = False
@@ -233,8 +189,9 @@ class ContextPilot:
         """
         request = PlanRequest(query, blocks, rid, scope or NO_SCOPE)
         rid = request.rid or new_rid()
-        with self._reserved([rid] if request.rid is not None else []), _Turns() as turns:
-            prepared = self._blocks_of(request)
+        explicit = [rid] if request.rid is not None else []
+        with self._reservations.hold(explicit, self.index), PendingTurns() as turns:
+            prepared = distinct_blocks(request.blocks, self._identify)
             found = self._search(prepared)
             order = align(
                 prepared.ids,
@@ -284,8 +241,9 @@ class ContextPilot:
         """
         batch = check_batch(requests)
         rids = [request.rid or new_rid() for request in batch]
-        with self._reserved([r.rid for r in batch if r.rid is not None]), _Turns() as turns:
-            prepared = [self._blocks_of(request) for request in batch]
+        explicit = [r.rid for r in batch if r.rid is not None]
+        with self._reservations.hold(explicit, self.index), PendingTurns() as turns:
+            prepared = [distinct_blocks(request.blocks, self._identify) for request in batch]
             found = [self._search(blocks) for blocks in prepared]
             orders = order_behind_prefixes(
                 [blocks.ids for blocks in prepared],
@@ -426,57 +384,14 @@ class ContextPilot:
         self.close()
 
     # ------------------------------------------------------------------ internals
-    @contextlib.contextmanager
-    def _reserved(self, rids: Sequence[str]) -> Iterator[None]:
-        """Hold explicit rids for one call: two concurrent calls never plan the same rid (the
-        loser would otherwise fail after its conversation turn was recorded)."""
-        if not rids:
-            yield
-            return
-        with self._planning_lock:
-            busy = next((rid for rid in rids if rid in self._planning), None)
-            if busy is not None:
-                raise RidConflictError(f"rid {busy!r} is being planned by a concurrent call")
-            indexed = next((rid for rid in rids if rid in self.index), None)
-            if indexed is not None:
-                raise RidConflictError(f"rid {indexed!r} is already indexed")
-            self._planning.update(rids)
-        try:
-            yield
-        finally:
-            with self._planning_lock:
-                self._planning.difference_update(rids)
-
-    def _blocks_of(self, request: PlanRequest) -> _Blocks:
-        texts: list[str] = []
-        ids: list[int] = []
-        tokens: list[int] = []
-        indices: list[int] = []
-        first_seen: dict[int, int] = {}
-        duplicates: dict[int, int] = {}
-        skipped: list[int] = []
-        for index, text in enumerate(request.blocks):
-            if not is_block_text(text):
-                skipped.append(index)
-                continue
-            bid, count = self._identify(text)
-            first = first_seen.get(bid)
-            if first is not None:
-                duplicates[index] = first
-                continue
-            first_seen[bid] = index
-            texts.append(text)
-            ids.append(bid)
-            tokens.append(count)
-            indices.append(index)
-        return _Blocks(texts, ids, tokens, indices, duplicates, skipped)
-
-    def _search(self, blocks: _Blocks) -> SearchResult:
+    def _search(self, blocks: RequestBlocks) -> SearchResult:
         if not blocks.ids:
             return SearchResult((), 0, (), 0, False)
         return self.index.search(blocks.ids, blocks.tokens if self.weight_by_tokens else None)
 
-    def _reordering_pays(self, blocks: _Blocks, order: Sequence[int], found: SearchResult) -> bool:
+    def _reordering_pays(
+        self, blocks: RequestBlocks, order: Sequence[int], found: SearchResult
+    ) -> bool:
         """Whether the aligned order is expected to reuse more tokens than the retriever's
         order by more than the order annotation it needs costs (tokens by this pilot's
         counter; the annotation is uncached prompt text)."""
@@ -509,90 +424,17 @@ class ContextPilot:
         self,
         rid: str,
         request: PlanRequest,
-        blocks: _Blocks,
+        blocks: RequestBlocks,
         order: Sequence[int],
         found: SearchResult,
-        turns: _Turns,
+        turns: PendingTurns,
     ) -> Plan:
-        """De-duplicate the aligned blocks, index what the prompt shows, render the plan. The
-        conversation turn it records joins ``turns`` (committed when the call returns)."""
+        """Place the aligned blocks (de-duplicated in a conversation: :func:`.place_blocks`),
+        index what the prompt shows, render the plan. The conversation turn it records joins
+        ``turns`` (committed when the call returns)."""
         layout = self._layout
-        at = {bid: i for i, bid in enumerate(blocks.ids)}
-        aligned = [at[bid] for bid in order]  # distinct-block positions in prompt order
-        placements: list[Placement | None] = [None] * len(request.blocks)
-        references: dict[int, str] = {}  # input index -> how the annotation names it
-        shown: list[Placement] = []  # in prompt order
-        hints: list[str] = []
-        scope = request.scope
-
-        def show(p: int, rendered: str) -> None:
-            index = blocks.indices[p]
-            placement = Placement(
-                index,
-                PlacementStatus.SHOWN,
-                blocks.texts[p],
-                blocks.ids[p],
-                blocks.tokens[p],
-                position=len(shown),
-                label=layout.label(len(shown)),
-                rendered_text=rendered,
-            )
-            placements[index] = placement
-            shown.append(placement)
-
-        if scope.conversation_id is None:
-            for p in aligned:
-                show(p, blocks.texts[p])
-                references[blocks.indices[p]] = shown[-1].label or ""
-            figures = DedupFigures(len(shown), 0, 0, sum(blocks.tokens), 0)
-        else:
-            dedup = self.deduplicator.plan(
-                scope.tenant,
-                scope.conversation_id,
-                [blocks.texts[p] for p in aligned],
-                turn=scope.turn,
-                visibility=scope.visibility,
-                block_ids=list(order),
-                block_tokens=[blocks.tokens[p] for p in aligned],
-            )
-            turns.add(dedup.pending)
-            for p, decision in zip(aligned, dedup.blocks):
-                index = blocks.indices[p]
-                references[index] = decision.reference
-                if decision.text is not None:
-                    show(p, decision.text)
-                    continue
-                placements[index] = Placement(
-                    index,
-                    PlacementStatus.REPLACED,
-                    blocks.texts[p],
-                    blocks.ids[p],
-                    blocks.tokens[p],
-                    position=len(hints),
-                    hint=decision.hint,
-                )
-                hints.append(decision.hint or "")
-            figures = DedupFigures(
-                dedup.blocks_kept,
-                dedup.blocks_replaced,
-                dedup.sub_blocks_replaced,
-                dedup.tokens_in,
-                dedup.tokens_saved,
-            )
-            scope = Scope(scope.conversation_id, scope.tenant, dedup.turn, scope.visibility)
-        for index, first in blocks.duplicates.items():
-            original = placements[first]
-            assert original is not None
-            placements[index] = Placement(
-                index,
-                PlacementStatus.DUPLICATE,
-                original.text,
-                original.block_id,
-                original.tokens,
-                duplicate_of=first,
-            )
-        for index in blocks.skipped:
-            placements[index] = Placement(index, PlacementStatus.SKIPPED, request.blocks[index])
+        placed = place_blocks(request, blocks, order, layout, self.deduplicator, turns)
+        shown, hints, references = placed.shown, placed.hints, placed.references
         rendered = [p.rendered_text or "" for p in shown]
         if shown:
             # The index mirrors what the engine will cache: the blocks as rendered.
@@ -615,8 +457,8 @@ class ContextPilot:
         return Plan(
             rid=rid,
             query=request.query,
-            scope=scope,
-            placements=tuple(p for p in placements if p is not None),
+            scope=placed.scope,
+            placements=placed.placements,
             hints=tuple(hints),
             segments=tuple(segments),
             annotation_labels=tuple(annotation),
@@ -624,7 +466,7 @@ class ContextPilot:
             matched_prefix_tokens=found.prefix_tokens,
             shared_prefix_blocks=shared_blocks,
             shared_prefix_tokens=shared_tokens,
-            dedup_figures=figures,
+            dedup_figures=placed.figures,
             layout=layout,
             cache_salt=self.cache_salt,
         )

@@ -1,0 +1,161 @@
+"""Where each of a request's inputs goes in its prompt, once the blocks are ordered.
+
+A distinct block is shown (its label in prompt order, its text, or its text with repeated
+sub-blocks replaced by pointers) or, in a conversation, replaced by a hint to an earlier turn
+that still shows it (:mod:`.dedup`); a repeated input is a duplicate of its first occurrence;
+an empty one is skipped. Every input gets exactly one :class:`~.plan.Placement` (DESIGN.md
+invariant 1). The conversation turn the de-duplication records waits in
+:class:`PendingTurns` until the planning call completes.
+
+Public API: :func:`place_blocks`, :class:`PlacedBlocks`, :class:`PendingTurns`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .conversation import ConversationTurn
+from .dedup import Deduplicator
+from .plan import DedupFigures, Placement, PlacementStatus
+from .rendering import PromptLayout
+from .request import PlanRequest, Scope
+from .request_blocks import RequestBlocks
+
+__all__ = ["PendingTurns", "PlacedBlocks", "place_blocks"]
+
+
+class PendingTurns:
+    """The conversation turns one call records: committed when the call completes, aborted
+    when it raises, so a failed plan or batch records nothing (no phantom turns)."""
+
+    def __init__(self) -> None:
+        self._pending: list[ConversationTurn] = []
+
+    def add(self, turn: ConversationTurn | None) -> None:
+        if turn is not None:
+            self._pending.append(turn)
+
+    def __enter__(self) -> PendingTurns:
+        return self
+
+    def __exit__(self, error_type: object, error: object, traceback: object) -> None:
+        for turn in self._pending:
+            if error_type is None:
+                turn.commit()
+            else:
+                turn.abort()
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedBlocks:
+    """The placements of one request.
+
+    Attributes:
+        placements: one per input, in input order.
+        shown: the shown placements, in prompt order (each with its ``rendered_text``).
+        hints: the hints replacing blocks, in prompt order.
+        references: input index -> how the order annotation names it (a label, or where
+            an earlier turn shows it), for the distinct blocks.
+        figures: the de-duplication figures.
+        scope: the request's scope, with the turn the conversation gave it.
+    """
+
+    placements: tuple[Placement, ...]
+    shown: list[Placement]
+    hints: list[str]
+    references: dict[int, str]
+    figures: DedupFigures
+    scope: Scope
+
+
+def place_blocks(
+    request: PlanRequest,
+    blocks: RequestBlocks,
+    order: Sequence[int],
+    layout: PromptLayout,
+    deduplicator: Deduplicator,
+    turns: PendingTurns,
+) -> PlacedBlocks:
+    """Place ``request``'s inputs with its distinct ``blocks`` in ``order`` (block ids, a
+    permutation of ``blocks.ids``); in a conversation, de-duplicate them against its earlier
+    turns (the turn recorded joins ``turns``)."""
+    at = {bid: i for i, bid in enumerate(blocks.ids)}
+    aligned = [at[bid] for bid in order]  # distinct-block positions in prompt order
+    placements: list[Placement | None] = [None] * len(request.blocks)
+    references: dict[int, str] = {}  # input index -> how the annotation names it
+    shown: list[Placement] = []  # in prompt order
+    hints: list[str] = []
+    scope = request.scope
+
+    def show(p: int, rendered: str) -> None:
+        index = blocks.indices[p]
+        placement = Placement(
+            index,
+            PlacementStatus.SHOWN,
+            blocks.texts[p],
+            blocks.ids[p],
+            blocks.tokens[p],
+            position=len(shown),
+            label=layout.label(len(shown)),
+            rendered_text=rendered,
+        )
+        placements[index] = placement
+        shown.append(placement)
+
+    if scope.conversation_id is None:
+        for p in aligned:
+            show(p, blocks.texts[p])
+            references[blocks.indices[p]] = shown[-1].label or ""
+        figures = DedupFigures(len(shown), 0, 0, sum(blocks.tokens), 0)
+    else:
+        dedup = deduplicator.plan(
+            scope.tenant,
+            scope.conversation_id,
+            [blocks.texts[p] for p in aligned],
+            turn=scope.turn,
+            visibility=scope.visibility,
+            block_ids=list(order),
+            block_tokens=[blocks.tokens[p] for p in aligned],
+        )
+        turns.add(dedup.pending)
+        for p, decision in zip(aligned, dedup.blocks):
+            index = blocks.indices[p]
+            references[index] = decision.reference
+            if decision.text is not None:
+                show(p, decision.text)
+                continue
+            placements[index] = Placement(
+                index,
+                PlacementStatus.REPLACED,
+                blocks.texts[p],
+                blocks.ids[p],
+                blocks.tokens[p],
+                position=len(hints),
+                hint=decision.hint,
+            )
+            hints.append(decision.hint or "")
+        figures = DedupFigures(
+            dedup.blocks_kept,
+            dedup.blocks_replaced,
+            dedup.sub_blocks_replaced,
+            dedup.tokens_in,
+            dedup.tokens_saved,
+        )
+        scope = Scope(scope.conversation_id, scope.tenant, dedup.turn, scope.visibility)
+    for index, first in blocks.duplicates.items():
+        original = placements[first]
+        assert original is not None
+        placements[index] = Placement(
+            index,
+            PlacementStatus.DUPLICATE,
+            original.text,
+            original.block_id,
+            original.tokens,
+            duplicate_of=first,
+        )
+    for index in blocks.skipped:
+        placements[index] = Placement(index, PlacementStatus.SKIPPED, request.blocks[index])
+    return PlacedBlocks(
+        tuple(p for p in placements if p is not None), shown, hints, references, figures, scope
+    )

@@ -1,0 +1,66 @@
+"""A request's distinct context blocks: ids and tokens, with its duplicates and skipped inputs.
+
+The first step of planning (DESIGN.md: blocks -> index search -> ...): each input text is a
+context block unless it is empty or whitespace only (skipped: handed back, never lost,
+DESIGN.md invariant 1); a text identical to an earlier one of the same request is a duplicate
+of that one; the rest are the distinct blocks the index and the ordering see, in input order.
+
+Public API: :class:`RequestBlocks`, :func:`distinct_blocks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .request import is_block_text
+
+__all__ = ["RequestBlocks", "distinct_blocks"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBlocks:
+    """A request's distinct block texts (input order) with their ids, tokens and input index,
+    the duplicates (input index -> input index of the first identical text) and the skipped
+    inputs (empty or whitespace only)."""
+
+    texts: list[str]
+    ids: list[int]
+    tokens: list[int]
+    indices: list[int]
+    duplicates: dict[int, int]
+    skipped: list[int]
+
+
+def distinct_blocks(
+    blocks: Sequence[str], identify: Callable[[str], tuple[int, int]]
+) -> RequestBlocks:
+    """Split a request's input ``blocks`` into distinct blocks, duplicates and skipped inputs.
+
+    Args:
+        blocks: the request's block texts in retriever order.
+        identify: text -> ``(block id, tokens)``; two texts are the same block when their ids
+            are equal.
+    """
+    texts: list[str] = []
+    ids: list[int] = []
+    tokens: list[int] = []
+    indices: list[int] = []
+    first_seen: dict[int, int] = {}
+    duplicates: dict[int, int] = {}
+    skipped: list[int] = []
+    for index, text in enumerate(blocks):
+        if not is_block_text(text):
+            skipped.append(index)
+            continue
+        bid, count = identify(text)
+        first = first_seen.get(bid)
+        if first is not None:
+            duplicates[index] = first
+            continue
+        first_seen[bid] = index
+        texts.append(text)
+        ids.append(bid)
+        tokens.append(count)
+        indices.append(index)
+    return RequestBlocks(texts, ids, tokens, indices, duplicates, skipped)
