@@ -19,7 +19,9 @@ Operations and their cost (``k`` = blocks in the request, ``h`` = tree height <=
   child, re-compress single-child chains. ``O(h)``.
 
 Search paths are never stored: :meth:`search_path` walks parent links on demand, so a path is
-always correct after removals and node splits. Node ids start at 1 and are never reused.
+always correct after removals and node splits. Node ids start at 1 and are never reused. The
+tree's nodes, its surgery (split, prune, merge) and its walks: :mod:`.index_tree`; this module
+keys requests to its nodes and keeps the bounds, the lock and the statistics.
 
 Bounded (DESIGN.md invariant 6): with ``max_requests`` and/or ``max_tokens`` set, inserting
 past the bound evicts least-recently-used requests (as a prefix cache without engine feedback
@@ -28,7 +30,6 @@ would). Every public method takes one re-entrant lock, so one index can be share
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -36,44 +37,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .index_snapshot import SNAPSHOT_VERSION, checked_entries
+from .index_tree import IndexNode, IndexTree, common_prefix, path_of
 from .index_types import IndexStats, SearchResult
 from .lru import LRU
 
 __all__ = ["ContextIndex", "IndexStats", "SearchResult"]
 
 
-class _Node:
-    __slots__ = (
-        "access_count",
-        "blocks",
-        "children",
-        "last_access",
-        "node_id",
-        "parent",
-        "rids",
-        "tokens",
-    )
-
-    def __init__(
-        self,
-        node_id: int,
-        blocks: tuple[int, ...],
-        tokens: tuple[int, ...],
-        parent: _Node | None,
-    ) -> None:
-        self.node_id = node_id
-        self.blocks = blocks
-        self.tokens = tokens
-        self.parent = parent
-        self.children: dict[int, _Node] = {}
-        self.rids: set[str] = set()
-        self.access_count = 0
-        self.last_access = 0.0
-
-
 @dataclass
 class _Request:
-    node: _Node
+    node: IndexNode
     blocks: tuple[int, ...]
     tokens: tuple[int, ...]
     created: float = field(default_factory=time.time)
@@ -116,13 +89,10 @@ class ContextIndex:
         self.search_budget = search_budget
         self._clock = clock
         self._lock = threading.RLock()
-        self._node_ids = itertools.count(1)
-        self._root = _Node(0, (), (), None)
-        self._nodes: dict[int, _Node] = {0: self._root}
+        self._tree = IndexTree()
         # LRU order, oldest first; the bounds are applied by _enforce_bounds (tree surgery).
         self._requests: LRU[str, _Request] = LRU()
         self._block_requests: dict[int, int] = {}  # live requests holding each block
-        self._tokens = 0
         self._inserts = 0
         self._evictions = 0
         self._lru_evictions = 0
@@ -155,56 +125,14 @@ class ContextIndex:
         """
         weight = _weights(blocks, tokens)
         with self._lock:
-            best: tuple[tuple[int, bool, float, int], list[int], list[int], bool] = (
-                (0, False, 0.0, 0),
-                [],
-                [],
-                False,
+            matched, prefix, path, split = self._tree.best_prefix(
+                blocks, weight, self.search_budget
             )
-            budget = self.search_budget
-            # Stack entries: node, matched prefix, path of node ids, tokens gained so far.
-            stack: list[tuple[_Node, list[int], list[int], int]] = [(self._root, [], [], 0)]
-            while stack and budget > 0:
-                node, prefix, path, gained = stack.pop()
-                budget -= 1
-                in_prefix = set(prefix)
-                children = node.children
-                if len(children) <= len(blocks) - len(prefix):
-                    candidates = [
-                        c for b, c in children.items() if b in weight and b not in in_prefix
-                    ]
-                else:
-                    candidates = [
-                        children[b] for b in blocks if b in children and b not in in_prefix
-                    ]
-                for child in candidates:
-                    length = 0
-                    gain = gained
-                    for edge_block in child.blocks:
-                        w = weight.get(edge_block)
-                        if w is None or edge_block in in_prefix:
-                            break
-                        length += 1
-                        gain += w
-                    full = length == len(child.blocks)
-                    key = (gain, full, child.last_access, -child.node_id)
-                    if key > best[0]:
-                        best = (
-                            key,
-                            prefix + list(child.blocks[:length]),
-                            path + [child.node_id],
-                            not full,
-                        )
-                    if full and child.children:
-                        stack.append(
-                            (child, prefix + list(child.blocks), path + [child.node_id], gain)
-                        )
-            matched = best[0][0]
             self._searches += 1
             self._searched_tokens += sum(weight.values())
             self._matched_tokens += matched
-            node_id = best[2][-1] if best[2] else 0
-            return SearchResult(tuple(best[1]), matched, tuple(best[2]), node_id, best[3])
+            node_id = path[-1] if path else 0
+            return SearchResult(tuple(prefix), matched, tuple(path), node_id, split)
 
     def search_path(self, rid: str) -> tuple[int, ...]:
         """Node ids from the root's child down to the node where ``rid``'s context ends.
@@ -213,7 +141,7 @@ class ContextIndex:
             KeyError: ``rid`` is not indexed.
         """
         with self._lock:
-            return _path_of(self._request(rid).node)
+            return path_of(self._request(rid).node)
 
     def prefix_in_order(self, blocks: Sequence[int], tokens: Sequence[int]) -> tuple[int, int]:
         """The longest indexed prefix of ``blocks`` taken in exactly this order (what a prompt in
@@ -226,18 +154,7 @@ class ContextIndex:
         if len(tokens) != len(blocks):
             raise ValueError(f"tokens has {len(tokens)} entries for {len(blocks)} blocks")
         with self._lock:
-            node, gained, i = self._root, 0, 0
-            while i < len(blocks):
-                child = node.children.get(blocks[i])
-                if child is None:
-                    break
-                for edge_block in child.blocks:
-                    if i >= len(blocks) or blocks[i] != edge_block:
-                        return i, gained
-                    gained += tokens[i]
-                    i += 1
-                node = child
-            return i, gained
+            return self._tree.prefix_in_order(blocks, tokens)
 
     def search_paths(self, rids: Sequence[str]) -> list[tuple[int, ...]]:
         """:meth:`search_path` of each rid, read in one step; ``()`` for a rid not indexed
@@ -247,16 +164,14 @@ class ContextIndex:
             paths = []
             for rid in rids:
                 request = requests.peek(rid)
-                paths.append(_path_of(request.node) if request is not None else ())
+                paths.append(path_of(request.node) if request is not None else ())
             return paths
 
     def shared_prefixes(self, rids: Sequence[str]) -> list[tuple[int, int]]:
         """For each rid, ``(blocks, tokens)`` of the longest prefix of its context that another
         indexed request also starts with (``(0, 0)`` for a rid not indexed), read in one step.
 
-        In the compressed tree a request's node is shared when another request ends there or
-        goes on below it; otherwise its parent is the deepest shared node (a node with fewer
-        than two branches and no request of its own does not exist). ``O(height)`` per rid.
+        ``O(height)`` per rid (:meth:`.IndexTree.shared_prefix`).
         """
         with self._lock:
             out = []
@@ -265,15 +180,7 @@ class ContextIndex:
                 if request is None:
                     out.append((0, 0))
                     continue
-                node: _Node | None = request.node
-                if node is not None and len(node.rids) < 2 and not node.children:
-                    node = node.parent
-                blocks = tokens = 0
-                while node is not None and node.parent is not None:
-                    blocks += len(node.blocks)
-                    tokens += sum(node.tokens)
-                    node = node.parent
-                out.append((blocks, tokens))
+                out.append(self._tree.shared_prefix(request.node))
             return out
 
     def __contains__(self, rid: object) -> bool:
@@ -330,18 +237,18 @@ class ContextIndex:
             if rid in self._requests:
                 raise ValueError(f"rid {rid!r} is already indexed")
             now = self._clock()
-            node = self._root
+            node = self._tree.root
             i = 0
             while i < len(seq):
                 child = node.children.get(seq[i])
                 if child is None:
-                    leaf = self._new_node(seq[i:], toks[i:], node)
+                    leaf = self._tree.add_leaf(seq[i:], toks[i:], node)
                     node = leaf
                     i = len(seq)
                     break
-                common = _common_prefix(child.blocks, seq, i)
+                common = common_prefix(child.blocks, seq, i)
                 if common < len(child.blocks):
-                    child = self._split(child, common)
+                    child = self._tree.split(child, common)
                 child.access_count += 1
                 child.last_access = now
                 node = child
@@ -367,8 +274,8 @@ class ContextIndex:
             if request is None:
                 return False
             now = self._clock()
-            node: _Node | None = request.node
-            while node is not None and node is not self._root:
+            node: IndexNode | None = request.node
+            while node is not None and node is not self._tree.root:
                 node.access_count += 1
                 node.last_access = now
                 node = node.parent
@@ -400,11 +307,9 @@ class ContextIndex:
         """Drop every request (an engine's ``AllBlocksCleared``). Returns how many."""
         with self._lock:
             count = len(self._requests)
-            self._root = _Node(0, (), (), None)
-            self._nodes = {0: self._root}
+            self._tree.clear()
             self._requests.clear()
             self._block_requests.clear()
-            self._tokens = 0
             self._evictions += count
             return count
 
@@ -412,11 +317,11 @@ class ContextIndex:
     def stats(self) -> IndexStats:
         """Counters and sizes: requests, nodes (root excluded), tokens held, height, ..."""
         with self._lock:
-            height = max((len(_path_of(r.node)) for r in self._requests.values()), default=0)
+            height = max((len(path_of(r.node)) for r in self._requests.values()), default=0)
             return IndexStats(
                 requests=len(self._requests),
-                nodes=len(self._nodes) - 1,
-                tokens=self._tokens,
+                nodes=len(self._tree.nodes) - 1,
+                tokens=self._tree.tokens,
                 height=height,
                 inserts=self._inserts,
                 evictions=self._evictions,
@@ -490,28 +395,6 @@ class ContextIndex:
             raise KeyError(f"rid {rid!r} is not indexed")
         return request
 
-    def _new_node(self, blocks: tuple[int, ...], tokens: tuple[int, ...], parent: _Node) -> _Node:
-        node = _Node(next(self._node_ids), blocks, tokens, parent)
-        parent.children[blocks[0]] = node
-        self._nodes[node.node_id] = node
-        self._tokens += sum(tokens)
-        return node
-
-    def _split(self, child: _Node, at: int) -> _Node:
-        """Give ``child.blocks[:at]`` its own node between ``child`` and its parent."""
-        parent = child.parent
-        assert parent is not None and 0 < at < len(child.blocks)
-        head = _Node(next(self._node_ids), child.blocks[:at], child.tokens[:at], parent)
-        head.access_count = child.access_count
-        head.last_access = child.last_access
-        parent.children[head.blocks[0]] = head
-        self._nodes[head.node_id] = head
-        child.blocks = child.blocks[at:]
-        child.tokens = child.tokens[at:]
-        child.parent = head
-        head.children[child.blocks[0]] = child
-        return head
-
     def _evict(self, rid: str, *, by_lru: bool = False) -> bool:
         request = self._requests.pop(rid, None)
         if request is None:
@@ -522,44 +405,23 @@ class ContextIndex:
                 self._block_requests[block] = left
             else:
                 del self._block_requests[block]
-        node = request.node
-        node.rids.discard(rid)
-        while node is not self._root and not node.rids and not node.children:
-            parent = node.parent
-            assert parent is not None
-            del parent.children[node.blocks[0]]
-            del self._nodes[node.node_id]
-            self._tokens -= sum(node.tokens)
-            node = parent
-        if node is not self._root and not node.rids and len(node.children) == 1:
-            self._merge_with_child(node)
+        request.node.rids.discard(rid)
+        merged = self._tree.prune(request.node)
+        if merged is not None:
+            for other in merged.rids:  # their contexts now end at the merged node
+                held = self._requests.peek(other)
+                assert held is not None
+                held.node = merged
         self._evictions += 1
         if by_lru:
             self._lru_evictions += 1
         return True
 
-    def _merge_with_child(self, node: _Node) -> None:
-        """Fold ``node``'s only child into it, keeping the compressed-tree invariant."""
-        (child,) = node.children.values()
-        node.blocks += child.blocks
-        node.tokens += child.tokens
-        node.children = child.children
-        for grandchild in node.children.values():
-            grandchild.parent = node
-        node.rids = child.rids
-        for rid in node.rids:
-            request = self._requests.peek(rid)
-            assert request is not None
-            request.node = node
-        node.access_count = max(node.access_count, child.access_count)
-        node.last_access = max(node.last_access, child.last_access)
-        del self._nodes[child.node_id]
-
     def _enforce_bounds(self, keep: str) -> None:
         max_requests, max_tokens = self.max_requests, self.max_tokens
         while len(self._requests) > 1 and (
             (max_requests is not None and len(self._requests) > max_requests)
-            or (max_tokens is not None and self._tokens > max_tokens)
+            or (max_tokens is not None and self._tree.tokens > max_tokens)
         ):
             entry = self._requests.oldest()
             assert entry is not None
@@ -586,20 +448,3 @@ def _weights(blocks: Sequence[int], tokens: Sequence[int] | None) -> dict[int, i
         repeated = next(b for b in blocks if b in seen or seen.add(b))  # type: ignore[func-returns-value]
         raise ValueError(f"block id {repeated} appears twice in one context")
     return weight
-
-
-def _common_prefix(edge: tuple[int, ...], seq: tuple[int, ...], start: int) -> int:
-    limit = min(len(edge), len(seq) - start)
-    n = 0
-    while n < limit and edge[n] == seq[start + n]:
-        n += 1
-    return n
-
-
-def _path_of(node: _Node) -> tuple[int, ...]:
-    path: list[int] = []
-    current: _Node | None = node
-    while current is not None and current.parent is not None:
-        path.append(current.node_id)
-        current = current.parent
-    return tuple(reversed(path))

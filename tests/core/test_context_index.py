@@ -16,10 +16,10 @@ contexts_strategy = st.lists(
 def _check_structure(index: ContextIndex) -> None:
     """Compressed radix tree: every non-root node has blocks, and is a leaf with a request,
     or has a request, or has >= 2 children; children keyed by their first block."""
-    for node in index._nodes.values():
+    for node in index._tree.nodes.values():
         for key, child in node.children.items():
             assert child.blocks and child.blocks[0] == key and child.parent is node
-        if node is index._root:
+        if node is index._tree.root:
             continue
         assert node.blocks
         assert node.rids or len(node.children) >= 2
@@ -27,7 +27,7 @@ def _check_structure(index: ContextIndex) -> None:
         # The path of the node spells out the context.
         spelled = []
         for node_id in index.search_path(rid):
-            spelled.extend(index._nodes[node_id].blocks)
+            spelled.extend(index._tree.nodes[node_id].blocks)
         assert tuple(spelled) == request.blocks
 
 

@@ -19,7 +19,7 @@ def _node_blocks(index, rid):
     context = index.context(rid)
     sets, depth = [], 0
     for node_id in index.search_path(rid):
-        depth += len(index._nodes[node_id].blocks)
+        depth += len(index._tree.nodes[node_id].blocks)
         sets.append(set(context[:depth]))
     return sets
 
