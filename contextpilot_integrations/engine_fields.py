@@ -138,7 +138,8 @@ def engine_body_fields(plan: _HasRid | str, engine: EngineKind = "any") -> dict[
     rid = _rid_of(plan)
     fields = dict.fromkeys(_ID_FIELDS[engine], rid)
     if engine == "openai" and not isinstance(plan, str):
-        from contextpilot_integrations.hosted_cache import CachePrefix, openai_cache_fields
+        from contextpilot_integrations.cache_prefix import CachePrefix
+        from contextpilot_integrations.openai_cache_key import openai_cache_fields
 
         fields.update(openai_cache_fields(CachePrefix.of(plan)))  # type: ignore[arg-type]
     salt = None if isinstance(plan, str) else getattr(plan, "cache_salt", None)

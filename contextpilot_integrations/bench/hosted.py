@@ -32,21 +32,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from contextpilot_integrations.anthropic_breakpoints import (
+    AnthropicCachePolicy,
+    AnthropicPrompt,
+    anthropic_prompt,
+)
 from contextpilot_integrations.bench.hosted_cache_model import (
     AnthropicCacheModel,
     OpenAICacheModel,
 )
 from contextpilot_integrations.bench.methods import PreparedWorkload
+from contextpilot_integrations.cache_prefix import CachePrefix
 from contextpilot_integrations.core.blocks import block_id
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.engine_fields import CacheUsageTracker
-from contextpilot_integrations.hosted_cache import (
-    AnthropicCachePolicy,
-    AnthropicPrompt,
-    CachePrefix,
-    anthropic_prompt,
-    prompt_cache_key,
-)
+from contextpilot_integrations.openai_cache_key import prompt_cache_key
 from contextpilot_integrations.sync.cache_state_source import SentRequest
 from contextpilot_integrations.sync.ttl_model import TTLModel
 

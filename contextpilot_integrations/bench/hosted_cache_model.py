@@ -31,9 +31,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from contextpilot_integrations.hosted_cache import (
+from contextpilot_integrations.anthropic_breakpoints import (
     ANTHROPIC_LOOKBACK_BLOCKS,
     ANTHROPIC_MAX_BREAKPOINTS,
+)
+from contextpilot_integrations.openai_cache_key import (
     OPENAI_CACHE_STEP_TOKENS,
     OPENAI_MIN_CACHED_TOKENS,
 )

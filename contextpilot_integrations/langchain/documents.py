@@ -49,8 +49,9 @@ from typing import Any
 
 from langchain_core.documents import Document
 
+from contextpilot_integrations.cache_prefix import CachePrefix
 from contextpilot_integrations.core.plan import Plan
-from contextpilot_integrations.hosted_cache import CachePrefix, prompt_cache_key
+from contextpilot_integrations.openai_cache_key import prompt_cache_key
 from contextpilot_integrations.placement_metadata import METADATA_KEY, placement_entry
 
 __all__ = ["planned_documents", "planned_entry"]

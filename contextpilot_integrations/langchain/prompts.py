@@ -41,8 +41,8 @@ from langchain_core.prompt_values import ChatPromptValue
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 from langchain_core.runnables import Runnable, RunnableLambda
 
+from contextpilot_integrations.cache_prefix import CachePrefix
 from contextpilot_integrations.core.rendering import PromptLayout
-from contextpilot_integrations.hosted_cache import CachePrefix
 
 from .documents import planned_entry
 

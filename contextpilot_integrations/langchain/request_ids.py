@@ -72,6 +72,7 @@ from langchain_core.runnables.base import RunnableBindingBase
 from langchain_core.runnables.config import get_config_list, get_executor_for_config
 from pydantic import ConfigDict, PrivateAttr, field_validator
 
+from contextpilot_integrations.anthropic_breakpoints import AnthropicCachePolicy, anthropic_prompt
 from contextpilot_integrations.core.blocks import TokenCounter
 from contextpilot_integrations.engine_fields import (
     ROUTING_HEADER,
@@ -79,7 +80,6 @@ from contextpilot_integrations.engine_fields import (
     engine_body_fields,
     routing_headers,
 )
-from contextpilot_integrations.hosted_cache import AnthropicCachePolicy, anthropic_prompt
 
 from .prompts import ContextPilotPromptValue
 

@@ -37,12 +37,12 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field
 from llama_index.llms.anthropic import Anthropic
 
-from contextpilot_integrations.hosted_cache import (
+from contextpilot_integrations.anthropic_breakpoints import (
     AnthropicCachePolicy,
     AnthropicPrompt,
-    CachePrefix,
     anthropic_prompt,
 )
+from contextpilot_integrations.cache_prefix import CachePrefix
 
 from .request_ids import PendingRequest, take_pending
 

@@ -132,7 +132,7 @@ def build_cache_state_source(
     ttl_s = config.ttl_s if config.ttl_s is not None else _PROVIDER_TTL_S[config.provider or ""]
     min_tokens = config.min_cached_tokens
     if min_tokens is None and config.provider in ("anthropic", "anthropic-1h"):
-        from contextpilot_integrations.hosted_cache import anthropic_min_cacheable_tokens
+        from contextpilot_integrations.anthropic_breakpoints import anthropic_min_cacheable_tokens
 
         min_tokens = anthropic_min_cacheable_tokens(config.model)
     if min_tokens is None:

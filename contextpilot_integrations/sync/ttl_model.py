@@ -103,7 +103,7 @@ class TTLModel:
         """Anthropic prompt caching: 5 minutes (1 hour with ``one_hour``), refreshed by reads;
         the minimum cacheable length of ``model`` (1,024 tokens when unknown or ``None``;
         ``min_cached_tokens=`` overrides it)."""
-        from contextpilot_integrations.hosted_cache import anthropic_min_cacheable_tokens
+        from contextpilot_integrations.anthropic_breakpoints import anthropic_min_cacheable_tokens
 
         ttl = 3600.0 if one_hour else 300.0
         minimum = anthropic_min_cacheable_tokens(model)
