@@ -5,7 +5,8 @@
   keeps Mem0's signature and the client's answer shape (a dict with ``"results"``, other keys
   such as ``"relations"`` unchanged, or a bare list), with at most ``top_k`` results in prompt
   order, each with ``result["contextpilot"]``
-  (:mod:`contextpilot_integrations.placement_metadata`; :mod:`.memory`).
+  (:mod:`contextpilot_integrations.placement_metadata`; :mod:`.memory`, planned by
+  :mod:`.search_results`).
 - :func:`scope_from_filters`: Mem0 filters (``user_id``, ``agent_id``, ``run_id``) and a
   conversation id as the core's :class:`~contextpilot_integrations.core.request.Scope`.
 - Agent hooks (imported from their modules, each needs its framework):
@@ -15,14 +16,13 @@
 """
 
 from contextpilot_integrations.mem0.layout import MEMORY_LAYOUT, memory_context
-from contextpilot_integrations.mem0.memory import (
-    AsyncContextPilotMemory,
-    ContextPilotMemory,
+from contextpilot_integrations.mem0.memory import AsyncContextPilotMemory, ContextPilotMemory
+from contextpilot_integrations.mem0.scope import scope_from_filters
+from contextpilot_integrations.mem0.search_results import (
     MemorySearch,
     aplan_search_results,
     plan_search_results,
 )
-from contextpilot_integrations.mem0.scope import scope_from_filters
 
 __all__ = [
     "MEMORY_LAYOUT",

@@ -28,9 +28,8 @@ from contextpilot_integrations.mem0.memory import (
     MEM0_DEFAULT_TOP_K,
     AsyncContextPilotMemory,
     ContextPilotMemory,
-    MemorySearch,
-    top_results,
 )
+from contextpilot_integrations.mem0.search_results import MemorySearch, top_results
 
 __all__ = ["MemoryContext", "asearch_memory_context", "search_memory_context"]
 

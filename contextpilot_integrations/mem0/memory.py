@@ -16,25 +16,11 @@ Wrap a Mem0 memory and keep using it as before (one line changes)::
 - a bare list of results (the platform ``MemoryClient`` / ``AsyncMemoryClient``, the v1.0
   output format of older releases): a list again.
 
-Each memory dict comes as the client returned it plus one key, ``"contextpilot"``: the placement
-entry every face attaches (:mod:`contextpilot_integrations.placement_metadata`: ``rid``,
-``index`` = Mem0's rank, ``status``, ``position``, ``label``, ``block_id``, ``hint``,
-``duplicate_of``). What changes is the order: the results come in the order the memories should
-be placed in the prompt (ContextPilot, MLSys 2026: memories that recent requests already placed
-first, in the same order, are put first, so the engine's prefix cache reuses their KV; the rest
-follow). Mem0's relevance order is kept in ``index`` and, when the prompt order differs from it,
-in the order annotation of the rendered context. Memories already shown in an earlier turn of
-the same conversation (``conversation_id=``, else the ``run_id``, :mod:`.scope`) are replaced by
-a location hint instead of being placed again.
-
-The results come in the plan's output order
-(:meth:`~contextpilot_integrations.core.plan.Plan.output_order`):
-
-1. memories placed in the prompt, in prompt order (``status="shown"``, ``position`` 0, 1, ...);
-2. memories replaced by a hint (their exact text stands in an earlier turn of this conversation
-   that the prompt still holds), in the order of their hints (``"replaced"``);
-3. repeats of a memory text already in this answer (``"duplicate"``, ``duplicate_of``), by rank;
-4. memories with empty or whitespace-only text (``"skipped"``; Mem0 can return them), by rank.
+Each memory dict comes as the client returned it plus one key, ``"contextpilot"`` (its
+placement entry); what changes is the order: the results come in the order the memories should
+be placed in the prompt, and memories already shown in an earlier turn of the same conversation
+(``conversation_id=``, else the ``run_id``, :mod:`.scope`) are replaced by a location hint
+(:mod:`.search_results`: the planning, the entries, the output order).
 
 ``top_k`` is enforced here: the first ``top_k`` results, in the order the client returned them
 (its relevance order), are planned and returned, each once. Results beyond them (from a client
@@ -52,26 +38,31 @@ those that render a prompt take the plan. Every other method (``add``, ``get``, 
 memory's own (attribute delegation). Errors Mem0 raises (bad filters or ``top_k``, store
 unavailable) reach the caller unchanged: the search runs before any planning.
 
-A memory's text is its block text: its block id is the hash of the exact text, so a memory that
-Mem0 updates (``update``, or ``add`` with ``infer=True``) gets a new block id and is never
-de-duplicated against its old text.
+Public API: :class:`ContextPilotMemory`, :class:`AsyncContextPilotMemory`,
+:data:`MEM0_DEFAULT_TOP_K`. Re-exported from :mod:`.search_results`, for the importers of this
+module: :class:`MemorySearch`, :data:`SearchResponse`, :func:`plan_search_results`,
+:func:`aplan_search_results`, :func:`top_results`.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any
 
 from contextpilot_integrations.core.conversation import TurnVisibility
 from contextpilot_integrations.core.pilot import ContextPilot
-from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.core.planner_protocol import Planner, check_planner
 from contextpilot_integrations.core.request import Scope
-from contextpilot_integrations.mem0.layout import MEMORY_LAYOUT, memory_context
+from contextpilot_integrations.mem0.layout import MEMORY_LAYOUT
 from contextpilot_integrations.mem0.scope import scope_from_filters
-from contextpilot_integrations.placement_metadata import METADATA_KEY, placement_entry
+from contextpilot_integrations.mem0.search_results import (
+    MemorySearch,
+    SearchResponse,
+    aplan_search_results,
+    plan_search_results,
+    top_results,
+)
 
 __all__ = [
     "MEM0_DEFAULT_TOP_K",
@@ -83,10 +74,6 @@ __all__ = [
     "plan_search_results",
     "top_results",
 ]
-
-SearchResponse: TypeAlias = dict[str, Any] | list[dict[str, Any]]
-"""A Mem0 search answer: ``{"results": [...], ...}`` (``mem0.Memory``, ``AsyncMemory``; a graph
-memory adds ``"relations"``) or a bare list of results (the platform clients, older releases)."""
 
 MEM0_DEFAULT_TOP_K = 20
 """Mem0's default ``top_k`` (mem0ai 2.2 ``Memory.search``): the wrappers' default."""
@@ -101,145 +88,6 @@ _MEM0_SEARCH_DEFAULTS: dict[str, object] = {
     "reference_date": None,
     "show_expired": False,
 }
-
-
-@dataclass(frozen=True)
-class MemorySearch:
-    """One aligned search.
-
-    Attributes:
-        response: the client's answer with the results marked and in output order (what
-            ``search`` returns), in the client's shape (:data:`SearchResponse`).
-        plan: the ContextPilot plan of the memories (``plan.rid``, ``plan.scope``: the tenant,
-            conversation and turn it was de-duplicated in, ``plan.blocks``).
-    """
-
-    response: SearchResponse
-    plan: Plan
-
-    @property
-    def results(self) -> list[dict[str, Any]]:
-        """The marked results (the response itself when it is a bare list)."""
-        return self.response if isinstance(self.response, list) else self.response["results"]
-
-    @property
-    def context(self) -> str:
-        """The memory context: system prompt, placed memories, hints, order annotation (the
-        plan's prompt without the question), to put before the conversation's messages."""
-        return memory_context(self.plan)
-
-
-def top_results(response: object, top_k: int | None = None) -> list[Any]:
-    """The results of a Mem0 search answer in the client's (relevance) order, the first
-    ``top_k`` of them.
-
-    Args:
-        response: ``{"results": [...], ...}`` or a bare list of results (:data:`SearchResponse`).
-        top_k: how many to keep (``None``: all); the results beyond it are dropped.
-
-    Returns:
-        A new list of the answer's result objects (not copies; not checked one by one).
-
-    Raises:
-        TypeError: ``response`` is neither a mapping with a ``"results"`` list nor a list; the
-            message names what was received.
-        ValueError: ``top_k`` is not an int >= 0 (as Mem0 rejects it).
-    """
-    if isinstance(response, list):
-        results = response
-    elif isinstance(response, Mapping) and isinstance(response.get("results"), list):
-        results = response["results"]
-    else:
-        raise TypeError(
-            "a Mem0 search answer must be a dict with a 'results' list or a list of results, "
-            f"got {type(response).__name__}: {response!r:.200}"
-        )
-    if top_k is None:
-        return list(results)
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
-    return results[:top_k]
-
-
-def _memory_texts(results: list[Any]) -> list[str]:
-    """Every result's ``"memory"`` text, in Mem0's order (blank ones too: the plan skips them)."""
-    texts = []
-    for rank, result in enumerate(results):
-        if not isinstance(result, Mapping):
-            raise TypeError(
-                f"Mem0 search results[{rank}] must be a dict, got {type(result).__name__}: "
-                f"{result!r:.200}"
-            )
-        text = result.get("memory")
-        if not isinstance(text, str):
-            raise TypeError(
-                f"Mem0 search results[{rank}]['memory'] must be a str, got "
-                f"{type(text).__name__}: {text!r:.200}"
-            )
-        texts.append(text)
-    return texts
-
-
-def _marked(response: object, results: list[Any], plan: Plan) -> MemorySearch:
-    """``response``'s shape with ``results`` in the plan's output order, each with its entry."""
-    marked = [
-        {**results[p.index], METADATA_KEY: placement_entry(plan, p)} for p in plan.output_order()
-    ]
-    if isinstance(response, Mapping):
-        return MemorySearch({**response, "results": marked}, plan)
-    return MemorySearch(marked, plan)
-
-
-def plan_search_results(
-    pilot: Planner,
-    query: str,
-    response: Mapping[str, Any] | list[Any],
-    scope: Scope,
-    *,
-    top_k: int | None = None,
-    rid: str | None = None,
-) -> MemorySearch:
-    """Align and de-duplicate one Mem0 search answer.
-
-    Args:
-        pilot: the planner (its index is shared by every request to the same engine).
-        query: the search query (the plan's question).
-        response: the client's answer, ``{"results": [{"memory": str, ...}, ...], ...}`` or a
-            bare list of such results.
-        scope: the search's scope (:func:`~.scope.scope_from_filters` of its filters).
-        top_k: plan only the first ``top_k`` results (``None``: all); the rest are dropped.
-        rid: the request id for the plan (default: a new one).
-
-    Returns:
-        The :class:`MemorySearch`; its ``response`` has ``response``'s shape (every other key of
-        a dict unchanged) and each planned result exactly once (module docstring for the order
-        and the entries).
-
-    Raises:
-        TypeError: ``response`` is neither a mapping with a ``"results"`` list nor a list, or a
-            planned result is not a mapping whose ``"memory"`` is a str.
-        ValueError: ``top_k`` is not an int >= 0.
-        TypeError / ValueError / RidConflictError: from the pilot, for a bad or taken ``rid``.
-    """
-    results = top_results(response, top_k)
-    plan = pilot.plan(query, _memory_texts(results), rid=rid, scope=scope)
-    return _marked(response, results, plan)
-
-
-async def aplan_search_results(
-    pilot: Planner,
-    query: str,
-    response: Mapping[str, Any] | list[Any],
-    scope: Scope,
-    *,
-    top_k: int | None = None,
-    rid: str | None = None,
-) -> MemorySearch:
-    """:func:`plan_search_results` for a coroutine: awaits ``pilot.aplan`` (the event loop
-    goes on while the pilot plans)."""
-    results = top_results(response, top_k)
-    plan = await pilot.aplan(query, _memory_texts(results), rid=rid, scope=scope)
-    return _marked(response, results, plan)
 
 
 def _search_arguments(
