@@ -2,7 +2,8 @@
 # Every test tier, as CI runs them. Creates the environments on first use:
 #   .venv          this package with every extra (frameworks, service, embeddings, notebooks);
 #   .venv-sglang   real SGLang 0.5.23 code on CPU torch, for the KV-event tier;
-#   .venv-vllm     vLLM's CPU build, for the real-engine tier.
+#   .venv-vllm     vLLM's CPU build, for the real-engine tier;
+#   .venv-smg      the smg gateway (pinned), for the gateway tests and the two-replica tier.
 # Usage: scripts/test.sh            all tiers
 #        scripts/test.sh main       one tier (main | sglang | vllm)
 # Exits non-zero if any tier fails or a tier runs no test (pytest's exit code 5).
@@ -32,6 +33,7 @@ run_tier() {
 
 main_tier() {
     bash scripts/setup-venv.sh all,dev || return 1
+    bash scripts/setup-smg-env.sh || return 1
     .venv/bin/python -m ipykernel install --user --name contextpilot --display-name contextpilot \
         > /dev/null || return 1
     echo "--- ruff check, ruff format --check, mypy (the whole package)"
@@ -48,6 +50,7 @@ sglang_tier() {
 
 vllm_tier() {
     bash scripts/setup-vllm-env.sh || return 1
+    bash scripts/setup-smg-env.sh || return 1
     bash scripts/setup-venv.sh all,dev || return 1
     .venv/bin/python -m pytest -m vllm tests
 }

@@ -160,7 +160,12 @@ class EngineClient:
         return False
 
     def chat(
-        self, messages: Sequence[dict[str, str]], *, rid: str, max_tokens: int = 1
+        self,
+        messages: Sequence[dict[str, str]],
+        *,
+        rid: str,
+        max_tokens: int = 1,
+        headers: Mapping[str, str] | None = None,
     ) -> Completion:
         """Send one streamed chat completion and measure it.
 
@@ -169,6 +174,8 @@ class EngineClient:
             rid: request id (sent as ``rid``, ``request_id`` and ``session_id``,
                 :func:`~contextpilot_integrations.engine_fields.engine_body_fields`).
             max_tokens: tokens to generate (1: prefill only).
+            headers: more request headers (a gateway's routing key:
+                :func:`~contextpilot_integrations.engine_fields.engine_headers`).
 
         Returns:
             :class:`Completion`.
@@ -192,7 +199,9 @@ class EngineClient:
         final: dict[str, Any] | None = None  # the chunk that carries usage
         text: list[str] = []
         try:
-            with self._http.stream("POST", "/v1/chat/completions", json=body) as response:
+            with self._http.stream(
+                "POST", "/v1/chat/completions", json=body, headers=dict(headers or {})
+            ) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise EngineError(

@@ -1,5 +1,5 @@
-"""Where the engine harness finds what lives outside the package: the Python that runs vLLM and
-the cache of prepared model directories.
+"""Where the engine harness finds what lives outside the package: the Python that runs vLLM, the
+``smg`` gateway binary and the cache of prepared model directories.
 
 The package may run from a source checkout (``pip install -e .``) or be installed from a wheel;
 neither location is assumed.
@@ -17,25 +17,36 @@ with the benchmark's), first found of:
 
 An explicit path or the environment variable is taken as given: when it does not name an
 executable there is no vLLM Python (nothing else is tried behind the user's back).
+
+The Shepherd Model Gateway (``smg``, a Rust binary from the package registry), the same way:
+an explicit path, ``$CONTEXTPILOT_SMG``, the checkout's ``.venv-smg/bin/smg``
+(``scripts/setup-smg-env.sh`` makes it), then ``smg`` on ``PATH``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
 __all__ = [
+    "SMG_ENV",
     "VLLM_PYTHON_ENV",
     "default_model_dir",
+    "find_smg",
     "find_vllm_python",
+    "require_smg",
     "require_vllm_python",
     "source_checkout",
 ]
 
 VLLM_PYTHON_ENV = "CONTEXTPILOT_VLLM_PYTHON"
 """Environment variable naming the Python that runs vLLM."""
+
+SMG_ENV = "CONTEXTPILOT_SMG"
+"""Environment variable naming the ``smg`` gateway binary."""
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,6 +114,42 @@ def require_vllm_python(python: str | os.PathLike[str] | None = None) -> Path:
     raise FileNotFoundError(
         f"no vLLM environment ({looked_at}); run scripts/setup-vllm-env.sh (makes .venv-vllm), "
         f"pass the Python that has vllm, or set {VLLM_PYTHON_ENV}"
+    )
+
+
+def find_smg(binary: str | os.PathLike[str] | None = None) -> Path | None:
+    """The ``smg`` gateway binary (see the module docstring for the order), or None.
+
+    Args:
+        binary: an explicit path; when given, it is the answer or there is none.
+    """
+    configured = Path(binary) if binary is not None else None
+    if configured is None and os.environ.get(SMG_ENV):
+        configured = Path(os.environ[SMG_ENV])
+    if configured is not None:
+        return configured if _executable(configured) else None
+    checkout = source_checkout()
+    if checkout is not None:
+        candidate = checkout / ".venv-smg" / "bin" / "smg"
+        if _executable(candidate):
+            return candidate
+    on_path = shutil.which("smg")
+    return Path(on_path) if on_path else None
+
+
+def require_smg(binary: str | os.PathLike[str] | None = None) -> Path:
+    """:func:`find_smg`, or an error that says how to get the gateway.
+
+    Raises:
+        FileNotFoundError: no ``smg`` binary (the message names what was looked at).
+    """
+    found = find_smg(binary)
+    if found is not None:
+        return found
+    looked_at = binary if binary is not None else os.environ.get(SMG_ENV) or ".venv-smg, PATH"
+    raise FileNotFoundError(
+        f"no smg gateway ({looked_at}); run scripts/setup-smg-env.sh (makes .venv-smg), pass "
+        f"the binary, or set {SMG_ENV}"
     )
 
 
