@@ -19,7 +19,6 @@ import contextlib
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -31,7 +30,12 @@ from typing import IO
 import httpx
 
 from contextpilot_integrations.engines.locations import require_smg
-from contextpilot_integrations.engines.process_group import start_in_own_group, stop_group
+from contextpilot_integrations.engines.process_group import (
+    free_port,
+    start_in_own_group,
+    stop_group,
+    wait_until_ready,
+)
 
 __all__ = ["SMG_POLICIES", "SmgGateway"]
 
@@ -49,12 +53,6 @@ SMG_POLICIES = (
 """The ``--policy`` values that route plain HTTP workers (``smg launch --help``)."""
 
 ASSIGNMENT_MODES = ("random", "min_load", "min_group", "delegate")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class SmgGateway:
@@ -190,8 +188,8 @@ class SmgGateway:
             raise RuntimeError(f"gateway already started (pid {self._pid})")
         began = time.monotonic()
         self._work_dir = Path(tempfile.mkdtemp(prefix="smg-"))
-        self.port = _free_port()
-        command = self.command(self.port, _free_port())
+        self.port = free_port()
+        command = self.command(self.port, free_port())
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         logger.info("starting smg on %s: %s", self.base_url, " ".join(command))
         try:
@@ -210,25 +208,23 @@ class SmgGateway:
 
     def _wait_ready(self, began: float) -> None:
         assert self._process is not None
-        deadline = began + self.startup_timeout
         with httpx.Client(timeout=5.0) as client:
-            while True:
-                status = self._process.poll()
-                if status is not None:
-                    raise RuntimeError(
-                        f"smg exited with status {status} during startup; log {self.log_path}:"
-                        f"\n{self.log_tail()}"
-                    )
+
+            def registered() -> bool:
                 with contextlib.suppress(httpx.TransportError, ValueError):
                     response = client.get(f"{self.base_url}/v1/models")
-                    if response.status_code == 200 and response.json().get("data"):
-                        return
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"smg not ready after {self.startup_timeout:.0f} s; log "
-                        f"{self.log_path}:\n{self.log_tail()}"
-                    )
-                time.sleep(0.2)
+                    return response.status_code == 200 and bool(response.json().get("data"))
+                return False
+
+            wait_until_ready(
+                self._process,
+                registered,
+                began=began,
+                timeout_s=self.startup_timeout,
+                name="smg",
+                log_path=self.log_path,
+                log_tail=self.log_tail,
+            )
 
     def log_tail(self, lines: int = 30) -> str:
         """The last ``lines`` lines of the gateway's log ("" before start)."""

@@ -1,4 +1,5 @@
-"""A server process and everything it starts, stopped together: one process group.
+"""A server process and everything it starts, stopped together: one process group; and waiting
+for such a server to answer (:func:`wait_until_ready`) on a free loopback port (:func:`free_port`).
 
 A server started with :func:`start_in_own_group` leads its own session (process group), so that
 :func:`stop_group` reaches the engine's worker processes too (vLLM's API server starts an engine
@@ -13,13 +14,20 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["process_group_members", "start_in_own_group", "stop_group"]
+__all__ = [
+    "free_port",
+    "process_group_members",
+    "start_in_own_group",
+    "stop_group",
+    "wait_until_ready",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -112,3 +120,49 @@ def stop_group(process: subprocess.Popen[bytes], timeout: float) -> int | None:
     while process_group_members(pgid) and time.monotonic() < kill_deadline:
         time.sleep(0.1)
     return process.returncode
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until_ready(
+    process: subprocess.Popen[bytes],
+    ready: Callable[[], bool],
+    *,
+    began: float,
+    timeout_s: float,
+    name: str,
+    log_path: Path,
+    log_tail: Callable[[], str],
+    interval_s: float = 0.2,
+) -> None:
+    """Poll ``ready()`` until it is true, while ``process`` runs.
+
+    Args:
+        process: the server (started by :func:`start_in_own_group`).
+        ready: True once the server answers as wanted (it swallows connection errors).
+        began: ``time.monotonic()`` at the start; ``timeout_s``: seconds from then.
+        name: the server in messages (``"smg"``, ``"vLLM CPU server"``).
+        log_path, log_tail: the server's log and its last lines, for the messages.
+
+    Raises:
+        RuntimeError: the process exited first (its status and log tail in the message).
+        TimeoutError: not ready within ``timeout_s`` (the log tail in the message).
+    """
+    while True:
+        status = process.poll()
+        if status is not None:
+            raise RuntimeError(
+                f"{name} exited with status {status} during startup; log {log_path}:\n{log_tail()}"
+            )
+        if ready():
+            return
+        if time.monotonic() > began + timeout_s:
+            raise TimeoutError(
+                f"{name} not healthy after {timeout_s:.0f} s; log {log_path}:\n{log_tail()}"
+            )
+        time.sleep(interval_s)

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -32,17 +31,16 @@ import httpx
 
 from contextpilot_integrations.engines.locations import require_vllm_python
 from contextpilot_integrations.engines.model_chat import ModelChat
-from contextpilot_integrations.engines.process_group import start_in_own_group, stop_group
+from contextpilot_integrations.engines.process_group import (
+    free_port,
+    start_in_own_group,
+    stop_group,
+    wait_until_ready,
+)
 
 __all__ = ["VllmCpuServer"]
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class VllmCpuServer:
@@ -314,7 +312,7 @@ class VllmCpuServer:
         else:
             self.work_dir = Path(tempfile.mkdtemp(prefix="vllm-cpu-"))
         self._check_ipc_path_length(self.work_dir)
-        self.port = self._requested_port or _free_port()
+        self.port = self._requested_port or free_port()
         began = time.monotonic()
         log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._log_file = log_file
@@ -336,24 +334,23 @@ class VllmCpuServer:
 
     def _wait_healthy(self, began: float) -> None:
         assert self._process is not None
-        deadline = began + self.startup_timeout
         with httpx.Client(timeout=5.0) as client:
-            while True:
-                status = self._process.poll()
-                if status is not None:
-                    raise RuntimeError(
-                        f"vLLM CPU server exited with status {status} during startup; "
-                        f"log {self.log_path}:\n{self.log_tail()}"
-                    )
+
+            def healthy() -> bool:
                 with contextlib.suppress(httpx.TransportError):
-                    if client.get(f"{self.base_url}/health").status_code == 200:
-                        return
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"vLLM CPU server not healthy after {self.startup_timeout:.0f} s; "
-                        f"log {self.log_path}:\n{self.log_tail()}"
-                    )
-                time.sleep(0.5)
+                    return client.get(f"{self.base_url}/health").status_code == 200
+                return False
+
+            wait_until_ready(
+                self._process,
+                healthy,
+                began=began,
+                timeout_s=self.startup_timeout,
+                name="vLLM CPU server",
+                log_path=self.log_path,
+                log_tail=self.log_tail,
+                interval_s=0.5,
+            )
 
     def log_tail(self, lines: int = 40) -> str:
         """The last ``lines`` lines of the server log ("" before start)."""

@@ -136,6 +136,6 @@ def test_a_gateway_that_cannot_start_reports_its_log() -> None:
     with pytest.raises(ValueError, match="worker"):
         SmgGateway([])
     gateway = SmgGateway(["http://127.0.0.1:1"], startup_timeout=2.0)
-    with pytest.raises(TimeoutError, match="smg not ready"):
+    with pytest.raises(TimeoutError, match="smg not healthy after 2 s"):
         gateway.start()
     assert not gateway.running
