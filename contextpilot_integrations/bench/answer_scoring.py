@@ -23,6 +23,9 @@ References (:func:`reference_answers`, request id -> reference texts):
 Intervals (:func:`bootstrap_interval`, :func:`paired_difference`): percentile bootstrap over
 the questions (2,000 resamples, seeded), 95%. A paired difference resamples the same questions
 for both methods, so a per-question effect is not drowned by the spread between questions.
+:func:`bootstrap_statistic` does the same for any statistic of paired items (the engine's hit
+ratio and median TTFT per method, the ratio of two methods' median TTFT;
+:mod:`~contextpilot_integrations.bench.engine_intervals`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import json
 import re
 import string
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +48,7 @@ __all__ = [
     "Interval",
     "MethodScores",
     "bootstrap_interval",
+    "bootstrap_statistic",
     "is_label_only",
     "normalize_answer",
     "paired_difference",
@@ -228,6 +232,34 @@ def bootstrap_interval(
     tail = 100 * (1 - level) / 2
     low, high = np.percentile(means, [tail, 100 - tail])
     return Interval(float(array.mean()), float(low), float(high))
+
+
+def bootstrap_statistic(
+    statistic: Callable[[np.ndarray], float],
+    items: int,
+    *,
+    resamples: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> Interval:
+    """Any statistic of ``items`` paired items and its percentile-bootstrap interval.
+
+    ``statistic`` gets an array of item indices (``arange(items)`` for the point estimate, a
+    resample drawn with replacement for each of ``resamples``) and returns a number; a paired
+    statistic (a ratio of two methods' medians over the same questions) indexes both methods'
+    arrays with the same indices. The :class:`Interval`'s ``mean`` is the point estimate.
+
+    Raises:
+        ValueError: no items.
+    """
+    if items <= 0:
+        raise ValueError("no items to bootstrap")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, items, size=(resamples, items))
+    values = np.array([statistic(row) for row in picks], dtype=float)
+    tail = 100 * (1 - level) / 2
+    low, high = np.nanpercentile(values, [tail, 100 - tail])
+    return Interval(float(statistic(np.arange(items))), float(low), float(high))
 
 
 def paired_difference(

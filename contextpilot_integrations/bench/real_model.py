@@ -45,6 +45,7 @@ from contextpilot_integrations.bench.answer_scoring import (
     score_methods,
 )
 from contextpilot_integrations.bench.engine import Engine
+from contextpilot_integrations.bench.engine_intervals import engine_interval_lines
 from contextpilot_integrations.bench.methods import (
     METHODS,
     MethodResult,
@@ -290,6 +291,7 @@ def answer_lines(
     answers = _answers_by_method(results, run)
     if not answers:
         return []
+    engine = engine_interval_lines(results, run)
     try:
         references = reference_answers(prepared.workload.name, data_dir)
     except ValueError as no_references:
@@ -317,7 +319,7 @@ def answer_lines(
             lines.append("    vs baseline: " + "; ".join(diffs))
     lines += _no_drop_lines(scores)
     lines.append(f"what these scores show: {WHAT_SCORES_SHOW}")
-    return lines
+    return engine + lines
 
 
 def _score_document(scores: MethodScores) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import pytest
 
 from contextpilot_integrations.bench.answer_scoring import (
     bootstrap_interval,
+    bootstrap_statistic,
     is_label_only,
     normalize_answer,
     paired_difference,
@@ -79,6 +80,17 @@ def test_bootstrap_interval_is_seeded_and_brackets_the_mean() -> None:
     assert first.low > 0.15 and first.high < 0.45
     with pytest.raises(ValueError):
         bootstrap_interval([])
+
+
+def test_bootstrap_statistic_of_the_mean_is_the_bootstrap_interval() -> None:
+    values = np.random.default_rng(3).normal(size=40)
+    by_index = bootstrap_statistic(lambda picks: float(values[picks].mean()), len(values))
+    assert by_index == bootstrap_interval(values)  # the same seeded resamples
+    median = bootstrap_statistic(lambda picks: float(np.median(values[picks])), len(values))
+    assert median.mean == pytest.approx(float(np.median(values)))
+    assert median.low < median.mean < median.high
+    with pytest.raises(ValueError):
+        bootstrap_statistic(lambda picks: 0.0, 0)
 
 
 def test_paired_difference_sees_a_per_question_effect() -> None:

@@ -111,6 +111,10 @@ def test_scored_benchmark_smoke(model_dir: Path, data_dir: Path, tmp_path: Path)
     assert reports["contextpilot"]["hit_ratio"] > reports["baseline"]["hit_ratio"]
     summary = {row["method"]: row for row in document["summary"]}
     assert set(summary) == set(SCORED_METHODS)
+    intervals = run["engine_intervals"]
+    assert list(intervals) == list(SCORED_METHODS)
+    lower = intervals["contextpilot"]["ttft_p50_vs_baseline"]
+    assert lower["low"] <= lower["mean"] <= lower["high"]
 
 
 def test_chat_replay_reuses_each_turns_prompt_and_answer(
