@@ -165,8 +165,15 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         for method in methods:
             tick = _progress(method, len(workload.requests)) if progress else None
             runs.append(run_replica_method(method, prepared, fleet, smg_binary=smg, progress=tick))
-            if progress:
-                print(file=sys.stderr)
+            done = runs[-1]
+            prompt = sum(r.prompt_tokens for r in done.requests)
+            cached = sum(r.cached_tokens for r in done.requests)
+            print(
+                f"{chr(10) if progress else ''}{method}: engine hit "
+                f"{cached / max(prompt, 1):.4f} in {done.seconds:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     run["seconds"] = round(time.perf_counter() - started, 3)
     run["load_average_end"] = os.getloadavg()
     rows = vllm_replica_rows(runs, total_capacity_tokens=fleet_tokens, block_size=args.block_size)
