@@ -19,11 +19,15 @@ What is checked (:class:`ChatTurn`): the engine reuses turn ``t - 1``'s prompt a
 they stay a token prefix of turn ``t``'s prompt. A template that renders history otherwise than
 it rendered the generation prompt (dropping earlier turns' reasoning, re-adding a default system
 prompt, trimming whitespace) or an answer whose generated tokens are not what its text encodes
-to, breaks that. Both are measured, not assumed: ``prefix_kept`` is how many tokens of the
-previous prompt plus the encoded answer start this turn's ids (local template), and the engine's
-``cached_tokens`` say what it reused. Target: where the history fits in the cache (nothing
-trimmed, the prompt within the KV cache), cached tokens at least 0.99 of the previous turn's
-prompt plus answer, rounded down to whole blocks. The KV cache is the engine's whole memory
+to, breaks that. Both are measured, not assumed: the answer's generated ids come back from the
+engine (vLLM's ``return_token_ids``); what the engine computed of turn ``t - 1`` is its prompt
+ids and the generated ids but the last (a sampled token is fed back only to sample the next:
+the stop token, or the last of ``max_tokens``, never is); ``prefix_kept`` is how many of those
+start turn ``t``'s ids (local template), split into breaks in the earlier prompt (the template)
+and in the answer (its text re-encodes to other ids); the engine's ``cached_tokens`` say what it
+reused. Target: where the history fits in the cache (nothing trimmed, the prompt within the KV
+cache), cached tokens at least 0.99 of the previous turn's prompt plus answer as computed,
+rounded down to whole blocks. The KV cache is the engine's whole memory
 (``VLLM_CPU_KVCACHE_SPACE``) unless ``--engine-kv-tokens`` is given; a conversation whose prompt
 outgrows ``max_model_len`` (default the model's 8,192 positions) loses its oldest turns, and
 such turns are not counted for the target.
@@ -95,10 +99,15 @@ class ChatTurn:
         ttft_s: time to first token, seconds.
         answer: the generated text.
         answer_tokens: its tokens as the tokenizer encodes the text.
-        previous_tokens: the previous turn's prompt plus answer tokens (0 for a first turn or
-            when earlier turns were trimmed away).
-        prefix_kept: of those, how many start this turn's local ids (the template's and the
-            tokenizer's prefix stability; equal to ``previous_tokens`` when history is stable).
+        generated_tokens: the ids the engine generated, the stop token included (None: the
+            engine did not return them; ``answer_tokens`` stand in then).
+        previous_tokens: the previous turn's prompt plus the answer ids the engine computed
+            (all generated ids but the last; 0 for a first turn or when earlier turns were
+            trimmed away).
+        previous_prompt_tokens: of those, the previous turn's prompt.
+        prefix_kept: of ``previous_tokens``, how many start this turn's local ids (equal to it
+            when history is stable; below ``previous_prompt_tokens``: the template re-rendered
+            the earlier prompt; between: the answer's text re-encodes to other ids).
         expected_cached: ``previous_tokens`` rounded down to whole blocks (what the engine can
             reuse when the prefix is kept and cached).
         trimmed_turns: earlier turns dropped to fit ``max_model_len``.
@@ -116,7 +125,9 @@ class ChatTurn:
     ttft_s: float
     answer: str
     answer_tokens: int
+    generated_tokens: int | None
     previous_tokens: int
+    previous_prompt_tokens: int
     prefix_kept: int
     expected_cached: int
     trimmed_turns: int
@@ -231,19 +242,23 @@ def _send_turn(
         if len(ids) <= budget or trimmed == len(earlier):
             break
         trimmed += 1
-    completion = instance.chat(messages, rid=rid)
+    completion = instance.chat(messages, rid=rid, token_ids=True)
     if pilot is not None and pilot.engine is not None:
         pilot.engine.register_tokens(rid, ids)
     answer = completion.text
     answer_ids = server.chat.tokenizer.encode(answer, add_special_tokens=False).ids
-    previous_tokens = prefix_kept = 0
+    generated = completion.token_ids
+    # what the engine computed of the answer: every generated id but the last (sampled, never
+    # fed back); the text's own ids when the engine did not return them
+    computed = list(generated[:-1]) if generated is not None else list(answer_ids)
+    previous_tokens = previous_prompt = prefix_kept = 0
     if earlier and trimmed == 0:
         _, _, previous_ids, previous_answer = earlier[-1]
         expected = [*previous_ids, *previous_answer]
-        previous_tokens = len(expected)
+        previous_tokens, previous_prompt = len(expected), len(previous_ids)
         prefix_kept = _common_prefix(expected, ids)
     block = instance.block_size
-    earlier.append((user, answer, ids, list(answer_ids)))
+    earlier.append((user, answer, ids, computed))
     return ChatTurn(
         request_id=turn.request_id,
         conversation_id=turn.conversation_id,
@@ -255,7 +270,9 @@ def _send_turn(
         ttft_s=completion.ttft_s,
         answer=answer,
         answer_tokens=len(answer_ids),
+        generated_tokens=None if generated is None else len(generated),
         previous_tokens=previous_tokens,
+        previous_prompt_tokens=previous_prompt,
         prefix_kept=prefix_kept,
         expected_cached=previous_tokens // block * block,
         trimmed_turns=trimmed,
@@ -277,6 +294,7 @@ def reuse_summary(turns: Sequence[ChatTurn]) -> dict[str, Any]:
     applies = [t for t in later if t.fits and t.previous_tokens]
     met = [t for t in applies if (t.cached_tokens or 0) >= REUSE_TARGET * t.expected_cached]
     broken = [t for t in applies if t.prefix_kept < t.previous_tokens]
+    by_template = [t for t in broken if t.prefix_kept < t.previous_prompt_tokens]
     cached = sum(t.cached_tokens or 0 for t in applies)
     expected = sum(t.expected_cached for t in applies)
     prompt = sum(t.prompt_tokens for t in turns)
@@ -286,10 +304,18 @@ def reuse_summary(turns: Sequence[ChatTurn]) -> dict[str, Any]:
         "target_applies": len(applies),
         "target_met": len(met),
         "prefix_broken": len(broken),
+        "prefix_broken_by_template": len(by_template),
+        "prefix_broken_in_answer": len(broken) - len(by_template),
         "prefix_broken_examples": [
-            {"request_id": t.request_id, "kept": t.prefix_kept, "of": t.previous_tokens}
+            {
+                "request_id": t.request_id,
+                "kept": t.prefix_kept,
+                "of": t.previous_tokens,
+                "prompt": t.previous_prompt_tokens,
+            }
             for t in broken[:5]
         ],
+        "generated_ids_returned": sum(1 for t in turns if t.generated_tokens is not None),
         "trimmed": sum(1 for t in turns if t.trimmed_turns),
         "cached_of_expected": cached / expected if expected else None,
         "prompt_tokens": prompt,
@@ -394,7 +420,9 @@ def run_chat_replay(args: argparse.Namespace, stop_check: Callable[[], None]) ->
             f"turns whose history fits: {summary['target_applies']}, cached >= {REUSE_TARGET} of "
             f"the previous prompt + answer (whole blocks): {summary['target_met']} "
             f"({'n/a' if ratio is None else f'{ratio:.4f}'} of the expected tokens in all); "
-            f"template/tokenizer prefix broken: {summary['prefix_broken']}; history trimmed: "
+            f"prefix broken: {summary['prefix_broken']} (by the template "
+            f"{summary['prefix_broken_by_template']}, in the answer's re-encoded ids "
+            f"{summary['prefix_broken_in_answer']}); history trimmed: "
             f"{summary['trimmed']}; local vs engine prompt-token mismatches: "
             f"{summary['local_token_mismatches']}"
         )

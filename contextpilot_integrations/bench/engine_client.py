@@ -62,6 +62,8 @@ class Completion:
         ttft_s: time to first token, seconds.
         total_s: time to the end of the stream, seconds.
         text: the generated text.
+        token_ids: the generated token ids, the stop token included (asked with
+            ``chat(..., token_ids=True)``, vLLM's ``return_token_ids``; else ``None``).
     """
 
     prompt_tokens: int
@@ -69,6 +71,7 @@ class Completion:
     ttft_s: float
     total_s: float
     text: str
+    token_ids: tuple[int, ...] | None = None
 
 
 class EngineClient:
@@ -166,6 +169,7 @@ class EngineClient:
         rid: str,
         max_tokens: int = 1,
         headers: Mapping[str, str] | None = None,
+        token_ids: bool = False,
     ) -> Completion:
         """Send one streamed chat completion and measure it.
 
@@ -176,6 +180,7 @@ class EngineClient:
             max_tokens: tokens to generate (1: prefill only).
             headers: more request headers (a gateway's routing key:
                 :func:`~contextpilot_integrations.engine_fields.engine_headers`).
+            token_ids: ask for the generated token ids (vLLM's ``return_token_ids``).
 
         Returns:
             :class:`Completion`.
@@ -193,11 +198,14 @@ class EngineClient:
             "stream_options": {"include_usage": True},
             **engine_body_fields(rid),
         }
+        if token_ids:
+            body["return_token_ids"] = True
         start = time.perf_counter()
         first_token: float | None = None
         finished_at: float | None = None
         final: dict[str, Any] | None = None  # the chunk that carries usage
         text: list[str] = []
+        ids: list[int] = []
         try:
             with self._http.stream(
                 "POST", "/v1/chat/completions", json=body, headers=dict(headers or {})
@@ -228,6 +236,7 @@ class EngineClient:
                             text.append(piece)
                             if first_token is None:
                                 first_token = now
+                        ids.extend(choice.get("token_ids") or ())
                         if choice.get("finish_reason") and finished_at is None:
                             finished_at = now
                     if chunk.get("usage"):
@@ -256,6 +265,7 @@ class EngineClient:
             ttft_s=(ttft_at if ttft_at is not None else end) - start,
             total_s=end - start,
             text="".join(text),
+            token_ids=tuple(ids) if token_ids else None,
         )
 
     def _request(self, method: str, path: str) -> httpx.Response:

@@ -160,10 +160,15 @@ class VllmCpuInstance:
         return self.server.cache_sync
 
     def chat(
-        self, messages: Sequence[Mapping[str, str]], *, rid: str, max_tokens: int | None = None
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        rid: str,
+        max_tokens: int | None = None,
+        token_ids: bool = False,
     ) -> Completion:
         """One streamed chat request under ``rid``, greedy, ``max_tokens`` tokens at most
-        (default ``answer_tokens``).
+        (default ``answer_tokens``); ``token_ids``: with the generated ids.
 
         Raises:
             RuntimeError: not started.
@@ -175,7 +180,9 @@ class VllmCpuInstance:
         if self.stop_check is not None:
             self.stop_check()
         tokens = self.answer_tokens if max_tokens is None else max_tokens
-        return self.client.chat([dict(m) for m in messages], rid=rid, max_tokens=tokens)
+        return self.client.chat(
+            [dict(m) for m in messages], rid=rid, max_tokens=tokens, token_ids=token_ids
+        )
 
     def _next_id(self, prefix: str) -> str:
         self._sequence += 1

@@ -33,6 +33,16 @@ def test_streamed_completion_reports_usage_cache_and_ttft(engine_server) -> None
     assert body["model"] == "test-model"
 
 
+def test_generated_token_ids_are_asked_for_only_when_wanted(engine_server) -> None:
+    url, state = engine_server
+    with EngineClient(url, model="m") as client:
+        plain = client.chat(_messages("a b"), rid="a")
+        asked = client.chat(_messages("a b"), rid="b", token_ids=True)
+    assert "return_token_ids" not in state.bodies[0] and plain.token_ids is None
+    # this stand-in returns no ids; vLLM's are checked in the vllm tier (test_smollm2_vllm)
+    assert state.bodies[1]["return_token_ids"] is True and asked.token_ids == ()
+
+
 def test_flush_cache_empties_the_engine_cache(engine_server) -> None:
     url, state = engine_server
     with EngineClient(url, model="m") as client:

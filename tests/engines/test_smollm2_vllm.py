@@ -138,6 +138,7 @@ def test_chat_replay_reuses_each_turns_prompt_and_answer(
     assert reuse["turns"] == 10 and reuse["later_turns"] == 8
     assert reuse["local_token_mismatches"] == 0
     assert reuse["prefix_broken"] == 0
+    assert reuse["generated_ids_returned"] == 10
     assert reuse["target_applies"] >= 4
     assert reuse["target_met"] == reuse["target_applies"]
     turns = document["turns"]["baseline"]
