@@ -1,5 +1,6 @@
 """Framework-free core: block identity, the context index, alignment, scheduling, de-duplication,
-rendering, the request and plan types, and the ``ContextPilot`` facade."""
+rendering, the request and plan types, the ``ContextPilot`` facade and the ``ReplicaRouter`` over
+several engine replicas."""
 
 from .blocks import ApproxTokenCounter, ContextBlock, TokenCounter, TokenizerCounter, block_id
 from .context_index import ContextIndex, IndexStats, SearchResult
@@ -10,6 +11,7 @@ from .planner_protocol import Planner
 from .planning_window import PlanningWindow
 from .rendering import DEFAULT_SYSTEM_PROMPT, PromptLayout
 from .request import PlanRequest, RidConflictError, Scope
+from .routing import ReplicaRouter
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
@@ -27,6 +29,7 @@ __all__ = [
     "Planner",
     "PlanningWindow",
     "PromptLayout",
+    "ReplicaRouter",
     "RidConflictError",
     "Scope",
     "SearchResult",

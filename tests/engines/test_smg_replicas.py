@@ -220,7 +220,7 @@ def test_evictions_from_each_replica_reach_only_its_index(
         sent = {name: {p.rid for p in batch.plans if p.replica == name} for name in fleet.names}
         applied_somewhere = 0
         for name in fleet.names:
-            index = router._replicas[name].pilot.index
+            index = router._fleet.replicas[name].pilot.index
             held = {rid for rid in sent[name] if rid in index}
             applied = int(stats[name]["sync"]["evictions"].get("kv-events", 0))
             # What left this replica's index is exactly what its own link evicted.

@@ -45,7 +45,7 @@ def indexed(router: ReplicaRouter, name: str) -> int:
 
 
 def cached(router: ReplicaRouter, name: str) -> set[str]:
-    return router._replicas[name].link.source.mirror.cached_requests()  # type: ignore[union-attr]
+    return router._fleet.replicas[name].link.source.mirror.cached_requests()  # type: ignore[union-attr]
 
 
 def test_an_eviction_on_one_replica_touches_only_its_index(ipc_endpoints, wait_for) -> None:
