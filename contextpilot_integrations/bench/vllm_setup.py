@@ -1,7 +1,9 @@
 """``contextpilot-bench --engine vllm-cpu``: vLLM's CPU build as the run's engine, started and
 stopped by the run.
 
-What the setup does, around the CLI's one driver (:mod:`~contextpilot_integrations.bench.cli`):
+What the setup does, around the CLI's runs
+(:mod:`~contextpilot_integrations.bench.cli_single_turn`,
+:mod:`~contextpilot_integrations.bench.cli_multiturn`):
 
 1. Prepares the model directory once and reuses it (``--engine-model-dir``): random weights
    (:func:`~contextpilot_integrations.engines.model_dir.ensure_model_dir`, the default) or,
