@@ -12,7 +12,6 @@ prompt (:mod:`.placements`), the rids a running call holds (:mod:`.rid_reservati
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
@@ -26,6 +25,7 @@ from .dedup import Deduplicator
 from .distance import DEFAULT_ALPHA
 from .placements import PendingTurns, place_blocks
 from .plan import BatchPlan, Plan
+from .planner_protocol import ThreadedAsyncTwins
 from .popularity import CooccurrenceMemory, PopularityMemory
 from .rendering import PromptLayout
 from .request import NO_SCOPE, PlanRequest, Scope, check_batch, new_rid
@@ -47,7 +47,7 @@ SNAPSHOT_VERSION = 1
 """Version of :meth:`ContextPilot.snapshot`'s format."""
 
 
-class ContextPilot:
+class ContextPilot(ThreadedAsyncTwins):
     """Plans requests against one shared :class:`ContextIndex`.
 
     Args:
@@ -210,17 +210,6 @@ class ContextPilot:
             self.engine.record([plan])
         return plan
 
-    async def aplan(
-        self,
-        query: str,
-        blocks: Sequence[str],
-        *,
-        rid: str | None = None,
-        scope: Scope | None = None,
-    ) -> Plan:
-        """:meth:`plan` in a worker thread, so the event loop goes on meanwhile."""
-        return await asyncio.to_thread(self.plan, query, blocks, rid=rid, scope=scope)
-
     def plan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
         """Order a batch jointly, de-duplicate, index and schedule it.
 
@@ -269,10 +258,6 @@ class ContextPilot:
         if self.engine is not None:
             self.engine.record(plans)
         return BatchPlan(plans=plans, schedule=tuple(schedule(paths, self.schedule_method)))
-
-    async def aplan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
-        """:meth:`plan_batch` in a worker thread."""
-        return await asyncio.to_thread(self.plan_batch, requests)
 
     # ------------------------------------------------------------------ Public API: the engine
     def evict(self, rid: str) -> bool:

@@ -10,6 +10,7 @@ worker thread, the client sends over an async transport).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from .rendering import PromptLayout
     from .request import PlanRequest, Scope
 
-__all__ = ["PLANNER_MEMBERS", "Planner", "check_planner"]
+__all__ = ["PLANNER_MEMBERS", "Planner", "ThreadedAsyncTwins", "check_planner"]
 
 PLANNER_MEMBERS = ("layout", "plan", "aplan", "plan_batch", "aplan_batch", "evict")
 """The members of :class:`Planner`."""
@@ -97,3 +98,38 @@ def check_planner(pilot: object, name: str = "pilot") -> None:
             f"{name} must implement the Planner protocol (ContextPilot or ContextPilotClient); "
             f"{type(pilot).__name__} has {', '.join(problems)}"
         )
+
+
+class ThreadedAsyncTwins:
+    """The async twins of an in-process planner: ``aplan`` and ``aplan_batch`` run its blocking
+    ``plan`` and ``plan_batch`` in a worker thread (``asyncio.to_thread``), so the event loop
+    goes on meanwhile. A base class of :class:`~.pilot.ContextPilot` and
+    :class:`~.routing.ReplicaRouter`; the subclass provides ``plan`` and ``plan_batch``."""
+
+    def plan(
+        self,
+        query: str,
+        blocks: Sequence[str],
+        *,
+        rid: str | None = None,
+        scope: Scope | None = None,
+    ) -> Plan:
+        raise NotImplementedError
+
+    def plan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
+        raise NotImplementedError
+
+    async def aplan(
+        self,
+        query: str,
+        blocks: Sequence[str],
+        *,
+        rid: str | None = None,
+        scope: Scope | None = None,
+    ) -> Plan:
+        """:meth:`plan` in a worker thread, so the event loop goes on meanwhile."""
+        return await asyncio.to_thread(self.plan, query, blocks, rid=rid, scope=scope)
+
+    async def aplan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
+        """:meth:`plan_batch` in a worker thread."""
+        return await asyncio.to_thread(self.plan_batch, requests)

@@ -24,7 +24,6 @@ request's size times the number of replicas (invariant 7).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +34,7 @@ from .context_index import ContextIndex
 from .dedup import Deduplicator
 from .pilot import ContextPilot
 from .plan import BatchPlan, Plan
+from .planner_protocol import ThreadedAsyncTwins
 from .rendering import PromptLayout
 from .replica_fleet import ReplicaFleet
 from .replica_load import LoadBoard
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 __all__ = ["ReplicaRouter"]
 
 
-class ReplicaRouter:
+class ReplicaRouter(ThreadedAsyncTwins):
     """Plans requests over several engine replicas (module docstring).
 
     Args:
@@ -173,17 +173,6 @@ class ReplicaRouter:
         """
         return self._planning.plan(PlanRequest(query, blocks, rid, scope or NO_SCOPE))
 
-    async def aplan(
-        self,
-        query: str,
-        blocks: Sequence[str],
-        *,
-        rid: str | None = None,
-        scope: Scope | None = None,
-    ) -> Plan:
-        """:meth:`plan` in a worker thread."""
-        return await asyncio.to_thread(self.plan, query, blocks, rid=rid, scope=scope)
-
     def plan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
         """Partition a batch across the replicas and plan each part on its replica
         (:meth:`.ReplicaPlanning.plan_batch`).
@@ -196,10 +185,6 @@ class ReplicaRouter:
             RidConflictError: a rid is indexed on a replica or being planned.
         """
         return self._planning.plan_batch(requests)
-
-    async def aplan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
-        """:meth:`plan_batch` in a worker thread."""
-        return await asyncio.to_thread(self.plan_batch, requests)
 
     # ------------------------------------------------------------------ Public API: the engines
     def evict(self, rid: str) -> bool:
