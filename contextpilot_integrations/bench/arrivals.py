@@ -2,7 +2,7 @@
 
 The planning-window benchmark (``contextpilot-bench --mode online --arrival ...``) replays these
 times through the core's closing rule (:meth:`WindowPolicy.group
-<contextpilot_integrations.core.planning_window.WindowPolicy.group>`) without sleeping.
+<contextpilot_integrations.core.window_policy.WindowPolicy.group>`) without sleeping.
 
 ``poisson``
     Requests arrive in the workload's order, the gaps between them drawn independently from an

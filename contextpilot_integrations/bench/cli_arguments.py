@@ -20,7 +20,7 @@ from contextpilot_integrations.bench.vllm_setup import (
     add_vllm_arguments,
 )
 from contextpilot_integrations.bench.workloads import DATA_DIR_ENV, workload_names
-from contextpilot_integrations.core.planning_window import WindowPolicy
+from contextpilot_integrations.core.window_policy import WindowPolicy
 
 __all__ = [
     "DEFAULT_CACHE_TOKENS",

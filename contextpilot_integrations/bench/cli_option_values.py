@@ -14,7 +14,7 @@ from contextpilot_integrations.bench.cli_arguments import (
     DEFAULT_WINDOW_POLICY,
     DEFAULT_WINDOWS_MS,
 )
-from contextpilot_integrations.core.planning_window import WindowPolicy
+from contextpilot_integrations.core.window_policy import WindowPolicy
 
 __all__ = ["parse_methods", "parse_numbers", "parse_sessions", "window_settings"]
 

@@ -43,7 +43,7 @@ from contextpilot_integrations.bench.report import (
 )
 from contextpilot_integrations.bench.window_runner import WindowResult, run_window
 from contextpilot_integrations.bench.workloads import load_workload
-from contextpilot_integrations.core.planning_window import WindowPolicy
+from contextpilot_integrations.core.window_policy import WindowPolicy
 from contextpilot_integrations.engines.stop_signals import StopSignals
 
 __all__ = ["OFFLINE_REFERENCE", "run_single_turn_report"]

@@ -3,7 +3,7 @@
 ``contextpilot-bench --mode online --arrival poisson --rate R --window-ms W`` gives every
 request an arrival time (:mod:`~contextpilot_integrations.bench.arrivals`), groups the requests
 into windows with the core's closing rule (:meth:`WindowPolicy.group
-<contextpilot_integrations.core.planning_window.WindowPolicy.group>`: the same rule
+<contextpilot_integrations.core.window_policy.WindowPolicy.group>`: the same rule
 :class:`~contextpilot_integrations.core.planning_window.PlanningWindow` applies in a live app),
 plans each window against the one shared index, and sends its requests to the engine in the
 batch's schedule order, the windows in closing order. Nothing sleeps: the time a request waits
@@ -40,8 +40,8 @@ from contextpilot_integrations.bench.methods import (
 )
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import Plan
-from contextpilot_integrations.core.planning_window import WindowPolicy
 from contextpilot_integrations.core.request import PlanRequest
+from contextpilot_integrations.core.window_policy import WindowPolicy
 
 __all__ = ["WindowResult", "run_window", "window_method"]
 

@@ -26,9 +26,9 @@ event loop (it waits on a future; its batch is planned with the planner's ``apla
 batch that fails (one bad or conflicting request) is planned again request by request, so only
 the bad request's caller gets the error.
 
-:class:`WindowPolicy` is the closing rule alone, in virtual time, so the benchmark can replay an
-arrival process through the same rule without sleeping
-(``contextpilot-bench --mode online --arrival poisson --window-ms W``).
+The closing rule itself, in virtual time (so the benchmark can replay an arrival process
+through it without sleeping), is :class:`~.window_policy.WindowPolicy`, re-exported here with
+:class:`~.window_policy.ArrivalRate`.
 """
 
 from __future__ import annotations
@@ -38,14 +38,13 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from .blocks import block_id
 from .plan import BatchPlan, Plan
 from .planner_protocol import Planner, check_planner
 from .rendering import PromptLayout
-from .request import NO_SCOPE, PlanRequest, Scope, check_batch, is_block_text
+from .request import NO_SCOPE, PlanRequest, Scope, check_batch
+from .window_policy import ArrivalRate, OpenWindow, WindowPolicy
 
 __all__ = ["ArrivalRate", "PlanningWindow", "WindowPolicy"]
 
@@ -55,144 +54,6 @@ class _Alone(Exception):
 
 
 _ALONE = _Alone()
-
-
-@dataclass(frozen=True)
-class WindowPolicy:
-    """When a window closes.
-
-    Attributes:
-        window_s: how long the first request of a window may wait for others (seconds, >= 0).
-        max_batch: most requests in one window (>= 1).
-        adaptive: close at once when fewer than one more request is expected within the
-            window, and at half the length when no two requests share a block yet.
-
-    Raises:
-        ValueError: a negative ``window_s`` or a ``max_batch`` below 1.
-    """
-
-    window_s: float = 0.010
-    max_batch: int = 64
-    adaptive: bool = True
-
-    def __post_init__(self) -> None:
-        if isinstance(self.window_s, bool) or not self.window_s >= 0:
-            raise ValueError(f"window_ms must be >= 0, got {self.window_s * 1000!r}")
-        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int):
-            raise ValueError(f"max_batch must be an int >= 1, got {self.max_batch!r}")
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be an int >= 1, got {self.max_batch!r}")
-
-    def deadline(self, window: _OpenWindow) -> float:
-        """When ``window`` closes unless it fills up first (the clock's seconds)."""
-        if not self.adaptive:
-            return window.opened + self.window_s
-        if window.sparse and len(window.members) == 1:
-            return window.opened  # nobody else is expected: waiting buys nothing
-        if not window.shares_a_block:
-            return window.opened + self.window_s / 2
-        return window.opened + self.window_s
-
-    def admits(self, window: _OpenWindow, request: PlanRequest) -> bool:
-        """Whether ``request`` may join ``window`` (room left, not a second turn of one of its
-        conversations, not a rid it already holds)."""
-        if len(window.members) >= self.max_batch:
-            return False
-        conversation = request.scope.conversation
-        if conversation is not None and conversation in window.conversations:
-            return False
-        return request.rid is None or request.rid not in window.rids
-
-    def group(self, arrivals: Sequence[tuple[float, PlanRequest]]) -> list[tuple[float, list[int]]]:
-        """Replay ``arrivals`` (time in seconds, request; in time order) through the rule.
-
-        Returns:
-            ``(close time, indices into arrivals)`` per window, in closing order.
-        """
-        windows: list[tuple[float, list[int]]] = []
-        open_window: _OpenWindow | None = None
-        rate = ArrivalRate()
-        for index, (arrived, request) in enumerate(arrivals):
-            rate.arrive(arrived)
-            if open_window is not None:
-                closes = self.deadline(open_window)
-                if arrived >= closes or not self.admits(open_window, request):
-                    windows.append((min(closes, arrived), open_window.indices))
-                    open_window = None
-            if open_window is None:
-                open_window = _OpenWindow(arrived, sparse=rate.expected(self.window_s) < 1.0)
-            open_window.add(request, index=index, track_blocks=self.adaptive)
-            if len(open_window.members) >= self.max_batch or self.window_s == 0:
-                windows.append((arrived, open_window.indices))
-                open_window = None
-        if open_window is not None:
-            windows.append((self.deadline(open_window), open_window.indices))
-        return windows
-
-
-class ArrivalRate:
-    """An exponentially weighted mean of the gaps between arrivals (seconds), to predict how
-    many requests arrive within a window. Not thread-safe (its owner holds a lock)."""
-
-    __slots__ = ("_last", "mean_gap")
-
-    WEIGHT = 1 / 8  # the last 8 or so gaps dominate
-
-    def __init__(self) -> None:
-        self._last: float | None = None
-        self.mean_gap: float | None = None
-
-    def arrive(self, now: float) -> None:
-        """One more request arrived at ``now``."""
-        if self._last is not None:
-            gap = max(0.0, now - self._last)
-            self.mean_gap = (
-                gap
-                if self.mean_gap is None
-                else (self.mean_gap + self.WEIGHT * (gap - self.mean_gap))
-            )
-        self._last = now
-
-    def expected(self, window_s: float) -> float:
-        """Requests expected within ``window_s`` (0 before two arrivals were seen)."""
-        if self.mean_gap is None:
-            return 0.0
-        return window_s / self.mean_gap if self.mean_gap > 0 else float("inf")
-
-
-@dataclass
-class _OpenWindow:
-    """The requests of one window so far, with what the closing rule reads."""
-
-    opened: float
-    sparse: bool = False  # the arrival rate predicted no other request within the window
-    members: list[_Member] = field(default_factory=list)
-    indices: list[int] = field(default_factory=list)
-    conversations: set[tuple[str, str]] = field(default_factory=set)
-    rids: set[str] = field(default_factory=set)
-    blocks: set[int] = field(default_factory=set)
-    shares_a_block: bool = False
-    closed: bool = False
-    wake: Callable[[], None] | None = None  # wakes the request waiting to close the window
-
-    def add(
-        self,
-        request: PlanRequest,
-        *,
-        index: int = -1,
-        member: _Member | None = None,
-        track_blocks: bool = True,
-    ) -> None:
-        self.members.append(member if member is not None else _Member(request))
-        self.indices.append(index)
-        if request.scope.conversation is not None:
-            self.conversations.add(request.scope.conversation)
-        if request.rid is not None:
-            self.rids.add(request.rid)
-        if track_blocks and not self.shares_a_block:  # only the adaptive rule reads it
-            ids = {block_id(text) for text in request.blocks if is_block_text(text)}
-            self.shares_a_block = not ids.isdisjoint(self.blocks)
-            self.blocks |= ids
 
 
 class _Member:
@@ -269,7 +130,7 @@ class PlanningWindow:
         self.policy = WindowPolicy(window_ms / 1000.0, max_batch, adaptive)
         self._clock = clock
         self._lock = threading.Lock()
-        self._open: _OpenWindow | None = None
+        self._open: OpenWindow[_Member] | None = None
         self._rate = ArrivalRate()
         self._counts = {
             "windows": 0,
@@ -345,7 +206,7 @@ class PlanningWindow:
         return out
 
     # ------------------------------------------------------------------ internals
-    def _join(self, member: _Member) -> tuple[_OpenWindow, bool]:
+    def _join(self, member: _Member) -> tuple[OpenWindow[_Member], bool]:
         """Add ``member`` to the open window (closing it first when it cannot join); returns
         the window and whether this caller leads it (waits, then plans it)."""
         request = member.request
@@ -358,17 +219,17 @@ class PlanningWindow:
                 window = None
             if window is None:
                 sparse = self._rate.expected(self.policy.window_s) < 1.0
-                window = _OpenWindow(now, sparse=sparse)
+                window = OpenWindow(now, sparse=sparse)
                 self._open = window
                 leader = True
             else:
                 leader = False
-            window.add(request, member=member, track_blocks=self.policy.adaptive)
+            window.add(request, member, track_blocks=self.policy.adaptive)
             if len(window.members) >= self.policy.max_batch or self.policy.window_s == 0:
                 self._close(window)
             return window, leader
 
-    def _close(self, window: _OpenWindow) -> None:
+    def _close(self, window: OpenWindow[_Member]) -> None:
         """Close ``window`` (the lock is held) and wake its leader."""
         if window.closed:
             return
@@ -378,7 +239,7 @@ class PlanningWindow:
         if window.wake is not None:
             window.wake()
 
-    def _remaining(self, window: _OpenWindow) -> float | None:
+    def _remaining(self, window: OpenWindow[_Member]) -> float | None:
         """Seconds until ``window`` closes; ``None`` once it is closed (the lock is held)."""
         if window.closed:
             return None
@@ -393,14 +254,14 @@ class PlanningWindow:
             return None
         return left
 
-    def _lead(self, window: _OpenWindow) -> None:
+    def _lead(self, window: OpenWindow[_Member]) -> None:
         try:
             self._wait_and_plan(window)
         except BaseException as exc:  # never leave a member waiting for good
             self._fail_undelivered(window, exc)
             raise
 
-    async def _alead(self, window: _OpenWindow) -> None:
+    async def _alead(self, window: OpenWindow[_Member]) -> None:
         try:
             await self._await_and_plan(window)
         except BaseException as exc:
@@ -408,12 +269,12 @@ class PlanningWindow:
             raise
 
     @staticmethod
-    def _fail_undelivered(window: _OpenWindow, error: BaseException) -> None:
+    def _fail_undelivered(window: OpenWindow[_Member], error: BaseException) -> None:
         for member in window.members:
             if not member.done.is_set():
                 member.deliver(None, error)
 
-    def _wait_and_plan(self, window: _OpenWindow) -> None:
+    def _wait_and_plan(self, window: OpenWindow[_Member]) -> None:
         wakeup = threading.Event()
         with self._lock:
             window.wake = wakeup.set
@@ -434,7 +295,7 @@ class PlanningWindow:
             outcome = exc
         self._release(window, outcome, lambda request: self._plan_one(request))
 
-    async def _await_and_plan(self, window: _OpenWindow) -> None:
+    async def _await_and_plan(self, window: OpenWindow[_Member]) -> None:
         loop = asyncio.get_running_loop()
         wakeup = asyncio.Event()
 
@@ -484,7 +345,7 @@ class PlanningWindow:
 
     def _release(
         self,
-        window: _OpenWindow,
+        window: OpenWindow[_Member],
         outcome: BatchPlan | BaseException,
         plan_one: Callable[[PlanRequest], tuple[Plan | None, BaseException | None]] | None,
         singles: list[tuple[Plan | None, BaseException | None]] | None = None,
