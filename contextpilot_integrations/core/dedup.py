@@ -44,12 +44,8 @@ from dataclasses import dataclass, field
 
 from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenCounter, block_id
 from contextpilot_integrations.core.chunking import ContentChunker, SubBlock
-from contextpilot_integrations.core.conversation import (
-    ConversationStore,
-    ConversationTurn,
-    Location,
-    TurnVisibility,
-)
+from contextpilot_integrations.core.conversation import ConversationStore, Location, TurnVisibility
+from contextpilot_integrations.core.conversation_turn import ConversationTurn
 from contextpilot_integrations.core.hint_wording import HintWording, line_ending, quote_ends
 from contextpilot_integrations.core.lru import LRU
 

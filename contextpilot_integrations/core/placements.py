@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .conversation import ConversationTurn
+from .conversation_turn import ConversationTurn
 from .dedup import Deduplicator
 from .plan import DedupFigures, Placement, PlacementStatus
 from .rendering import PromptLayout
