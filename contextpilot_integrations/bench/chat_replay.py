@@ -51,7 +51,7 @@ from contextpilot_integrations.bench.answer_scoring import (
     reference_answers,
     score_methods,
 )
-from contextpilot_integrations.bench.multiturn import (
+from contextpilot_integrations.bench.prepared_conversations import (
     PreparedConversations,
     ReplayTurn,
     interleave,

@@ -12,7 +12,8 @@ import argparse
 
 from contextpilot_integrations.bench.arrivals import ARRIVALS
 from contextpilot_integrations.bench.methods import METHODS, MODES
-from contextpilot_integrations.bench.multiturn import MULTITURN_METHODS, RETRIEVAL_QUERIES
+from contextpilot_integrations.bench.multiturn import MULTITURN_METHODS
+from contextpilot_integrations.bench.prepared_conversations import RETRIEVAL_QUERIES
 from contextpilot_integrations.bench.replica_model import parse_replica_counts
 from contextpilot_integrations.bench.vllm_setup import (
     DEFAULT_BLOCK_SIZE,

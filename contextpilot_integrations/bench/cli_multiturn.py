@@ -19,7 +19,6 @@ from contextpilot_integrations.bench.engine_setups import engine_setup
 from contextpilot_integrations.bench.multiturn import (
     MULTITURN_METHODS,
     MultiTurnResult,
-    prepare_conversations,
     run_multiturn,
 )
 from contextpilot_integrations.bench.multiturn_report import (
@@ -28,6 +27,7 @@ from contextpilot_integrations.bench.multiturn_report import (
     summarize_multiturn,
     write_multiturn_json,
 )
+from contextpilot_integrations.bench.prepared_conversations import prepare_conversations
 from contextpilot_integrations.bench.report import format_table, plot_results, prefill_check
 from contextpilot_integrations.bench.workloads import load_workload
 from contextpilot_integrations.engines.stop_signals import StopSignals

@@ -32,7 +32,7 @@ from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenCount
 from contextpilot_integrations.core.rendering import PromptLayout
 
 if TYPE_CHECKING:
-    from contextpilot_integrations.bench.multiturn import PreparedConversations
+    from contextpilot_integrations.bench.prepared_conversations import PreparedConversations
 
 __all__ = ["EmbeddedSetup", "EngineSetup", "EngineURLSetup", "engine_setup", "load_tokenizer"]
 

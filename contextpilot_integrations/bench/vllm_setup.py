@@ -54,7 +54,7 @@ from contextpilot_integrations.core.blocks import TokenCounter, TokenizerCounter
 from contextpilot_integrations.core.rendering import PromptLayout
 
 if TYPE_CHECKING:
-    from contextpilot_integrations.bench.multiturn import PreparedConversations
+    from contextpilot_integrations.bench.prepared_conversations import PreparedConversations
     from contextpilot_integrations.bench.vllm_engine import VllmCpuEngine
     from contextpilot_integrations.bench.vllm_instance import VllmCpuInstance
 
