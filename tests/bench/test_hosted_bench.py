@@ -51,7 +51,7 @@ def test_openai_model_rounds_to_steps_and_routes_by_key():
     assert hits[1] > 0 and hits[2] == 0  # the third within a minute overflows to a cold machine
 
 
-def test_cli_cost_report(tmp_path, capsys):
+def test_cli_cost_report(tmp_path, capsys, data_dir):
     out = tmp_path / "hosted.json"
     argv = [
         "--engine",
@@ -83,7 +83,7 @@ def test_cli_cost_report(tmp_path, capsys):
     assert document["run"]["settings"]["price_write"] == 1.25
 
 
-def test_cli_openai_and_missing_prices(capsys):
+def test_cli_openai_and_missing_prices(capsys, data_dir):
     assert main(["--engine", "hosted-openai", "--price-read", "0.1", "--limit", "40"]) == 0
     assert "n/a" in capsys.readouterr().out  # OpenAI reports no writes
     assert main(["--engine", "hosted-anthropic", "--price-read", "0.1", "--limit", "5"]) == 2
