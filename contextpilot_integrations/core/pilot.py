@@ -259,6 +259,12 @@ class ContextPilot(ThreadedAsyncTwins):
             self.engine.record(plans)
         return BatchPlan(plans=plans, schedule=tuple(schedule(paths, self.schedule_method)))
 
+    def forget_conversation(self, conversation_id: str, tenant: str = "") -> bool:
+        """Drop a conversation's de-duplication records (its turn numbers go on: a later turn
+        is never numbered as one already given); False if unknown. No later plan hints at
+        what its earlier turns showed."""
+        return self.deduplicator.store.forget(tenant, conversation_id)
+
     # ------------------------------------------------------------------ Public API: the engine
     def evict(self, rid: str) -> bool:
         """Drop ``rid`` from the index (the engine evicted its cached prefix); False if it was

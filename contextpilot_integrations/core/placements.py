@@ -7,12 +7,15 @@ an empty one is skipped. Every input gets exactly one :class:`~.plan.Placement` 
 invariant 1). The conversation turn the de-duplication records waits in
 :class:`PendingTurns` until the planning call completes.
 
-Public API: :func:`place_blocks`, :class:`PlacedBlocks`, :class:`PendingTurns`.
+Public API: :func:`place_blocks`, :class:`PlacedBlocks`, :class:`PendingTurns`,
+:class:`DeferredTurns`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .conversation_turn import ConversationTurn
@@ -22,12 +25,14 @@ from .rendering import PromptLayout
 from .request import PlanRequest, Scope
 from .request_blocks import RequestBlocks
 
-__all__ = ["PendingTurns", "PlacedBlocks", "place_blocks"]
+__all__ = ["DeferredTurns", "PendingTurns", "PlacedBlocks", "place_blocks"]
 
 
 class PendingTurns:
     """The conversation turns one call records: committed when the call completes, aborted
-    when it raises, so a failed plan or batch records nothing (no phantom turns)."""
+    when it raises, so a failed plan or batch records nothing (no phantom turns). Inside
+    :meth:`DeferredTurns.collecting` a completed call hands its turns to the collector
+    instead, which commits them only once the plan has reached its caller."""
 
     def __init__(self) -> None:
         self._pending: list[ConversationTurn] = []
@@ -40,11 +45,46 @@ class PendingTurns:
         return self
 
     def __exit__(self, error_type: object, error: object, traceback: object) -> None:
+        collector = _COLLECTOR.get()
         for turn in self._pending:
-            if error_type is None:
-                turn.commit()
-            else:
+            if error_type is not None:
                 turn.abort()
+            elif collector is not None:
+                collector.turns.append(turn)
+            else:
+                turn.commit()
+
+
+class DeferredTurns:
+    """Turns planned in a worker thread for a coroutine, committed on its event loop once the
+    coroutine has its plan (:meth:`commit`), or aborted if it was cancelled first
+    (:meth:`abort`): a cancelled or timed-out ``aplan`` records no turn that a later hint
+    could point to. Thread-safe: each call is made once, after the worker has finished."""
+
+    def __init__(self) -> None:
+        self.turns: list[ConversationTurn] = []
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Within this block (in the worker thread), completed plans defer their turns here."""
+        token = _COLLECTOR.set(self)
+        try:
+            yield
+        finally:
+            _COLLECTOR.reset(token)
+
+    def commit(self) -> None:
+        for turn in self.turns:
+            turn.commit()
+
+    def abort(self) -> None:
+        for turn in self.turns:
+            turn.abort()
+
+
+_COLLECTOR: contextvars.ContextVar[DeferredTurns | None] = contextvars.ContextVar(
+    "contextpilot_deferred_turns", default=None
+)
 
 
 @dataclass(frozen=True, slots=True)

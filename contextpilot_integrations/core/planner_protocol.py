@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     from .plan import BatchPlan, Plan
@@ -26,6 +26,7 @@ PLANNER_MEMBERS = ("layout", "plan", "aplan", "plan_batch", "aplan_batch", "evic
 """The members of :class:`Planner`."""
 
 _SYNC = ("plan", "plan_batch", "evict")
+_Planned = TypeVar("_Planned")
 _ASYNC = ("aplan", "aplan_batch")
 
 
@@ -104,7 +105,14 @@ class ThreadedAsyncTwins:
     """The async twins of an in-process planner: ``aplan`` and ``aplan_batch`` run its blocking
     ``plan`` and ``plan_batch`` in a worker thread (``asyncio.to_thread``), so the event loop
     goes on meanwhile. A base class of :class:`~.pilot.ContextPilot` and
-    :class:`~.routing.ReplicaRouter`; the subclass provides ``plan`` and ``plan_batch``."""
+    :class:`~.routing.ReplicaRouter`; the subclass provides ``plan``, ``plan_batch`` and
+    ``evict``.
+
+    Cancellation (``asyncio.wait_for`` timing out, a task cancelled) cannot stop the worker
+    thread, so the conversation turns it plans are committed only once the coroutine has the
+    plan, on its event loop (:class:`~.placements.DeferredTurns`); a cancelled call's turns are
+    aborted and its requests evicted when the worker ends, so no later hint points at a turn
+    the caller never received."""
 
     def plan(
         self,
@@ -119,6 +127,9 @@ class ThreadedAsyncTwins:
     def plan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
         raise NotImplementedError
 
+    def evict(self, rid: str) -> bool:
+        raise NotImplementedError
+
     async def aplan(
         self,
         query: str,
@@ -128,8 +139,34 @@ class ThreadedAsyncTwins:
         scope: Scope | None = None,
     ) -> Plan:
         """:meth:`plan` in a worker thread, so the event loop goes on meanwhile."""
-        return await asyncio.to_thread(self.plan, query, blocks, rid=rid, scope=scope)
+        return await self._in_thread(lambda: self.plan(query, blocks, rid=rid, scope=scope))
 
     async def aplan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
         """:meth:`plan_batch` in a worker thread."""
-        return await asyncio.to_thread(self.plan_batch, requests)
+        return await self._in_thread(lambda: self.plan_batch(requests))
+
+    async def _in_thread(self, call: Callable[[], _Planned]) -> _Planned:
+        from .placements import DeferredTurns
+
+        deferred = DeferredTurns()
+
+        def run() -> _Planned:
+            with deferred.collecting():
+                return call()
+
+        worker = asyncio.ensure_future(asyncio.to_thread(run))
+        try:
+            result = await asyncio.shield(worker)
+        except asyncio.CancelledError:
+            worker.add_done_callback(lambda done: self._undo_cancelled(done, deferred))
+            raise
+        deferred.commit()
+        return result
+
+    def _undo_cancelled(self, done: asyncio.Future[Any], deferred: Any) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return  # the call failed: it recorded nothing
+        deferred.abort()
+        result = done.result()
+        for plan in getattr(result, "plans", (result,)):
+            self.evict(plan.rid)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +49,12 @@ from .window_policy import ArrivalRate, OpenWindow, WindowPolicy
 
 __all__ = ["ArrivalRate", "PlanningWindow", "WindowPolicy"]
 
+logger = logging.getLogger(__name__)
+
+MAX_WINDOW_MS = 60_000.0
+"""The longest planning window (one minute): a window is a short wait for requests arriving
+together, and an unbounded one (``inf``) would never close."""
+
 
 class _Alone(Exception):
     """Marks a window of one request, planned with ``plan`` (not a failure)."""
@@ -59,15 +66,17 @@ _ALONE = _Alone()
 class _Member:
     """One caller waiting for its plan: a thread (an event) or a coroutine (a future)."""
 
-    __slots__ = ("done", "error", "future", "loop", "plan", "request")
+    __slots__ = ("done", "error", "future", "loop", "on_orphan", "plan", "request")
 
     def __init__(
         self,
         request: PlanRequest,
         loop: asyncio.AbstractEventLoop | None = None,
+        on_orphan: Callable[[Plan], None] | None = None,
     ) -> None:
         self.request = request
         self.loop = loop
+        self.on_orphan = on_orphan
         self.future: asyncio.Future[Plan] | None = loop.create_future() if loop else None
         self.done = threading.Event()
         self.plan: Plan | None = None
@@ -82,6 +91,10 @@ class _Member:
     def _resolve(self) -> None:
         assert self.future is not None
         if self.future.done():
+            if self.future.cancelled() and self.plan is not None and self.on_orphan is not None:
+                # Its coroutine was cancelled: nobody shows this plan, so undo what it recorded.
+                assert self.loop is not None
+                self.loop.run_in_executor(None, self.on_orphan, self.plan)
             return
         if self.error is not None:
             self.future.set_exception(self.error)
@@ -110,7 +123,8 @@ class PlanningWindow:
 
     Raises:
         TypeError: ``planner`` does not meet the ``Planner`` contract.
-        ValueError: a negative ``window_ms`` or a ``max_batch`` below 1.
+        ValueError: a ``window_ms`` that is not a number in [0, :data:`MAX_WINDOW_MS`], or a
+            ``max_batch`` below 1.
 
     Thread-safe; meets the ``Planner`` contract (``plan_batch`` passes straight through: a
     batch is planned jointly already).
@@ -127,6 +141,15 @@ class PlanningWindow:
     ) -> None:
         check_planner(planner, "planner")
         self.planner = planner
+        if (
+            isinstance(window_ms, bool)
+            or not isinstance(window_ms, (int, float))
+            or not 0 <= window_ms <= MAX_WINDOW_MS
+        ):
+            raise ValueError(
+                f"window_ms must be a number of milliseconds in [0, {MAX_WINDOW_MS:g}], "
+                f"got {window_ms!r}"
+            )
         self.policy = WindowPolicy(window_ms / 1000.0, max_batch, adaptive)
         self._clock = clock
         self._lock = threading.Lock()
@@ -176,7 +199,9 @@ class PlanningWindow:
     ) -> Plan:
         """:meth:`plan` for a coroutine: the event loop goes on while the window is open."""
         member = _Member(
-            PlanRequest(query, blocks, rid, scope or NO_SCOPE), asyncio.get_running_loop()
+            PlanRequest(query, blocks, rid, scope or NO_SCOPE),
+            asyncio.get_running_loop(),
+            self._undo_orphan,
         )
         window, leader = self._join(member)
         if leader:
@@ -267,6 +292,18 @@ class PlanningWindow:
         except BaseException as exc:
             self._fail_undelivered(window, exc)
             raise
+
+    def _undo_orphan(self, plan: Plan) -> None:
+        """A coroutine was cancelled before its plan arrived (``asyncio.wait_for`` timed out):
+        the planner drops the request and forgets the conversation's records, so no later
+        hint points at a turn the caller never received. Best effort (logged)."""
+        try:
+            self.planner.evict(plan.rid)
+            forget = getattr(self.planner, "forget_conversation", None)
+            if plan.scope.conversation_id is not None and forget is not None:
+                forget(plan.scope.conversation_id, plan.scope.tenant)
+        except Exception:
+            logger.warning("could not undo the cancelled request %s", plan.rid, exc_info=True)
 
     @staticmethod
     def _fail_undelivered(window: OpenWindow[_Member], error: BaseException) -> None:

@@ -186,6 +186,12 @@ class ReplicaRouter(ThreadedAsyncTwins):
         """
         return self._planning.plan_batch(requests)
 
+    def forget_conversation(self, conversation_id: str, tenant: str = "") -> bool:
+        """Drop a conversation's de-duplication records (its turn numbers go on: a later turn
+        is never numbered as one already given); False if unknown. No later plan hints at
+        what its earlier turns showed."""
+        return self.deduplicator.store.forget(tenant, conversation_id)
+
     # ------------------------------------------------------------------ Public API: the engines
     def evict(self, rid: str) -> bool:
         """Drop ``rid`` from the index of the replica it was routed to (every replica's when

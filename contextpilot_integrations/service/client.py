@@ -240,7 +240,12 @@ class ContextPilotClient:
     ) -> Plan:
         """:meth:`plan` without blocking the event loop (the fallback plans in a thread)."""
         request = PlanRequest(query, blocks, rid, scope or NO_SCOPE)
-        outcome = await self._transports.arun(self._calls.plan(request))
+        try:
+            outcome = await self._transports.arun(self._calls.plan(request))
+        except asyncio.CancelledError:
+            # The service may have planned this turn; the caller will never show it.
+            self._calls.conversations.remember_unsettled(ConversationMemory.touched([request]))
+            raise
         if isinstance(outcome, Plan):
             return outcome
         return await asyncio.to_thread(self._fallback.plan, outcome, request)
@@ -255,7 +260,11 @@ class ContextPilotClient:
     async def aplan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
         """:meth:`plan_batch` without blocking the event loop."""
         batch = check_batch(requests)
-        outcome = await self._transports.arun(self._calls.plan_batch(batch))
+        try:
+            outcome = await self._transports.arun(self._calls.plan_batch(batch))
+        except asyncio.CancelledError:
+            self._calls.conversations.remember_unsettled(ConversationMemory.touched(batch))
+            raise
         if isinstance(outcome, BatchPlan):
             return outcome
         return await asyncio.to_thread(self._fallback.plan_batch, outcome, batch)
