@@ -64,7 +64,9 @@ class ReplicaSpec:
     def __post_init__(self) -> None:
         name = self.name
         if not isinstance(name, str) or not name or len(name) > _MAX_NAME:
-            raise ValueError(f"replica name must be a str of 1 to {_MAX_NAME} characters")
+            raise ValueError(
+                f"replica name must be a str of 1 to {_MAX_NAME} characters, got {name!r:.80}"
+            )
         if not all(c.isascii() and (c.isalnum() or c in "-_.") for c in name):
             raise ValueError(f"replica name may hold letters, digits, '-', '_', '.': {name!r}")
         if self.base_url is not None and (not isinstance(self.base_url, str) or not self.base_url):

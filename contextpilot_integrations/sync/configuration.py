@@ -72,6 +72,11 @@ class CacheSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ValueError: an unknown key, a wrong type or value, or a setting the kind needs is
                 missing; the message names the field.
         """
+        if not isinstance(settings, Mapping):
+            raise ValueError(
+                f"cache_sync must be a mapping such as {{'kind': 'kv-events', ...}}, "
+                f"got {type(settings).__name__}: {settings!r:.80}"
+            )
         try:
             config = msgspec.convert(dict(settings), cls)
         except msgspec.ValidationError as exc:
