@@ -74,15 +74,15 @@ class TurnVisibility:
 
         Raises:
             TypeError: ``turns`` is not an iterable of ``int``.
-            ValueError: a turn number below 1.
+            ValueError: a negative turn number.
         """
         if isinstance(turns, (str, bytes)) or not isinstance(turns, Iterable):
             raise TypeError(f"turns must be an iterable of int, got {type(turns).__name__}")
         visible = frozenset(turns)
         for turn in visible:
             _check_int("turns[...]", turn)
-            if turn < 1:
-                raise ValueError(f"turns[...] must be turn numbers >= 1, got {turn!r}")
+            if turn < 0:
+                raise ValueError(f"turns[...] must be turn numbers >= 0, got {turn!r}")
         return cls(turns=visible)
 
     def includes(self, turn: int, current: int) -> bool:
