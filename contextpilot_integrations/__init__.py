@@ -6,7 +6,7 @@ context index that mirrors the engine's KV prefix cache (ContextPilot, MLSys 202
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .core import (
+from contextpilot_integrations.core import (
     DEFAULT_SYSTEM_PROMPT,
     ApproxTokenCounter,
     BatchPlan,

@@ -15,7 +15,7 @@ in place of the dict. Both render with the same layout, so the only difference i
 of the documents (and the order annotation after them).
 
 The model: by default a fake chat model in front of the embedded prefix-cache model
-(``contextpilot_integrations.bench.engine.EmbeddedEngine``: a radix tree of cached prompt
+(``contextpilot_bench.engine.EmbeddedEngine``: a radix tree of cached prompt
 prefixes with LRU eviction, in the engine's way). It counts cached tokens in whole lines of
 the chat-templated prompt (a line is cached only when it and everything before it is), with
 ``ApproxTokenCounter`` token counts, and passes the request ids it evicts back to
@@ -47,6 +47,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from contextpilot_bench.engine import EmbeddedEngine
+from contextpilot_bench.methods import parse_cache_tokens, resolve_cache_tokens
+from contextpilot_bench.report import format_table
+from contextpilot_bench.retrieval import ScopedBM25
+from contextpilot_bench.workloads import Request, Workload, load_workload
 from langchain_core.callbacks import CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel
@@ -57,11 +62,6 @@ from langchain_core.runnables import Runnable, RunnablePassthrough
 from pydantic import ConfigDict, PrivateAttr
 
 from contextpilot_integrations import ApproxTokenCounter, ContextPilot
-from contextpilot_integrations.bench.engine import EmbeddedEngine
-from contextpilot_integrations.bench.methods import parse_cache_tokens, resolve_cache_tokens
-from contextpilot_integrations.bench.report import format_table
-from contextpilot_integrations.bench.retrieval import ScopedBM25
-from contextpilot_integrations.bench.workloads import Request, Workload, load_workload
 from contextpilot_integrations.langchain import (
     CONTEXTPILOT_PROMPT,
     ContextPilotRetriever,
@@ -157,9 +157,8 @@ def real_model() -> Runnable[Any, Any] | None:
     base_url = os.environ.get(BASE_URL_ENV)
     if not base_url:
         return None
+    from contextpilot_bench.engine_client import EngineClient
     from langchain_openai import ChatOpenAI
-
-    from contextpilot_integrations.bench.engine_client import EngineClient
 
     api_key = os.environ.get(API_KEY_ENV) or "none"
     model = os.environ.get(MODEL_ENV)
@@ -172,7 +171,7 @@ def real_model() -> Runnable[Any, Any] | None:
 
 
 def flush_real_engine() -> None:
-    from contextpilot_integrations.bench.engine_client import EngineClient
+    from contextpilot_bench.engine_client import EngineClient
 
     with EngineClient(os.environ[BASE_URL_ENV]) as client:
         client.flush_cache()

@@ -17,22 +17,33 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from .alignment import CONDITIONAL_STEPS, RestOrder, align
-from .blocks import ApproxTokenCounter, TokenCounter, block_id
-from .clustering import DEFAULT_CLUSTER_LIMIT, BuildMethod, order_behind_prefixes
-from .context_index import ContextIndex, SearchResult
-from .dedup import Deduplicator
-from .distance import DEFAULT_ALPHA
-from .placements import PendingTurns, place_blocks
-from .plan import BatchPlan, Plan
-from .planner_protocol import ThreadedAsyncTwins
-from .popularity import CooccurrenceMemory, PopularityMemory
-from .rendering import PromptLayout
-from .request import NO_SCOPE, PlanRequest, Scope, check_batch, new_rid
-from .request_blocks import RequestBlocks, distinct_blocks
-from .rid_reservations import RidReservations
-from .scheduling import ScheduleMethod, schedule
-from .usage import UsageCounter
+from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenCounter, block_id
+from contextpilot_integrations.core.conversations.dedup import Deduplicator
+from contextpilot_integrations.core.index.context_index import ContextIndex
+from contextpilot_integrations.core.index.index_types import SearchResult
+from contextpilot_integrations.core.ordering.alignment import CONDITIONAL_STEPS, RestOrder, align
+from contextpilot_integrations.core.ordering.clustering import (
+    DEFAULT_CLUSTER_LIMIT,
+    BuildMethod,
+    order_behind_prefixes,
+)
+from contextpilot_integrations.core.ordering.distance import DEFAULT_ALPHA
+from contextpilot_integrations.core.ordering.popularity import CooccurrenceMemory, PopularityMemory
+from contextpilot_integrations.core.ordering.scheduling import ScheduleMethod, schedule
+from contextpilot_integrations.core.placements import PendingTurns, place_blocks
+from contextpilot_integrations.core.plan import BatchPlan, Plan
+from contextpilot_integrations.core.planner_protocol import ThreadedAsyncTwins
+from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.core.request import (
+    NO_SCOPE,
+    PlanRequest,
+    Scope,
+    check_batch,
+    new_rid,
+)
+from contextpilot_integrations.core.request_blocks import RequestBlocks, distinct_blocks
+from contextpilot_integrations.core.rid_reservations import RidReservations
+from contextpilot_integrations.core.usage import UsageCounter
 
 if TYPE_CHECKING:
     from contextpilot_integrations.sync.configuration import CacheSyncConfig

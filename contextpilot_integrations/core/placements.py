@@ -18,12 +18,12 @@ import contextvars
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from .conversation_turn import ConversationTurn
-from .dedup import Deduplicator
-from .plan import DedupFigures, Placement, PlacementStatus
-from .rendering import PromptLayout
-from .request import PlanRequest, Scope
-from .request_blocks import RequestBlocks
+from contextpilot_integrations.core.conversations.conversation_turn import ConversationTurn
+from contextpilot_integrations.core.conversations.dedup import Deduplicator
+from contextpilot_integrations.core.plan import DedupFigures, Placement, PlacementStatus
+from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.core.request import PlanRequest, Scope
+from contextpilot_integrations.core.request_blocks import RequestBlocks
 
 __all__ = ["DeferredTurns", "PendingTurns", "PlacedBlocks", "place_blocks"]
 

@@ -4,7 +4,7 @@ A :class:`PlanRequest` is a question, its context blocks in retriever (relevance
 optional request id and one :class:`Scope` (conversation id, tenant, turn, visibility). A
 batch is a list of requests. The same type is planned in process
 (:meth:`~contextpilot_integrations.core.pilot.ContextPilot.plan_batch`), sent by both service
-clients and read by the service (its wire form, :mod:`contextpilot_integrations.service.schemas`,
+clients and read by the service (its wire form, :mod:`contextpilot_integrations.client.schemas`,
 converts to it field for field), so every check below runs wherever a request enters the
 library and names the field and the value.
 
@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .conversation import TurnVisibility
+from contextpilot_integrations.core.conversations.turns import TurnVisibility
 
 __all__ = [
     "MAX_BLOCKS_PER_REQUEST",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .request import is_block_text
+from contextpilot_integrations.core.request import is_block_text
 
 __all__ = ["RequestBlocks", "distinct_blocks"]
 

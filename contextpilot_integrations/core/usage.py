@@ -4,7 +4,7 @@ Engines report how much of a prompt they served from their prefix cache as
 ``usage.prompt_tokens_details.cached_tokens`` (OpenAI's API; SGLang; vLLM with
 ``--enable-prompt-tokens-details``) or ``cache_read_input_tokens`` (Anthropic, which also
 reports what a request wrote to the cache, ``cache_creation_input_tokens``);
-:func:`contextpilot_integrations.engine_fields.read_usage` parses them and the planner's
+:func:`contextpilot_integrations.llm_call.engine_fields.read_usage` parses them and the planner's
 ``record_usage`` adds them here.
 """
 

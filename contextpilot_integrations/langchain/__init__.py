@@ -15,12 +15,12 @@ For batches planned jointly and sent in schedule order, start the chain with
 :class:`~contextpilot_integrations.Planner`: the in-process ``ContextPilot`` (default; with
 ``cache_sync={...}`` it follows the engine's cache) or the index service's
 ``ContextPilotClient``. Returned documents carry ``metadata["contextpilot"]``
-(:mod:`contextpilot_integrations.placement_metadata`, :mod:`.documents`). Install with
+(:mod:`contextpilot_integrations.core.placement_metadata`, :mod:`.documents`). Install with
 ``pip install contextpilot-integrations[langchain]``; the framework types stay in this package.
 """
 
-from .documents import planned_documents, planned_entry
-from .prompts import (
+from contextpilot_integrations.langchain.documents import planned_documents, planned_entry
+from contextpilot_integrations.langchain.prompts import (
     CONTEXTPILOT_PROMPT,
     ContextPilotChatPromptTemplate,
     ContextPilotPromptValue,
@@ -30,9 +30,13 @@ from .prompts import (
     format_documents,
     render_context,
 )
-from .rag_inputs import RAGInputs
-from .request_ids import RequestIdChatModel, schedule_order, with_request_id
-from .retriever import (
+from contextpilot_integrations.langchain.rag_inputs import RAGInputs
+from contextpilot_integrations.langchain.request_ids import (
+    RequestIdChatModel,
+    schedule_order,
+    with_request_id,
+)
+from contextpilot_integrations.langchain.retriever import (
     CONVERSATION_ID_KEY,
     TENANT_KEY,
     TURN_KEY,

@@ -22,7 +22,7 @@ then skipped documents (input order). Nothing is lost (DESIGN.md invariant 1).
 
 Each copy's metadata is a new dict holding the caller's entries (by reference, so values that
 are not JSON-serialisable are kept as they are) plus ``metadata["contextpilot"]``: the entry
-every face attaches (:mod:`contextpilot_integrations.placement_metadata`: ``rid``, ``index``,
+every face attaches (:mod:`contextpilot_integrations.core.placement_metadata`: ``rid``, ``index``,
 ``status``, ``position``, ``label``, ``block_id``, ``hint``, ``duplicate_of``) and the keys
 LangChain needs in addition:
 
@@ -36,7 +36,7 @@ key                        meaning
                            (``replaced``; ``shown`` with sub-block pointers)
 ``schedule_position``      batch only: 0-based position of the request in the batch's schedule
 ``shared_prefix_blocks``   the plan's ``shared_prefix_blocks`` (where a hosted API's cache
-                           breakpoint goes; :mod:`contextpilot_integrations.hosted_cache`)
+                           breakpoint goes; :mod:`contextpilot_integrations.llm_call.hosted_cache`)
 ``conversation``           whether the plan is a turn of a conversation
 ``prompt_cache_key``       the plan's OpenAI ``prompt_cache_key`` (``hosted_cache``)
 =========================  ======================================================================
@@ -49,10 +49,10 @@ from typing import Any
 
 from langchain_core.documents import Document
 
-from contextpilot_integrations.cache_prefix import CachePrefix
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY, placement_entry
 from contextpilot_integrations.core.plan import Plan
-from contextpilot_integrations.openai_cache_key import prompt_cache_key
-from contextpilot_integrations.placement_metadata import METADATA_KEY, placement_entry
+from contextpilot_integrations.llm_call.cache_prefix import CachePrefix
+from contextpilot_integrations.llm_call.openai_cache_key import prompt_cache_key
 
 __all__ = ["planned_documents", "planned_entry"]
 

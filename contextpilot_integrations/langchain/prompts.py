@@ -41,10 +41,9 @@ from langchain_core.prompt_values import ChatPromptValue
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 from langchain_core.runnables import Runnable, RunnableLambda
 
-from contextpilot_integrations.cache_prefix import CachePrefix
 from contextpilot_integrations.core.rendering import PromptLayout
-
-from .documents import planned_entry
+from contextpilot_integrations.langchain.documents import planned_entry
+from contextpilot_integrations.llm_call.cache_prefix import CachePrefix
 
 __all__ = [
     "CONTEXTPILOT_PROMPT",
@@ -69,7 +68,7 @@ class RenderedContext(str):
         schedule_position: the request's position in its batch's schedule; ``None`` outside
             a batch.
         cache_prefix: the plan's rendered blocks and shared prefix, for a hosted API's cache
-            breakpoints (:class:`~contextpilot_integrations.hosted_cache.CachePrefix`; block
+            breakpoints (:class:`~contextpilot_integrations.llm_call.hosted_cache.CachePrefix`; block
             ids are not needed there); ``None`` without one plan.
         prompt_cache_key: the plan's OpenAI ``prompt_cache_key``, or ``None``.
     """
@@ -205,7 +204,7 @@ class ContextPilotPromptValue(ChatPromptValue):
     Attributes:
         rid: the plan's request id (``None``: no plan).
         schedule_position: the request's position in its batch's schedule, or ``None``.
-        cache_prefix: the plan's :class:`~contextpilot_integrations.hosted_cache.CachePrefix`
+        cache_prefix: the plan's :class:`~contextpilot_integrations.llm_call.hosted_cache.CachePrefix`
             (Anthropic breakpoints), or ``None``.
         prompt_cache_key: the plan's OpenAI ``prompt_cache_key``, or ``None``.
     """

@@ -21,7 +21,7 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableSerializa
 from langchain_core.runnables.config import patch_config
 from pydantic import ConfigDict, Field
 
-from .prompts import format_documents
+from contextpilot_integrations.langchain.prompts import format_documents
 
 __all__ = ["RAGInputs"]
 

@@ -13,7 +13,7 @@ request body. So the request id rides on the prompt value: :data:`~.prompts.form
 returns a :class:`~.prompts.RenderedContext` (a ``str`` with the ``rid``), the prompt template
 returns a :class:`~.prompts.ContextPilotPromptValue` with it, and :func:`with_request_id` wraps
 the chat model so that each call gets the engine's request-id body fields, built by
-:func:`contextpilot_integrations.engine_fields.engine_body_fields` (by default
+:func:`contextpilot_integrations.llm_call.engine_fields.engine_body_fields` (by default
 ``REQUEST_ID_FIELDS``: ``{"rid": rid, "request_id": rid, "session_id": rid}``), merged into
 ``extra_body`` over the model's own (the model's field or a ``.bind(extra_body=...)``). A
 context variable was not used: LCEL runs each step, and each branch of a ``{...}`` map, in a
@@ -21,9 +21,9 @@ copied context, so a value set by the retriever never reaches the model step. Th
 opens no run of its own: traces show the model's run as before.
 
 Several engine replicas behind a gateway: with ``router`` (the
-:class:`~contextpilot_integrations.core.routing.ReplicaRouter` the retriever plans with), each
+:class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter` the retriever plans with), each
 call also sends the plan's routing key in a header (``routing_header``, default
-:data:`~contextpilot_integrations.engine_fields.ROUTING_HEADER`) through ``extra_headers``, which
+:data:`~contextpilot_integrations.llm_call.engine_fields.ROUTING_HEADER`) through ``extra_headers``, which
 ``ChatOpenAI`` forwards to openai-python, so the gateway sends the request to the replica it was
 planned for::
 
@@ -36,7 +36,7 @@ input order. Inputs without a schedule position keep their input order, after th
 ones.
 
 Hosted APIs reject unknown body fields (OpenAI's answers HTTP 400), and cache by their own
-controls (:mod:`contextpilot_integrations.hosted_cache`), one line each::
+controls (:mod:`contextpilot_integrations.llm_call.hosted_cache`), one line each::
 
     with_request_id(ChatAnthropic(model="claude-sonnet-4-5"), engine="anthropic")
     with_request_id(ChatOpenAI(model="gpt-4.1"), engine="openai")
@@ -47,7 +47,7 @@ shared with indexed requests, where the history ends and, in a conversation, aft
 documents; at most four, none below the model's minimum cacheable length: ``cache_policy``);
 ``engine="openai"`` sends the plan's ``prompt_cache_key`` (and ``prompt_cache_retention`` when
 set); ``engine="hosted"`` sends nothing. With ``tracker`` (an
-:class:`~contextpilot_integrations.engine_fields.CacheUsageTracker`) each response's cache reads
+:class:`~contextpilot_integrations.llm_call.engine_fields.CacheUsageTracker`) each response's cache reads
 and writes go back to the pilot.
 """
 
@@ -72,16 +72,18 @@ from langchain_core.runnables.base import RunnableBindingBase
 from langchain_core.runnables.config import get_config_list, get_executor_for_config
 from pydantic import ConfigDict, PrivateAttr, field_validator
 
-from contextpilot_integrations.anthropic_breakpoints import AnthropicCachePolicy, anthropic_prompt
 from contextpilot_integrations.core.blocks import TokenCounter
-from contextpilot_integrations.engine_fields import (
+from contextpilot_integrations.langchain.prompts import ContextPilotPromptValue
+from contextpilot_integrations.llm_call.anthropic_breakpoints import (
+    AnthropicCachePolicy,
+    anthropic_prompt,
+)
+from contextpilot_integrations.llm_call.engine_fields import (
     ROUTING_HEADER,
     EngineKind,
     engine_body_fields,
     routing_headers,
 )
-
-from .prompts import ContextPilotPromptValue
 
 __all__ = ["RequestIdChatModel", "schedule_order", "with_request_id"]
 
@@ -95,21 +97,21 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
         bound: the chat model (``ChatOpenAI``, a ``.bind(...)`` of it, or any runnable that
             takes ``extra_body`` as a call keyword).
         engine: which request-id body fields to send
-            (:func:`~contextpilot_integrations.engine_fields.engine_body_fields`): ``"any"``
+            (:func:`~contextpilot_integrations.llm_call.engine_fields.engine_body_fields`): ``"any"``
             (default: ``rid``, ``request_id``, ``session_id``), ``"sglang"``, ``"vllm"``, or
             ``"hosted"`` (none).
         max_concurrency: calls in flight in ``batch``/``abatch`` when the config sets none
             (``None``: the executor's default).
         cache_policy: ``engine="anthropic"``: where breakpoints go and the model's minimum
-            (:class:`~contextpilot_integrations.hosted_cache.AnthropicCachePolicy`; default:
+            (:class:`~contextpilot_integrations.llm_call.hosted_cache.AnthropicCachePolicy`; default:
             the bound model's ``model`` attribute decides the minimum).
         token_counter: counts prefix tokens against that minimum (default the approximate
             counter; give the pilot's).
         prompt_cache_retention: ``engine="openai"``: ``"in_memory"`` or ``"24h"``, sent as is.
-        tracker: a :class:`~contextpilot_integrations.engine_fields.CacheUsageTracker` that
+        tracker: a :class:`~contextpilot_integrations.llm_call.engine_fields.CacheUsageTracker` that
             each response of a planned call is recorded with (``invoke``/``ainvoke``).
         router: where the plan's routing key is looked up by its rid (``routing_key(rid)``:
-            the :class:`~contextpilot_integrations.core.routing.ReplicaRouter`); None: no
+            the :class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter`); None: no
             routing header.
         routing_header: the header the routing key goes in.
 

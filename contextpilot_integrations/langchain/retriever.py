@@ -70,13 +70,12 @@ from langchain_core.runnables import RunnableConfig, ensure_config
 from langchain_core.runnables.config import get_config_list, patch_config
 from pydantic import Field, field_validator
 
-from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.conversations.turns import TurnVisibility
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import BatchPlan
 from contextpilot_integrations.core.planner_protocol import check_planner
 from contextpilot_integrations.core.request import PlanRequest, Scope
-
-from .documents import planned_documents
+from contextpilot_integrations.langchain.documents import planned_documents
 
 __all__ = [
     "CONVERSATION_ID_KEY",
@@ -101,7 +100,7 @@ class ContextPilotRetriever(BaseRetriever):
         base_retriever: any retriever or runnable ``str -> list[Document]``.
         pilot: the :class:`~contextpilot_integrations.core.planner_protocol.Planner`; default a
             new in-process :class:`ContextPilot`. Share one across retrievers, or use the index
-            service's :class:`~contextpilot_integrations.service.client.ContextPilotClient`
+            service's :class:`~contextpilot_integrations.client.client.ContextPilotClient`
             across processes, so that they share one context index.
         k: keep only the base retriever's first ``k`` documents (retriever order) before
             planning; ``None`` keeps all. A ``k`` keyword given to ``invoke`` is passed to the

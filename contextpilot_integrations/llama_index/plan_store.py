@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 from contextpilot_integrations.core.lru import LRU
 from contextpilot_integrations.core.plan import Plan
-
-from .request_ids import pending_request
+from contextpilot_integrations.llama_index.request_ids import pending_request
 
 __all__ = ["PlanStore", "StoredPlan", "context_digest", "context_text"]
 

@@ -17,7 +17,7 @@ post-processor's):
    replaced by a hint (already shown in an earlier turn of the conversation); then repeated
    texts; then nodes without text. Nothing is dropped: the output is a permutation of the
    input. Each copy carries ``metadata["contextpilot"]``, the one placement entry of every face
-   (:mod:`contextpilot_integrations.placement_metadata`: ``rid``, ``index``, ``status``,
+   (:mod:`contextpilot_integrations.core.placement_metadata`: ``rid``, ``index``, ``status``,
    ``position``, ``label``, ``block_id``, ``hint``, ``duplicate_of``), listed in
    ``excluded_llm_metadata_keys`` and ``excluded_embed_metadata_keys``, so the text LlamaIndex
    renders for a node is byte-identical to the original's. Scores are carried, never read.
@@ -55,17 +55,16 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.conversations.turns import TurnVisibility
 from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY, placement_entry
 from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.core.planner_protocol import Planner, check_planner
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import NO_SCOPE, Scope
-from contextpilot_integrations.placement_metadata import METADATA_KEY, placement_entry
-
-from .conversation_sections import ConversationSections
-from .plan_store import PlanStore, StoredPlan
-from .request_ids import arm_plan, nodes_rid
+from contextpilot_integrations.llama_index.conversation_sections import ConversationSections
+from contextpilot_integrations.llama_index.plan_store import PlanStore, StoredPlan
+from contextpilot_integrations.llama_index.request_ids import arm_plan, nodes_rid
 
 __all__ = ["ContextPilotNodePostprocessor"]
 

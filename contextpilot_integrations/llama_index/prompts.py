@@ -48,11 +48,10 @@ from llama_index.core.prompts.prompt_type import PromptType
 from llama_index.core.prompts.utils import is_chat_model
 
 from contextpilot_integrations.core.rendering import PromptLayout
-
-from .conversation_sections import ConversationSections
-from .plan_store import PlanStore, StoredPlan
-from .postprocessor import ContextPilotNodePostprocessor
-from .request_ids import arm_plan
+from contextpilot_integrations.llama_index.conversation_sections import ConversationSections
+from contextpilot_integrations.llama_index.plan_store import PlanStore, StoredPlan
+from contextpilot_integrations.llama_index.postprocessor import ContextPilotNodePostprocessor
+from contextpilot_integrations.llama_index.request_ids import arm_plan
 
 __all__ = ["PlanRenderer", "chat_context_template", "text_qa_template"]
 

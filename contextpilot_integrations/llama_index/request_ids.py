@@ -2,7 +2,7 @@
 
 Why: the context index files each planned request under ``plan.rid``; the engine's KV-cache
 events and evictions are tied back to it only if the LLM request carries that id (the body
-fields of :mod:`contextpilot_integrations.engine_fields`: SGLang ``rid``, vLLM ``request_id``,
+fields of :mod:`contextpilot_integrations.llm_call.engine_fields`: SGLang ``rid``, vLLM ``request_id``,
 both ``session_id``). In a LlamaIndex query or chat engine the LLM call is made deep inside the
 response synthesizer, which passes no per-call arguments to the LLM; so the id travels beside
 the call instead of through it:
@@ -26,7 +26,7 @@ Where the LLM is called by hand (a Workflow step), pass the id explicitly:
 ``llm.achat(messages, **request_id_kwargs(nodes))`` works with any OpenAI-based LlamaIndex LLM
 (note: a static ``additional_kwargs["extra_body"]`` on the LLM replaces a per-call one; use
 ``ContextPilotOpenAILike`` there). The nodes carry the rid in ``metadata["contextpilot"]["rid"]``
-(:mod:`contextpilot_integrations.placement_metadata`).
+(:mod:`contextpilot_integrations.core.placement_metadata`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY
 from contextpilot_integrations.core.plan import Plan
-from contextpilot_integrations.engine_fields import EngineKind, with_engine_fields
-from contextpilot_integrations.placement_metadata import METADATA_KEY
+from contextpilot_integrations.llm_call.engine_fields import EngineKind, with_engine_fields
 
 __all__ = [
     "PendingRequest",
@@ -193,7 +193,7 @@ def request_id_kwargs(
         nodes_or_rid: the rid, or nodes returned by ``ContextPilotNodePostprocessor``
             (:func:`nodes_rid`).
         engine: whose body fields carry it
-            (:func:`contextpilot_integrations.engine_fields.engine_body_fields`).
+            (:func:`contextpilot_integrations.llm_call.engine_fields.engine_body_fields`).
 
     Returns:
         ``{"extra_body": {field: rid, ...}}``, or ``{}`` when the nodes carry no rid.

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.conversations.turns import TurnVisibility
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import is_block_text
 from contextpilot_integrations.mem0.layout import MEMORY_LAYOUT, plain_memory_context

@@ -24,7 +24,7 @@ from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResp
 from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage
 
 from contextpilot_integrations.core.rendering import PromptLayout
-from contextpilot_integrations.engine_fields import EngineKind, with_engine_fields
+from contextpilot_integrations.llm_call.engine_fields import EngineKind, with_engine_fields
 from contextpilot_integrations.mem0.context import (
     MemoryContext,
     asearch_memory_context,
@@ -76,7 +76,7 @@ class Mem0MemoryMiddleware(AgentMiddleware):
         search_kwargs: other arguments for Mem0's ``search`` (``threshold``, ``rerank``, ...).
         layout: the layout for a plain memory (a wrapped one uses its pilot's).
         engine: send the plan's rid to this engine when the memory is wrapped: its body
-            fields (:func:`~contextpilot_integrations.engine_fields.engine_body_fields`;
+            fields (:func:`~contextpilot_integrations.llm_call.engine_fields.engine_body_fields`;
             ``"any"``: SGLang's and vLLM's) are merged into the call's
             ``model_settings["extra_body"]`` (for ``langchain_openai.ChatOpenAI`` on an
             OpenAI-compatible server), so the engine's cache events name the plan's request.

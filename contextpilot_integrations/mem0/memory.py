@@ -50,7 +50,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.conversations.turns import TurnVisibility
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.planner_protocol import Planner, check_planner
 from contextpilot_integrations.core.request import Scope
@@ -61,19 +61,9 @@ from contextpilot_integrations.mem0.search_results import (
     SearchResponse,
     aplan_search_results,
     plan_search_results,
-    top_results,
 )
 
-__all__ = [
-    "MEM0_DEFAULT_TOP_K",
-    "AsyncContextPilotMemory",
-    "ContextPilotMemory",
-    "MemorySearch",
-    "SearchResponse",
-    "aplan_search_results",
-    "plan_search_results",
-    "top_results",
-]
+__all__ = ["MEM0_DEFAULT_TOP_K", "AsyncContextPilotMemory", "ContextPilotMemory"]
 
 MEM0_DEFAULT_TOP_K = 20
 """Mem0's default ``top_k`` (mem0ai 2.2 ``Memory.search``): the wrappers' default."""
@@ -245,7 +235,7 @@ class ContextPilotMemory(_MemoryWrapper):
             The client's shape: ``{"results": [...]}`` (and every other key it returned,
             ``"relations"`` too, unchanged) or a bare list; its first ``top_k`` results once
             each, in output order, each with ``result["contextpilot"]``
-            (:func:`~contextpilot_integrations.placement_metadata.placement_entry`).
+            (:func:`~contextpilot_integrations.core.placement_metadata.placement_entry`).
 
         Raises:
             Whatever Mem0's ``search`` raises, unchanged (``ValueError`` for bad filters or

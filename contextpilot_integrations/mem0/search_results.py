@@ -4,7 +4,7 @@ The wrappers (:mod:`.memory`) and the memory contexts (:mod:`.context`) plan eac
 :func:`plan_search_results` also takes an answer obtained any other way.
 
 Each memory dict comes as the client returned it plus one key, ``"contextpilot"``: the placement
-entry every face attaches (:mod:`contextpilot_integrations.placement_metadata`: ``rid``,
+entry every face attaches (:mod:`contextpilot_integrations.core.placement_metadata`: ``rid``,
 ``index`` = Mem0's rank, ``status``, ``position``, ``label``, ``block_id``, ``hint``,
 ``duplicate_of``). What changes is the order: the results come in the order the memories should
 be placed in the prompt (ContextPilot, MLSys 2026: memories that recent requests already placed
@@ -40,11 +40,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY, placement_entry
 from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.core.planner_protocol import Planner
 from contextpilot_integrations.core.request import Scope
 from contextpilot_integrations.mem0.layout import memory_context
-from contextpilot_integrations.placement_metadata import METADATA_KEY, placement_entry
 
 __all__ = [
     "MemorySearch",

@@ -47,8 +47,9 @@ from fastapi.routing import APIRoute
 from contextpilot_integrations import __version__
 from contextpilot_integrations.service.endpoints import ServiceCalls, add_body_schemas, api_router
 from contextpilot_integrations.service.errors import install_error_handlers
-from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
+from contextpilot_integrations.service.index_service import IndexService
 from contextpilot_integrations.service.middleware import BootIdMiddleware, MeteringMiddleware
+from contextpilot_integrations.service.service_config import ServiceConfig
 
 __all__ = ["create_app"]
 

@@ -34,15 +34,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from contextpilot_integrations import __version__
-from contextpilot_integrations.service.errors import (
-    JSON,
-    InvalidInput,
-    ServiceClosing,
-    json_response,
-    validate_json,
-)
-from contextpilot_integrations.service.index_service import IndexService, ServiceClosingError
-from contextpilot_integrations.service.schemas import (
+from contextpilot_integrations.client.schemas import (
     BatchPlanResponse,
     ErrorResponse,
     EvictRequest,
@@ -58,6 +50,14 @@ from contextpilot_integrations.service.schemas import (
     UsageReport,
     UsageResponse,
 )
+from contextpilot_integrations.service.errors import (
+    JSON,
+    InvalidInput,
+    ServiceClosing,
+    json_response,
+    validate_json,
+)
+from contextpilot_integrations.service.index_service import IndexService, ServiceClosingError
 
 __all__ = ["API_PREFIX", "ServiceCalls", "add_body_schemas", "api_router", "caller_tenant"]
 

@@ -57,9 +57,9 @@ from typing import Any, TypeVar
 from contextpilot_integrations import __version__
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import BatchPlan, Plan
-from contextpilot_integrations.core.planning_window import PlanningWindow
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import PlanRequest, check_batch
+from contextpilot_integrations.core.window.planning_window import PlanningWindow
 from contextpilot_integrations.service.metrics import ServiceMetrics
 from contextpilot_integrations.service.partitions import Partitions, sum_stats
 from contextpilot_integrations.service.persistence import Restored, ServiceSnapshots
@@ -69,7 +69,7 @@ from contextpilot_integrations.sync.configuration import CacheSyncConfig
 from contextpilot_integrations.sync.engine_link import EngineLink
 
 # ServiceConfig lives in .service_config; it is imported from here as well.
-__all__ = ["IndexService", "ServiceClosingError", "ServiceConfig"]
+__all__ = ["IndexService", "ServiceClosingError"]
 
 logger = logging.getLogger(__name__)
 

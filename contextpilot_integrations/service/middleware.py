@@ -16,9 +16,9 @@ from typing import Any
 
 import pydantic_core
 
+from contextpilot_integrations.client.schemas import BOOT_HEADER
 from contextpilot_integrations.service.errors import JSON, BodyTooLarge, error_body
 from contextpilot_integrations.service.metrics import ServiceMetrics
-from contextpilot_integrations.service.schemas import BOOT_HEADER
 
 __all__ = ["BootIdMiddleware", "MeteringMiddleware"]
 

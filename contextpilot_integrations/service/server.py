@@ -23,7 +23,7 @@ unless ``--share-prefixes-across-tenants``); the single shared key of earlier re
 from ``--api-key`` or, better (a command line is visible to other users),
 ``CONTEXTPILOT_API_KEY``, and is the tenant ``""``. One process holds the index: uvicorn runs
 one worker, and many app processes share it through
-:class:`~contextpilot_integrations.service.client.ContextPilotClient`. SIGTERM or Ctrl-C stops
+:class:`~contextpilot_integrations.client.client.ContextPilotClient`. SIGTERM or Ctrl-C stops
 it gracefully: in-flight requests get ``--shutdown-timeout`` seconds to finish, then planning
 stops and the final snapshot is saved, within another ``--shutdown-timeout`` even if a call is
 stuck.

@@ -50,7 +50,7 @@ class ServiceConfig:
         max_call_threads: other calls that take a lock (evict, usage, forget, stats,
             metrics, snapshot) running at once in worker threads.
         window_ms: a planning window in front of each tenant's pilot
-            (:class:`~contextpilot_integrations.core.planning_window.PlanningWindow`): single
+            (:class:`~contextpilot_integrations.core.window.planning_window.PlanningWindow`): single
             plans arriving within this many milliseconds are planned jointly (at most as many
             as run at once: anyio's 40 worker threads); 0 (default): each at once.
         shutdown_timeout_s: longest :meth:`IndexService.stop` waits for in-flight plans, the

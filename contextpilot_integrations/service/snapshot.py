@@ -10,7 +10,7 @@ File format (JSON, UTF-8)::
 
 ``saved_at`` lets the TTL model tell how long the service was down; ``final`` says the save
 was taken with planning stopped (at shutdown): only then does the conversation store come back
-whole (:mod:`contextpilot_integrations.core.conversation`). Version 1 files (the index alone)
+whole (:mod:`contextpilot_integrations.core.conversations.conversation`). Version 1 files (the index alone)
 are still read.
 
 Writing (:func:`write_snapshot`): the JSON goes to a temporary file in the target's directory

@@ -60,39 +60,17 @@ from contextpilot_integrations.sync.block_namespaces import (
     block_key,
     event_namespace,
     inherit_namespace,
-    namespace_of,
     root_key,
 )
 from contextpilot_integrations.sync.block_tree import Block, RankBlocks
 from contextpilot_integrations.sync.kv_events import MEDIUM_GPU, BlockHash, BlockStored
 from contextpilot_integrations.sync.page_tokens import (
-    PackedTokens,
     PageKey,
     pack_tokens,
-    packed_length,
     packed_page,
-    page_tokens,
 )
 
-__all__ = [
-    "DEFAULT_MAX_BLOCKS",
-    "Block",
-    "BlockKey",
-    "BlockMirror",
-    "Chain",
-    "Namespace",
-    "PackedTokens",
-    "PageKey",
-    "StoredPage",
-    "block_key",
-    "event_namespace",
-    "namespace_of",
-    "pack_tokens",
-    "packed_length",
-    "packed_page",
-    "page_tokens",
-    "root_key",
-]
+__all__ = ["DEFAULT_MAX_BLOCKS", "BlockMirror", "Chain", "StoredPage"]
 
 logger = logging.getLogger(__name__)
 

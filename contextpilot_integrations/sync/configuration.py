@@ -40,7 +40,7 @@ class CacheSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ``kind="kv-events"`` needs ``endpoint``; ``kind="capacity"`` needs ``capacity_tokens``;
     ``kind="ttl"`` needs ``provider`` ("openai", "anthropic", "anthropic-1h") or ``ttl_s``;
     ``model`` picks an Anthropic model's minimum cacheable length
-    (:func:`~contextpilot_integrations.hosted_cache.anthropic_min_cacheable_tokens`), and
+    (:func:`~contextpilot_integrations.llm_call.hosted_cache.anthropic_min_cacheable_tokens`), and
     ``min_cached_tokens`` overrides the minimum either way. ``engine_grace_s``: seconds the
     KV-event publisher may stay unconnected before the engine counts as unreachable (and a
     resync after a restore may wait for every rank: then it finishes with the ranks that
@@ -137,7 +137,9 @@ def build_cache_state_source(
     ttl_s = config.ttl_s if config.ttl_s is not None else _PROVIDER_TTL_S[config.provider or ""]
     min_tokens = config.min_cached_tokens
     if min_tokens is None and config.provider in ("anthropic", "anthropic-1h"):
-        from contextpilot_integrations.anthropic_breakpoints import anthropic_min_cacheable_tokens
+        from contextpilot_integrations.llm_call.anthropic_breakpoints import (
+            anthropic_min_cacheable_tokens,
+        )
 
         min_tokens = anthropic_min_cacheable_tokens(config.model)
     if min_tokens is None:

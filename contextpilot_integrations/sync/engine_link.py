@@ -13,7 +13,7 @@ through an :class:`EngineLink` built from the same configuration mapping
 - ``{"kind": "ttl", "provider": "openai" | "anthropic" | ...}``: a time-to-live, for hosted APIs.
 
 Every source ends in ``on_evict(rid)``. With several engine replicas there is one link per
-replica (:class:`~contextpilot_integrations.core.routing.ReplicaRouter`), each evicting from its
+replica (:class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter`), each evicting from its
 own replica's index; ``on_session(rid)`` says that a request reached this link's engine (its
 rid echoed on a stored block), and ``on_health(up)`` that the engine's KV-event publisher has
 been unreachable for ``engine_grace_s`` (``False``) or is connected again (``True``).

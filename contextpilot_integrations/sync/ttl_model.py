@@ -10,7 +10,7 @@ Hosted APIs cache a prompt prefix for a while after its last use and say nothing
   ``"ttl": "1h"``), refreshed at no cost each time the cached content is read; the prefix up
   to a breakpoint must hold a minimum per model (1,024 tokens for Claude Sonnet 4.x and Opus
   4/4.1, 2,048 for Haiku 3/3.5, 4,096 for Opus 4.5-4.7 and Haiku 4.5:
-  :func:`contextpilot_integrations.hosted_cache.anthropic_min_cacheable_tokens`).
+  :func:`contextpilot_integrations.llm_call.hosted_cache.anthropic_min_cacheable_tokens`).
 
 So a request is modelled as cached from its last use until ``ttl_s`` later; a request whose
 prompt is below ``min_cached_tokens`` is never cached and is evicted at once. A read reported
@@ -103,7 +103,9 @@ class TTLModel:
         """Anthropic prompt caching: 5 minutes (1 hour with ``one_hour``), refreshed by reads;
         the minimum cacheable length of ``model`` (1,024 tokens when unknown or ``None``;
         ``min_cached_tokens=`` overrides it)."""
-        from contextpilot_integrations.anthropic_breakpoints import anthropic_min_cacheable_tokens
+        from contextpilot_integrations.llm_call.anthropic_breakpoints import (
+            anthropic_min_cacheable_tokens,
+        )
 
         ttl = 3600.0 if one_hour else 300.0
         minimum = anthropic_min_cacheable_tokens(model)

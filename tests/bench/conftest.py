@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import uvicorn
+from contextpilot_bench.workloads import resolve_data_dir
 from fastapi import FastAPI, Response
 from fastapi import Request as FastAPIRequest
 from fastapi.responses import JSONResponse, StreamingResponse
-
-from contextpilot_integrations.bench.workloads import resolve_data_dir
 
 
 @pytest.fixture(scope="session")

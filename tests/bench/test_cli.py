@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from contextpilot_integrations.bench.cli import main
+from contextpilot_bench.cli import main
 
 
 def test_offline_run_prints_table_and_writes_json_and_plot(
@@ -90,7 +89,7 @@ def test_missing_data_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_module_entry_point(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "contextpilot_integrations.bench", "--help"],
+        [sys.executable, "-m", "contextpilot_bench", "--help"],
         capture_output=True,
         text=True,
         check=True,

@@ -4,11 +4,8 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from contextpilot_integrations.bench.engine import EmbeddedEngine, Served
-from contextpilot_integrations.bench.methods import (
+from contextpilot_bench.engine import EmbeddedEngine, Served
+from contextpilot_bench.methods import (
     PreparedWorkload,
     parse_cache_tokens,
     resolve_cache_tokens,
@@ -16,7 +13,10 @@ from contextpilot_integrations.bench.methods import (
     run_methods,
     upper_bound_records,
 )
-from contextpilot_integrations.bench.workloads import Document, Request, Workload
+from contextpilot_bench.workloads import Document, Request, Workload
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenizerCounter
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.rendering import PromptLayout

@@ -9,26 +9,23 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from contextpilot_integrations.bench.cli import main
-from contextpilot_integrations.bench.engine import EmbeddedEngine
-from contextpilot_integrations.bench.multiturn import (
-    MULTITURN_METHODS,
+from contextpilot_bench.cli import main
+from contextpilot_bench.engine import EmbeddedEngine
+from contextpilot_bench.multiturn import MULTITURN_METHODS, ReplayedTurn, replay, run_multiturn
+from contextpilot_bench.multiturn_report import summarize_multiturn
+from contextpilot_bench.prepared_conversations import (
     PreparedConversations,
-    ReplayedTurn,
     ReplayTurn,
     interleave,
     prepare_conversations,
-    replay,
-    run_multiturn,
 )
-from contextpilot_integrations.bench.multiturn_report import summarize_multiturn
-from contextpilot_integrations.bench.workloads import (
+from contextpilot_bench.workloads import (
     Document,
     Request,
     Workload,
     load_workload,
 )
+
 from contextpilot_integrations.core.blocks import ApproxTokenCounter
 from contextpilot_integrations.core.plan import PlacementStatus
 
@@ -144,9 +141,8 @@ def test_prompts_are_prefix_stable_in_tokens(
     prepared: PreparedConversations, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     # A byte-level BPE tokenizer (GPT-2 pre-tokenizer) trained by the engines package.
+    from contextpilot_bench.testbed.model_dir import prepare_model_dir
     from tokenizers import Tokenizer
-
-    from contextpilot_integrations.engines.model_dir import prepare_model_dir
 
     model_dir = prepare_model_dir(tmp_path_factory.mktemp("model"), seed=0)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))

@@ -10,10 +10,9 @@ engine.
 from __future__ import annotations
 
 import pytest
+from contextpilot_bench.prefix_cache_model import PrefixCacheModel
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from contextpilot_integrations.bench.prefix_cache_model import PrefixCacheModel
 
 
 class BlockPoolReference:

@@ -6,23 +6,22 @@ import json
 from pathlib import Path
 
 import pytest
-
-from contextpilot_integrations.bench.cli import main
-from contextpilot_integrations.bench.engine import EmbeddedEngine
-from contextpilot_integrations.bench.gateway_policies import (
+from contextpilot_bench.cli import main
+from contextpilot_bench.engine import EmbeddedEngine
+from contextpilot_bench.gateway_policies import (
     CacheAware,
     GatewayRequest,
     InFlight,
     PrefixHash,
     RoundRobin,
 )
-from contextpilot_integrations.bench.methods import (
+from contextpilot_bench.methods import (
     PreparedWorkload,
     prepare_workload,
     resolve_cache_tokens,
     run_method,
 )
-from contextpilot_integrations.bench.replica_model import (
+from contextpilot_bench.replica_model import (
     ONE_REPLICA,
     REPLICA_METHODS,
     Fleet,
@@ -30,7 +29,8 @@ from contextpilot_integrations.bench.replica_model import (
     parse_replica_counts,
     run_replica_method,
 )
-from contextpilot_integrations.bench.workloads import load_workload
+from contextpilot_bench.workloads import load_workload
+
 from contextpilot_integrations.core.blocks import ApproxTokenCounter
 
 COUNTER = ApproxTokenCounter()

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from contextpilot_integrations.bench.arrivals import Arrivals
-from contextpilot_integrations.bench.methods import MethodResult, RequestRecord
-from contextpilot_integrations.bench.report import (
+from contextpilot_bench.arrivals import Arrivals
+from contextpilot_bench.methods import MethodResult, RequestRecord
+from contextpilot_bench.report import (
     WINDOW_COLUMNS,
     format_table,
     plot_results,
@@ -20,8 +19,9 @@ from contextpilot_integrations.bench.report import (
     summarize_windows,
     write_json,
 )
-from contextpilot_integrations.bench.window_runner import WindowResult, window_method
-from contextpilot_integrations.core.planning_window import WindowPolicy
+from contextpilot_bench.window_runner import WindowResult, window_method
+
+from contextpilot_integrations.core.window.window_policy import WindowPolicy
 
 
 def _result(

@@ -8,8 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from contextpilot_integrations.bench.workloads import (
+from contextpilot_bench.workloads import (
     Document,
     Request,
     Workload,

@@ -6,11 +6,8 @@ import threading
 
 import pytest
 
-from contextpilot_integrations.core.conversation import (
-    ConversationStore,
-    Location,
-    TurnVisibility,
-)
+from contextpilot_integrations.core.conversations.conversation import ConversationStore
+from contextpilot_integrations.core.conversations.turns import Location, TurnVisibility
 
 
 class FakeClock:

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations import ContextPilot, PlacementStatus, Scope, TurnVisibility
-from contextpilot_integrations.core.conversation import ConversationStore
-from contextpilot_integrations.core.dedup import Deduplicator
+from contextpilot_integrations.core.conversations.conversation import ConversationStore
+from contextpilot_integrations.core.conversations.dedup import Deduplicator
 
 TTL_S = 100.0
 POOL = [f"passage {i}: " + " ".join(f"w{i}-{j}" for j in range(60)) for i in range(12)]

@@ -16,16 +16,16 @@ from typing import Any
 
 import pytest
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-
-from contextpilot_integrations.bench.hosted_cache_model import (
+from contextpilot_bench.hosted_cache_model import (
     AnthropicCacheModel,
     OpenAICacheModel,
     TooManyBreakpoints,
 )
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
 from contextpilot_integrations.core.blocks import ApproxTokenCounter, block_id
-from contextpilot_integrations.hosted_cache import anthropic_min_cacheable_tokens
+from contextpilot_integrations.llm_call.anthropic_breakpoints import anthropic_min_cacheable_tokens
 
 COUNTER = ApproxTokenCounter()
 

@@ -21,13 +21,6 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.schema import NodeWithScore, TextNode
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.engine_fields import CacheUsageTracker, create_chat_completion
-from contextpilot_integrations.hosted_cache import (
-    ANTHROPIC_MAX_BREAKPOINTS,
-    CachePrefix,
-    create_message,
-    prompt_cache_key,
-)
 from contextpilot_integrations.langchain import (
     CONTEXTPILOT_PROMPT,
     ContextPilotRetriever,
@@ -41,6 +34,14 @@ from contextpilot_integrations.llama_index import (
     text_qa_template,
 )
 from contextpilot_integrations.llama_index.request_ids import arm_plan
+from contextpilot_integrations.llm_call.anthropic_breakpoints import ANTHROPIC_MAX_BREAKPOINTS
+from contextpilot_integrations.llm_call.cache_prefix import CachePrefix
+from contextpilot_integrations.llm_call.engine_fields import (
+    CacheUsageTracker,
+    create_chat_completion,
+)
+from contextpilot_integrations.llm_call.hosted_cache import create_message
+from contextpilot_integrations.llm_call.openai_cache_key import prompt_cache_key
 
 # Eight documents of about 400 tokens each (by the approximate counter, 4 bytes a token).
 DOCS = [

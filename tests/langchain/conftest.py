@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import uvicorn
+from contextpilot_bench.workloads import load_workload, resolve_data_dir
 from langchain_core.documents import Document
 from langchain_support import TOPICS, ChatServerState, MiniLMEmbeddings, chat_app, minilm_embeddings
-
-from contextpilot_integrations.bench.workloads import load_workload, resolve_data_dir
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 from langchain_openai import ChatOpenAI
 from langchain_support import Bm25sRetriever, RecordingPilot
 
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY
 from contextpilot_integrations.langchain import (
     CONTEXTPILOT_PROMPT,
     ContextPilotPromptValue,
@@ -22,7 +23,6 @@ from contextpilot_integrations.langchain import (
     schedule_order,
     with_request_id,
 )
-from contextpilot_integrations.placement_metadata import METADATA_KEY
 
 
 def openai_model(url: str, **kwargs) -> ChatOpenAI:

@@ -9,13 +9,13 @@ import asyncio
 
 from langchain_support import Bm25sRetriever, ListRetriever, RecordingPilot
 
+from contextpilot_integrations.client.client import ContextPilotClient
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY
 from contextpilot_integrations.langchain import (
     CONTEXTPILOT_PROMPT,
     ContextPilotRetriever,
     RAGInputs,
 )
-from contextpilot_integrations.placement_metadata import METADATA_KEY
-from contextpilot_integrations.service.client import ContextPilotClient
 
 
 def entry(doc) -> dict:

@@ -16,14 +16,14 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from contextpilot_bench.testbed.locations import find_vllm_python
+from contextpilot_bench.testbed.model_dir import prepare_model_dir
+from contextpilot_bench.testbed.vllm_server import VllmCpuServer
 from langchain_core.runnables import RunnablePassthrough
 from langchain_openai import ChatOpenAI
 from langchain_support import Bm25sRetriever, RecordingPilot
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.engines.locations import find_vllm_python
-from contextpilot_integrations.engines.model_dir import prepare_model_dir
-from contextpilot_integrations.engines.vllm_server import VllmCpuServer
 from contextpilot_integrations.langchain import (
     CONTEXTPILOT_PROMPT,
     ContextPilotRetriever,

@@ -14,12 +14,12 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from contextpilot_bench.testbed.locations import find_vllm_python
+from contextpilot_bench.testbed.model_dir import prepare_model_dir
+from contextpilot_bench.testbed.vllm_server import VllmCpuServer
 from llama_index.core.query_engine import RetrieverQueryEngine
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.engines.locations import find_vllm_python
-from contextpilot_integrations.engines.model_dir import prepare_model_dir
-from contextpilot_integrations.engines.vllm_server import VllmCpuServer
 from contextpilot_integrations.llama_index import (
     ContextPilotNodePostprocessor,
     ContextPilotOpenAILike,

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from contextpilot_bench.workloads import resolve_data_dir  # noqa: E402
 from hashed_embeddings import DIMENSIONS, HashedWordEmbeddings
 from langchain_core.embeddings import Embeddings
 from mem0 import AsyncMemory, Memory
 
-from contextpilot_integrations.bench.workloads import resolve_data_dir  # noqa: E402
 from contextpilot_integrations.mem0.local_config import local_mem0_config  # noqa: E402
 
 

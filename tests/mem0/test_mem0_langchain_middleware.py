@@ -12,7 +12,7 @@ from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from mem0 import Memory
 
-from contextpilot_integrations.engine_fields import REQUEST_ID_FIELDS
+from contextpilot_integrations.llm_call.engine_fields import REQUEST_ID_FIELDS
 from contextpilot_integrations.mem0 import (
     MEMORY_LAYOUT,
     AsyncContextPilotMemory,

@@ -30,6 +30,7 @@ import pytest
 from mem0 import AsyncMemory, AsyncMemoryClient, Memory, MemoryClient
 
 from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY, PLACEMENT_KEYS
 from contextpilot_integrations.mem0 import (
     MEMORY_LAYOUT,
     AsyncContextPilotMemory,
@@ -40,7 +41,6 @@ from contextpilot_integrations.mem0 import (
 )
 from contextpilot_integrations.mem0.context import asearch_memory_context, search_memory_context
 from contextpilot_integrations.mem0.layout import plain_memory_context
-from contextpilot_integrations.placement_metadata import METADATA_KEY, PLACEMENT_KEYS
 
 ALL = {"top_k": 100, "threshold": 0.0}  # every memory of the scope, best first
 ALICE = {"user_id": "alice"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from contextpilot_integrations.core.routing import ReplicaRouter
+from contextpilot_integrations.core.replicas.routing import ReplicaRouter
 from contextpilot_integrations.sync.event_publisher import KVEventPublisher
 from contextpilot_integrations.sync.kv_events import BlockRemoved, BlockStored, KVEventBatch
 

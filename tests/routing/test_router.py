@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from contextpilot_integrations import PlanRequest, Scope
 from contextpilot_integrations.core.planner_protocol import check_planner
-from contextpilot_integrations.core.replica_load import eligible
+from contextpilot_integrations.core.replicas.replica_load import eligible
+from contextpilot_integrations.core.replicas.routing import ReplicaRouter
+from contextpilot_integrations.core.replicas.routing_config import ReplicaSpec, RouterConfig
 from contextpilot_integrations.core.request import RidConflictError
-from contextpilot_integrations.core.routing import ReplicaRouter
-from contextpilot_integrations.core.routing_config import ReplicaSpec, RouterConfig
 
 
 def doc(name: str, words: int = 60) -> str:

@@ -14,7 +14,8 @@ from service_testing import blocks_of, saved_requests
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import MAX_TURN, PlanRequest
 from contextpilot_integrations.service.app import create_app
-from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
+from contextpilot_integrations.service.index_service import IndexService
+from contextpilot_integrations.service.service_config import ServiceConfig
 
 
 @pytest.fixture

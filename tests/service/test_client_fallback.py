@@ -16,9 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from service_testing import blocks_of, check_hints
 
+from contextpilot_integrations.client.client import ContextPilotClient
+from contextpilot_integrations.client.errors import ServiceUnavailableError
 from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.core.request import PlanRequest, Scope
-from contextpilot_integrations.service.client import ContextPilotClient, ServiceUnavailableError
 
 
 @pytest.fixture

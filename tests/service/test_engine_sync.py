@@ -15,8 +15,8 @@ import time
 import httpx
 from service_testing import blocks_of, free_port, wait_for
 
+from contextpilot_integrations.client.client import ContextPilotClient
 from contextpilot_integrations.core.request import PlanRequest
-from contextpilot_integrations.service.client import ContextPilotClient
 from contextpilot_integrations.sync.event_publisher import KVEventPublisher
 from contextpilot_integrations.sync.kv_events import BlockRemoved, BlockStored, KVEventBatch
 

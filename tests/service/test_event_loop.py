@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 from service_testing import blocks_of, free_port, saved_requests, wait_for
 
-from contextpilot_integrations.service.client import ContextPilotClient
+from contextpilot_integrations.client.client import ContextPilotClient
 from contextpilot_integrations.sync.event_publisher import KVEventPublisher
 from contextpilot_integrations.sync.kv_events import BlockRemoved, BlockStored, KVEventBatch
 

@@ -23,7 +23,8 @@ from service_testing import check_hints
 
 from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.core.request import PlanRequest, Scope
-from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
+from contextpilot_integrations.service.index_service import IndexService
+from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.service.tenants import TenantKeys
 
 BENCHMARK = Path(__file__).parents[2] / "benchmarks" / "bench_service_faults.py"

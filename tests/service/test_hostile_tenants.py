@@ -24,9 +24,10 @@ import httpx
 import pytest
 from service_testing import blocks_of, free_port, wait_for
 
+from contextpilot_integrations.client.schemas import BatchPlanResponse, PlanResponse
 from contextpilot_integrations.core.request import PlanRequest, Scope
-from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
-from contextpilot_integrations.service.schemas import BatchPlanResponse, PlanResponse
+from contextpilot_integrations.service.index_service import IndexService
+from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.service.tenants import read_key_file
 from contextpilot_integrations.sync.event_publisher import KVEventPublisher
 from contextpilot_integrations.sync.kv_events import BlockRemoved, BlockStored, KVEventBatch

@@ -17,7 +17,8 @@ from service_testing import blocks_of, saved_requests
 
 from contextpilot_integrations.core.request import PlanRequest, Scope
 from contextpilot_integrations.service import snapshot as snapshot_module
-from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
+from contextpilot_integrations.service.index_service import IndexService
+from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.service.snapshot import write_snapshot
 from contextpilot_integrations.service.tenants import TenantKeys
 

@@ -13,10 +13,11 @@ from fastapi.testclient import TestClient
 from service_testing import blocks_of
 
 from contextpilot_integrations.core.request import PlanRequest, Scope
-from contextpilot_integrations.engine_fields import engine_body_fields
+from contextpilot_integrations.llm_call.engine_fields import engine_body_fields
 from contextpilot_integrations.service.app import create_app
-from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
+from contextpilot_integrations.service.index_service import IndexService
 from contextpilot_integrations.service.server import build_parser, config_from_args
+from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.service.tenants import (
     Tenancy,
     TenantKeys,

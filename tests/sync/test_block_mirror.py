@@ -9,13 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextpilot_integrations.sync.block_mirror import (
-    BlockMirror,
-    pack_tokens,
-    packed_page,
-    page_tokens,
-)
+from contextpilot_integrations.sync.block_mirror import BlockMirror
 from contextpilot_integrations.sync.kv_events import BlockStored
+from contextpilot_integrations.sync.page_tokens import pack_tokens, packed_page, page_tokens
 
 
 def key(*tokens: object) -> bytes | tuple:

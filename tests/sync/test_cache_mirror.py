@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextpilot_integrations.core.context_index import ContextIndex
+from contextpilot_integrations.core.index.context_index import ContextIndex
 from contextpilot_integrations.sync.cache_mirror import CacheMirror
 from contextpilot_integrations.sync.kv_events import (
     AllBlocksCleared,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from contextpilot_integrations.core.context_index import ContextIndex
+from contextpilot_integrations.core.index.context_index import ContextIndex
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.sync.cache_state_source import SentRequest

@@ -9,7 +9,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextpilot_integrations.sync.block_mirror import Namespace, event_namespace
+from contextpilot_integrations.sync.block_namespaces import Namespace, event_namespace
 from contextpilot_integrations.sync.cache_mirror import CacheMirror
 from contextpilot_integrations.sync.engine_link import EngineLink
 from contextpilot_integrations.sync.event_publisher import KVEventPublisher

@@ -1,0 +1,246 @@
+"""What the service client remembers of each conversation: its turn numbers across service
+restarts, and what a failed call may have left on the service.
+
+**Turn numbers that survive a service restart** (DESIGN.md invariant 9, issue 12 finding 4).
+An app that passes no ``Scope.turn`` numbers its turns with ``plan.scope.turn``, the number
+the service's conversation store gives. A service restarted without its snapshot (or whose
+snapshot was lost) cannot tell a new conversation from one it numbered before: it numbers the
+next turn 1 again (or, amnesic, not at all), the app then shows two "Turn 1" sections and a
+later hint "[Doc 1] of turn 1" is ambiguous. The service sends its boot id (random per start,
+:data:`~.schemas.BOOT_HEADER`) with every answer, and :class:`ConversationMemory` remembers,
+per ``(tenant, conversation_id)`` in a bounded LRU, the boot id and the last turn number the
+app received. When a plan of a turn the caller did not number comes back
+
+- from the same service start, or with a number after the remembered one (a restart that
+  restored a final snapshot): it stands, and is remembered;
+- from another start with a number that does not continue the remembered one, or unnumbered
+  (an amnesic store): the service numbered afresh. Nothing in the plan can point at an
+  earlier turn (the fresh store held none), so the plan is returned renumbered as the
+  remembered number + 1; the conversation is forgotten on the service (its records of that
+  turn carry the service's number; the forget's tombstone keeps the service's numbering
+  monotonic), and from then on the conversation's requests go out with explicit turn numbers
+  (remembered + 1), which the service records as the app's. A plan that does hint
+  (another process planned the conversation on the new service, which this client cannot
+  check) is not renumbered: it is planned locally instead, without hints, under the next
+  number, and its rid is evicted from the service.
+
+**Unsettled calls.** A call that failed after it was sent (a timeout, a 5xx, a broken
+connection) may have been planned and recorded by the service although the caller never got
+that plan (a phantom turn, which a later hint could point to). Such conversations and explicit
+rids are remembered in a bounded LRU (``max_unsettled``); before the next service call that
+touches one of them, the client forgets the conversation on the service and evicts the rid
+(:meth:`ConversationMemory.unsettled_among`). A local plan does not advance the remembered turn
+number: its ``scope.turn`` is the caller's.
+
+Thread-safe: one lock. Turns of one conversation are expected one after the other (as the
+core's batches require).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from contextpilot_integrations.core.lru import LRU
+from contextpilot_integrations.core.plan import PlacementStatus, Plan
+from contextpilot_integrations.core.request import PlanRequest
+
+__all__ = ["ConversationMemory", "Received", "SettleKey", "TurnMemory", "points_back"]
+
+# Every message of the client logs under the client's module name, wherever it is written.
+logger = logging.getLogger("contextpilot_integrations.client.client")
+
+SettleKey = tuple[str, ...]
+"""What a call may have left on the service: ``("conversation", tenant, conversation_id)``
+(forget it) or ``("rid", rid)`` (evict it)."""
+
+DEFAULT_MAX_CONVERSATIONS = 10_000
+DEFAULT_MAX_UNSETTLED = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class TurnMemory:
+    """What the client remembers of one conversation's numbering.
+
+    Attributes:
+        boot: the service start (boot id) that planned its last turn; ``None`` when the
+            service sent none.
+        turn: the number of the last turn the app received from the service.
+        client_numbered: the client sends the conversation's turn numbers (since a restart
+            renumbered it).
+    """
+
+    boot: str | None
+    turn: int
+    client_numbered: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """What to do with one plan the service returned.
+
+    Attributes:
+        plan: the plan to return (as is, or renumbered); ``None``: plan the request locally
+            with ``turn``.
+        turn: the turn number of the local plan (when ``plan`` is ``None``).
+        settle: what to undo on the service now (best effort; kept as unsettled when it fails).
+    """
+
+    plan: Plan | None
+    turn: int | None = None
+    settle: tuple[SettleKey, ...] = ()
+
+
+class ConversationMemory:
+    """Per conversation, the turn numbering; and the unsettled conversations and rids.
+
+    Args:
+        max_conversations: most conversations whose numbering is remembered (LRU); a
+            conversation dropped goes back to the service's numbering.
+        max_unsettled: most conversations and rids remembered as possibly planned by the
+            service after a failed call (LRU; dropping one is logged).
+
+    Raises:
+        ValueError: a bound that is not an int >= 1.
+    """
+
+    def __init__(
+        self,
+        max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
+        max_unsettled: int = DEFAULT_MAX_UNSETTLED,
+    ) -> None:
+        for name, value in (
+            ("max_conversations", max_conversations),
+            ("max_unsettled", max_unsettled),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self._lock = threading.Lock()
+        self._turns: LRU[tuple[str, str], TurnMemory] = LRU(max_conversations)
+        self._unsettled: LRU[SettleKey, None] = LRU(max_unsettled)
+        self._counters = {
+            "settled": 0,
+            "unsettled_dropped": 0,
+            "renumbered": 0,
+            "renumber_refused": 0,
+        }
+
+    # ------------------------------------------------------------------ Public API: numbering
+    def to_send(self, request: PlanRequest) -> PlanRequest:
+        """``request`` as it goes to the service: with the next turn number when the client
+        numbers its conversation and the caller gave none (else unchanged)."""
+        key = request.scope.conversation
+        if key is None or request.scope.turn is not None:
+            return request
+        with self._lock:
+            memory = self._turns.peek(key)
+        if memory is None or not memory.client_numbered:
+            return request
+        scope = dataclasses.replace(request.scope, turn=memory.turn + 1)
+        return dataclasses.replace(request, scope=scope)
+
+    def received(
+        self, request: PlanRequest, sent: PlanRequest, plan: Plan, boot: str | None
+    ) -> Received:
+        """The service planned ``sent`` (``request`` as the caller made it) into ``plan``, in
+        its start ``boot``: remember the turn, and say what to return (module docstring).
+
+        Mutates: the conversation's :class:`TurnMemory`; the counters.
+        """
+        key = request.scope.conversation
+        if key is None:
+            return Received(plan)
+        given = plan.scope.turn
+        with self._lock:
+            memory = self._turns.get(key)
+            if request.scope.turn is not None or memory is None or sent.scope.turn is not None:
+                # The caller's own number, a conversation met first, or the client's number:
+                # the plan's number is the app's.
+                if given is not None:
+                    numbered = memory is not None and memory.client_numbered
+                    self._turns.put(key, TurnMemory(boot, given, numbered))
+                return Received(plan)
+            if given is not None and (boot == memory.boot or given > memory.turn):
+                # The same service, or one that went on from where it was (a final snapshot).
+                self._turns.put(key, TurnMemory(boot, given))
+                return Received(plan)
+            # Numbered afresh (or not at all): the app's next number is the remembered one + 1.
+            turn = memory.turn + 1
+            self._turns.put(key, TurnMemory(boot, turn, client_numbered=True))
+            forget: tuple[SettleKey, ...] = (("conversation", *key),)
+            if points_back(plan):
+                self._counters["renumber_refused"] += 1
+                refused = forget + (("rid", plan.rid),)
+                return Received(None, turn, refused)
+            self._counters["renumbered"] += 1
+        logger.debug(
+            "index service restarted: turn %s of conversation %.80r renumbered %d",
+            given,
+            key[1],
+            turn,
+        )
+        renumbered = dataclasses.replace(plan, scope=dataclasses.replace(plan.scope, turn=turn))
+        return Received(renumbered, settle=forget if given is not None else ())
+
+    # ------------------------------------------------------------------ Public API: unsettled
+    @staticmethod
+    def touched(requests: Sequence[PlanRequest]) -> list[SettleKey]:
+        """What a call of these requests may leave on the service: their conversations and
+        explicit rids."""
+        touched: list[SettleKey] = []
+        for request in requests:
+            key = request.scope.conversation
+            if key is not None:
+                touched.append(("conversation", *key))
+            if request.rid is not None:
+                touched.append(("rid", request.rid))
+        return touched
+
+    def unsettled_among(self, keys: Sequence[SettleKey]) -> list[SettleKey]:
+        """Those of ``keys`` a failed call may have left on the service (to settle first)."""
+        with self._lock:
+            return [key for key in keys if key in self._unsettled]
+
+    def remember_unsettled(self, keys: Sequence[SettleKey]) -> None:
+        """A call touching ``keys`` failed after it was sent: settle them before their next
+        use. An entry dropped by the bound is logged at warning level."""
+        with self._lock:
+            dropped = sum(len(self._unsettled.put(key, None)) for key in keys)
+            self._counters["unsettled_dropped"] += dropped
+        if dropped:
+            logger.warning(
+                "index service client: %d conversations that failed calls may have left on "
+                "the service are no longer remembered (max_unsettled=%d)",
+                dropped,
+                self._unsettled.max_entries,
+            )
+
+    def settled(self, key: SettleKey) -> None:
+        """``key`` was forgotten or evicted on the service."""
+        with self._lock:
+            self._unsettled.pop(key)
+            self._counters["settled"] += 1
+
+    def counts(self) -> dict[str, int]:
+        """``settled``, ``unsettled`` (now), ``unsettled_dropped``, ``renumbered`` (plans the
+        client renumbered after a restart), ``renumber_refused`` (planned locally instead)
+        and ``conversations`` (whose numbering is remembered)."""
+        with self._lock:
+            return {
+                **self._counters,
+                "unsettled": len(self._unsettled),
+                "conversations": len(self._turns),
+            }
+
+
+def points_back(plan: Plan) -> bool:
+    """Whether anything in ``plan`` points at text shown elsewhere: a block replaced by a hint,
+    or a shown block with sub-block pointers (also "in this message" ones: the wire does not
+    say where a pointer points, so every one counts)."""
+    return any(
+        p.status is PlacementStatus.REPLACED or (p.shown and p.rendered_text != p.text)
+        for p in plan.placements
+    )
