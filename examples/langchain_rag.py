@@ -7,7 +7,7 @@ ContextPilot chain is the same chain with the retriever wrapped::
     chain = (
         {"context": retriever | format_documents, "question": RunnablePassthrough()}
         | CONTEXTPILOT_PROMPT
-        | with_request_id(llm)                                       # rid -> the engine
+        | with_plan_fields(llm)                                       # rid -> the engine
     )
 
 and, for a whole batch planned jointly and sent in schedule order, ``RAGInputs(retriever=...)``
@@ -25,13 +25,14 @@ the chat-templated prompt (a line is cached only when it and everything before i
 ``ChatOpenAI`` and the figures are the engine's own ``cached_tokens`` (SGLang with
 ``--enable-cache-report``, vLLM with ``--enable-prompt-tokens-details``); the engine's prefix
 cache is flushed before each run when it allows it. With a real engine, the pilot follows the
-engine's cache itself: ``ContextPilot(cache_sync={"kind": "kv-events", "endpoint": ...,
-"replay_endpoint": ...})`` subscribes to its KV-cache events and drops the requests it evicts
+engine's cache itself: ``ContextPilot(engine=EngineLink({"kind": "kv-events", "endpoint": ...,
+"replay_endpoint": ...}))`` subscribes to its KV-cache events and drops the requests it evicts
 (this example does not, as the endpoints depend on the engine's launch flags);
 ``tests/langchain/test_langchain_vllm_engine.py`` runs that loop against vLLM.
 
 Run: ``python examples/langchain_rag.py [--limit 500] [--k 5] [--cache-tokens unlimited]``;
-data from ``--data-dir``, ``$CONTEXTPILOT_DATA_DIR`` or ``../shared/data``.
+data from ``--data-dir``, else the benchmark's rule
+(``contextpilot_bench.workloads.resolve_data_dir``: ``$CONTEXTPILOT_DATA_DIR``, ...).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from contextpilot_integrations.langchain import (
     ContextPilotRetriever,
     RAGInputs,
     format_documents,
-    with_request_id,
+    with_plan_fields,
 )
 
 logger = logging.getLogger("langchain_rag")
@@ -294,12 +295,12 @@ def run_all(
                     "context": retriever | format_documents,
                     "question": RunnablePassthrough(),
                 }
-                return inputs | CONTEXTPILOT_PROMPT | with_request_id(llm)
+                return inputs | CONTEXTPILOT_PROMPT | with_plan_fields(llm)
 
         elif mode == "batch":
 
             def build(llm: Runnable[Any, Any], retriever: Any = retriever) -> Runnable[Any, Any]:
-                return RAGInputs(retriever=retriever) | CONTEXTPILOT_PROMPT | with_request_id(llm)
+                return RAGInputs(retriever=retriever) | CONTEXTPILOT_PROMPT | with_plan_fields(llm)
 
         else:
             raise ValueError(f"mode must be 'invoke' or 'batch', got {mode!r}")

@@ -103,7 +103,8 @@ class MiniLMEmbedding(BaseEmbedding):
 
 
 def data_dir(path: str | Path | None = None) -> Path:
-    """``path``, else ``$CONTEXTPILOT_DATA_DIR``, else ``../shared/data`` (the bench's rule)."""
+    """``path``, else the benchmark's rule (``resolve_data_dir``: ``$CONTEXTPILOT_DATA_DIR``,
+    ...)."""
     return resolve_data_dir(path)
 
 

@@ -7,7 +7,7 @@
 # needs nothing else of this package, so the venv holds smg alone.
 # Idempotent: a second run only checks the pinned version and that the binary answers.
 #
-# Facts and flags: ../shared/notes/gateways.md.
+# Facts and flags: docs/DESIGN.md, "The smg gateway".
 # Environment: PYTHON (interpreter for the venv, default python3), SMG_VENV (default
 # <repo>/.venv-smg).
 set -euo pipefail

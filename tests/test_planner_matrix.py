@@ -1,4 +1,4 @@
-"""Every face over every planner, on the sync and the async path (issue 11's matrix).
+"""Every face over every planner, on the sync and the async path.
 
 Faces: the LangChain retriever, the LlamaIndex node post-processor, the Mem0 memory wrapper and
 the Mem0 agent middleware (LangChain ``create_agent``). Planners: the in-process

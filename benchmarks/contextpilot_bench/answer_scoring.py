@@ -9,16 +9,15 @@ removed, whitespace collapsed):
 - ``gold_contained``: a normalised reference stands in the normalised answer as a whole-word
   phrase (0 or 1): a short gold answer inside a sentence counts;
 - ``label_only``: the answer is nothing but document labels (``[Doc 3]``): a small model primed
-  by the labels of an order annotation answers so (``../shared/notes/real-model.md``).
+  by the labels of an order annotation answers so (docs/DESIGN.md, "SmolLM2-135M-Instruct").
 
 References (:func:`reference_answers`, request id -> reference texts):
 
 - ``multihop-rag``: ``ground_truth.json``'s ``answer`` (``Yes``/``No``, a name, or
-  ``Insufficient information.`` for the null queries);
-- ``locomo``: each question's ``answer``; adversarial questions (category 5) record none and are
-  not scored;
-- ``mtrag`` and ``mtrag-conversations``: a conversation's last user turn, the task's
-  ``targets``; an earlier turn, the agent's recorded reply to it.
+  ``Insufficient information.`` for the null queries); ``locomo``: each question's ``answer``
+  (adversarial questions, category 5, record none and are not scored);
+- ``mtrag``, ``mtrag-conversations``: for a conversation's last user turn the task's
+  ``targets``, for an earlier turn the agent's recorded reply to it.
 
 Intervals (:func:`bootstrap_interval`, :func:`paired_difference`): percentile bootstrap over
 the questions (2,000 resamples, seeded), 95%. A paired difference resamples the same questions
@@ -122,13 +121,18 @@ def score_answer(answer: str, references: Sequence[str]) -> AnswerScore:
 # --- references --------------------------------------------------------------------------------
 
 
+_MULTIHOP_TRUTH = "multihop_rag_sample500/ground_truth.json"
+_LOCOMO_FILE = "locomo/locomo10.json"
+_MTRAG_FILE = "mtrag/mtragun-human/generation_tasks/reference.jsonl"
+
+
 def _multihop_references(root: Path) -> dict[str, tuple[str, ...]]:
-    truth = json.loads((root / "multihop_rag_sample500/ground_truth.json").read_text("utf-8"))
+    truth = json.loads((root / _MULTIHOP_TRUTH).read_text("utf-8"))
     return {f"multihop-{qid}": (str(entry["answer"]),) for qid, entry in truth.items()}
 
 
 def _locomo_references(root: Path) -> dict[str, tuple[str, ...]]:
-    samples = json.loads((root / "locomo/locomo10.json").read_text("utf-8"))
+    samples = json.loads((root / _LOCOMO_FILE).read_text("utf-8"))
     references: dict[str, tuple[str, ...]] = {}
     for sample in samples:
         for i, qa in enumerate(sample["qa"]):
@@ -138,7 +142,7 @@ def _locomo_references(root: Path) -> dict[str, tuple[str, ...]]:
 
 
 def _mtrag_references(root: Path) -> dict[str, tuple[str, ...]]:
-    path = root / "mtrag/mtragun-human/generation_tasks/reference.jsonl"
+    path = root / _MTRAG_FILE
     references: dict[str, tuple[str, ...]] = {}
     with path.open(encoding="utf-8") as lines:
         for line in lines:
@@ -163,11 +167,12 @@ def _mtrag_references(root: Path) -> dict[str, tuple[str, ...]]:
 
 
 _REFERENCES = {
-    "multihop-rag": _multihop_references,
-    "locomo": _locomo_references,
-    "mtrag": _mtrag_references,
-    "mtrag-conversations": _mtrag_references,
+    "multihop-rag": (_MULTIHOP_TRUTH, _multihop_references),
+    "locomo": (_LOCOMO_FILE, _locomo_references),
+    "mtrag": (_MTRAG_FILE, _mtrag_references),
+    "mtrag-conversations": (_MTRAG_FILE, _mtrag_references),
 }
+"""Workload -> the data file its references are read from, and the reader."""
 
 
 def reference_answers(
@@ -178,15 +183,18 @@ def reference_answers(
 
     Raises:
         ValueError: a workload without reference answers here.
-        FileNotFoundError: the data directory or file is missing.
+        FileNotFoundError: the data directory or file is missing, or the file could not be
+            fetched (:func:`~contextpilot_bench.workloads.resolve_data_dir`).
+        ValueError: a fetched file's checksum is not the pinned one.
     """
-    loader = _REFERENCES.get(workload)
-    if loader is None:
+    source = _REFERENCES.get(workload)
+    if source is None:
         raise ValueError(
             f"workload {workload!r} has no reference answers here; scored workloads: "
             f"{', '.join(_REFERENCES)}"
         )
-    return loader(resolve_data_dir(data_dir))
+    path, reader = source
+    return reader(resolve_data_dir(data_dir, files=(path,)))
 
 
 # --- intervals ---------------------------------------------------------------------------------

@@ -1,51 +1,30 @@
 """What offline ordering can reach: upper bounds on the unlimited-cache hit of a whole workload.
 
-The problem (units, weights, the cached tokens of an ordering) is
-:mod:`~contextpilot_bench.ordering_problem`'s; its exact optimum, a tree ``T`` with
-the requests as leaves crediting ``w(I_P)`` per internal node ``P`` (the theorem), is
-:mod:`~contextpilot_bench.optimal_orders`'s, for slices of up to 18 requests.
+The problem is :mod:`~contextpilot_bench.ordering_problem`'s; its exact optimum (a tree ``T``
+with the requests as leaves crediting ``w(I_P)`` per internal node ``P``) is
+:mod:`~contextpilot_bench.optimal_orders`'s, for small slices. :func:`offline_bounds` gives:
 
-Upper bounds for a whole workload (:func:`offline_bounds`)
-----------------------------------------------------------
-*Spanning forest* (:func:`spanning_forest_bound`). Give each internal node ``P`` of ``T`` the
-edge between the leftmost leaves of its two children: these ``N - 1`` edges form a spanning tree
-of the requests, and ``w(I_P) <= w(S_a & S_b)`` for the edge ``(a, b)``. So the optimum is at
-most the maximum spanning forest of the overlap graph (edge weight ``w(S_i & S_j)``). It is
-never above today's bound (each request's best overlap with any other; up to the label token
-above): rooting each tree, a request's parent edge weighs at most its best overlap, and each
-root is credited nothing.
+*Spanning forest* (:func:`spanning_forest_bound`). The edges between the leftmost leaves of each
+internal node's two children form a spanning tree, and ``w(I_P) <= w(S_a & S_b)`` for its edge
+``(a, b)``, so the optimum is at most the maximum spanning forest of the overlap graph. It is
+never above the best-pair bound (each request's best overlap with any other): rooting each
+tree, a request's parent edge weighs at most its best overlap, and a root is credited nothing.
 
 *Prefix intersection* (:func:`prefix_intersection_bound`). Request ``i`` in order ``b_1..b_k``
-meets ``b_t`` at a trie node whose requests all start with ``b_1..b_t``, so hold all of them:
-``|M| <= c_t = |H_{b_1} & ... & H_{b_t}|``. Writing ``(|M_v| - 1) w_v`` as ``w_v (1 - 1/|M_v|)``
-for each of its ``|M_v|`` requests::
-
-    cached - (N - 1) s = sum_i sum_t w_{b_t} (1 - 1/|M_{v(i,t)}|)
-                      <= sum_i max over orders of S_i of sum_t w_{b_t} (1 - 1/c_t)
-
-Each request's maximum is a dynamic program over the subsets of its shared units (units held by
-one request only go last and save nothing). Beyond ``exact_units`` shared units per request the
-rest are credited ``w_u (1 - 1/n_u)`` (``c_t <= n_u``), which keeps the bound valid.
+meets ``b_t`` at a trie node held by at most ``c_t = |H_{b_1} & ... & H_{b_t}|`` requests, so
+``cached - (N - 1) s <= sum_i max over orders of S_i of sum_t w_{b_t} (1 - 1/c_t)``, each
+request's maximum a dynamic program over its shared units (beyond ``exact_units`` the rest are
+credited ``w_u (1 - 1/n_u)``, which keeps the bound valid).
 
 *Two-level LP* (:func:`two_level_lp_bound`). The prefix bound lets every holder of a unit count
 all the others at it, though each request starts with one unit only (a hub ``{a, b, c}`` with
-the singles ``{a}, {b}, {c}``: the bound credits 2, the optimum is 1). The LP pays each trie
-node of depth 1 and 2 once (a facility-location relaxation) and the deeper ones by the prefix
-shares, so it is never looser than the prefix bound; it keeps an integrality gap (every pair of
-four blocks as a request: it credits 4, the optimum is 3).
+the singles ``{a}, {b}, {c}``: it credits 2, the optimum is 1). The LP pays each trie node of
+depth 1 and 2 once (a facility-location relaxation), the deeper ones by the prefix shares, so it
+is never looser than the prefix bound; it keeps an integrality gap (every pair of four blocks:
+it credits 4, the optimum is 3).
 
-The tighter bound is the smallest of the three; each holds for every ordering and schedule
-(``tests/bench/test_bounds.py`` checks them against the exact optimum on random batches, and the
-optimum against brute force). Measured by ``benchmarks/bench_bounds.py`` (k=10): the tighter
-bound's hit ratio is 0.539 / 0.455 / 0.455 on MultiHop-RAG / MTRAG / LoCoMo against today's
-0.646 / 0.577 / 0.649, and 5-7% above the exact optimum on slices of 16 connected requests.
-
-Public API: :func:`offline_bounds`, :class:`OfflineBounds`, :func:`spanning_forest_bound`,
-:func:`prefix_intersection_bound`, :func:`two_level_lp_bound`. Re-exported for the importers
-of this module: :class:`OrderingProblem`, :func:`ordering_problem`, :func:`cached_tokens`,
-:func:`orders_of_plans` (:mod:`~contextpilot_bench.ordering_problem`);
-:func:`optimal_orders`, :class:`OptimalOrders`, :data:`MAX_EXACT_REQUESTS`,
-:func:`connected_slices` (:mod:`~contextpilot_bench.optimal_orders`).
+The tighter bound is the smallest; each holds for every ordering and schedule
+(``tests/bench/test_bounds.py`` checks them against the exact optimum and brute force).
 """
 
 from __future__ import annotations
@@ -102,8 +81,8 @@ class OfflineBounds:
 def offline_bounds(
     problem: OrderingProblem, *, lp: bool = True, exact_units: int = DEFAULT_EXACT_UNITS
 ) -> OfflineBounds:
-    """The bounds of the module docstring; ``lp=False`` skips the linear program (the others
-    take well under a second for 2,000 requests of 10 blocks; the program 1-15 s)."""
+    """The bounds of the module docstring; ``lp=False`` skips the linear program (by far the
+    slowest of the three)."""
     return OfflineBounds(
         spanning_forest_bound(problem),
         prefix_intersection_bound(problem, exact_units=exact_units),
@@ -196,9 +175,7 @@ def two_level_lp_bound(
     ``c`` holders gives ``w y >= sum x w / c``). A margin of ``1e-6`` relative covers the LP
     solver's tolerances.
 
-    Cost: about ``k**2`` variables per request (HiGHS through ``scipy.optimize.linprog``):
-    0.8 s CPU for 500 MultiHop-RAG requests, 2.5 s for LoCoMo, 6.5 s and 0.5 GB for MTRAG
-    (k=10).
+    Cost: about ``k**2`` variables per request (HiGHS through ``scipy.optimize.linprog``).
 
     Returns:
         The bound on cached tokens, or ``None`` when some request has more than

@@ -2,35 +2,25 @@
 each turn's generated answer in the next turn's history.
 
 ``contextpilot-bench --workload mtrag-conversations --engine vllm-cpu --engine-model smollm2``.
-Turn ``t`` of a conversation is sent as::
-
-    [system] [user: turn 1] [assistant: turn 1's generated answer] ... [user: turn t]
-
+Turn ``t`` is sent as ``[system] [user: turn 1] [assistant: turn 1's answer] ... [user: turn t]``
 through the model's own chat template (the server applies it; the same ids are computed here,
-:class:`~contextpilot_bench.testbed.model_chat.ModelChat`). A user message is the turn's
-header, blocks and tail as the method renders them (:meth:`PromptLayout.render_turns` of one
-turn): ``baseline`` in retriever order; ``alignment+dedup``: ``ContextPilot.plan`` with
-``Scope(conversation, turn=t)`` (aligned, de-duplicated against the conversation's earlier turns,
-annotated), following the engine through its KV events; ``alignment``: the same without a
-conversation. The answers are greedy, ``--engine-max-tokens`` at most, and scored against the
-references (:mod:`~contextpilot_bench.answer_scoring`).
+:class:`~contextpilot_bench.testbed.model_chat.ModelChat`). A user message is the turn's header,
+blocks and tail as the method renders them: ``baseline`` in retriever order;
+``alignment+dedup``: ``ContextPilot.plan`` with ``Scope(conversation, turn=t)``, following the
+engine through its KV events; ``alignment``: the same without a conversation. Answers are
+greedy, ``--engine-max-tokens`` at most, scored by :mod:`~contextpilot_bench.answer_scoring`.
 
-What is checked (:class:`ChatTurn`): the engine reuses turn ``t - 1``'s prompt and answer only if
-they stay a token prefix of turn ``t``'s prompt. A template that renders history otherwise than
-it rendered the generation prompt (dropping earlier turns' reasoning, re-adding a default system
-prompt, trimming whitespace) or an answer whose generated tokens are not what its text encodes
-to, breaks that. Both are measured, not assumed: the answer's generated ids come back from the
-engine (vLLM's ``return_token_ids``); what the engine computed of turn ``t - 1`` is its prompt
-ids and the generated ids but the last (a sampled token is fed back only to sample the next:
-the stop token, or the last of ``max_tokens``, never is); ``prefix_kept`` is how many of those
-start turn ``t``'s ids (local template), split into breaks in the earlier prompt (the template)
-and in the answer (its text re-encodes to other ids); the engine's ``cached_tokens`` say what it
-reused. Target: where the history fits in the cache (nothing trimmed, the prompt within the KV
-cache), cached tokens at least 0.99 of the previous turn's prompt plus answer as computed,
-rounded down to whole blocks. The KV cache is the engine's whole memory
-(``VLLM_CPU_KVCACHE_SPACE``) unless ``--engine-kv-tokens`` is given; a conversation whose prompt
-outgrows ``max_model_len`` (default the model's 8,192 positions) loses its oldest turns, and
-such turns are not counted for the target.
+What is checked (:class:`~contextpilot_bench.chat_replay_report.ChatTurn`): the engine reuses
+turn ``t - 1``'s prompt and answer only if they stay a token prefix of turn ``t``'s prompt. A
+template that re-renders history (dropping reasoning, re-adding a default system prompt,
+trimming whitespace) or an answer whose text re-encodes to other ids breaks that. Both are
+measured: the generated ids come back from the engine (vLLM's ``return_token_ids``); what it
+computed of turn ``t - 1`` is the prompt ids and the generated ids but the last (a sampled token
+is never fed back); ``prefix_kept`` is how many of those start turn ``t``'s ids. The target
+(:data:`~contextpilot_bench.chat_replay_report.REUSE_TARGET`) applies where the history fits:
+nothing trimmed, the prompt within the KV cache, which is the engine's whole memory
+(``VLLM_CPU_KVCACHE_SPACE``) unless ``--engine-kv-tokens`` is given. A conversation outgrowing
+``max_model_len`` (default the model's ``max_position_embeddings``) loses its oldest turns.
 """
 
 from __future__ import annotations
@@ -42,7 +32,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,13 +43,15 @@ from contextpilot_bench.answer_scoring import (
 )
 from contextpilot_bench.chat_replay_report import (
     REUSE_TARGET,
+    ChatTurn,
     plot_reuse,
     reuse_summary,
 )
+from contextpilot_bench.methods import engine_link, pilot_link
 from contextpilot_bench.prepared_conversations import (
     PreparedConversations,
     ReplayTurn,
-    interleave,
+    interleave_turns,
     prepare_conversations,
 )
 from contextpilot_bench.real_model import WHAT_SCORES_SHOW, scored_layout
@@ -72,62 +64,12 @@ from contextpilot_integrations.core.request import Scope
 if TYPE_CHECKING:
     from contextpilot_bench.vllm_instance import VllmCpuInstance
 
-__all__ = ["CHAT_REPLAY_METHODS", "ChatTurn", "replay_conversations", "run_chat_replay"]
+__all__ = ["CHAT_REPLAY_METHODS", "replay_conversations", "run_chat_replay"]
 
 logger = logging.getLogger(__name__)
 
 CHAT_REPLAY_METHODS = ("baseline", "alignment", "alignment+dedup")
 DEFAULT_CHAT_METHODS = ("baseline", "alignment+dedup")
-
-
-@dataclass(frozen=True, slots=True)
-class ChatTurn:
-    """One turn as sent and answered.
-
-    Attributes:
-        request_id: the workload's request id (``<conversation>::<turn>``).
-        conversation_id: the conversation.
-        number: the turn number.
-        rid: the request id sent to the engine.
-        prompt_tokens: the engine's ``usage.prompt_tokens``.
-        local_prompt_tokens: the same prompt through the local template and tokenizer.
-        cached_tokens: the engine's cached tokens (None: not reported).
-        ttft_s: time to first token, seconds.
-        answer: the generated text.
-        answer_tokens: its tokens as the tokenizer encodes the text.
-        generated_tokens: the ids the engine generated, the stop token included (None: the
-            engine did not return them; ``answer_tokens`` stand in then).
-        previous_tokens: the previous turn's prompt plus the answer ids the engine computed
-            (all generated ids but the last; 0 for a first turn or when earlier turns were
-            trimmed away).
-        previous_prompt_tokens: of those, the previous turn's prompt.
-        prefix_kept: of ``previous_tokens``, how many start this turn's local ids (equal to it
-            when history is stable; below ``previous_prompt_tokens``: the template re-rendered
-            the earlier prompt; between: the answer's text re-encodes to other ids).
-        expected_cached: ``previous_tokens`` rounded down to whole blocks (what the engine can
-            reuse when the prefix is kept and cached).
-        trimmed_turns: earlier turns dropped to fit ``max_model_len``.
-        fits: the turn's history fits in the cache (nothing trimmed, the prompt within the
-            engine's KV cache): where the reuse target applies.
-    """
-
-    request_id: str
-    conversation_id: str
-    number: int
-    rid: str
-    prompt_tokens: int
-    local_prompt_tokens: int
-    cached_tokens: int | None
-    ttft_s: float
-    answer: str
-    answer_tokens: int
-    generated_tokens: int | None
-    previous_tokens: int
-    previous_prompt_tokens: int
-    prefix_kept: int
-    expected_cached: int
-    trimmed_turns: int
-    fits: bool
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -162,10 +104,9 @@ def replay_conversations(
     instance.reset()
     pilot = None
     if method != "baseline":
-        pilot = ContextPilot(
-            layout=layout, token_counter=prepared.counter, cache_sync=instance.cache_sync
-        )
-        instance.wait_for_events(*([pilot.engine] if pilot.engine is not None else []))
+        link = engine_link(instance.cache_sync)
+        pilot = ContextPilot(layout=layout, token_counter=prepared.counter, engine=link)
+        instance.wait_for_events(*([link] if link is not None else []))
     system = [{"role": "system", "content": layout.system_prompt}] if layout.system_prompt else []
     # conversation -> earlier turns: (user message, answer, prompt ids, answer ids)
     history: dict[str, list[tuple[str, str, list[int], list[int]]]] = {}
@@ -173,15 +114,15 @@ def replay_conversations(
     budget = max_model_len - instance.answer_tokens
     capacity = instance.model_capacity_tokens
     try:
-        order = interleave(prepared.conversations, sessions)
+        order = interleave_turns(prepared.conversations, sessions)
         with tqdm(total=len(order), desc=method, unit="turn", disable=not progress) as bar:
             for turn in order:
                 user = _user_message(method, turn, pilot, layout, f"{method}-{turn.request_id}")
                 sent = _send_turn(method, turn, user, history, system, pilot, instance, budget)
                 out.append(_with_fit(sent, capacity))
                 bar.update()
-        if pilot is not None and pilot.engine is not None:
-            instance.wait_for_events(pilot.engine)
+        if (link := pilot_link(pilot)) is not None:
+            instance.wait_for_events(link)
     finally:
         if pilot is not None:
             pilot.close()
@@ -239,8 +180,8 @@ def _send_turn(
             break
         trimmed += 1
     completion = instance.chat(messages, rid=rid, token_ids=True)
-    if pilot is not None and pilot.engine is not None:
-        pilot.engine.register_tokens(rid, ids)
+    if (link := pilot_link(pilot)) is not None:
+        link.register_tokens(rid, ids)
     answer = completion.text
     answer_ids = server.chat.tokenizer.encode(answer, add_special_tokens=False).ids
     generated = completion.token_ids

@@ -1,27 +1,75 @@
-"""The chat replay's reuse figures (:mod:`~contextpilot_bench.chat_replay`): the
-target, one method's summary and the plot.
+"""The chat replay's turns and reuse figures (:mod:`~contextpilot_bench.chat_replay`): one
+turn as sent and answered (:class:`ChatTurn`), the target, one method's summary and the plot.
 
-The target: on every later turn whose history fits in the cache (:attr:`ChatTurn.fits
-<contextpilot_bench.chat_replay.ChatTurn.fits>`), the engine's cached tokens are at
-least :data:`REUSE_TARGET` of the previous turn's prompt plus answer as the engine computed it,
-rounded down to whole blocks (``ChatTurn.expected_cached``). :func:`reuse_summary` counts the
-turns where it applies and where it was met, and tells a prefix broken by the template from one
-broken in the answer's re-encoded ids; :func:`plot_reuse` draws cached against expected tokens.
+The target: on every later turn whose history fits in the cache (:attr:`ChatTurn.fits`), the
+engine's cached tokens are at least :data:`REUSE_TARGET` of the previous turn's prompt plus
+answer as the engine computed it, rounded down to whole blocks (``ChatTurn.expected_cached``).
+:func:`reuse_summary` counts the turns where it applies and where it was met, and tells a prefix
+broken by the template from one broken in the answer's re-encoded ids; :func:`plot_reuse` draws
+cached against expected tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from contextpilot_bench.chat_replay import ChatTurn
-
-__all__ = ["REUSE_TARGET", "plot_reuse", "reuse_summary"]
+__all__ = ["REUSE_TARGET", "ChatTurn", "plot_reuse", "reuse_summary"]
 
 REUSE_TARGET = 0.99
 """Cached tokens at least this share of the previous turn's prompt plus answer (whole blocks)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurn:
+    """One turn as sent and answered.
+
+    Attributes:
+        request_id: the workload's request id (``<conversation>::<turn>``).
+        conversation_id: the conversation.
+        number: the turn number.
+        rid: the request id sent to the engine.
+        prompt_tokens: the engine's ``usage.prompt_tokens``.
+        local_prompt_tokens: the same prompt through the local template and tokenizer.
+        cached_tokens: the engine's cached tokens (None: not reported).
+        ttft_s: time to first token, seconds.
+        answer: the generated text.
+        answer_tokens: its tokens as the tokenizer encodes the text.
+        generated_tokens: the ids the engine generated, the stop token included (None: the
+            engine did not return them; ``answer_tokens`` stand in then).
+        previous_tokens: the previous turn's prompt plus the answer ids the engine computed
+            (all generated ids but the last; 0 for a first turn or when earlier turns were
+            trimmed away).
+        previous_prompt_tokens: of those, the previous turn's prompt.
+        prefix_kept: of ``previous_tokens``, how many start this turn's local ids (equal to it
+            when history is stable; below ``previous_prompt_tokens``: the template re-rendered
+            the earlier prompt; between: the answer's text re-encodes to other ids).
+        expected_cached: ``previous_tokens`` rounded down to whole blocks (what the engine can
+            reuse when the prefix is kept and cached).
+        trimmed_turns: earlier turns dropped to fit ``max_model_len``.
+        fits: the turn's history fits in the cache (nothing trimmed, the prompt within the
+            engine's KV cache): where the reuse target applies.
+    """
+
+    request_id: str
+    conversation_id: str
+    number: int
+    rid: str
+    prompt_tokens: int
+    local_prompt_tokens: int
+    cached_tokens: int | None
+    ttft_s: float
+    answer: str
+    answer_tokens: int
+    generated_tokens: int | None
+    previous_tokens: int
+    previous_prompt_tokens: int
+    prefix_kept: int
+    expected_cached: int
+    trimmed_turns: int
+    fits: bool
 
 
 def reuse_summary(turns: Sequence[ChatTurn]) -> dict[str, Any]:

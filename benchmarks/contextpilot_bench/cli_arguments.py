@@ -54,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workload", choices=workload_names(), default="multihop-rag")
     parser.add_argument(
         "--data-dir",
-        help=f"dataset directory (default: ${DATA_DIR_ENV}, else ../shared/data next to the repo)",
+        help=(
+            f"dataset directory (default: ${DATA_DIR_ENV}, else the datasets fetched from their "
+            'upstreams into the cache (see docs/DESIGN.md, "Datasets"))'
+        ),
     )
     parser.add_argument("-k", "--top-k", dest="k", type=int, default=10, help="blocks per request")
     parser.add_argument(

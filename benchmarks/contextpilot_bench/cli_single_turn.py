@@ -22,6 +22,7 @@ from contextpilot_bench.cli_arguments import DEFAULT_CACHE_TOKENS
 from contextpilot_bench.cli_option_values import parse_methods
 from contextpilot_bench.engine_setups import engine_setup
 from contextpilot_bench.methods import (
+    CLAIRVOYANT_ARRIVAL,
     METHODS,
     MethodResult,
     parse_cache_tokens,
@@ -33,6 +34,7 @@ from contextpilot_bench.report import (
     WINDOW_COLUMNS,
     WINDOW_TARGET_CACHE,
     WINDOW_TARGET_VS_OFFLINE,
+    clairvoyant_check,
     format_table,
     plot_results,
     plot_window_tradeoff,
@@ -140,8 +142,10 @@ def run_single_turn_report(
     )
     print(engine_line)
     print()
-    shown = [r for r in results if r.method != "upper-bound"]
+    closing = ("upper-bound", CLAIRVOYANT_ARRIVAL)  # the references close the table
+    shown = [r for r in results if r.method not in closing]
     shown += ([offline] if offline else []) + [w.result for w in window_results]
+    shown += [r for r in results if r.method == CLAIRVOYANT_ARRIVAL]
     shown += [r for r in results if r.method == "upper-bound"]
     rows = summarize(shown)
     real_model.add_answer_columns(rows, run)
@@ -151,6 +155,8 @@ def run_single_turn_report(
     if windows:
         window_rows = _print_windows(run, results, offline, window_results)
     for line in prefill_check(rows):
+        print(line)
+    for line in clairvoyant_check(rows, args.mode):
         print(line)
     for line in notes:
         print(line)

@@ -4,7 +4,7 @@ An :class:`Engine` runs one method's prompts on an empty cache (a fresh engine p
 says how the planner under test learns what it evicts: either the engine reports evicted request
 ids itself (:meth:`Engine.take_evicted_rids`: the embedded model), or the planner follows the
 engine's cache through the core's engine link (:attr:`Engine.cache_sync`:
-``ContextPilot(cache_sync=engine.cache_sync)``, the KV events of a real engine).
+``ContextPilot(engine=EngineLink(engine.cache_sync))``, the KV events of a real engine).
 
 Implementations: :class:`EmbeddedEngine` (the prefix-cache model, here),
 :class:`~contextpilot_bench.engine_client.OpenAIEngine` (any OpenAI-compatible
@@ -52,7 +52,7 @@ class Engine(Protocol):
 
     Attributes:
         cache_sync: how a planner follows this engine's prefix cache, the mapping
-            ``ContextPilot(cache_sync=...)`` takes; ``None``: it does not, evictions come from
+            ``EngineLink(...)`` takes; ``None``: it does not, evictions come from
             :meth:`take_evicted_rids`.
     """
 

@@ -7,7 +7,7 @@ second (uncached prompt tokens / TTFT, summed over requests), the models' predic
 and their relative error, the KV events received while the method ran, and, for ContextPilot,
 the evictions its engine link reported and applied to the index
 (``pilot.stats()["sync"]``). :func:`format_engine_table` prints them; :func:`target_lines`
-judges the targets of the vLLM CPU engine's issue (k=10, a 5% KV cache).
+judges the vLLM CPU engine's targets (set for k=10 and a 5% KV cache).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def format_engine_table(reports: Sequence[EngineMethodReport]) -> str:
 
 
 def target_lines(reports: Sequence[EngineMethodReport], k: int, kv: KVCacheSize) -> list[str]:
-    """The issue's targets, judged on this run (they are set for k=10 and a 5% KV cache)."""
+    """The targets, judged on this run (they are set for k=10 and a 5% KV cache)."""
     by_name = {r.method: r for r in reports}
     base, pilot = by_name.get("baseline"), by_name.get("contextpilot")
     lines = []

@@ -5,35 +5,12 @@ given. These are models of the Shepherd Model Gateway's policies (PyPI ``smg``; 
 ``lightseekorg/smg``, read at commit ``73da68c``: ``model_gateway/src/policies/round_robin.rs``,
 ``cache_aware.rs``, ``prefix_hash.rs``, ``worker/hash_ring.rs``, ``crates/kv_index/src/
 string_tree.rs``; the defaults of ``smg launch`` from ``bindings/python/src/smg/router_args.py``
-and ``docs/concepts/routing/cache-aware.md``). Each policy sees the request's text and the
-replicas' loads (:class:`InFlight`) and returns a replica index in ``range(N)``:
-
-:class:`RoundRobin`
-    Request ``i`` goes to replica ``i mod N``.
-:class:`CacheAware`
-    SMG's ``cache_aware`` over HTTP (its *approximate string tree*, no KV events): one radix tree
-    over the characters of every prompt it routed, each node tagged with the replicas ("tenants")
-    it was routed to. Per request: when the fleet is *imbalanced*, that is
-    ``max_load - min_load > balance_abs_threshold`` and ``max_load > balance_rel_threshold *
-    min_load``, it goes to the least loaded replica; otherwise the tree gives the longest
-    prefix of the prompt routed before (matched characters / prompt characters = the match
-    rate) and its owner (the replica the deepest matched node was first routed to, while it
-    still holds it), and the request goes to that owner when the match rate exceeds
-    ``cache_threshold``, else to the least loaded replica. Ties of load go to the replica that
-    was sent fewer requests, then the first. The prompt is then inserted for the chosen
-    replica. Defaults as ``smg launch``: ``cache_threshold`` 0.3, ``balance_abs_threshold``
-    64, ``balance_rel_threshold`` 1.5 (the Rust ``CacheAwareConfig::default`` has 0.5, 32
-    and 1.1, but the launcher's own defaults are the ones a user gets). SMG trims the tree to
-    ``max_tree_size`` (2**26 characters per replica) every 60 s; the workloads here are far
-    smaller, so nothing is trimmed (not modelled). SMG touches a node's access time on one
-    match in eight (for its LRU trim only, which does not run here).
-:class:`PrefixHash`
-    SMG's ``prefix_hash``: the hash of the first ``prefix_tokens`` (256) tokens of the prompt
-    is looked up on a consistent-hash ring (150 virtual nodes per replica); that replica is
-    taken while its load is at most ``load_factor`` (1.25) times ``(total load + 1) / N``
-    (an idle fleet always passes), else the least loaded replica within that bound. SMG hashes
-    token ids with xxh3 and places ring nodes with blake3; here both are blake2b (of the head's
-    text, or of its token ids with a tokenizer): the same rule with other hash values.
+and ``docs/concepts/routing/cache-aware.md``; docs/DESIGN.md, "The smg gateway"). Each policy
+sees the request's text and the replicas' loads (:class:`InFlight`) and returns a replica index
+in ``range(N)``: :class:`RoundRobin` (request ``i`` to replica ``i mod N``), :class:`CacheAware`
+(SMG's ``cache_aware`` over HTTP, its approximate string tree) and :class:`PrefixHash` (SMG's
+``prefix_hash``, a consistent-hash ring on the prompt's head); each class's docstring gives the
+rule it follows.
 
 Load (:class:`InFlight`): SMG counts a replica's requests in flight. A replay sends requests one
 after another, so the model keeps the last ``concurrency`` routed requests in flight (a closed
@@ -151,7 +128,24 @@ class _Node:
 
 
 class CacheAware(GatewayPolicy):
-    """SMG's ``cache_aware`` policy with its approximate string tree (module docstring).
+    """SMG's ``cache_aware`` policy over HTTP: its *approximate string tree*, no KV events.
+
+    One radix tree over the characters of every prompt it routed, each node tagged with the
+    replicas ("tenants") it was routed to. Per request: when the fleet is *imbalanced*, that is
+    ``max_load - min_load > balance_abs_threshold`` and ``max_load > balance_rel_threshold *
+    min_load``, it goes to the least loaded replica; otherwise the tree gives the longest prefix
+    of the prompt routed before (matched characters / prompt characters = the match rate) and
+    its owner (the replica the deepest matched node was first routed to, while it still holds
+    it), and the request goes to that owner when the match rate exceeds ``cache_threshold``,
+    else to the least loaded replica. Ties of load go to the replica that was sent fewer
+    requests, then the first. The prompt is then inserted for the chosen replica.
+
+    Defaults as ``smg launch``: ``cache_threshold`` 0.3, ``balance_abs_threshold`` 64,
+    ``balance_rel_threshold`` 1.5 (the Rust ``CacheAwareConfig::default`` has 0.5, 32 and 1.1,
+    but the launcher's own defaults are the ones a user gets). SMG trims the tree to
+    ``max_tree_size`` (2**26 characters per replica) every 60 s; the workloads here are far
+    smaller, so nothing is trimmed (not modelled). SMG touches a node's access time on one match
+    in eight (for its LRU trim only, which does not run here).
 
     Args:
         replicas: how many.
@@ -264,7 +258,14 @@ def _position(data: bytes) -> int:
 
 class PrefixHash(GatewayPolicy):
     """SMG's ``prefix_hash`` policy: a consistent-hash ring on the prompt's head, with a
-    bounded load (module docstring).
+    bounded load.
+
+    The hash of the first ``prefix_tokens`` (256) tokens of the prompt is looked up on a
+    consistent-hash ring (150 virtual nodes per replica); that replica is taken while its load
+    is at most ``load_factor`` (1.25) times ``(total load + 1) / N`` (an idle fleet always
+    passes), else the least loaded replica within that bound. SMG hashes token ids with xxh3
+    and places ring nodes with blake3; here both are blake2b (of the head's text, or of its
+    token ids with a tokenizer): the same rule with other hash values.
 
     Args:
         replicas: how many.

@@ -6,12 +6,12 @@ second in virtual time (``--arrival replay`` for a workload's own times), throug
 provider's cache (:mod:`~contextpilot_bench.hosted_cache_model`), once per method:
 
 ``baseline``
-    What a careful user does today: retriever order; on Anthropic a breakpoint after the system
-    prompt and one after the documents; on OpenAI no ``prompt_cache_key``.
+    What a careful user does without ContextPilot: retriever order; on Anthropic a breakpoint
+    after the system prompt and one after the documents; on OpenAI no ``prompt_cache_key``.
 ``contextpilot``
     :meth:`ContextPilot.plan` one request at a time; the plan's breakpoints
-    (:func:`~contextpilot_integrations.llm_call.hosted_cache.anthropic_prompt`: after the system prompt
-    and after the prefix shared with indexed requests) or its ``prompt_cache_key``; the usage
+    (:func:`~contextpilot_integrations.llm_call.hosted_cache.anthropic_prompt`: after the system
+    prompt and after the prefix shared with indexed requests) or its ``prompt_cache_key``; the usage
     read back into the pilot (:meth:`ContextPilot.record_usage`: a read or a write refreshes the
     request, a request that cached nothing is evicted) and a
     :class:`~contextpilot_integrations.sync.ttl_model.TTLModel` on the virtual clock that

@@ -35,10 +35,8 @@ from contextpilot_integrations.llm_call.anthropic_breakpoints import (
     ANTHROPIC_LOOKBACK_BLOCKS,
     ANTHROPIC_MAX_BREAKPOINTS,
 )
-from contextpilot_integrations.llm_call.openai_cache_key import (
-    OPENAI_CACHE_STEP_TOKENS,
-    OPENAI_MIN_CACHED_TOKENS,
-)
+from contextpilot_integrations.llm_call.openai_cache_key import OPENAI_CACHE_STEP_TOKENS
+from contextpilot_integrations.llm_call.provider_minimums import OPENAI_MIN_CACHED_TOKENS
 
 __all__ = [
     "AnthropicCacheModel",

@@ -3,25 +3,32 @@
 Methods (each yields one :class:`RequestRecord` per request, through a fresh engine):
 
 ``baseline``
-    Retriever order, arrival order, no order annotation: what an application sends today.
+    Retriever order, arrival order, no order annotation: an application without ContextPilot.
 ``contextpilot``
     One fresh :class:`~contextpilot_integrations.ContextPilot` per run, following the engine's
-    cache: ``ContextPilot(cache_sync=engine.cache_sync)`` for an engine that publishes KV events
-    (the core's engine link evicts from the index), else the request ids the engine model
+    cache: ``ContextPilot(engine=EngineLink(engine.cache_sync))`` for an engine that publishes
+    KV events (the core's engine link evicts from the index), else the request ids the engine model
     evicts are passed back to :meth:`ContextPilot.evict` (the eviction sync of the paper,
     section 4.3). ``offline``: the whole workload is one batch of
     :class:`~contextpilot_integrations.core.request.PlanRequest`,
     :meth:`ContextPilot.plan_batch`, sent in ``batch.schedule`` order. ``online``:
     :meth:`ContextPilot.plan` one request at a time in arrival order.
+``clairvoyant-arrival``
+    A reference for the online mode: the order a planner that knows every future request
+    would give each request, served without rescheduling. Each request's blocks come in the
+    order the offline mode gives them (one :meth:`ContextPilot.plan_batch` over the whole
+    workload), and the requests are sent in arrival order, as the baseline and the online mode
+    send them. It is the fair reference for the online mode, which sees the same arrival
+    order but not the future: the online mode's share of it says what anticipating later
+    requests could still gain. Not a bound: the offline build does not maximise the hits of
+    the arrival order, and an online order can beat it.
 ``upper-bound``
     Not a real schedule: unlimited cache and free order, so each request is credited with the
-    largest token overlap (sum of the tokens of the blocks both prompts contain) with any other
-    request of the workload, plus the system prompt. Computed with one sparse product
-    ``W @ A.T`` (requests x blocks), so the cost is the number of request pairs that share a
-    block, not ``N**2``. Its cached tokens follow the same engine rule as the cache model
-    (the last prompt token is recomputed; whole blocks only). It is always computed with the
-    benchmark's token counter: with ``--engine-url`` the engine's own counts (chat template
-    included) differ slightly, so its ratio to a real engine's hit ratio is approximate.
+    largest token overlap (the tokens of the blocks both prompts contain) with any other
+    request, plus the system prompt; one sparse product ``W @ A.T`` (requests x blocks), so the
+    cost is the number of request pairs that share a block, not ``N**2``. The engine rule
+    applies (the last prompt token recomputed; whole blocks only), with the benchmark's token
+    counter: against a real engine's own counts (chat template included) it is approximate.
 
 Cache capacity (``--cache-tokens``): an integer is a number of tokens; a number with a decimal
 point (``0.05``) is a fraction of the workload's *unique block tokens* (the sum, over distinct
@@ -34,8 +41,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from scipy import sparse
@@ -47,15 +55,22 @@ from contextpilot_bench.retrieval import retrieve_top_k
 from contextpilot_bench.workloads import Document, Workload
 from contextpilot_integrations.core.blocks import TokenCounter, block_id
 from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.plan import BatchPlan
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import PlanRequest
 
+if TYPE_CHECKING:
+    from contextpilot_integrations.sync.engine_link import EngineLink
+
 __all__ = [
+    "CLAIRVOYANT_ARRIVAL",
     "METHODS",
     "MethodResult",
     "PreparedWorkload",
     "RequestRecord",
+    "engine_link",
     "new_pilot",
+    "pilot_link",
     "parse_cache_tokens",
     "prepare_workload",
     "resolve_cache_tokens",
@@ -67,7 +82,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("baseline", "contextpilot", "upper-bound")
+CLAIRVOYANT_ARRIVAL = "clairvoyant-arrival"
+METHODS = ("baseline", "contextpilot", "upper-bound", CLAIRVOYANT_ARRIVAL)
 MODES = ("offline", "online")
 
 
@@ -249,11 +265,29 @@ def _progress(total: int, desc: str, enabled: bool) -> tqdm:
     return tqdm(total=total, desc=desc, unit="req", disable=not enabled, leave=False)
 
 
+def engine_link(cache_sync: Mapping[str, Any] | None) -> EngineLink | None:
+    """An unbound engine link following ``cache_sync`` (the pilot given it binds, starts and
+    closes it), None without one; the ``sync`` extra is imported only then."""
+    if cache_sync is None:
+        return None
+    from contextpilot_integrations.sync.engine_link import EngineLink
+
+    return EngineLink(cache_sync)
+
+
+def pilot_link(pilot: ContextPilot | None) -> EngineLink | None:
+    """``pilot``'s engine link, None without one: an :class:`EngineLink` (the benchmark gives
+    its pilots none other, :func:`engine_link`)."""
+    return cast("EngineLink | None", pilot.engine if pilot is not None else None)
+
+
 def new_pilot(prepared: PreparedWorkload, engine: Engine) -> ContextPilot:
     """The ContextPilot a method runs with: the workload's layout and counter, following
-    ``engine`` through ``cache_sync=engine.cache_sync``; the caller closes it."""
+    ``engine`` through ``engine=engine_link(engine.cache_sync)``; the caller closes it."""
     return ContextPilot(
-        layout=prepared.layout, token_counter=prepared.counter, cache_sync=engine.cache_sync
+        layout=prepared.layout,
+        token_counter=prepared.counter,
+        engine=engine_link(engine.cache_sync),
     )
 
 
@@ -261,8 +295,9 @@ def send(engine: Engine, rid: str, segments: Sequence[str], pilot: ContextPilot 
     """Serve one request; when ``pilot`` follows the engine through its engine link, give the
     link the prompt's token ids (attribution of the engine's KV events by token matching)."""
     served = engine.serve(rid, segments)
-    if pilot is not None and pilot.engine is not None and served.token_ids is not None:
-        pilot.engine.register_tokens(rid, served.token_ids)
+    link = pilot_link(pilot)
+    if link is not None and served.token_ids is not None:
+        link.register_tokens(rid, served.token_ids)
     return served
 
 
@@ -297,9 +332,7 @@ def _run_contextpilot(
     engine.sync(pilot)
     if mode == "offline":
         start = time.perf_counter()
-        batch = pilot.plan_batch(
-            [PlanRequest(r.query, prepared.block_texts(i), rids[i]) for i, r in enumerate(requests)]
-        )
+        batch = _plan_whole_workload(prepared, pilot, rids)
         plan_seconds = time.perf_counter() - start
         with _progress(len(requests), "contextpilot", progress) as bar:
             for i in batch.schedule:
@@ -320,6 +353,36 @@ def _run_contextpilot(
                 bar.update()
     engine.sync(pilot)
     return MethodResult("contextpilot", records, plan_seconds=plan_seconds, index=pilot.stats())
+
+
+def _plan_whole_workload(
+    prepared: PreparedWorkload, pilot: ContextPilot, rids: Sequence[str]
+) -> BatchPlan:
+    """The offline mode's plan: every request of the workload in one batch."""
+    requests = prepared.workload.requests
+    return pilot.plan_batch(
+        [PlanRequest(r.query, prepared.block_texts(i), rids[i]) for i, r in enumerate(requests)]
+    )
+
+
+def _run_clairvoyant_arrival(
+    prepared: PreparedWorkload, engine: Engine, pilot: ContextPilot, progress: bool
+) -> MethodResult:
+    """The offline mode's plans sent in arrival order (``batch.plans`` is in input order)."""
+    rids = [f"{CLAIRVOYANT_ARRIVAL}-{r.id}" for r in prepared.workload.requests]
+    engine.sync(pilot)
+    start = time.perf_counter()
+    batch = _plan_whole_workload(prepared, pilot, rids)
+    plan_seconds = time.perf_counter() - start
+    records = []
+    with _progress(len(rids), CLAIRVOYANT_ARRIVAL, progress) as bar:
+        for i, plan in enumerate(batch.plans):
+            records.append(_record(i, plan.rid, send(engine, plan.rid, plan.segments, pilot)))
+            bar.update()
+    engine.sync(pilot)
+    return MethodResult(
+        CLAIRVOYANT_ARRIVAL, records, plan_seconds=plan_seconds, index=pilot.stats()
+    )
 
 
 def upper_bound_records(prepared: PreparedWorkload, block_size: int = 1) -> list[RequestRecord]:
@@ -394,10 +457,12 @@ def run_method(
     Args:
         method: one of :data:`METHODS`.
         prepared: the retrieved workload.
-        mode: ``"offline"`` or ``"online"`` (only ``contextpilot`` differs).
+        mode: ``"offline"`` or ``"online"`` (only ``contextpilot`` differs;
+            ``clairvoyant-arrival`` is the offline plan in either).
         engine_factory: returns a fresh (empty-cache) engine.
-        pilot_factory: returns a fresh ContextPilot, the caller's to close (default:
-            :func:`new_pilot`, closed after the run).
+        pilot_factory: returns a fresh ContextPilot (for ``contextpilot`` and
+            ``clairvoyant-arrival``), the caller's to close (default: :func:`new_pilot`, closed
+            after the run).
         block_size: engine block size for the upper bound.
         progress: show a tqdm progress bar on stderr.
 
@@ -418,6 +483,13 @@ def run_method(
         else:
             with new_pilot(prepared, engine) as pilot:
                 result = _run_contextpilot(prepared, engine, mode, pilot, progress)
+    elif method == CLAIRVOYANT_ARRIVAL:
+        engine = engine_factory()
+        if pilot_factory is not None:
+            result = _run_clairvoyant_arrival(prepared, engine, pilot_factory(), progress)
+        else:
+            with new_pilot(prepared, engine) as pilot:
+                result = _run_clairvoyant_arrival(prepared, engine, pilot, progress)
     else:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if isinstance(engine, EmbeddedEngine):

@@ -1,57 +1,32 @@
 """Multi-turn replay: each conversation turn by turn, every prompt holding the conversation so far.
 
-Workload ``mtrag-conversations`` (:mod:`~contextpilot_bench.workloads`): the 507
-MTRAG-UN conversations, their 2,191 user turns in order. Turn ``t`` retrieves the top-``k`` BM25
-blocks of its collection (:mod:`~contextpilot_bench.retrieval`) for the new user
-turn (``retrieval_query="turn"``, the default) or for the user turns so far joined by spaces
-(``"conversation"``, the input of MTRAG's own ``questions`` retrieval task). Its prompt is what a
-chat application sends today, the whole conversation so far, then the new turn::
+Workload ``mtrag-conversations``: MTRAG-UN's user turns in order. Turn ``t`` retrieves the
+top-``k`` BM25 blocks of its collection for the new user turn (``retrieval_query="turn"``) or
+for the user turns so far (``"conversation"``, MTRAG's own ``questions`` task). Its prompt is
+what a chat application sends without ContextPilot: the conversation so far, then the turn::
 
     [system prompt]
     [### Turn 1\\n][block 1]...[block n][hints][annotation][Question: q1\\nAnswer:][ a1\\n]
     ...
     [### Turn t\\n][block 1]...[block n][hints][annotation][Question: qt\\nAnswer:]
 
-The turns are assembled by the core's one multi-turn assembly,
-:meth:`PromptLayout.render_turns` (each turn after its ``layout.turn_header``): each earlier turn
-is rendered exactly as it was sent (its blocks, hints, annotation and question,
-:meth:`PromptLayout.render_segments`), followed by the agent's answer recorded in the data
-(``Request.answer``). So the prompt of turn ``t - 1`` is a byte-identical prefix of the
-prompt of turn ``t`` and the engine's prefix cache reuses it (RadixAttention, Zheng et al. 2024).
-The answer segment starts with a space after ``Answer:`` and ends with a newline before the next
-``###``: pre-tokenizers of the GPT-2 / Llama 3 family cut at both, so the prefix is stable in
-tokens too. With ``history_turns=n`` the application keeps only the last ``n`` earlier turns
-(then the prefix moves as the window slides).
+assembled by :meth:`PromptLayout.render_turns`: each earlier turn exactly as it was sent, then
+the agent's recorded answer (``Request.answer``), so turn ``t - 1``'s prompt is a byte-identical
+prefix of turn ``t``'s and the engine's prefix cache reuses it. The answer segment starts with a
+space and ends with a newline: GPT-2 / Llama 3 pre-tokenizers cut at both, so the prefix is
+stable in tokens too. ``history_turns=n`` keeps only the last ``n`` earlier turns.
 
-Methods (one fresh engine, and one fresh :class:`ContextPilot`, per method):
+Methods (a fresh engine and :class:`ContextPilot` each): ``baseline`` (retriever order);
+``alignment`` (:meth:`ContextPilot.plan` per turn without a conversation: aligned, annotated);
+``alignment+dedup`` (with ``Scope(conversation_id, turn=...)``: a block an earlier turn already
+shows becomes a location hint, repeated sub-blocks pointers;
+:mod:`~contextpilot_integrations.core.conversations.dedup`).
 
-``baseline``
-    Each turn's blocks in retriever order, no annotation, no de-duplication.
-``alignment``
-    :meth:`ContextPilot.plan` per turn without a conversation id: blocks ordered against the
-    context index, the order annotation, no de-duplication.
-``alignment+dedup``
-    The same with ``Scope(conversation_id, turn=...)`` (the MTRAG conversation id and the turn
-    number; the plan's ``scope.turn`` is the number its hints name): a block an earlier turn
-    already shows is replaced by a location hint naming the turn and label where it stands,
-    repeated sub-blocks by pointers (ContextPilot paper, "multi-turn de-duplication";
-    :mod:`~contextpilot_integrations.core.conversations.dedup`).
-
-The context index mirrors prompts whose blocks follow the system prompt and the first turn's
-header: only those can share a cached prefix with another conversation. A later turn's blocks
-sit behind its own conversation's history in the engine's cache, so its request is taken out of
-the index right after planning (:meth:`ContextPilot.evict`; its blocks still count for the
-popularity order). With a limited cache, request ids the engine model evicts are passed to
-:meth:`ContextPilot.evict` (paper, section 4.3).
-
-Interleaving (``sessions=N``): ``N`` conversations are open at a time, their turns sent round
-robin (:func:`~contextpilot_bench.prepared_conversations.interleave`).
-
-Figures (:mod:`~contextpilot_bench.multiturn_report`, with the measured ones):
-prompt tokens, cached tokens, prefill tokens (prompt minus cached), hit ratio, prefill against
-the baseline's, the median planning time per request, and the de-duplication counts;
-:attr:`PreparedConversations.repeat_share` is the share of retrieved blocks that an earlier turn
-of the same conversation also retrieved.
+Only a first turn's blocks can share a cached prefix with another conversation, so a later
+turn's request is evicted from the index right after planning (its blocks still count for the
+popularity order); the request ids the engine evicts are passed to :meth:`ContextPilot.evict`.
+``sessions=N`` interleaves ``N`` open conversations
+(:func:`~contextpilot_bench.prepared_conversations.interleave_turns`).
 """
 
 from __future__ import annotations
@@ -65,11 +40,11 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from contextpilot_bench.engine import EmbeddedEngine, Engine
-from contextpilot_bench.methods import MethodResult, RequestRecord, send
+from contextpilot_bench.methods import MethodResult, RequestRecord, engine_link, send
 from contextpilot_bench.prepared_conversations import (
     PreparedConversations,
     ReplayTurn,
-    interleave,
+    interleave_turns,
 )
 from contextpilot_integrations.core.conversations.turns import TurnVisibility
 from contextpilot_integrations.core.pilot import ContextPilot
@@ -138,7 +113,7 @@ def replay(
     pilot: ContextPilot | None = None,
     history_turns: int | None = None,
 ) -> Iterator[ReplayedTurn]:
-    """Build every turn's prompt, in the send order of :func:`interleave`.
+    """Build every turn's prompt, in the send order of :func:`interleave_turns`.
 
     Lazy: each turn is planned when it is asked for, so a caller can pass the engine's
     evictions to ``pilot`` between turns.
@@ -160,7 +135,7 @@ def replay(
     _check_method(method)
     if history_turns is not None and (isinstance(history_turns, bool) or history_turns < 0):
         raise ValueError(f"history_turns must be None or an int >= 0, got {history_turns!r}")
-    order = interleave(prepared.conversations, sessions)
+    order = interleave_turns(prepared.conversations, sessions)
     layout = prepared.layout
     if method != "baseline" and pilot is None:
         pilot = ContextPilot(layout=layout, token_counter=prepared.counter)
@@ -252,11 +227,11 @@ def run_multiturn(
         method: one of :data:`MULTITURN_METHODS`.
         prepared: the conversations.
         engine_factory: returns a fresh (empty-cache) engine.
-        sessions: conversations open at a time (:func:`interleave`).
+        sessions: conversations open at a time (:func:`interleave_turns`).
         history_turns: earlier turns each prompt keeps (``None``: all).
         pilot_factory: returns a fresh ContextPilot, the caller's to close (default: one with
             the run's layout and counter, following the engine with
-            ``cache_sync=engine.cache_sync``, closed after the run).
+            ``engine=engine_link(engine.cache_sync)``, closed after the run).
         progress: show a tqdm progress bar on stderr.
 
     Returns:
@@ -281,7 +256,7 @@ def run_multiturn(
                     ContextPilot(
                         layout=prepared.layout,
                         token_counter=prepared.counter,
-                        cache_sync=engine.cache_sync,
+                        engine=engine_link(engine.cache_sync),
                     )
                 )
             )

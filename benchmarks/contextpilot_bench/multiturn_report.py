@@ -1,30 +1,16 @@
 """The multi-turn replay's figures (:mod:`~contextpilot_bench.multiturn`): one row
 per method and session count, the table's columns, and the JSON.
 
-Measured (``contextpilot-bench --workload mtrag-conversations``, all 2,191 turns, k=10,
-``ApproxTokenCounter``, embedded cache model; prefill tokens of ``alignment+dedup`` over the
-baseline's, target <= 0.6 at k=10 on an unlimited cache):
-
-::
-
-    setting                                   repeat share  alignment          alignment+dedup
-    unlimited cache, retrieval for the turn          26.0%  0.961              0.709 (missed)
-      the same with k=5 / k=20                24.4 / 30.4%  -                  0.735 / 0.667
-    unlimited cache, retrieval for the turns         59.5%  0.963              0.395
-      so far (--retrieval-query conversation)
-    131,072 tokens, --sessions 2 / 8 / 32            26.0%  0.98 / 0.96 / 0.98 0.733 / 0.565 / 0.763
-    262,144 tokens, --sessions 2 / 8 / 32            26.0%  0.98 / 0.98 / 0.97 0.728 / 0.728 / 0.615
-
-With retrieval for the new turn alone, only 26.5% of the retrieved tokens repeat an earlier
-turn; removing every one of them for free would leave 0.745 of the baseline's prefill (the
-history is already cached, so the new blocks are nearly all of it). De-duplication replaces
-5,541 of the 5,609 repeats (the other 68 were shown earlier only with sub-block pointers);
+The target: ``alignment+dedup``'s prefill tokens at most 0.6 of the baseline's at k=10 on an
+unlimited cache. What bounds it: the history is already cached, so a turn's prefill is nearly
+all its new blocks, and de-duplication can only remove the blocks an earlier turn of the same
+conversation showed (:attr:`PreparedConversations.repeat_share
+<contextpilot_bench.prepared_conversations.PreparedConversations.repeat_share>`). The target
+needs about 40% of the retrieved tokens to repeat, which retrieval for the conversation so far
+(``--retrieval-query conversation``) gives and retrieval for the new turn alone does not.
 ContextPilot also finds turn-1 prefixes shared across conversations and sends a text retrieved
-twice in one turn once, which gives 0.709. The 0.6 target needs about 40% of the retrieved
-tokens to repeat, which retrieval for the conversation so far gives (59.5%).
-With a limited cache, round-robin sessions evict each other's histories just before they are
-needed (LRU); shorter histories keep more of them cached (hit ratio at 8 sessions and 131,072
-tokens: baseline 0.602, alignment+dedup 0.709).
+twice in one turn once. With a limited cache, round-robin sessions evict each other's histories
+just before they are needed (LRU), so shorter histories keep more of them cached.
 """
 
 from __future__ import annotations
@@ -42,7 +28,7 @@ from contextpilot_bench.report import summarize
 __all__ = ["MULTITURN_COLUMNS", "PREFILL_TARGET", "summarize_multiturn", "write_multiturn_json"]
 
 PREFILL_TARGET = 0.6
-"""Issue 3: prefill tokens with de-duplication at most this share of the baseline's
+"""The target: prefill tokens with de-duplication at most this share of the baseline's
 (``mtrag-conversations``, k=10, unlimited cache)."""
 
 

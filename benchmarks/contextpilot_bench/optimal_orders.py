@@ -3,34 +3,24 @@
 Notation (units, weights, the prefix trie, the cached tokens of an ordering):
 :mod:`~contextpilot_bench.ordering_problem`.
 
-The optimum is a tree (:func:`optimal_orders`)
-------------------------------------------------
 **Theorem.** ``max over orderings of cached = (N - 1) s + max over rooted binary trees T with the
 requests as leaves of sum over internal nodes P of w(I_P)``, where ``I_P`` is the intersection
-of ``S_i`` over the leaves ``i`` below ``P``.
+of ``S_i`` over the leaves ``i`` below ``P``. *Reached:* order top-down (the paper's offline
+build, section 4.1): node ``P`` appends ``I_P \\ I_parent(P)`` to its parent's order, a leaf the
+rest; every leaf below ``P`` then shares those units at one trie node, and the savings telescope
+to ``sum_P (children(P) - 1) w(I_P)``. *Not exceeded:* the member sets of a trie's nodes form a
+laminar family, so a tree ``T'``; a unit ``u`` labels disjoint trie nodes, each inside one
+maximal node ``M*`` of ``T'`` contained in ``H_u``, which save at most ``(|M*| - 1) w_u``, what
+the top-down order of ``T'`` credits ``u``. Splitting a node with more than two children never
+lowers the sum.
 
-*Reached:* order top-down (the paper's offline build, section 4.1): node ``P`` appends the units
-``I_P \\ I_parent(P)`` to its parent's order, a leaf appends the rest. Every leaf below ``P``
-then shares those units at one trie node, saving ``(|P| - 1) w(I_P \\ I_parent)``; summed over
-``P`` this is ``sum_P (children(P) - 1) w(I_P)`` (telescoping), ``sum_P w(I_P)`` for a binary tree.
-*Not exceeded:* the member sets of a trie's nodes form a laminar family, so a tree ``T'``. A
-unit ``u`` labels disjoint trie nodes, each inside ``H_u`` (the requests holding ``u``) and so
-inside one maximal node ``M*`` of ``T'`` contained in ``H_u``; those nodes save at most
-``(|M*| - 1) w_u``, which is what the top-down order of ``T'`` credits ``u``. Splitting a node
-with more than two children into two never lowers ``sum_P (children(P) - 1) w(I_P)``.
-
-So the cluster build is optimal *given its tree*; only the tree is left to choose (an NP-hard
-problem: it is Camin-Sokal parsimony with units as characters, Day, Johnson and Sankoff 1986).
+So the cluster build is optimal *given its tree*; only the tree is left to choose (NP-hard: it
+is Camin-Sokal parsimony with units as characters, Day, Johnson and Sankoff 1986).
 :func:`optimal_orders` solves it exactly for up to :data:`MAX_EXACT_REQUESTS` requests by the
-subset recursion ``f(Z) = w(I_Z) + max over splits Z = A + B of f(A) + f(B)`` (``3**N / 2`` steps,
-vectorised per subset size).
-
-A tail unit may stand anywhere in these orders (a relaxation: only a request with the same
-question can share it), so the optimum of a batch with repeated questions may read a tail's
-tokens above the true one.
-
-Public API: :func:`optimal_orders`, :class:`OptimalOrders`, :data:`MAX_EXACT_REQUESTS`,
-:func:`connected_slices`.
+subset recursion ``f(Z) = w(I_Z) + max over splits Z = A + B of f(A) + f(B)``. A tail unit may
+stand anywhere in these orders (a relaxation: only a request with the same question can share
+it), so the optimum of a batch with repeated questions may read a tail's tokens above the true
+one.
 """
 
 from __future__ import annotations
@@ -69,7 +59,7 @@ def optimal_orders(
 ) -> OptimalOrders:
     """The exact optimum (the theorem of the module docstring), by the subset recursion.
 
-    Cost: ``3**N / 2`` vectorised steps and ``2**N`` int64 of memory (N = 16: about a second).
+    Cost: ``3**N / 2`` vectorised steps and ``2**N`` int64 of memory.
 
     Raises:
         ValueError: more than ``max_requests`` requests.

@@ -21,9 +21,6 @@ optimum computed with these weights exceeds the true one by at most that token p
 
 Its exact optimum: :mod:`~contextpilot_bench.optimal_orders`; bounds on it for a
 whole workload: :mod:`~contextpilot_bench.bounds`.
-
-Public API: :class:`OrderingProblem`, :data:`UnitKey`, :func:`ordering_problem`,
-:func:`cached_tokens`, :func:`orders_of_plans`.
 """
 
 from __future__ import annotations

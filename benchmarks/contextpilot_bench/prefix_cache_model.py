@@ -25,22 +25,7 @@ What it models (SGLang ``mem_cache/radix_cache.py``, RadixAttention, Zheng et al
 Capacity is in tokens (the sum of unit weights held by the tree); ``None`` means unlimited.
 Storage is counted per unit weight, not rounded up to blocks.
 
-Paged mode (``paged=True``) models vLLM v1's block pool instead (``vllm/v1/core/block_pool.py``,
-``kv_cache_manager.py``; checked against the real engine by ``tests/engines/test_vllm_e2e.py``).
-Units are token ids, and the tree's units become whole *blocks* of ``block_size`` tokens:
-
-* only full blocks are cached (vLLM hashes full blocks only); a trailing partial block takes a
-  block while the request runs and is free again right after (``free_blocks`` puts blocks
-  without a hash at the front of the free queue, to be reused first);
-* capacity is in whole blocks (``capacity_tokens // block_size``; vLLM's pool has
-  ``num_gpu_blocks - 1`` usable blocks, one being the reserved null block);
-* eviction frees single blocks, not whole nodes: a request allocates one block per block it
-  lacks, and each allocation evicts the least recently freed cached block (``get_new_blocks``
-  pops the head of the free queue); a finished request's blocks are freed tail first
-  (``free_blocks(reversed(...))``), so the least recently used leaf is trimmed from its end,
-  and only as many blocks as are needed go.
-
-Hits follow the same formula (the last-token rule, whole blocks).
+Paged mode (``paged=True``) models vLLM v1's block pool instead: see :class:`PrefixCacheModel`.
 """
 
 from __future__ import annotations
@@ -98,10 +83,28 @@ class CacheStats:
 class PrefixCacheModel:
     """Radix-tree prefix cache with a token capacity and LRU leaf eviction.
 
+    Paged mode (``paged=True``) models vLLM v1's block pool instead
+    (``vllm/v1/core/block_pool.py``, ``kv_cache_manager.py``; checked against the real engine by
+    ``tests/testbed/test_vllm_e2e.py``). Units are token ids, and the tree's units become whole
+    *blocks* of ``block_size`` tokens:
+
+    * only full blocks are cached (vLLM hashes full blocks only); a trailing partial block takes
+      a block while the request runs and is free again right after (``free_blocks`` puts blocks
+      without a hash at the front of the free queue, to be reused first);
+    * capacity is in whole blocks (``capacity_tokens // block_size``; vLLM's pool has
+      ``num_gpu_blocks - 1`` usable blocks, one being the reserved null block);
+    * eviction frees single blocks, not whole nodes: a request allocates one block per block it
+      lacks, and each allocation evicts the least recently freed cached block
+      (``get_new_blocks`` pops the head of the free queue); a finished request's blocks are
+      freed tail first (``free_blocks(reversed(...))``), so the least recently used leaf is
+      trimmed from its end, and only as many blocks as are needed go.
+
+    Hits follow the same formula as the radix mode (the last-token rule, whole blocks).
+
     Args:
         capacity_tokens: the most tokens the cache holds (``None``: unlimited).
         block_size: the engine's KV block (page) size in tokens; hits count in whole blocks.
-        paged: model vLLM's paged block pool (see the module docstring): units are token ids
+        paged: model vLLM's paged block pool (above): units are token ids
             (``serve`` takes no weights), full blocks only, block-wise LRU eviction.
 
     Raises:

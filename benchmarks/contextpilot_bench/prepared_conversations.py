@@ -8,10 +8,10 @@ of its collection (:mod:`~contextpilot_bench.retrieval`) for the new user turn
 (``retrieval_query="turn"``) or for the user turns so far joined by spaces (``"conversation"``,
 the input of MTRAG's own ``questions`` retrieval task).
 
-Interleaving (:func:`interleave`, ``sessions=N``): ``N`` conversations are open at a time; each
-round sends the next turn of every open conversation in turn, and a finished conversation's slot
-goes to the next one in file order (the paper's hybrid multi-session setting). ``N=1`` replays
-conversations one after the other.
+Interleaving (:func:`interleave_turns`, ``sessions=N``): ``N`` conversations are open at a time;
+each round sends the next turn of every open conversation in turn, and a finished conversation's
+slot goes to the next one in file order (the paper's hybrid multi-session setting). ``N=1``
+replays conversations one after the other.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ __all__ = [
     "PreparedConversations",
     "RepeatShare",
     "ReplayTurn",
-    "interleave",
+    "interleave_turns",
     "prepare_conversations",
 ]
 
@@ -191,7 +191,9 @@ def prepare_conversations(
     )
 
 
-def interleave(conversations: Sequence[Sequence[ReplayTurn]], sessions: int) -> list[ReplayTurn]:
+def interleave_turns(
+    conversations: Sequence[Sequence[ReplayTurn]], sessions: int
+) -> list[ReplayTurn]:
     """The send order with ``sessions`` conversations open at a time (round robin).
 
     Each round sends the next turn of every open conversation, in the order they were opened; a

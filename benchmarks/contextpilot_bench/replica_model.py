@@ -1,8 +1,8 @@
 """The embedded multi-replica benchmark: N replicas of the prefix-cache model behind a gateway.
 
 On one retrieved workload and one *total* KV capacity, each of ``N`` replicas is an
-:class:`~contextpilot_bench.engine.EmbeddedEngine` with ``capacity // N`` tokens
-(its own cache, the same model as the single-engine benchmark), and the methods are:
+:class:`~contextpilot_bench.engine.EmbeddedEngine` with ``capacity // N`` tokens (its own cache,
+the same model as the single-engine benchmark), and the methods are:
 
 ``baseline round_robin`` / ``baseline cache_aware`` / ``baseline prefix_hash``
     Retriever order, arrival order, routed by the gateway model of that SMG policy
@@ -12,22 +12,19 @@ On one retrieved workload and one *total* KV capacity, each of ``N`` replicas is
     engine) plans the prompts; the gateway's ``cache_aware`` routes them. Its index is told of
     every replica's evictions (the request ids each replica's cache dropped).
 ``contextpilot routing``
-    :class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter` (one pilot per replica)
-    picks the replica together with the order; each replica's evictions reach only its pilot
-    (``router.evict``).
+    :class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter` (one pilot per
+    replica) picks the replica with the order; each replica's evictions reach only its pilot.
 
-and the reference :data:`ONE_REPLICA`: one ContextPilot on one engine holding the whole
-capacity (the single-engine benchmark's ``contextpilot`` method).
+and the reference :data:`ONE_REPLICA`: one ContextPilot on one engine holding the whole capacity.
 
 ``online`` (the main mode): requests are planned and sent one at a time in arrival order.
 ``offline``: ContextPilot plans the workload as one batch (``plan_batch``) and sends it in its
 schedule (the router partitions the batch across the replicas); the baselines are the same in
 both modes. The gateway's loads are requests in flight: the last ``in_flight_per_replica * N``
-routed (:class:`~contextpilot_bench.gateway_policies.InFlight`); the router counts
-its own load (its default, the prompt tokens of its last 1,024 routed requests).
-
-Figures per method (:class:`ReplicaRun`): hit ratio (cached / prompt tokens) in total and per
-replica, requests and prompt tokens per replica and their max/min.
+routed (:class:`~contextpilot_bench.gateway_policies.InFlight`); the router counts its own load
+(by default the prompt tokens of its last routed requests). Figures per method
+(:class:`ReplicaRun`): hit ratio in total and per replica, requests and prompt tokens per
+replica and their max/min.
 """
 
 from __future__ import annotations
@@ -69,7 +66,7 @@ __all__ = [
     "compare_replicas",
     "gateway_request",
     "parse_replica_counts",
-    "run_replica_method",
+    "run_embedded_replica_method",
 ]
 
 logger = logging.getLogger(__name__)
@@ -359,7 +356,7 @@ def _run_routing(context: _Context) -> ReplicaRun:
     return context.run(ROUTING, {"router": stats})
 
 
-def run_replica_method(
+def run_embedded_replica_method(
     method: str,
     prepared: PreparedWorkload,
     replicas: int,
@@ -425,13 +422,13 @@ def compare_replicas(
         methods: from :data:`REPLICA_METHODS`.
         progress: called with a line as each run finishes (e.g. ``logger.info``).
         options: ``counter``, ``tokenizer``, ``block_size``, ``mode``,
-            ``in_flight_per_replica`` (:func:`run_replica_method`).
+            ``in_flight_per_replica`` (:func:`run_embedded_replica_method`).
     """
     say = progress or (lambda line: None)
 
     def timed(method: str, n: int) -> ReplicaRun:
         start = time.perf_counter()
-        run = run_replica_method(method, prepared, n, capacity_tokens, **options)
+        run = run_embedded_replica_method(method, prepared, n, capacity_tokens, **options)
         say(
             f"{n} replica(s), {method}: hit ratio {run.hit_ratio:.4f} in "
             f"{time.perf_counter() - start:.1f} s"

@@ -4,7 +4,7 @@ Runs :func:`~contextpilot_bench.replica_model.compare_replicas` on the workload
 (single-turn: MultiHop-RAG, MTRAG, ...) with the embedded model's capacity options
 (``--cache-tokens`` is the *total* capacity, split evenly over the replicas) and prints, per
 replica count, a table (hit ratio in total and its range over the replicas, requests and prompt
-tokens per replica as max/min) and the issue's targets (issue 13):
+tokens per replica as max/min) and the targets:
 
 - ContextPilot routing / the one-replica ContextPilot at the same total capacity >=
   :data:`TARGET_VS_ONE_REPLICA`;
@@ -117,7 +117,7 @@ REPLICA_COLUMNS = (
 
 
 def replica_targets(reference: ReplicaRun, runs: Sequence[ReplicaRun]) -> dict[str, Any]:
-    """The issue's ratios for one replica count (``runs``: its methods' runs).
+    """The target ratios for one replica count (``runs``: its methods' runs).
 
     Returns:
         ``{"routing_vs_one_replica", "routing_vs_blind_cache_aware",

@@ -8,13 +8,13 @@ replicas behind the real Shepherd Model Gateway, the methods of
    block tokens) in whole blocks; each replica gets 1/N of it, raised where that is less than
    one request of ``max_model_len`` tokens (the report says so: then the fleet holds more than
    the total asked).
-3. N servers start (:class:`~contextpilot_bench.vllm_replica_fleet.ReplicaFleet`),
+3. N servers start (:class:`~contextpilot_bench.vllm_replica_fleet.VllmCpuFleet`),
    are warmed up, and each method runs on emptied caches behind a gateway of its own
    (``smg launch`` on loopback, :mod:`~contextpilot_bench.smg_gateway`;
    ``scripts/setup-smg-env.sh``).
 4. The table: engine hit ratio in total and per replica, requests and prompt tokens per replica
    with max/min, TTFT p50/p90, and the same stream on one paged model of the fleet's total KV
-   (:mod:`~contextpilot_bench.vllm_replica_report`); the issue's targets; ``--out``
+   (:mod:`~contextpilot_bench.vllm_replica_report`); the targets; ``--out``
    writes it all as JSON, per request included.
 
 Everything started is stopped on exit, on errors, on Ctrl-C and SIGTERM (each server's and each
@@ -36,7 +36,7 @@ from typing import Any
 from contextpilot_bench.kv_cache_size import max_model_len_for, size_kv_cache
 from contextpilot_bench.methods import prepare_workload
 from contextpilot_bench.report import format_table
-from contextpilot_bench.vllm_replica_methods import methods_for, run_replica_method
+from contextpilot_bench.vllm_replica_methods import methods_for, run_vllm_replica_method
 from contextpilot_bench.vllm_replica_report import (
     VLLM_REPLICA_COLUMNS,
     vllm_replica_rows,
@@ -90,7 +90,7 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
     from contextpilot_bench.testbed.chat_template import tokenize_prompt
     from contextpilot_bench.testbed.locations import require_smg, require_vllm_python
     from contextpilot_bench.testbed.model_dir import ensure_model_dir
-    from contextpilot_bench.vllm_replica_fleet import ReplicaFleet
+    from contextpilot_bench.vllm_replica_fleet import VllmCpuFleet
     from contextpilot_integrations.core.blocks import TokenizerCounter
 
     if args.block_size is None:
@@ -140,7 +140,7 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         "load_average_start": os.getloadavg(),
     }
     progress = sys.stderr.isatty() if args.progress is None else args.progress
-    with ReplicaFleet(
+    with VllmCpuFleet(
         model_dir,
         count,
         block_size=args.block_size,
@@ -164,7 +164,9 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         runs = []
         for method in methods:
             tick = _progress(method, len(workload.requests)) if progress else None
-            runs.append(run_replica_method(method, prepared, fleet, smg_binary=smg, progress=tick))
+            runs.append(
+                run_vllm_replica_method(method, prepared, fleet, smg_binary=smg, progress=tick)
+            )
             done = runs[-1]
             prompt = sum(r.prompt_tokens for r in done.requests)
             cached = sum(r.cached_tokens for r in done.requests)

@@ -7,6 +7,9 @@ Figures per method (all token counts are prompt tokens):
 * ``vs_upper_bound`` = hit ratio / the upper bound's hit ratio (same run);
 * ``vs_baseline`` = hit ratio / the baseline's hit ratio (same run; ``None`` when the baseline
   hit nothing);
+* ``vs_clairvoyant_arrival`` = hit ratio / the ``clairvoyant-arrival`` method's hit ratio (the
+  offline plan sent in arrival order, :mod:`~contextpilot_bench.methods`), only in runs with
+  that method; printed as its own line (:func:`clairvoyant_check`), not as a column;
 * with a real engine: TTFT mean, median and p99 in seconds;
 * with a real model's answers (:mod:`~contextpilot_bench.real_model`): exact
   match, token F1, gold contained, and gold contained's paired difference to the baseline with
@@ -18,7 +21,7 @@ Every run also says whether a method's prefill tokens are above the baseline's
 Planning windows (:mod:`~contextpilot_bench.window_runner`), one row per window
 length (:func:`summarize_windows`): requests per window, hit ratio and its share of the offline
 figure, prefill tokens against the baseline's, and the added latency per request (p50, p99, in
-ms); the issue's target is a hit ratio >= :data:`WINDOW_TARGET_VS_OFFLINE` of the offline figure
+ms); the target is a hit ratio >= :data:`WINDOW_TARGET_VS_OFFLINE` of the offline figure
 with an added p50 latency no more than the window (for a 5% cache and about 16 requests
 arriving per window). :func:`plot_window_tradeoff` draws both against the window length.
 """
@@ -34,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from contextpilot_bench.methods import MethodResult
+from contextpilot_bench.methods import CLAIRVOYANT_ARRIVAL, MethodResult
 from contextpilot_bench.window_runner import WindowResult
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "WINDOW_COLUMNS",
     "WINDOW_TARGET_CACHE",
     "WINDOW_TARGET_VS_OFFLINE",
+    "clairvoyant_check",
     "format_table",
     "plot_results",
     "plot_window_tradeoff",
@@ -53,8 +57,10 @@ __all__ = [
 
 BASELINE = "baseline"
 UPPER_BOUND = "upper-bound"
+REFERENCES = (UPPER_BOUND, CLAIRVOYANT_ARRIVAL)
+"""Methods that are references, not what a user runs: left out of :func:`prefill_check`."""
 WINDOW_TARGET_VS_OFFLINE = 0.8
-"""Issue 16: a planning window's hit ratio at least this share of the offline figure (with the
+"""The target: a planning window's hit ratio at least this share of the offline figure (with the
 cache of :data:`WINDOW_TARGET_CACHE`)."""
 WINDOW_TARGET_CACHE = 0.05
 """The cache the window target is set for: this fraction of the unique block tokens."""
@@ -69,13 +75,15 @@ def summarize(results: Sequence[MethodResult]) -> list[dict[str, Any]]:
 
     Returns:
         Dicts with ``method, requests, prompt_tokens, cached_tokens, prefill_tokens,
-        hit_ratio, vs_upper_bound, vs_baseline, plan_ms_per_request`` and, when the engine
-        reported TTFT, ``ttft_mean_s, ttft_p50_s, ttft_p99_s``. A ratio is ``None`` when its
-        reference method is not in the run or hit nothing.
+        hit_ratio, vs_upper_bound, vs_baseline, plan_ms_per_request``, in a run with the
+        ``clairvoyant-arrival`` method ``vs_clairvoyant_arrival`` and, when the engine reported
+        TTFT, ``ttft_mean_s, ttft_p50_s, ttft_p99_s``. A ratio is ``None`` when its reference
+        method is not in the run or hit nothing.
     """
     by_name = {r.method: r for r in results}
     upper = by_name[UPPER_BOUND].hit_ratio if UPPER_BOUND in by_name else None
     base = by_name[BASELINE].hit_ratio if BASELINE in by_name else None
+    clairvoyant = by_name.get(CLAIRVOYANT_ARRIVAL)
     rows = []
     for r in results:
         row: dict[str, Any] = {
@@ -89,6 +97,8 @@ def summarize(results: Sequence[MethodResult]) -> list[dict[str, Any]]:
             "vs_baseline": _ratio(r.hit_ratio, base),
             "plan_ms_per_request": 1000 * r.plan_seconds / len(r.records) if r.records else 0.0,
         }
+        if clairvoyant is not None:
+            row["vs_clairvoyant_arrival"] = _ratio(r.hit_ratio, clairvoyant.hit_ratio)
         ttfts = np.array([x.ttft_s for x in r.records if x.ttft_s is not None], dtype=float)
         if ttfts.size:
             row["ttft_mean_s"] = float(ttfts.mean())
@@ -124,7 +134,8 @@ def prefill_check(rows: Sequence[Mapping[str, Any]], *, group: str | None = None
 
     Args:
         rows: figures with ``method`` and ``prefill_tokens`` (:func:`summarize`); the baseline
-            is the row named ``baseline``, the upper bound (no real schedule) is left out.
+            is the row named ``baseline``, the references (:data:`REFERENCES`: the upper
+            bound, no real schedule, and the clairvoyant order, no real planner) are left out.
         group: a row key to compare within (``sessions``: each method against the baseline
             with the same value), one line per value; ``None``: one line.
 
@@ -139,7 +150,7 @@ def prefill_check(rows: Sequence[Mapping[str, Any]], *, group: str | None = None
     for value, members in groups.items():
         label = "prefill tokens vs baseline" + (f" ({group} {value})" if group else "")
         base = next((r["prefill_tokens"] for r in members if r["method"] == BASELINE), None)
-        others = [r for r in members if r["method"] not in (BASELINE, UPPER_BOUND)]
+        others = [r for r in members if r["method"] not in (BASELINE, *REFERENCES)]
         if base is None or not others:
             lines.append(f"{label}: n/a (needs the baseline and a method beside it)")
             continue
@@ -152,6 +163,40 @@ def prefill_check(rows: Sequence[Mapping[str, Any]], *, group: str | None = None
         else:
             lines.append(f"{label}: none above ({rest})")
     return lines
+
+
+def clairvoyant_check(rows: Sequence[Mapping[str, Any]], mode: str) -> list[str]:
+    """Each method's share of the ``clairvoyant-arrival`` hit ratio, as printed lines.
+
+    Args:
+        rows: :func:`summarize` rows.
+        mode: the run's ``--mode``, named in the line (in ``online`` the share is what an
+            online planner reaches of what knowing the future gives in the same order).
+
+    Returns:
+        ``[]`` without a ``clairvoyant-arrival`` row; else one line such as
+        ``"hit ratio vs clairvoyant-arrival (0.5100, the offline plan sent in arrival order;
+        mode online): contextpilot 0.7674"`` and, where the baseline is in the run, the
+        clairvoyant order's prefill tokens against the baseline's.
+    """
+    by_name = {r["method"]: r for r in rows}
+    clairvoyant = by_name.get(CLAIRVOYANT_ARRIVAL)
+    if clairvoyant is None:
+        return []
+    shares = [
+        f"{r['method']} {_fmt(r.get('vs_clairvoyant_arrival'), 'ratio')}"
+        for r in rows
+        if r["method"] not in (BASELINE, *REFERENCES)
+    ]
+    line = (
+        f"hit ratio vs {CLAIRVOYANT_ARRIVAL} ({clairvoyant['hit_ratio']:.4f}, the offline plan "
+        f"sent in arrival order; mode {mode}): {', '.join(shares) or 'n/a'}"
+    )
+    base = by_name.get(BASELINE)
+    if base is not None and base["prefill_tokens"]:
+        change = clairvoyant["prefill_tokens"] / base["prefill_tokens"] - 1
+        line += f"; its prefill tokens vs baseline {change:+.1%}"
+    return [line]
 
 
 def summarize_windows(

@@ -9,7 +9,7 @@ registered), and stops the whole group on exit, on errors and on Ctrl-C. The bin
 With ``routing_header`` the gateway routes on that header (``--routing-key-headers NAME
 --routing-key-override``): every request carrying one key goes to the worker the key was pinned
 to when it first arrived (placed by ``--assignment-mode``); requests without the header follow
-the policy. Facts and flags: ``../shared/notes/gateways.md``.
+the policy. Facts and flags: docs/DESIGN.md, "The smg gateway".
 """
 
 from __future__ import annotations

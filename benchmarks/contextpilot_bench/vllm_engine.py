@@ -13,7 +13,7 @@ block size and capacity: the paged model (vLLM's block pool,
 what each predicts for the same stream (:mod:`~contextpilot_bench.engine_report`).
 
 The ContextPilot method's planner follows the engine itself: it is made with
-``ContextPilot(cache_sync=engine.cache_sync)`` (the core's engine link on the server's KV
+``ContextPilot(engine=EngineLink(engine.cache_sync))`` (the core's engine link on the server's KV
 events; :mod:`~contextpilot_bench.methods`), which is given each prompt's token ids
 (``served.token_ids``: attribution by token matching, for a prompt whose blocks were all cached
 already and so stores nothing) and drops a request from the index once the engine removes a
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from contextpilot_bench.engine import Served
 from contextpilot_bench.engine_report import EngineMethodReport, EngineRequest
+from contextpilot_bench.methods import pilot_link
 from contextpilot_bench.prefix_cache_model import PrefixCacheModel
 from contextpilot_integrations.core.rendering import PromptLayout
 
@@ -53,14 +54,14 @@ def _eviction_counts(pilot: ContextPilot) -> dict[str, int]:
 class VllmCpuEngine:
     """The benchmark's :class:`~contextpilot_bench.engine.Engine` on a running
     :class:`~contextpilot_bench.vllm_instance.VllmCpuInstance` (one per method,
-    made on an emptied cache by ``instance.new_engine``).
+    made on an emptied cache by :meth:`on_emptied_cache`).
 
     Args:
         instance: the running server, client and event watch.
         layout: renders segments into chat messages.
 
     Attributes:
-        cache_sync: the server's KV events, for ``ContextPilot(cache_sync=...)``.
+        cache_sync: the server's KV events, for ``EngineLink(...)``.
         requests: one :class:`EngineRequest` per request served, in send order.
         messages: rid -> the chat messages sent.
         answers: rid -> the generated text.
@@ -83,6 +84,13 @@ class VllmCpuEngine:
         self._events = (instance.event_counters(),) * 2  # at creation, at the last sync
         self._evictions: tuple[dict[str, int], dict[str, int]] | None = None  # first, last
         self._index_requests: int | None = None
+
+    @classmethod
+    def on_emptied_cache(cls, instance: VllmCpuInstance, layout: PromptLayout) -> VllmCpuEngine:
+        """Empty ``instance``'s prefix cache (waiting for its ``AllBlocksCleared``), then a new
+        engine on it: one per method, so that no method reuses another's cache."""
+        instance.reset()
+        return cls(instance, layout)
 
     def serve(self, rid: str, segments: Sequence[str]) -> Served:
         """Send one request and feed its tokens to the models.
@@ -134,7 +142,8 @@ class VllmCpuEngine:
     def sync(self, pilot: ContextPilot | None) -> None:
         """Wait until the event watch and ``pilot``'s engine link are quiet (the link having
         first joined the event stream), then note the figures read so far."""
-        links = [pilot.engine] if pilot is not None and pilot.engine is not None else []
+        link = pilot_link(pilot)
+        links = [link] if link is not None else []
         if not self.instance.wait_for_events(*links):
             logger.warning("KV events still arriving after 15 s; counting anyway")
         self._seconds = time.perf_counter() - self._began

@@ -5,8 +5,8 @@ The watch is the core's engine link
 (:class:`~contextpilot_integrations.sync.engine_link.EngineLink`) on the server's events,
 evicting nothing: it counts what the engine stored and removed for the reports and tells when
 the event stream has gone quiet. A planner under test follows the same events through its own
-link (``ContextPilot(cache_sync=instance.cache_sync)``). Everything started is stopped on exit,
-on errors and on Ctrl-C (the server's whole process group,
+link (``ContextPilot(engine=EngineLink(instance.cache_sync))``). Everything started is stopped
+on exit, on errors and on Ctrl-C (the server's whole process group,
 :class:`~contextpilot_bench.testbed.vllm_server.VllmCpuServer`).
 """
 
@@ -24,8 +24,6 @@ from contextpilot_bench.engine_client import Completion, EngineClient
 from contextpilot_bench.kv_cache_size import ANSWER_TOKENS
 
 if TYPE_CHECKING:
-    from contextpilot_bench.vllm_engine import VllmCpuEngine
-    from contextpilot_integrations.core.rendering import PromptLayout
     from contextpilot_integrations.sync.engine_link import EngineLink
 
 __all__ = ["VllmCpuInstance"]
@@ -50,7 +48,7 @@ class VllmCpuInstance:
 
         with VllmCpuInstance(model_dir, block_size=32, num_gpu_blocks=80,
                              max_model_len=2432) as instance:
-            engine = instance.new_engine(layout)   # an emptied cache, a fresh Engine
+            instance.reset()   # an emptied prefix cache
 
     Args:
         model_dir: from :func:`~contextpilot_bench.testbed.model_dir.ensure_model_dir`.
@@ -112,7 +110,7 @@ class VllmCpuInstance:
 
         self.server.start()
         try:
-            self.watch = EngineLink(self.cache_sync, on_evict=_evicts_nothing).start()
+            self.watch = EngineLink(self.cache_sync).bind(_evicts_nothing).start()
             self.client = EngineClient(self.server.base_url, model=self.server.model_name)
             if self.model_capacity_tokens is None:
                 self.model_capacity_tokens = self._engine_kv_tokens()
@@ -156,7 +154,7 @@ class VllmCpuInstance:
     # ------------------------------------------------------------------ requests
     @property
     def cache_sync(self) -> dict[str, Any]:
-        """``ContextPilot(cache_sync=...)`` for this server (its KV events)."""
+        """``EngineLink(...)`` for this server (its KV events)."""
         return self.server.cache_sync
 
     def chat(
@@ -207,14 +205,6 @@ class VllmCpuInstance:
                 self.chat(messages, rid=self._next_id("warmup"))
         self.reset()
         return time.perf_counter() - began
-
-    def new_engine(self, layout: PromptLayout) -> VllmCpuEngine:
-        """A fresh :class:`~contextpilot_bench.vllm_engine.VllmCpuEngine` on an
-        emptied prefix cache (one per method)."""
-        from contextpilot_bench.vllm_engine import VllmCpuEngine
-
-        self.reset()
-        return VllmCpuEngine(self, layout)
 
     # ------------------------------------------------------------------ events
     def event_counters(self) -> dict[str, int]:

@@ -2,7 +2,7 @@
 
 Each replica is a :class:`~contextpilot_bench.vllm_instance.VllmCpuInstance` (its
 own port, KV cache, KV-event endpoint and event watch). They start in parallel, each from a
-thread of a pool kept alive until :meth:`ReplicaFleet.stop`: a server dies with the thread that
+thread of a pool kept alive until :meth:`VllmCpuFleet.stop`: a server dies with the thread that
 forked it (``PR_SET_PDEATHSIG``, :mod:`~contextpilot_bench.testbed.process_group`), so a
 pool that shut down after the start would take the servers with it.
 """
@@ -21,10 +21,10 @@ if TYPE_CHECKING:
     from contextpilot_bench.engine_client import EngineClient
     from contextpilot_bench.vllm_instance import VllmCpuInstance
 
-__all__ = ["ReplicaFleet"]
+__all__ = ["VllmCpuFleet"]
 
 
-class ReplicaFleet:
+class VllmCpuFleet:
     """``count`` vLLM CPU servers on loopback, each with ``num_gpu_blocks`` KV blocks.
 
     Use as a context manager; ``names`` are ``replica-0`` ... in start order.
@@ -72,7 +72,7 @@ class ReplicaFleet:
         self._pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> ReplicaFleet:
+    def start(self) -> VllmCpuFleet:
         """Start every replica (in parallel) and wait until all answer.
 
         Raises:
@@ -98,7 +98,7 @@ class ReplicaFleet:
                 self._pool.shutdown(wait=True)
                 self._pool = None
 
-    def __enter__(self) -> ReplicaFleet:
+    def __enter__(self) -> VllmCpuFleet:
         return self.start()
 
     def __exit__(
@@ -125,9 +125,10 @@ class ReplicaFleet:
         return self.instances[0].model_capacity_tokens
 
     def replica_specs(self, **cache_sync: Any) -> list[dict[str, Any]]:
-        """One :class:`~contextpilot_integrations.core.replicas.routing_config.ReplicaSpec` mapping per
-        replica (name, ``base_url`` ``.../v1``, its KV events as ``cache_sync``, updated with
-        ``cache_sync``), for a :class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter`."""
+        """One :class:`~contextpilot_integrations.core.replicas.routing_config.ReplicaSpec`
+        mapping per replica (name, ``base_url`` ``.../v1``, its KV events as ``cache_sync``,
+        updated with ``cache_sync``), for a
+        :class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter`."""
         return [
             {
                 "name": name,

@@ -1,25 +1,25 @@
 """The methods compared on N engine replicas, each on emptied caches behind a fresh gateway.
 
 ``baseline-round_robin``, ``baseline-cache_aware``
-    Retriever order, arrival order, through SMG with that policy (what a deployment does today).
+    Retriever order, arrival order, through SMG with that policy (a deployment without it).
 ``contextpilot-cache_aware``
     One replica-blind :class:`~contextpilot_integrations.core.pilot.ContextPilot` plans the
     workload as one batch (``plan_batch``) and its schedule goes through SMG's ``cache_aware``:
     ContextPilot's prompts, the gateway's choice of replica.
 ``contextpilot-routed-smg``
-    A :class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter` over the replicas (one index
-    and engine link per replica, fed by that replica's KV events) partitions and plans the batch;
-    each plan's routing key goes in :data:`~contextpilot_integrations.llm_call.engine_fields.ROUTING_HEADER`
-    and SMG routes on it (``--routing-key-headers x-contextpilot-route --routing-key-override``,
-    ``round_robin`` under it; a new key is pinned where the policy sends it,
-    ``--assignment-mode delegate``: the schedule's first requests, one per replica in turn,
-    carry the router's probe keys, so they spread one per worker; ``min_group`` was seen to pin
-    two keys met one after the other to one worker).
+    A :class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter` (one index and
+    engine link per replica, fed by its KV events) partitions and plans the batch; each plan's
+    routing key goes in :data:`~contextpilot_integrations.llm_call.engine_fields.ROUTING_HEADER`
+    and SMG routes on it (``--routing-key-headers x-contextpilot-route --routing-key-override``
+    over ``round_robin``, ``--assignment-mode delegate``: the schedule's first requests carry
+    the router's probe keys, one per replica in turn, so they spread one per worker; not
+    ``min_group``, which pins two keys met one after the other to one worker; docs/DESIGN.md,
+    "The smg gateway").
 ``contextpilot-routed-direct``
     The same router in its ``"direct"`` mode: each request is sent to its plan's ``base_url``.
 
 Each method starts with every replica's prefix cache emptied
-(:meth:`~contextpilot_bench.vllm_replica_fleet.ReplicaFleet.reset`) and, behind SMG, a
+(:meth:`~contextpilot_bench.vllm_replica_fleet.VllmCpuFleet.reset`) and, behind SMG, a
 gateway of its own (nothing it learnt from an earlier method carries over). Requests go one at
 a time, streamed (TTFT), with the plan's rid as ``session_id``/``request_id``. Per replica the
 figures are the differences of the workers' ``/metrics`` counters over the method
@@ -37,7 +37,7 @@ from contextpilot_bench.engine_client import EngineClient
 from contextpilot_bench.methods import PreparedWorkload
 from contextpilot_bench.smg_gateway import SmgGateway
 from contextpilot_bench.vllm_metrics import WorkerCounters
-from contextpilot_bench.vllm_replica_fleet import ReplicaFleet
+from contextpilot_bench.vllm_replica_fleet import VllmCpuFleet
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.core.replicas.routing import ReplicaRouter
@@ -53,9 +53,9 @@ __all__ = [
     "VLLM_REPLICA_METHODS",
     "ROUTED_METHODS",
     "ReplicaMethodRun",
-    "SentRequest",
+    "AnsweredRequest",
     "methods_for",
-    "run_replica_method",
+    "run_vllm_replica_method",
 ]
 
 BASELINE_METHODS = ("baseline-round_robin", "baseline-cache_aware")
@@ -72,7 +72,7 @@ _GATEWAYS = {
 
 
 @dataclass(frozen=True, slots=True)
-class SentRequest:
+class AnsweredRequest:
     """One request as sent and answered.
 
     Attributes:
@@ -115,7 +115,7 @@ class ReplicaMethodRun:
 
     method: str
     gateway: str
-    requests: list[SentRequest]
+    requests: list[AnsweredRequest]
     workers: dict[str, WorkerCounters]
     plan_seconds: float = 0.0
     seconds: float = 0.0
@@ -160,10 +160,10 @@ def _router_figures(router: ReplicaRouter) -> dict[str, Any]:
     }
 
 
-def run_replica_method(
+def run_vllm_replica_method(
     method: str,
     prepared: PreparedWorkload,
-    fleet: ReplicaFleet,
+    fleet: VllmCpuFleet,
     *,
     smg_binary: str | None = None,
     progress: Callable[[], None] | None = None,
@@ -192,6 +192,8 @@ def run_replica_method(
             plans: list[Plan | None] = [None] * len(order)
             messages = _baseline_messages(prepared)
         else:
+            from contextpilot_integrations.sync.engine_link import EngineLink
+
             start = time.perf_counter()
             if method == "contextpilot-cache_aware":
                 pilot = ContextPilot(layout=prepared.layout, token_counter=prepared.counter)
@@ -202,6 +204,7 @@ def run_replica_method(
                     mode="gateway" if method == ROUTED_METHODS["smg"] else "direct",
                     layout=prepared.layout,
                     token_counter=prepared.counter,
+                    link_factory=EngineLink,
                 )
                 batch = router.plan_batch(_batch(prepared, method))
             plan_seconds = time.perf_counter() - start
@@ -237,7 +240,7 @@ def run_replica_method(
                 )
                 replica = plan.replica if plan is not None else None
                 sent.append(
-                    SentRequest(
+                    AnsweredRequest(
                         i,
                         rid,
                         answer.prompt_tokens,
@@ -293,12 +296,12 @@ def _wait_quiet(router: ReplicaRouter, quiet_s: float = 0.4, timeout_s: float = 
         time.sleep(0.05)
 
 
-def _landed(request: SentRequest, router: ReplicaRouter) -> SentRequest:
+def _landed(request: AnsweredRequest, router: ReplicaRouter) -> AnsweredRequest:
     """``request`` with the replica the router learnt it reached (its engine's events)."""
     replica = router.replica_of(request.rid)
     if replica is None or replica == request.replica:
         return request
-    return SentRequest(
+    return AnsweredRequest(
         request.request_index,
         request.rid,
         request.prompt_tokens,

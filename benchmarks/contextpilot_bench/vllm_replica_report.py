@@ -1,5 +1,5 @@
 """The replicas benchmark's figures: per method, the engines' hit ratios in total and per
-replica, TTFT, load balance, and the one-replica reference; the issue's targets.
+replica, TTFT, load balance, and the one-replica reference; the targets.
 
 Per method (:func:`vllm_replica_rows`):
 
@@ -14,7 +14,7 @@ Per method (:func:`vllm_replica_rows`):
   holding the fleet's total KV capacity: what one engine of that size would have hit. The
   single-engine benchmark checks this model against the engine request by request.
 
-Targets (:func:`vllm_replica_target_lines`, issue 13; the constants of
+Targets (:func:`vllm_replica_target_lines`; the constants of
 :mod:`~contextpilot_bench.replica_report`): ContextPilot routing keeps >= 0.9 of the
 one-replica ContextPilot hit ratio at the same total capacity (the replica-blind plan's stream
 on the one-replica model), reaches >= 1.3x ContextPilot's prompts through ``cache_aware`` and
@@ -119,7 +119,7 @@ def _verdict(ok: bool) -> str:
 
 
 def vllm_replica_target_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The issue's targets, judged on the rows present."""
+    """The targets, judged on the rows present."""
     by_method = {row["method"]: row for row in rows}
     reference = by_method.get(REFERENCE)
     baseline = by_method.get("baseline-cache_aware")

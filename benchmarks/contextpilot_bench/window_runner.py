@@ -4,7 +4,7 @@
 request an arrival time (:mod:`~contextpilot_bench.arrivals`), groups the requests
 into windows with the core's closing rule (:meth:`WindowPolicy.group
 <contextpilot_integrations.core.window.window_policy.WindowPolicy.group>`: the same rule
-:class:`~contextpilot_integrations.core.window.planning_window.PlanningWindow` applies in a live app),
+:class:`~contextpilot_integrations.core.window.planning_window.PlanningWindow` applies live),
 plans each window against the one shared index, and sends its requests to the engine in the
 batch's schedule order, the windows in closing order. Nothing sleeps: the time a request waits
 for its window is the rule's virtual time, the time planning takes is measured.

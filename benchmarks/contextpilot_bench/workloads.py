@@ -3,37 +3,29 @@
 A :class:`Workload` is what the benchmark replays: ``corpus`` (documents, each in one retrieval
 *scope*) and ``requests`` (queries in arrival order, each retrieving only among the documents of
 its own scope). Loaders read the third-party data files from a data directory
-(:func:`resolve_data_dir`) and never modify them.
-
-Built-in workloads (see ``shared/data/README.md`` for the files and their licences):
+(:func:`resolve_data_dir`; without one, the files are fetched from their upstreams,
+:mod:`~contextpilot_bench.datasets`) and never modify them. Built-in workloads (files,
+upstreams and licences: docs/DESIGN.md, "Datasets"):
 
 ``multihop-rag``
-    The 500-question MultiHop-RAG sample (zc277584121/search-datasets, ``multihop_rag/``, a
-    sample of yixuantt/MultiHop-RAG). Corpus: one document per distinct evidence article (keyed
-    by title, 326 of them) with text ``title`` followed by the article's evidence facts, one per
-    line, de-duplicated, in first-seen order over the questions in file order. Requests: the 500
-    questions in file order, one scope.
+    The 500-question MultiHop-RAG sample. Corpus: one document per distinct evidence article
+    (keyed by title): the title, then the article's evidence facts, one per line, de-duplicated,
+    in first-seen order over the questions in file order. Requests: the questions, one scope.
 ``locomo``
-    LoCoMo (snap-research/LoCoMo, ``data/locomo10.json``): each of the 1,986 questions retrieves
-    among the 5,882 dialog turns of its own conversation (scope = conversation). A turn renders
-    as ``"speaker (session date): text"``; a turn that shares an image has its caption appended
-    as ``" [shares an image: caption]"`` (the image is part of what was said).
+    LoCoMo: each question retrieves among the dialog turns of its own conversation (scope =
+    conversation), rendered ``"speaker (session date): text"`` plus ``" [shares an image:
+    caption]"`` when the turn shares one (the image is part of what was said).
 ``mtrag``
-    MTRAG-UN (IBM/mt-rag-benchmark, ``mtrag/mtragun-human/generation_tasks/reference.jsonl``):
-    every user turn of the 507 conversations (2,191 requests, conversations in file order, turns
-    in order) retrieves among the reference passages of its collection: the union of the
-    ``contexts`` of all tasks of that ``Collection``, de-duplicated by ``document_id``
-    (scope = collection; 1,152 passages in all). Each request carries the time its user turn
-    was written (``metadata.created_at``, Unix seconds; July 2024 to November 2025) as
-    ``Request.arrived_at``; the other workloads record no request times.
-
+    MTRAG-UN: every user turn of every conversation (conversations in file order, turns in order)
+    retrieves among the reference passages of its collection: the union of the ``contexts`` of
+    all tasks of that ``Collection``, de-duplicated by ``document_id`` (scope = collection). Each
+    request carries the time its user turn was written (``metadata.created_at``, Unix seconds)
+    as ``Request.arrived_at``; the other workloads record no request times.
 ``mtrag-conversations``
-    The same conversations, corpus and requests as ``mtrag``, each request also carrying the
-    agent's recorded answer to that user turn (``Request.answer``; ``None`` for a
-    conversation's last turn), for the multi-turn replay of
-    :mod:`contextpilot_bench.multiturn`, whose prompts hold the conversation so far.
+    The same, each request also carrying the agent's recorded answer (``Request.answer``;
+    ``None`` for a conversation's last turn), for :mod:`~contextpilot_bench.multiturn`.
 
-Other workloads (for example a Mem0 LoCoMo workload) are added with :func:`register_workload`.
+Other workloads are added with :func:`register_workload`.
 """
 
 from __future__ import annotations
@@ -45,6 +37,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from contextpilot_bench.datasets import fetch_files
 
 __all__ = [
     "DATA_DIR_ENV",
@@ -62,8 +56,6 @@ logger = logging.getLogger(__name__)
 
 DATA_DIR_ENV = "CONTEXTPILOT_DATA_DIR"
 """Environment variable naming the data directory when ``--data-dir`` is not given."""
-
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,29 +215,33 @@ def workload_names() -> list[str]:
     return list(_REGISTRY)
 
 
-def resolve_data_dir(data_dir: str | os.PathLike[str] | None = None) -> Path:
+def resolve_data_dir(
+    data_dir: str | os.PathLike[str] | None = None, *, files: Iterable[str] | None = None
+) -> Path:
     """Find the data directory.
 
     Order: ``data_dir`` when given, else the environment variable ``CONTEXTPILOT_DATA_DIR``,
-    else ``../shared/data`` next to the repository root when it exists.
+    else the fetch cache of :mod:`~contextpilot_bench.datasets`, into which ``files`` are first
+    downloaded from their upstreams where missing.
+
+    Args:
+        data_dir: ``--data-dir``.
+        files: the data-directory paths the caller reads, fetched when the cache is used
+            (default: every file of :data:`~contextpilot_bench.datasets.DATASETS`; ``()``:
+            none).
 
     Raises:
-        FileNotFoundError: the chosen directory does not exist, or none was given and the
-            default does not exist (the message says how to point to one).
+        FileNotFoundError: the chosen directory does not exist (the message says where it was
+            chosen from), or a file could not be downloaded
+            (:class:`~contextpilot_bench.datasets.DatasetUnavailableError`).
+        ValueError: a downloaded file's checksum is not the pinned one.
     """
     if data_dir is not None:
         path, origin = Path(data_dir), "--data-dir"
     elif os.environ.get(DATA_DIR_ENV):
         path, origin = Path(os.environ[DATA_DIR_ENV]), f"${DATA_DIR_ENV}"
     else:
-        path = _REPO_ROOT.parent / "shared" / "data"
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"no data directory: pass --data-dir or set {DATA_DIR_ENV} (the default "
-                f"{path} does not exist); each workload's files and their upstream sources "
-                "are listed in benchmarks/contextpilot_bench/workloads.py"
-            )
-        return path
+        return fetch_files(files)
     if not path.is_dir():
         raise FileNotFoundError(f"data directory {path} (from {origin}) does not exist")
     return path
@@ -262,7 +258,7 @@ def load_workload(name: str, data_dir: str | os.PathLike[str] | None = None) -> 
     spec = _REGISTRY.get(name)
     if spec is None:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(_REGISTRY)}")
-    root = resolve_data_dir(data_dir)
+    root = resolve_data_dir(data_dir, files=spec.files)
     for rel in spec.files:
         if not (root / rel).is_file():
             raise FileNotFoundError(

@@ -1,34 +1,29 @@
 """How close the offline ordering is to what is reachable: bounds and the exact optimum.
 
-Run: ``.venv/bin/python benchmarks/bench_bounds.py [--workload multihop-rag mtrag locomo]
-[--slice-size 16] [--slices 20]`` (data directory: ``--data-dir``, else
-``CONTEXTPILOT_DATA_DIR``, else ``../shared/data``). About 20 s per workload on one core (40 s
-with ``--proposal``).
+Run: ``.venv/bin/python benchmarks/micro/bench_bounds.py [--workload multihop-rag mtrag locomo]
+[--slice-size 16] [--slices 20]`` (data: ``--data-dir``, else ``$CONTEXTPILOT_DATA_DIR``, else
+the datasets fetched into the cache, docs/DESIGN.md, "Datasets").
 
 Prints, per workload (BM25 top-k, the embedded prefix-cache model, the benchmark's token
 counter), with the hit ratio of a bound over the baseline prompt tokens (as the benchmark's
 upper bound) and the library's over its own prompts (order annotations included):
 
-* today's bound (each request's best overlap with any other, ``methods.upper_bound_records``)
-  and the three bounds of :mod:`contextpilot_bench.bounds` (spanning forest,
-  prefix intersection, two-level LP; the tighter bound is the smallest), with their CPU time;
+* the best-pair bound (each request's best overlap with any other,
+  ``methods.upper_bound_records``) and the three bounds of :mod:`contextpilot_bench.bounds`
+  (spanning forest, prefix intersection, two-level LP; the tighter is the smallest), with
+  their CPU time;
 * the library's offline figure (``ContextPilot.plan_batch`` of the whole workload, sent in
   schedule order) with an unlimited and a 5% cache, as a ratio to each bound;
 * on ``--slices`` connected groups of ``--slice-size`` requests: the exact optimum, the
   library's figure on the same group (a fresh pilot, unlimited cache) and their ratio, by hit
-  ratio, by cached tokens, and with the library's orders weighed like the optimum (the ordering
-  alone, without the annotation's tokens and label widths); and how far the bounds sit above the
-  optimum there.
+  ratio, by cached tokens, and with the library's orders weighed like the optimum; and how far
+  the bounds sit above the optimum there.
 
-Then the issue's offline target per workload, by hit ratio, and whether it holds: within 0.95 of
-the tighter bound with a 5% cache, or of the exact optimum on the slices (unlimited cache: the
-optimum is an unlimited-cache figure, and 5% of a slice's blocks is less than one prompt).
-
-``--proposal`` also measures a candidate offline build (not in the library): agglomerate by the
-objective itself (merge the two groups whose common blocks weigh the most, ties: the smaller
-pair), then move subtrees to where they share most (subtree prune and regraft) until no move
-gains. It replaces the cluster build inside ``order_batch`` for the run (``"auto"`` still keeps
-the smaller trie of it and the frequency tree), on the workloads and on the slices.
+Then the offline target per workload and whether it holds: within 0.95 of the tighter bound
+with a 5% cache, or of the exact optimum on the slices (unlimited cache). ``--proposal`` also
+measures a candidate offline build (not in the library): agglomerate by the objective itself,
+then subtree prune and regraft until no move gains, in place of the cluster build inside
+``order_batch`` for the run.
 """
 
 from __future__ import annotations

@@ -1,60 +1,29 @@
 """How much partial overlap content-defined chunking finds, and at what cost, on real data.
 
-Run: ``.venv/bin/python benchmarks/bench_chunking.py [--data-dir DIR] [--k 10]``.
+Run: ``.venv/bin/python benchmarks/micro/bench_chunking.py [--data-dir DIR] [--k 10]``.
 
-Replays multi-turn conversations through :class:`~contextpilot_integrations.core.conversations.dedup.
-Deduplicator` (default wording, ``min_tokens_saved=16``, every earlier turn visible) once with
-whole-block de-duplication only and once per chunking setting ``(M, min, max)`` (bytes), and
-prints per setting:
+Replays multi-turn conversations through
+:class:`~contextpilot_integrations.core.conversations.dedup.Deduplicator` (default wording,
+``min_tokens_saved=16``, every earlier turn visible) once with whole-block de-duplication only
+and once per chunking setting ``(M, min, max)`` (bytes), and prints per setting:
 
 * ``rep%``: share of the tokens of blocks *not* replaced whole whose sub-block already appeared
   in an earlier turn of the conversation (gross: before pointer cost and the saving threshold;
   it includes whole repeats too short to be worth a hint);
 * ``all%``: tokens saved by whole-block hints and sub-block pointers, net of the hints and
   pointers, over all retrieved tokens; ``gain``: ``all%`` minus the whole-block-only row;
-* ``ptr/req``: sub-block pointers per request;
-* ``subs/blk`` and ``bytes/sub``: sub-blocks per distinct block and their mean size;
-* ``us/blk``: median time to chunk one distinct block (``ContentChunker.split``, no cache);
-* ``us/req``: median ``Deduplicator.plan`` time per request with the chunk cache off.
+* ``ptr/req``, ``subs/blk``, ``bytes/sub``: sub-block pointers per request, sub-blocks per
+  distinct block and their mean size; ``us/blk``, ``us/req``: median time to chunk one distinct
+  block (no cache) and of ``Deduplicator.plan`` per request (chunk cache off).
 
-Workloads (real data, loaded by :mod:`contextpilot_bench.workloads`, top-``k`` BM25
-in each request's scope by :mod:`contextpilot_bench.retrieval`):
-
-* ``mtrag``: MTRAG-UN, each of the 507 conversations turn by turn (its user turns in order);
-  also broken down by collection (govt and ibmcloud passages are multi-line web pages,
-  clapnq and fiqa mostly one paragraph under 1 KB, left whole);
-* ``multihop-rag``: no conversations in the data; sessions of ``--session`` consecutive
-  questions (an assumption of this benchmark). Blocks are articles: title plus facts, one per
-  line;
-* ``locomo``: sessions of ``--session`` consecutive questions of one LoCoMo conversation;
-  blocks are single dialog turns (one line, never cut).
-
-Measured with ``--k 10 --session 8`` on the team's 2-core machine while it was shared with other
-jobs (timings are upper bounds; savings are exact and deterministic):
-
-=================  =====  =====  =====  =======  ========  =========  ======  ======
-mtrag (M,min,max)   rep%   all%   gain  ptr/req  subs/blk  bytes/sub  us/blk  us/req
-=================  =====  =====  =====  =======  ========  =========  ======  ======
-whole blocks only      -   27.3    0.0        -         -          -       -      90
-(1, 64, 256)         4.8   28.9    1.5      1.7      10.7        137      31     601
-(2, 64, 256)         4.7   28.8    1.5      1.6      10.1        145      33     616
-(2, 128, 512)        2.3   28.6    1.3      0.7       5.9        248      23     419
-(4, 128, 512)        2.2   28.6    1.3      0.7       5.7        258      26     428
-(2, 256, 1024)       1.3   28.1    0.8      0.4       3.7        397      17     322
-(4, 256, 1024)       1.2   28.1    0.8      0.4       3.6        411      18     326
-(4, 512, 2048)       0.7   27.9    0.6      0.2       2.3        629      13     265
-(8, 512, 2048)       0.4   27.6    0.3      0.1       1.8        829      17     331
-(4, 1024, 4096)      0.2   27.5    0.2      0.1       1.6        929      10     251
-=================  =====  =====  =====  =======  ========  =========  ======  ======
-
-By collection (``all%``, whole blocks -> ``(4, 512, 2048)`` -> ``(2, 128, 512)``): govt 24.6 ->
-25.1 -> 26.4, ibmcloud 30.5 -> 31.5 -> 31.9, clapnq 26.3 and fiqa 29.5 unchanged.
-MultiHop-RAG (63 sessions, 500 turns): whole blocks save 19.4%, no setting adds anything (the
-articles share no lines). LoCoMo (253 sessions, 1,986 turns): whole blocks save 12.1%; ``rep%``
-3.7 is whole dialog turns too short to be worth a hint, no setting adds anything.
-The defaults of :class:`~contextpilot_integrations.core.conversations.chunking.ContentChunker` are
-``(4, 512, 2048)``: the best gain that keeps a 15-block request under 1 ms
-(``benchmarks/bench_dedup.py``).
+Workloads (top-``k`` BM25 in each request's scope): ``mtrag``, each MTRAG-UN conversation turn
+by turn, also by collection (govt and ibmcloud passages are multi-line web pages, clapnq and
+fiqa mostly one short paragraph, left whole); ``multihop-rag`` and ``locomo``, sessions of
+``--session`` consecutive questions (an assumption of this benchmark; LoCoMo's within one
+conversation). Savings are exact and deterministic; timings depend on the machine. The
+defaults of :class:`~contextpilot_integrations.core.conversations.chunking.ContentChunker` are
+the setting with the best gain that keeps a 15-block request within the 1 ms target of
+``benchmarks/micro/bench_dedup.py``.
 """
 
 from __future__ import annotations

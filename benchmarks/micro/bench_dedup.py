@@ -1,6 +1,6 @@
 """Per-request overhead of multi-turn de-duplication, each figure printed beside its target.
 
-Run: ``.venv/bin/python benchmarks/bench_dedup.py [--data-dir DIR] [--requests 3000]``.
+Run: ``.venv/bin/python benchmarks/micro/bench_dedup.py [--data-dir DIR] [--requests 3000]``.
 
 Workload: requests of 15 blocks of about 1,000 tokens (4,000 UTF-8 bytes by
 ``ApproxTokenCounter``), made of real MTRAG-UN passages (govt and ibmcloud collections, whose
@@ -13,28 +13,14 @@ Figures:
 
 * whole blocks (``chunker=None``), ids and token counts computed by the call; target median
   <= 0.2 ms;
-* the same with ids and token counts passed in (what ``ContextPilot.plan`` has already);
+* the same with ids and token counts passed in (what ``ContextPilot.plan`` has already: most
+  of the whole-block time without them is hashing and counting the blocks' text, which
+  ``Placement.block_id``/``tokens`` carry);
 * with chunking (the default ``ContentChunker``), chunk cache off: every kept block is chunked
   on every request (the cost for blocks the process has not seen); target median <= 1 ms;
 * with chunking and the chunk cache on (blocks seen before in any conversation).
 
-Measured on the team's 2-core machine while it was shared with other jobs (load 4-6; the p99
-figures mostly show that load), 3,000 requests after the warm-up, 1,004 tokens per block:
-
-==============================  ===========  ======  =======  ============
-case                            median ms    target  p99 ms   tokens saved
-==============================  ===========  ======  =======  ============
-whole blocks                    0.207-0.214  <= 0.2  0.5-8    29.4%
-whole blocks, ids+tokens given  0.067-0.073  <= 0.2  0.25-4   29.4%
-chunking, cache off             0.85-0.98    <= 1    5-6      29.5%
-chunking, cache off, ids given  0.68-0.84    <= 1    1.6-6    29.5%
-chunking, cache on              0.37-0.43    <= 1    0.9-1.1  29.5%
-==============================  ===========  ======  =======  ============
-
-Two thirds of the whole-block time without ids is hashing and counting 60 KB of text, which
-``ContextPilot.plan`` has already done (``Placement.block_id``/``tokens``): pass them.
-With ``ContentChunker(2, 128, 512)`` (more savings on MTRAG-UN, see ``bench_chunking.py``) the
-chunked case takes a median 1.6-1.8 ms.
+On a machine shared with other jobs the p99 figures mostly show that load.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Speed and memory of the context index, each figure printed beside its target.
 
-Run: ``.venv/bin/python benchmarks/bench_index.py`` (``--quick`` skips the 100,000-context
+Run: ``.venv/bin/python benchmarks/micro/bench_index.py`` (``--quick`` skips the 100,000-context
 build). Workload: synthetic contexts of k=15 blocks drawn from 50,000 block ids with Zipf
 popularity (p(rank r) proportional to 1/r), each block 200 tokens.
 

@@ -13,7 +13,7 @@
 The publisher is this package's ``KVEventPublisher`` (the engines' protocol); the real
 SGLang publisher is exercised by the ``sglang`` test tier.
 
-Usage: ``.venv/bin/python benchmarks/bench_kv_events.py [--rate 10000 --seconds 5 --repeat 3
+Usage: ``.venv/bin/python benchmarks/micro/bench_kv_events.py [--rate 10000 --seconds 5 --repeat 3
 --events 100000 --drop 0.01]``
 """
 

@@ -8,10 +8,10 @@ the mirror would hold every block. The events are made in chunks and applied thr
 ``CacheMirror.apply_events`` (the subscriber's handler), so what stays in memory is the
 mirror's own state. RSS (``VmRSS``) is printed every ``--report-every`` events.
 
-Target (issue 12): mirror memory bounded by its configured block limit, RSS reported for 1M
+Target: mirror memory bounded by its configured block limit, RSS reported for 1M
 events.
 
-Usage: ``.venv/bin/python benchmarks/bench_mirror_memory.py [--events 1000000
+Usage: ``.venv/bin/python benchmarks/micro/bench_mirror_memory.py [--events 1000000
 --max-blocks 100000 --page 16]`` (``--max-blocks`` defaults to the bound under test; pass
 1000000, the package default, to see the cost of a full default-sized mirror).
 """

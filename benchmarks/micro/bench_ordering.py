@@ -1,7 +1,8 @@
 """Which ordering choices raise the hit ratio: every variant on the real workloads.
 
-Run: ``.venv/bin/python benchmarks/bench_ordering.py [--workload multihop-rag mtrag]``
-(data directory: ``--data-dir``, else ``CONTEXTPILOT_DATA_DIR``, else ``../shared/data``).
+Run: ``.venv/bin/python benchmarks/micro/bench_ordering.py [--workload multihop-rag mtrag]``
+(data: ``--data-dir``, else ``$CONTEXTPILOT_DATA_DIR``, else the datasets fetched into the
+cache, docs/DESIGN.md, "Datasets").
 
 Prints, per workload (BM25 top-10, embedded prefix-cache model), the hit ratio of each variant
 as a ratio to the upper bound (unlimited cache, free order) and to the baseline (retriever
@@ -28,9 +29,9 @@ from contextpilot_bench.methods import (
 from contextpilot_bench.workloads import load_workload
 from scipy.cluster import hierarchy
 
-from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.core import clustering
+from contextpilot_integrations import ContextPilot, OrderingConfig
 from contextpilot_integrations.core.blocks import ApproxTokenCounter
+from contextpilot_integrations.core.ordering import clustering
 
 OFFLINE_VARIANTS: list[tuple[str, dict[str, object], str]] = [
     ("auto (default)", {}, "complete"),
@@ -79,7 +80,9 @@ def main() -> None:
             ) -> float:
                 def pilot() -> ContextPilot:
                     return ContextPilot(
-                        layout=prepared.layout, token_counter=prepared.counter, **options
+                        layout=prepared.layout,
+                        token_counter=prepared.counter,
+                        ordering=OrderingConfig(**options),  # type: ignore[arg-type]
                     )
 
                 return run_method(

@@ -1,6 +1,6 @@
 """Latency the index service adds to one plan over loopback, against the in-process call.
 
-Run: ``.venv/bin/python benchmarks/bench_service.py`` (``--quick`` for fewer requests,
+Run: ``.venv/bin/python benchmarks/micro/bench_service.py`` (``--quick`` for fewer requests,
 ``--json`` for machine-readable output). It starts ``contextpilot-server`` (``python -m
 contextpilot_integrations.service.server``, one uvicorn worker) on 127.0.0.1, and sends the
 same request stream to it through :class:`ContextPilotClient` and to an in-process

@@ -1,8 +1,8 @@
 """Hangs and server errors of the index service under fuzzed and concurrent requests, with a
-hostile KV-event stream running at the same time (issue 12 target: 0 hangs and 0 server errors
-across at least 10,000 fuzzed and 10,000 concurrent requests).
+hostile KV-event stream running at the same time (target: 0 hangs and 0 server errors across at
+least 10,000 fuzzed and 10,000 concurrent requests).
 
-Run: ``.venv/bin/python benchmarks/bench_service_faults.py`` (defaults: 10,000 + 10,000;
+Run: ``.venv/bin/python benchmarks/micro/bench_service_faults.py`` (defaults: 10,000 + 10,000;
 ``--fuzzed 500 --concurrent 500`` for a quick run, ``--json`` for machine-readable output;
 ``tests/service/test_fault_injection.py`` runs a small one in CI).
 
@@ -13,10 +13,9 @@ hostile thread publishes, in a loop, blocks that are their own parent, pairs tha
 other, their removal, msgpack nested 1,100 deep, garbage payloads, frames of the wrong shape
 and absurd sequence numbers, between valid stores and removals of the planned requests.
 
-* **fuzzed**: requests built by mutating valid bodies (fields dropped, retyped, nested deep,
-  huge numbers, unknown fields, lone surrogates, truncated or non-JSON bodies, another
-  tenant's name), to every endpoint, some unknown paths and methods, with alice's, bob's, a
-  wrong or no key; 32 at a time.
+* **fuzzed**: mutated valid bodies (fields dropped, retyped, nested deep, huge numbers, unknown
+  fields, lone surrogates, truncated or non-JSON bodies, another tenant's name) to every
+  endpoint, unknown paths and methods, with alice's, bob's, a wrong or no key; 32 at a time.
 * **concurrent**: valid requests (plans with conversations, batches, evictions, usage, forgets,
   statistics, metrics, health, snapshots) from both tenants, 128 at a time.
 

@@ -1,9 +1,9 @@
-"""Plan latency while the index service saves a large snapshot (issue 12: plans must not stall
-on a save; target: plan p99 <= 10 ms while a 100,000-request snapshot is being saved).
+"""Plan latency while the index service saves a large snapshot (plans must not stall on a
+save; target: plan p99 <= 10 ms while a 100,000-request snapshot is being saved).
 
-Run: ``.venv/bin/python benchmarks/bench_snapshot_save.py`` (``--requests 20000`` for a quick
-run, ``--json`` for machine-readable output). It writes a snapshot of ``--requests`` indexed
-requests (10 blocks of ~200 tokens each, Zipf-popular over a pool as in
+Run: ``.venv/bin/python benchmarks/micro/bench_snapshot_save.py`` (``--requests 20000`` for a
+quick run, ``--json`` for machine-readable output). It writes a snapshot of ``--requests``
+indexed requests (10 blocks of ~200 tokens each, Zipf-popular over a pool as in
 ``bench_service.py``) and ``--conversations`` conversations of ``--turns`` turns, then plans
 (conversation turns of 10 blocks) from ``--threads`` threads while another thread saves
 ``--saves`` checkpoints, one after the other. A plan counts as "during a save" when it started

@@ -1,12 +1,12 @@
 """The service client's calls, each written once as a generator of HTTP requests.
 
 Each call (:data:`~.transports.Steps`) builds its body, yields the requests to send, reads the
-answers (errors mapped by :func:`~.client_errors.checked`) and decides the fallback
-(:mod:`.client_fallback`); the blocking and the async drivers of :mod:`.transports` run it,
+answers (errors mapped by :func:`~.errors.checked`) and decides the fallback
+(:mod:`.fallback`); the blocking and the async drivers of :mod:`.transports` run it,
 so both twins of :class:`~.client.ContextPilotClient` share every line of it.
 
 A plan call also keeps each conversation's turn numbering and settles what failed calls may
-have left on the service (:mod:`.client_conversations`): before it sends, it forgets the
+have left on the service (:mod:`.conversations`): before it sends, it forgets the
 unsettled conversations and evicts the unsettled rids it touches; after the answer, it
 renumbers the turns of a restarted service and forgets those conversations there.
 """

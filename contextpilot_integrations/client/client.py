@@ -1,70 +1,26 @@
-"""The index service's client: the planner contract over HTTP, with sync and async twins.
+"""``ContextPilotClient``: the index service called like an in-process ``ContextPilot``.
 
-:class:`ContextPilotClient` implements
-:class:`~contextpilot_integrations.core.planner_protocol.Planner`, as the in-process
-:class:`~contextpilot_integrations.core.pilot.ContextPilot` does, so every adapter takes
-either: ``plan`` / ``aplan`` take the arguments of a
-:class:`~contextpilot_integrations.core.request.PlanRequest`, ``plan_batch`` / ``aplan_batch``
-a list of them, and they return the core's own
-:class:`~contextpilot_integrations.core.plan.Plan` /
-:class:`~contextpilot_integrations.core.plan.BatchPlan`, rebuilt from the service's JSON and
-rendered with the server's :class:`PromptLayout` (fetched once from ``GET /v1/layout``).
-Coroutines await the ``a``-twins, which send over an async transport (one per event loop, so
-one client serves ``asyncio.run`` after ``asyncio.run``) and never block the loop.
+It implements :class:`~contextpilot_integrations.core.planner_protocol.Planner`, so every face
+takes it: ``plan`` / ``aplan`` take a
+:class:`~contextpilot_integrations.core.request.PlanRequest`'s arguments, ``plan_batch`` /
+``aplan_batch`` a list of them, and they return the core's own
+:class:`~contextpilot_integrations.core.plan.Plan` / ``BatchPlan``, rendered with the server's
+``PromptLayout`` (``GET /v1/layout``, fetched once). Each call is written once
+(:mod:`.calls`) and driven blocking or on the running event loop (:mod:`.transports`).
 
-One implementation serves both twins: each call is written once as a generator of HTTP
-requests (:mod:`.client_calls`), which a blocking and an async driver run (:mod:`.transports`).
-The rest has a module each: the errors (:mod:`.client_errors`), the fallback
-(:mod:`.client_fallback`), what the client remembers per conversation
-(:mod:`.client_conversations`).
+Errors, as in process: bad input raises the core's ``TypeError`` / ``ValueError`` before
+anything is sent; the server's refusals raise the same types with the core's message,
+:class:`~contextpilot_integrations.core.request.RidConflictError` (409), ``PermissionError``
+(401 wrong key, 403 a body naming another tenant) or :class:`~.errors.ServiceError`.
 
-Errors, as in process: a request is checked by building the core's ``PlanRequest`` (and
-``check_batch``) before anything is sent, so bad input raises the core's ``TypeError`` /
-``ValueError`` naming the field; the server's own refusals raise the same types with the
-core's message, :class:`~contextpilot_integrations.core.request.RidConflictError` for a rid
-already indexed or being planned (409), ``PermissionError`` for a wrong API key (401) or a
-body naming another tenant than the key's (403), and :class:`ServiceError` for anything else.
-
-The service being down never fails a request (DESIGN.md invariant 5): when the service cannot
-be reached, times out or answers 5xx, plans are made by a local in-process ``ContextPilot``
-with the same layout (less reuse: it shares no index with other processes), the failure is
-counted (``stats()["client"]``) and logged once at warning level; ``evict`` and the other calls
-return False (``evict`` asks the local pilot). After a failure the service is retried no sooner
-than ``retry_interval_s`` later, so an outage costs one connection attempt per interval, not
-one per request. Pass ``fallback=False`` to get :class:`ServiceUnavailableError` instead.
-
-Timeouts: a plan waits at most ``timeout`` (default 0.5 s to connect, 1 s for the answer), so
-a service that accepts connections but never answers costs about a second before the local
-plan; batches, statistics and snapshot saves wait ``batch_timeout`` (default 30 s).
-
-No wrong hints, no turn number given twice (DESIGN.md invariant 9):
-
-- a local plan never de-duplicates: it is made without the conversation, so it shows every
-  block in full; its ``scope`` is the request's (the turn only when the caller gave one, or
-  when it replaces a plan the client would not renumber, below);
-- a call that failed after it was sent may have been planned and recorded by the service
-  although the caller never got that plan (a phantom turn). The client remembers such
-  conversations (and explicit rids) in a bounded LRU (``max_unsettled``), and before its next
-  service call for one of them asks the service to forget the conversation (its tombstone
-  keeps the turn numbers going) and to evict the rid; if that fails, the request is planned
-  locally again;
-- a service restarted without its snapshot (or whose snapshot was lost) numbers a
-  conversation afresh. Every answer carries the service's boot id (random per start, header
-  ``x-contextpilot-boot``), and the client remembers, per conversation (``max_conversations``,
-  LRU), the boot id and the last turn number it returned. A plan from another start whose
-  number does not continue that one (or that is unnumbered) is returned renumbered as the
-  remembered number + 1 (it cannot point at an earlier turn: the fresh store held none; a
-  plan that does point back is planned locally instead), the conversation is forgotten on the
-  service, and its later requests carry explicit turn numbers, which the service records as
-  the app's. A service that restored a final snapshot goes on with the numbers, and nothing
-  changes (:mod:`.client_conversations`).
-
-What the client cannot know: if the app process (and so its client) restarts too while it
-keeps the conversation's history (a database, a chat log), nothing remembers the numbers the
-app already showed, and a service restarted without a snapshot numbers the conversation from
-1 again. Such an app must pass its own turn numbers (``Scope.turn``, e.g. the number of turns
-its stored history holds + 1); so must an app whose conversations outnumber
-``max_conversations``, or that plans one conversation from several processes.
+The service being down never fails a request (docs/DESIGN.md, "Never break a request"): a
+plan the service cannot make (unreachable, timed out, 5xx) is made locally (:mod:`.fallback`;
+``fallback=False``: :class:`~.errors.ServiceUnavailableError`). A plan waits at most
+``timeout`` (default 0.5 s to connect, 1 s to read), batches, statistics and saves
+``batch_timeout`` (default 30 s to read). Turn numbers stay the app's across service restarts
+and failed calls (docs/DESIGN.md, "Sure hints"; :mod:`.conversations`); an app that outlives
+the client's memory of a conversation (a restart of its own, more than
+``max_conversations``, several processes) passes its own ``Scope.turn``.
 """
 
 from __future__ import annotations
@@ -111,9 +67,9 @@ class ContextPilotClient:
         fallback_layout: layout of local plans made before the server's layout is known.
         retry_interval_s: after a failure, seconds before the service is tried again.
         max_unsettled: most conversations and rids remembered as possibly planned by the
-            service after a failed call (LRU; module docstring).
+            service after a failed call (LRU; :mod:`.conversations`).
         max_conversations: most conversations whose turn numbering is remembered across
-            service restarts (LRU; module docstring).
+            service restarts (LRU; :mod:`.conversations`).
         transport: the httpx transport the blocking calls send with (default a keep-alive
             ``httpx.HTTPTransport``; give one for TLS settings, proxies or a Unix socket; the
             caller closes it; :class:`~.transports.Transports`).

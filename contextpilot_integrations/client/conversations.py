@@ -1,36 +1,23 @@
 """What the service client remembers of each conversation: its turn numbers across service
-restarts, and what a failed call may have left on the service.
+restarts, and what a failed call may have left on the service (docs/DESIGN.md, "Sure hints").
 
-**Turn numbers that survive a service restart** (DESIGN.md invariant 9, issue 12 finding 4).
-An app that passes no ``Scope.turn`` numbers its turns with ``plan.scope.turn``, the number
-the service's conversation store gives. A service restarted without its snapshot (or whose
-snapshot was lost) cannot tell a new conversation from one it numbered before: it numbers the
-next turn 1 again (or, amnesic, not at all), the app then shows two "Turn 1" sections and a
-later hint "[Doc 1] of turn 1" is ambiguous. The service sends its boot id (random per start,
-:data:`~.schemas.BOOT_HEADER`) with every answer, and :class:`ConversationMemory` remembers,
-per ``(tenant, conversation_id)`` in a bounded LRU, the boot id and the last turn number the
-app received. When a plan of a turn the caller did not number comes back
+**Turn numbers.** A service restarted without its snapshot numbers a conversation afresh (or,
+amnesic, not at all). :class:`ConversationMemory` remembers, per ``(tenant, conversation_id)``
+(LRU, ``max_conversations``), the service's boot id (:data:`~.schemas.BOOT_HEADER`) and the
+last turn number the app received. When a plan of a turn the caller did not number comes back
 
-- from the same service start, or with a number after the remembered one (a restart that
-  restored a final snapshot): it stands, and is remembered;
-- from another start with a number that does not continue the remembered one, or unnumbered
-  (an amnesic store): the service numbered afresh. Nothing in the plan can point at an
-  earlier turn (the fresh store held none), so the plan is returned renumbered as the
-  remembered number + 1; the conversation is forgotten on the service (its records of that
-  turn carry the service's number; the forget's tombstone keeps the service's numbering
-  monotonic), and from then on the conversation's requests go out with explicit turn numbers
-  (remembered + 1), which the service records as the app's. A plan that does hint
-  (another process planned the conversation on the new service, which this client cannot
-  check) is not renumbered: it is planned locally instead, without hints, under the next
-  number, and its rid is evicted from the service.
+- from the same service start, or numbered after the remembered turn (a restored final
+  snapshot): it stands, and is remembered;
+- otherwise: it is returned renumbered as the remembered number + 1 (the fresh store held no
+  earlier turn to point at), the conversation is forgotten on the service, and its later
+  requests go out with explicit turn numbers. A plan that does hint (another process planned
+  the conversation meanwhile) is planned locally instead, and its rid evicted.
 
-**Unsettled calls.** A call that failed after it was sent (a timeout, a 5xx, a broken
-connection) may have been planned and recorded by the service although the caller never got
-that plan (a phantom turn, which a later hint could point to). Such conversations and explicit
-rids are remembered in a bounded LRU (``max_unsettled``); before the next service call that
-touches one of them, the client forgets the conversation on the service and evicts the rid
-(:meth:`ConversationMemory.unsettled_among`). A local plan does not advance the remembered turn
-number: its ``scope.turn`` is the caller's.
+**Unsettled calls.** A call that failed after it was sent may have been planned by the
+service (a phantom turn a later hint could point to). Its conversations and explicit rids are
+remembered (LRU, ``max_unsettled``) and settled (forgotten, evicted) before the next service
+call that touches them (:meth:`ConversationMemory.unsettled_among`). A local plan does not
+advance the remembered turn number.
 
 Thread-safe: one lock. Turns of one conversation are expected one after the other (as the
 core's batches require).

@@ -6,7 +6,7 @@ core's ``TypeError`` / ``ValueError`` with the core's message (422, the body's
 ``PermissionError`` (401: a wrong API key; 403: a body naming another tenant than the key's),
 :class:`ServiceError` for any other refusal and :class:`ServiceUnavailableError` for a 5xx
 (the client may plan locally then). :data:`UNAVAILABLE` and :data:`NOT_DELIVERED` sort the
-transport's failures for the fallback (:mod:`.client_fallback`).
+transport's failures for the fallback (:mod:`.fallback`).
 """
 
 from __future__ import annotations

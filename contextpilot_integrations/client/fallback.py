@@ -1,18 +1,16 @@
 """The service client's fallback: when to leave the service alone, and the local plans instead.
 
-DESIGN.md invariant 5: the service being down never fails a request. :class:`Fallback` keeps
-the client's view of the service's availability (after a failure the service is tried again
-no sooner than ``retry_interval_s`` later, so an outage costs one connection attempt per
-interval, not one per request; the first failure is logged at warning level, the others at
-debug level; every one is counted) and makes the plans the service did not: a local
-in-process ``ContextPilot`` with the server's layout (or ``fallback_layout`` before it is
-known).
+The service being down never fails a request (docs/DESIGN.md, "Never break a request").
+:class:`Fallback` keeps the client's view of the service's availability (after a failure the
+service is tried again no sooner than ``retry_interval_s`` later; the first failure is logged
+at warning level, the others at debug level; every one is counted) and makes the plans the
+service did not: a local in-process ``ContextPilot`` with the server's layout (or
+``fallback_layout`` before it is known).
 
-DESIGN.md invariant 9: a local plan never de-duplicates. It is made without the conversation
-(the local pilot has not seen the conversation's earlier turns, and would number them from 1),
-so it shows every block in full; its ``scope`` is the request's: the conversation id, and the
-turn only when the caller gave one, or the number the client gave it
-(:class:`LocalPlans.turns`, :mod:`.client_conversations`).
+A local plan never de-duplicates (docs/DESIGN.md, "Sure hints"): it is made without the
+conversation, so it shows every block in full; its ``scope`` is the request's: the
+conversation id, and the turn only when the caller gave one, or the number the client gave it
+(:class:`LocalPlans.turns`, :mod:`.conversations`).
 """
 
 from __future__ import annotations

@@ -1,33 +1,23 @@
 """Request and response bodies of the index service (pydantic models, JSON on the wire).
 
-The wire form is the core's own types, field for field:
+The wire form is the core's own types, field for field: ``POST /v1/plan`` takes one
+:class:`PlanRequestModel` (the core's
+:class:`~contextpilot_integrations.core.request.PlanRequest`: ``query``, ``blocks``, ``rid``,
+``scope``: ``{conversation_id, tenant, turn, visibility}``), ``POST /v1/plan_batch``
+``{"requests": [PlanRequest, ...]}``; they answer a :class:`PlanResponse` /
+:class:`BatchPlanResponse`, every field of the core's
+:class:`~contextpilot_integrations.core.plan.Plan` / ``BatchPlan`` but the layout, served once
+(``GET /v1/layout``, :class:`LayoutModel`).
 
-- ``POST /v1/plan`` takes one :class:`PlanRequestModel`, the core's
-  :class:`~contextpilot_integrations.core.request.PlanRequest` (``query``, ``blocks``, ``rid``,
-  ``scope``: ``{conversation_id, tenant, turn, visibility}``); ``POST /v1/plan_batch`` takes
-  ``{"requests": [PlanRequest, ...]}``, the core's batch (a list of requests).
-- They answer a :class:`PlanResponse` / :class:`BatchPlanResponse`: every field of the core's
-  :class:`~contextpilot_integrations.core.plan.Plan` / ``BatchPlan`` but the layout, which is
-  served once (``GET /v1/layout``, :class:`LayoutModel`), so that
-  :class:`~contextpilot_integrations.client.client.ContextPilotClient` rebuilds the core's own
-  dataclasses.
+The models check what JSON Schema can state (types, lengths, ranges; the core's ``MAX_*``
+limits), so the OpenAPI document describes the accepted bodies; the rules across fields are
+the core's (:meth:`PlanRequestModel.to_core` raises its ``TypeError`` / ``ValueError``: a 422).
 
-The models check what JSON Schema can state (types, lengths, ranges; the limits are the core's
-``MAX_*`` constants), so the OpenAPI document describes the accepted bodies. The rules across
-fields (a turn needs a conversation, rids unique within a batch, ...) are the core's: the
-conversion (:meth:`PlanRequestModel.to_core`) raises the core's ``TypeError`` / ``ValueError``
-with its message, which the app answers with a 422.
-
-Wire conventions:
-
-- block ids are unsigned 64-bit integers sent as decimal strings (JSON numbers above 2**53 lose
-  precision in many JSON readers);
-- a shown placement's ``rendered_text`` is ``null`` when it equals ``text`` (the usual case; it
-  halves the payload); other placements have none;
-- every answer carries the service's boot id in the :data:`BOOT_HEADER` header (random per
-  service start; also ``HealthResponse.boot_id``).
-
-Every error body is an :class:`ErrorResponse` whose ``message`` names the field and the value.
+Wire conventions: block ids are unsigned 64-bit integers sent as decimal strings (JSON numbers
+above 2**53 lose precision in many readers); a shown placement's ``rendered_text`` is ``null``
+when it equals ``text``; every answer carries the service's boot id in the
+:data:`BOOT_HEADER` header; every error body is an :class:`ErrorResponse` whose ``message``
+names the field and the value.
 """
 
 from __future__ import annotations
@@ -57,7 +47,7 @@ from contextpilot_integrations.core.request import (
 
 BOOT_HEADER = "x-contextpilot-boot"
 """The response header holding the service's boot id (random per start): a client that sees it
-change knows the service restarted (``service/client_conversations.py``)."""
+change knows the service restarted (:mod:`.conversations`)."""
 
 MAX_VISIBLE_TURNS = 10_000
 """Most turn numbers in one ``visibility.turns`` list."""

@@ -40,8 +40,8 @@ class Transports:
         transport: the blocking transport (default a new ``httpx.HTTPTransport``, a
             keep-alive connection pool, closed by :meth:`close`; one given is the caller's to
             close). Requests go to the transport directly, without ``httpx.Client``'s auth,
-            redirect and cookie handling, which the service needs none of and which costs
-            about a tenth of a millisecond per call (``benchmarks/bench_service.py``).
+            redirect and cookie handling, which the service needs none of (their cost per
+            call: ``benchmarks/micro/bench_service.py``).
         async_transport_factory: makes the async transport of each event loop (default
             ``httpx.AsyncHTTPTransport``); a loop's transport is closed by :meth:`aclose` on
             that loop, or when the loop shuts down (``asyncio.run``, ``asyncio.Runner``).

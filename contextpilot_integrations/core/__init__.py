@@ -1,6 +1,7 @@
 """Framework-free core: block identity, the context index, alignment, scheduling, de-duplication,
-rendering, the request and plan types, the ``ContextPilot`` facade and the ``ReplicaRouter`` over
-several engine replicas."""
+rendering, the request and plan types, the ``ContextPilot`` facade (its ``OrderingConfig``, the
+``EngineLinkProtocol`` it follows the engine through) and the ``ReplicaRouter`` over several
+engine replicas."""
 
 from contextpilot_integrations.core.blocks import (
     ApproxTokenCounter,
@@ -10,8 +11,10 @@ from contextpilot_integrations.core.blocks import (
     block_id,
 )
 from contextpilot_integrations.core.conversations.turns import TurnVisibility
+from contextpilot_integrations.core.engine_link_protocol import EngineLinkProtocol
 from contextpilot_integrations.core.index.context_index import ContextIndex
 from contextpilot_integrations.core.index.index_types import IndexStats, SearchResult
+from contextpilot_integrations.core.ordering.ordering_config import OrderingConfig
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import (
     BatchPlan,
@@ -34,7 +37,9 @@ __all__ = [
     "ContextIndex",
     "ContextPilot",
     "DedupFigures",
+    "EngineLinkProtocol",
     "IndexStats",
+    "OrderingConfig",
     "Placement",
     "PlacementStatus",
     "Plan",

@@ -3,8 +3,8 @@
 A distinct block is shown (its label in prompt order, its text, or its text with repeated
 sub-blocks replaced by pointers) or, in a conversation, replaced by a hint to an earlier turn
 that still shows it (:mod:`.dedup`); a repeated input is a duplicate of its first occurrence;
-an empty one is skipped. Every input gets exactly one :class:`~.plan.Placement` (DESIGN.md
-invariant 1). The conversation turn the de-duplication records waits in
+an empty one is skipped. Every input gets exactly one :class:`~.plan.Placement`
+(docs/DESIGN.md, "Lossless"). The conversation turn the de-duplication records waits in
 :class:`PendingTurns` until the planning call completes.
 
 Public API: :func:`place_blocks`, :class:`PlacedBlocks`, :class:`PendingTurns`,

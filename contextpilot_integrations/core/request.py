@@ -9,7 +9,7 @@ converts to it field for field), so every check below runs wherever a request en
 library and names the field and the value.
 
 Blocks that are empty or only whitespace are accepted: they are not context blocks, the plan
-marks them ``skipped`` and hands them back (DESIGN.md invariant 1: nothing given in is lost).
+marks them ``skipped`` and hands them back (docs/DESIGN.md, "Lossless": nothing given in is lost).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Scope:
 
     Attributes:
         conversation_id: the conversation this request is a turn of; ``None``: none, nothing
-            is de-duplicated across requests or recorded (DESIGN.md invariant 2).
+            is de-duplicated across requests or recorded (docs/DESIGN.md, "Isolation").
         tenant: the owner (user, app) of the conversation; different tenants never see each
             other's conversations. In the service it comes from the API key, never the body.
         turn: this turn's number (``int >= 0``); ``None``: one after the conversation's latest.

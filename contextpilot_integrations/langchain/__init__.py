@@ -1,13 +1,13 @@
-"""LangChain adapter: a drop-in retriever wrapper, prompt formatting, request ids, batches.
+"""LangChain adapter: a drop-in retriever wrapper, prompt formatting, the plan's fields, batches.
 
 Swap ``retriever`` for ``ContextPilotRetriever(base_retriever=retriever)``, format with
 :data:`format_documents`, prompt with :data:`CONTEXTPILOT_PROMPT`, wrap the model with
-:func:`with_request_id`::
+:func:`with_plan_fields`::
 
     chain = (
         {"context": retriever | format_documents, "question": RunnablePassthrough()}
         | CONTEXTPILOT_PROMPT
-        | with_request_id(llm)
+        | with_plan_fields(llm)
     )
 
 For batches planned jointly and sent in schedule order, start the chain with
@@ -20,6 +20,11 @@ For batches planned jointly and sent in schedule order, start the chain with
 """
 
 from contextpilot_integrations.langchain.documents import planned_documents, planned_entry
+from contextpilot_integrations.langchain.plan_fields import (
+    PlanFieldsChatModel,
+    schedule_order,
+    with_plan_fields,
+)
 from contextpilot_integrations.langchain.prompts import (
     CONTEXTPILOT_PROMPT,
     ContextPilotChatPromptTemplate,
@@ -31,11 +36,6 @@ from contextpilot_integrations.langchain.prompts import (
     render_context,
 )
 from contextpilot_integrations.langchain.rag_inputs import RAGInputs
-from contextpilot_integrations.langchain.request_ids import (
-    RequestIdChatModel,
-    schedule_order,
-    with_request_id,
-)
 from contextpilot_integrations.langchain.retriever import (
     CONVERSATION_ID_KEY,
     TENANT_KEY,
@@ -53,9 +53,9 @@ __all__ = [
     "ContextPilotChatPromptTemplate",
     "ContextPilotPromptValue",
     "ContextPilotRetriever",
+    "PlanFieldsChatModel",
     "RAGInputs",
     "RenderedContext",
-    "RequestIdChatModel",
     "contextpilot_prompt",
     "document_formatter",
     "format_documents",
@@ -63,5 +63,5 @@ __all__ = [
     "planned_entry",
     "render_context",
     "schedule_order",
-    "with_request_id",
+    "with_plan_fields",
 ]

@@ -9,7 +9,7 @@ node's LLM text stripped, empty ones left out, joined with a blank line). When s
 plans have the same context (identical concurrent requests), the one armed in the caller's
 context wins (:mod:`.request_ids`).
 
-Bounded (DESIGN.md invariant 6): at most ``max_plans`` plans, the least recently filed dropped
+Bounded (docs/DESIGN.md, "Bounded"): at most ``max_plans`` plans, the least recently filed dropped
 first (:class:`~contextpilot_integrations.core.lru.LRU`). Thread-safe (one lock).
 """
 

@@ -5,10 +5,7 @@ Anthropic ("Prompt caching", platform.claude.com/docs/en/build-with-claude/promp
 - a prefix is cached only up to an explicit ``cache_control`` breakpoint on a content block
   (system, tools or messages), at most **4** per request (a fifth is refused with HTTP 400);
 - the prefix up to a breakpoint must hold a **minimum cacheable length**, per model (below it
-  the request succeeds uncached, silently): 4,096 tokens for Claude Opus 4.7, 4.6, 4.5 and
-  Haiku 4.5; 2,048 for Claude Haiku 3.5 and 3; 1,024 for Claude Sonnet 4.6, 4.5, 4, Opus 4.1,
-  4 and Sonnet 3.7 (the documented table, :data:`ANTHROPIC_MIN_CACHEABLE_TOKENS`; unknown
-  models get :data:`DEFAULT_ANTHROPIC_MIN_TOKENS`, and every figure is configurable);
+  the request succeeds uncached, silently: :mod:`.provider_minimums`, configurable);
 - a read looks for cached prefixes at the content-block boundaries up to about **20** blocks
   before a breakpoint; a write happens at the breakpoint itself;
 - the lifetime is 5 minutes (``"ttl": "1h"`` for an hour), refreshed at no cost by each read;
@@ -24,9 +21,8 @@ allowed, none whose prefix is below the model's minimum. Every rendered block is
 block, so the block structure of a shared prefix is the same in every request.
 
 Public API: :func:`anthropic_prompt`, :class:`AnthropicPrompt`, :class:`Breakpoint`,
-:class:`AnthropicCachePolicy`, :func:`anthropic_min_cacheable_tokens`,
-:data:`ANTHROPIC_MAX_BREAKPOINTS`, :data:`ANTHROPIC_LOOKBACK_BLOCKS`,
-:data:`ANTHROPIC_MIN_CACHEABLE_TOKENS`, :data:`DEFAULT_ANTHROPIC_MIN_TOKENS`.
+:class:`AnthropicCachePolicy`, :data:`ANTHROPIC_MAX_BREAKPOINTS`,
+:data:`ANTHROPIC_LOOKBACK_BLOCKS`.
 """
 
 from __future__ import annotations
@@ -37,16 +33,14 @@ from typing import Any, Literal
 
 from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenCounter
 from contextpilot_integrations.llm_call.cache_prefix import CachePrefix
+from contextpilot_integrations.llm_call.provider_minimums import anthropic_min_cacheable_tokens
 
 __all__ = [
     "ANTHROPIC_LOOKBACK_BLOCKS",
     "ANTHROPIC_MAX_BREAKPOINTS",
-    "ANTHROPIC_MIN_CACHEABLE_TOKENS",
-    "DEFAULT_ANTHROPIC_MIN_TOKENS",
     "AnthropicCachePolicy",
     "AnthropicPrompt",
     "Breakpoint",
-    "anthropic_min_cacheable_tokens",
     "anthropic_prompt",
 ]
 
@@ -56,42 +50,7 @@ ANTHROPIC_MAX_BREAKPOINTS = 4
 ANTHROPIC_LOOKBACK_BLOCKS = 20
 """Content-block boundaries before a breakpoint at which Anthropic looks for a cached prefix."""
 
-DEFAULT_ANTHROPIC_MIN_TOKENS = 1024
-"""Minimum cacheable prefix for a model the table does not name."""
-
-ANTHROPIC_MIN_CACHEABLE_TOKENS: tuple[tuple[str, int], ...] = (
-    ("claude-opus-4-7", 4096),
-    ("claude-opus-4-6", 4096),
-    ("claude-opus-4-5", 4096),
-    ("claude-haiku-4-5", 4096),
-    ("claude-3-5-haiku", 2048),
-    ("claude-3-haiku", 2048),
-    ("claude-sonnet-4-6", 1024),
-    ("claude-sonnet-4-5", 1024),
-    ("claude-sonnet-4", 1024),
-    ("claude-opus-4-1", 1024),
-    ("claude-opus-4", 1024),
-    ("claude-3-7-sonnet", 1024),
-)
-"""Model-id prefix -> minimum cacheable prompt length in tokens (Anthropic's "Cache
-limitations"; the longest matching prefix wins). Minimums change with new models: override them
-with ``AnthropicCachePolicy(min_tokens=...)`` or ``overrides``."""
-
 Reason = Literal["system", "history", "shared-prefix", "within-shared", "documents"]
-
-
-def anthropic_min_cacheable_tokens(
-    model: str | None, overrides: Mapping[str, int] | None = None
-) -> int:
-    """The minimum cacheable prefix of ``model`` (tokens): the longest model-id prefix in
-    ``overrides``, then in :data:`ANTHROPIC_MIN_CACHEABLE_TOKENS`, that ``model`` starts with;
-    :data:`DEFAULT_ANTHROPIC_MIN_TOKENS` for an unknown or absent model."""
-    if model:
-        for table in (overrides or {}).items(), ANTHROPIC_MIN_CACHEABLE_TOKENS:
-            matches = [(len(p), tokens) for p, tokens in table if model.startswith(p)]
-            if matches:
-                return max(matches)[1]
-    return DEFAULT_ANTHROPIC_MIN_TOKENS
 
 
 @dataclass(frozen=True)

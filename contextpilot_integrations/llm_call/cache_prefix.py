@@ -1,8 +1,9 @@
 """What a hosted prompt cache needs to know of one plan: its rendered blocks, shared prefix,
 block ids, conversation and tenant salt.
 
-Anthropic's breakpoints (:mod:`~contextpilot_integrations.llm_call.anthropic_breakpoints`) and OpenAI's
-cache key (:mod:`~contextpilot_integrations.llm_call.openai_cache_key`) are both placed from it.
+Anthropic's breakpoints (:mod:`~contextpilot_integrations.llm_call.anthropic_breakpoints`) and
+OpenAI's cache key (:mod:`~contextpilot_integrations.llm_call.openai_cache_key`) are both placed
+from it.
 
 Public API: :class:`CachePrefix`.
 """

@@ -1,53 +1,31 @@
 """Engine-facing request fields, built in one place, and the engine's usage read back.
 
-Every face that hands a plan to an LLM call (LangChain's ``with_request_id``, LlamaIndex's
+Every face that hands a plan to an LLM call (LangChain's ``with_plan_fields``, LlamaIndex's
 ``ContextPilotOpenAILike``, the Mem0 agent middleware, the benchmark's engine client) takes the
 body fields from here, so the engine's cache events and evictions name the request the plan was
-indexed under (``shared/notes/engine-kv-events.md``, "Request ids on the OpenAI-compatible
-APIs"):
+indexed under (docs/DESIGN.md, "Engine facts"): SGLang takes ``rid`` (all 0.5.x) and a
+top-level ``session_id`` (0.5.15+, echoed on ``BlockStored`` from 0.5.20); vLLM takes
+``request_id`` and, in recent releases, ``session_id``; openai-python sends them through
+``extra_body={...}``.
 
-- SGLang takes ``rid`` on ``/v1/chat/completions`` and ``/v1/completions`` (all 0.5.x) and a
-  top-level ``session_id`` since 0.5.15, echoed on ``BlockStored`` events since 0.5.20;
-- vLLM takes ``request_id`` and, in recent releases, ``session_id`` (echoed on ``BlockStored``);
-- openai-python sends non-standard fields through ``extra_body={...}``; LangChain's
-  ``ChatOpenAI(..., extra_body=...)`` or ``.bind(extra_body=...)`` forwards them.
+With several engine replicas (:class:`~contextpilot_integrations.core.replicas.routing.
+ReplicaRouter`) the plan also says how to reach its replica: behind a gateway its
+``routing_key`` goes in a header (:data:`ROUTING_HEADER`; :func:`engine_headers`, merged by
+:func:`with_engine_fields` into ``extra_headers``); in the router's ``"direct"`` mode its
+``base_url`` is the replica's own (:func:`engine_base_url`).
 
-With several engine replicas (:class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter`)
-the plan also says how to reach the replica it was planned for: behind a gateway, its
-``routing_key`` goes in a header (:data:`ROUTING_HEADER` by default; SMG routes on it with
-``--routing-key-headers x-contextpilot-route --routing-key-override``), which openai-python
-sends through ``extra_headers`` (:func:`engine_headers`, merged by :func:`with_engine_fields`);
-without a gateway (the router's ``"direct"`` mode), its ``base_url`` is the replica's own
-(:func:`engine_base_url`; :func:`create_chat_completion` calls it there).
-
-Hosted APIs (OpenAI, Anthropic) refuse unknown fields, so they get no ids: ``engine="openai"``
-sends the plan's ``prompt_cache_key``
-(:func:`contextpilot_integrations.llm_call.hosted_cache.openai_cache_fields`),
-``engine="anthropic"`` nothing in the body (its cache controls are ``cache_control`` markers on
-content blocks: :func:`contextpilot_integrations.llm_call.hosted_cache.anthropic_prompt`), and
+Hosted APIs refuse unknown fields, so they get no ids: ``engine="openai"`` sends the plan's
+``prompt_cache_key`` (:func:`~contextpilot_integrations.llm_call.openai_cache_key.
+openai_cache_fields`), ``engine="anthropic"`` nothing in the body (its cache controls are
+``cache_control`` markers: :mod:`~contextpilot_integrations.llm_call.anthropic_breakpoints`),
 ``engine="hosted"`` nothing at all; follow them with the TTL cache model.
 
-The engine reports how much of the prompt it served from its prefix cache:
-``usage.prompt_tokens_details.cached_tokens`` (SGLang; vLLM with
-``--enable-prompt-tokens-details``; OpenAI) or Anthropic's ``usage.cache_read_input_tokens``
-and ``cache_creation_input_tokens`` (what the request wrote). :func:`read_usage` parses every
-form (the one parser of the package: openai-python and anthropic responses, their dicts,
-LangChain messages' ``usage_metadata``, LlamaIndex responses' ``raw``);
-:class:`CacheUsageTracker` keeps the hit ratio of the planned requests and passes each figure
-to the planner's ``record_usage`` (``ContextPilot`` and the service client), which marks a
-cached request as recently used and, where the provider reports writes, forgets a request
-whose prompt was not cached at all (below the minimum length, or no breakpoint).
-
-Example::
-
-    tracker = CacheUsageTracker(pilot)          # ContextPilot or ContextPilotClient
-    plan = pilot.plan(question, texts)
-    response = openai_client.chat.completions.create(
-        model=model, messages=plan.messages, **with_engine_fields({}, plan))
-    tracker.record(plan, response)
-    tracker.stats()  # {"requests": 1, "prompt_tokens": ..., "cached_tokens": ..., ...}
-
-or, in one call, :func:`create_chat_completion` (and :func:`acreate_chat_completion`).
+:func:`read_usage` is the package's one parser of the engine's cache figures
+(``usage.prompt_tokens_details.cached_tokens``; Anthropic's ``cache_read_input_tokens`` and
+``cache_creation_input_tokens``), from SDK responses, their dicts, LangChain's
+``usage_metadata`` and LlamaIndex's ``raw``. :class:`CacheUsageTracker` keeps the hit ratio of
+the planned requests and passes each figure to the planner's ``record_usage``.
+:func:`create_chat_completion` (and :func:`acreate_chat_completion`) does all of it in one call.
 """
 
 from __future__ import annotations

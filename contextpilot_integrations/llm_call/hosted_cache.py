@@ -1,12 +1,15 @@
 """Hosted APIs' prompt-cache controls, placed from the plan: Anthropic breakpoints, OpenAI keys.
 
-The one import point for the request fields hosted APIs cache by (DESIGN.md, "Engine-facing
-request fields ... built in one module"): the ids of self-hosted engines and the usage parser
-stay in :mod:`contextpilot_integrations.llm_call.engine_fields`, which sends :func:`openai_cache_fields`
-for ``engine="openai"``; everything else a hosted prompt cache needs is here, built in:
+The one import point for the request fields hosted APIs cache by (docs/DESIGN.md, "Engine
+request fields and hosted prompt caches"): the ids of self-hosted engines and the usage parser
+stay in :mod:`contextpilot_integrations.llm_call.engine_fields`, which sends
+:func:`openai_cache_fields` for ``engine="openai"``; everything else a hosted prompt cache needs
+is here, built in:
 
-- :mod:`~contextpilot_integrations.llm_call.cache_prefix`: :class:`CachePrefix`, what both providers'
-  controls need to know of one plan;
+- :mod:`~contextpilot_integrations.llm_call.cache_prefix`: :class:`CachePrefix`, what both
+  providers' controls need to know of one plan;
+- :mod:`~contextpilot_integrations.llm_call.provider_minimums`: the providers' minimum
+  cacheable lengths;
 - :mod:`~contextpilot_integrations.llm_call.anthropic_breakpoints`: Anthropic's limits and
   :func:`anthropic_prompt`, the ``cache_control`` breakpoints placed where the plan knows
   reuse starts or ends;

@@ -1,15 +1,15 @@
 """OpenAI's prompt-cache request fields for a plan: ``prompt_cache_key`` and retention.
 
 OpenAI ("Prompt caching", developers.openai.com/api/docs/guides/prompt-caching): caching is
-automatic from 1,024 prompt tokens, hits grow in 128-token steps, requests are routed by a hash
-of the prompt's first ~256 tokens combined with the optional ``prompt_cache_key`` (past ~15
-requests a minute per prefix and key some overflow to other machines), ``prompt_cache_retention``
-is ``"in_memory"`` (5-10 minutes idle, at most an hour) or ``"24h"``, and
-``usage.prompt_tokens_details.cached_tokens`` reports the hit. :func:`prompt_cache_key` gives
-requests whose aligned prefix starts alike one key.
+automatic from a minimum prompt length (:mod:`.provider_minimums`), hits grow in 128-token
+steps, requests are routed by a hash of the prompt's first ~256 tokens combined with the
+optional ``prompt_cache_key`` (past ~15 requests a minute per prefix and key some overflow to
+other machines), ``prompt_cache_retention`` is ``"in_memory"`` (5-10 minutes idle, at most an
+hour) or ``"24h"``, and ``usage.prompt_tokens_details.cached_tokens`` reports the hit.
+:func:`prompt_cache_key` gives requests whose aligned prefix starts alike one key.
 
 Public API: :func:`prompt_cache_key`, :func:`openai_cache_fields`,
-:data:`OPENAI_MIN_CACHED_TOKENS`, :data:`OPENAI_CACHE_STEP_TOKENS`.
+:data:`OPENAI_CACHE_STEP_TOKENS`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,9 @@ from contextpilot_integrations.llm_call.cache_prefix import CachePrefix
 
 __all__ = [
     "OPENAI_CACHE_STEP_TOKENS",
-    "OPENAI_MIN_CACHED_TOKENS",
     "openai_cache_fields",
     "prompt_cache_key",
 ]
-
-OPENAI_MIN_CACHED_TOKENS = 1024
-"""OpenAI caches prompts of at least this many tokens."""
 
 OPENAI_CACHE_STEP_TOKENS = 128
 """OpenAI's cache hits grow in steps of this many tokens past the minimum."""

@@ -1,45 +1,27 @@
 """The shared index behind the HTTP service: its tenants' pilots, one engine link, the snapshot.
 
 :class:`IndexService` holds what the HTTP layer (:mod:`.app`) serves, and is usable on its
-own: one :class:`~contextpilot_integrations.core.pilot.ContextPilot` (index, popularity
-memory, conversation store) per tenant when the service has tenant keys (the default
-``"partitioned"`` isolation, :mod:`.tenants`), else one for everyone; one
-:class:`~contextpilot_integrations.sync.engine_link.EngineLink` that follows the engine for all
-of them (KV events, capacity model or TTL model, from ``ServiceConfig.cache_sync``) and routes
-each eviction to the pilot of the rid's tenant; the metrics; the snapshot file.
+own: one :class:`~contextpilot_integrations.core.pilot.ContextPilot` per tenant when the
+service has tenant keys (the default ``"partitioned"`` isolation, :mod:`.tenants`), else one
+for everyone; one :class:`~contextpilot_integrations.sync.engine_link.EngineLink` that follows
+the engine for all of them (``ServiceConfig.cache_sync``) and routes each eviction to the pilot
+of the rid's tenant; the metrics; the snapshot file (:mod:`.persistence`).
 
-Tenants (DESIGN.md invariant 8): every call takes ``caller``, the tenant of the request's API
-key (``None`` on a service without keys). A request whose ``scope.tenant`` names another
-tenant is refused (:class:`~.tenants.TenantMismatchError`); rids are resolved within the
-caller's tenant (its rid tag, :mod:`.tenants`), so no call of one tenant can evict, probe,
-plan under, read, forget or add to another tenant's requests or conversations.
+Tenants (docs/DESIGN.md, "Tenants from credentials"): every call takes ``caller``, the tenant
+of the request's API key (``None`` without keys). A request whose ``scope.tenant`` names
+another tenant is refused (:class:`~.tenants.TenantMismatchError`); rids are resolved within
+the caller's tenant, so no call of one tenant reaches another tenant's requests or
+conversations.
 
-The sync path never breaks a request (DESIGN.md invariant 5): the engine link absorbs, counts
-and logs once every failure of recording, touching, an unreachable engine or a resync that
-cannot complete; a snapshot that cannot be read or written is counted the same way (through the
-engine link, or by the service when it has none: ``stats()["sync"]["failures"]``,
-``contextpilot_sync_failures_total``), and plans are served all the same.
+Failures of the sync path and of the snapshot file are absorbed, counted
+(``stats()["sync"]["failures"]``, ``contextpilot_sync_failures_total``) and logged once; plans
+are served all the same (docs/DESIGN.md, "Never break a request"). Restored requests were
+indexed by another process, so :meth:`IndexService.start` asks the engine link to resync with
+what the engine still caches (``resync_pending`` on ``/health`` meanwhile). The boot id
+(:attr:`IndexService.boot_id`, random per service made) goes with every answer, so a client
+tells a restarted service (:mod:`contextpilot_integrations.client.conversations`).
 
-Snapshot (``ServiceConfig.snapshot_path``; :mod:`.persistence`, file format in
-:mod:`.snapshot`): each pilot's whole state (index and conversations). Restored when the service
-is made; saved as a *checkpoint* by the periodic timer and ``/v1/snapshot`` (planning goes on:
-the conversation stores restored from it keep turn numbers, not records), and *final* by
-:meth:`IndexService.stop` once planning has stopped (they come back whole). A file that cannot
-be restored is set aside, counted, and the service starts empty with amnesic stores. Saves do
-not stall plans (``benchmarks/bench_snapshot_save.py``).
-
-The restored requests were indexed by an earlier process, so :meth:`IndexService.start` asks
-the engine link to re-establish what the engine still caches
-(:meth:`EngineLink.resync <contextpilot_integrations.sync.engine_link.EngineLink.resync>`);
-``resync_pending`` stays true while it waits (``/health``).
-
-Boot id (:attr:`IndexService.boot_id`, random per service made, i.e. per server process
-start): the HTTP layer sends it with every answer (:data:`~.schemas.BOOT_HEADER`), so a client
-tells a restarted service from the one that numbered its conversations' turns, and keeps the
-app's numbering when a service started without its snapshot numbers them afresh
-(:mod:`.client_conversations`).
-
-Thread-safety: every method may be called from any thread. :meth:`stop` is bounded
+Thread-safe: every method may be called from any thread. :meth:`stop` is bounded
 (``shutdown_timeout_s``): a call stuck in the engine link or a lock does not keep the service
 from saving and stopping.
 """
@@ -68,7 +50,6 @@ from contextpilot_integrations.service.tenants import TenantMismatchError
 from contextpilot_integrations.sync.configuration import CacheSyncConfig
 from contextpilot_integrations.sync.engine_link import EngineLink
 
-# ServiceConfig lives in .service_config; it is imported from here as well.
 __all__ = ["IndexService", "ServiceClosingError"]
 
 logger = logging.getLogger(__name__)
@@ -114,7 +95,7 @@ class IndexService:
         self._started = False
         sync = self.config.cache_sync
         assert sync is None or isinstance(sync, CacheSyncConfig)
-        self.engine = EngineLink(sync, on_evict=self._engine_evicted) if sync else None
+        self.engine = EngineLink(sync).bind(self._engine_evicted) if sync else None
         self._restored: Restored | None = None
         self._snapshots: ServiceSnapshots | None = None
         path = self.config.snapshot_path
@@ -457,8 +438,8 @@ class IndexService:
 
     def _new_partitions(self) -> Partitions:
         """Empty pilots: one per tenant when partitioned, else one for all; each records,
-        touches and forgets through the service's one engine link (the service starts and
-        stops it)."""
+        touches and forgets through the service's one engine link (the service binds, starts
+        and stops it)."""
 
         def pilot(tenant: str | None) -> ContextPilot:
             salt = self.tenancy.cache_salt(tenant) if tenant is not None else None

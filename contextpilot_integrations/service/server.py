@@ -19,7 +19,7 @@ Examples::
 
 Keys: ``--api-keys FILE`` (a JSON key file) and/or the environment variable
 ``CONTEXTPILOT_API_KEYS`` map keys to tenants (:mod:`.tenants`; each tenant gets its own index
-unless ``--share-prefixes-across-tenants``); the single shared key of earlier releases comes
+unless ``--share-prefixes-across-tenants``); one key shared by everyone comes
 from ``--api-key`` or, better (a command line is visible to other users),
 ``CONTEXTPILOT_API_KEY``, and is the tenant ``""``. One process holds the index: uvicorn runs
 one worker, and many app processes share it through

@@ -146,7 +146,7 @@ def test_bounds_are_never_below_the_optimum(problem: OrderingProblem) -> None:
     assert bounds.tighter >= best
     # The LP counts the first two levels whole: never looser than the prefix bound.
     assert bounds.two_level_lp <= bounds.prefix_intersection
-    # The spanning forest is never above today's bound.
+    # The spanning forest is never above the best-pair bound.
     assert bounds.spanning_forest <= _pairwise_bound(problem)
     # Fewer exactly-ordered units only loosen the prefix bound.
     assert prefix_intersection_bound(problem, exact_units=1) >= bounds.prefix_intersection

@@ -121,7 +121,8 @@ def test_cli_on_locomo_with_mem0(
     assert "Mem0 search top-20, mode online" in printed
     run = json.loads(out.read_text())
     assert run["run"]["retriever"] == "mem0"
-    assert [row["method"] for row in run["summary"]] == ["baseline", "contextpilot", "upper-bound"]
+    methods = [row["method"] for row in run["summary"]]
+    assert methods == ["baseline", "contextpilot", "upper-bound", "clairvoyant-arrival"]
     manifest = json.loads((tmp_path / "store" / MANIFEST_NAME).read_text())
     assert manifest["scopes"].keys() == {"conv-26"}
     assert len(manifest["searches"]["conv-26 20"]) == 10

@@ -16,7 +16,7 @@ from contextpilot_bench.multiturn_report import summarize_multiturn
 from contextpilot_bench.prepared_conversations import (
     PreparedConversations,
     ReplayTurn,
-    interleave,
+    interleave_turns,
     prepare_conversations,
 )
 from contextpilot_bench.workloads import (
@@ -284,14 +284,28 @@ def _turns(conversation: str, count: int) -> list[ReplayTurn]:
 
 def test_interleave_round_robin_refills_slots() -> None:
     a, b, c = _turns("a", 3), _turns("b", 1), _turns("c", 2)
-    order = [t.request_id for t in interleave([a, b, c], 2)]
+    order = [t.request_id for t in interleave_turns([a, b, c], 2)]
     assert order == ["a1", "b1", "a2", "c1", "a3", "c2"]
-    assert [t.request_id for t in interleave([a, b, c], 1)] == ["a1", "a2", "a3", "b1", "c1", "c2"]
-    assert [t.request_id for t in interleave([a, b, c], 32)] == ["a1", "b1", "c1", "a2", "c2", "a3"]
+    assert [t.request_id for t in interleave_turns([a, b, c], 1)] == [
+        "a1",
+        "a2",
+        "a3",
+        "b1",
+        "c1",
+        "c2",
+    ]
+    assert [t.request_id for t in interleave_turns([a, b, c], 32)] == [
+        "a1",
+        "b1",
+        "c1",
+        "a2",
+        "c2",
+        "a3",
+    ]
     with pytest.raises(ValueError, match="sessions must be >= 1, got 0"):
-        interleave([a], 0)
+        interleave_turns([a], 0)
     with pytest.raises(TypeError, match="sessions must be an int"):
-        interleave([a], 2.0)  # type: ignore[arg-type]
+        interleave_turns([a], 2.0)  # type: ignore[arg-type]
 
 
 def test_bad_input_is_named() -> None:

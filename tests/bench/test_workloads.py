@@ -1,4 +1,4 @@
-"""Workload loaders on the real data files (counts from shared/data/README.md)."""
+"""Workload loaders on the real data files (the counts are the files' own)."""
 
 from __future__ import annotations
 

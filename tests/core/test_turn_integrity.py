@@ -1,5 +1,5 @@
 """No wrong hint, no lost or phantom turn, through TTL expiry, LRU eviction, restarts (with a
-fresh, a stale or no snapshot) and client fallbacks (DESIGN.md invariant 9).
+fresh, a stale or no snapshot) and client fallbacks (docs/DESIGN.md, "Sure hints").
 
 A model application keeps every conversation's prompt history as the model sees it: each turn
 under its header, each shown block under its label. It resends the whole history (or the last

@@ -11,7 +11,6 @@ from contextpilot_integrations.core.request import Scope
 from contextpilot_integrations.llm_call.anthropic_breakpoints import (
     ANTHROPIC_MAX_BREAKPOINTS,
     AnthropicCachePolicy,
-    anthropic_min_cacheable_tokens,
     anthropic_prompt,
 )
 from contextpilot_integrations.llm_call.cache_prefix import CachePrefix
@@ -25,6 +24,7 @@ from contextpilot_integrations.llm_call.openai_cache_key import (
     openai_cache_fields,
     prompt_cache_key,
 )
+from contextpilot_integrations.llm_call.provider_minimums import anthropic_min_cacheable_tokens
 from contextpilot_integrations.sync.configuration import build_cache_state_source
 from contextpilot_integrations.sync.ttl_model import TTLModel
 

@@ -25,7 +25,7 @@ from contextpilot_integrations.langchain import (
     CONTEXTPILOT_PROMPT,
     ContextPilotRetriever,
     format_documents,
-    with_request_id,
+    with_plan_fields,
 )
 from contextpilot_integrations.llama_index import (
     ContextPilotAnthropic,
@@ -174,7 +174,7 @@ def test_langchain_chat_anthropic_one_line(hosted_server):
             "question": RunnablePassthrough(),
         }
         | CONTEXTPILOT_PROMPT
-        | with_request_id(llm, engine="anthropic", tracker=tracker)
+        | with_plan_fields(llm, engine="anthropic", tracker=tracker)
     )
     for question in REQUESTS:
         assert chain.invoke(question).content == "answer [Doc 1]"
@@ -199,7 +199,9 @@ def test_langchain_chat_openai_one_line(hosted_server):
             "question": RunnablePassthrough(),
         }
         | CONTEXTPILOT_PROMPT
-        | with_request_id(llm, engine="openai", prompt_cache_retention="in_memory", tracker=tracker)
+        | with_plan_fields(
+            llm, engine="openai", prompt_cache_retention="in_memory", tracker=tracker
+        )
     )
     keys = set()
     for question in REQUESTS:

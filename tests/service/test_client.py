@@ -158,8 +158,8 @@ def test_async_twins_equal_the_blocking_calls_across_event_loops(server_factory)
 
 @pytest.mark.asyncio
 async def test_the_client_is_a_planner_whose_async_twins_are_awaited(shared_server) -> None:  # type: ignore[no-untyped-def]
-    # The first bug of issue 11: an async client passed the sync protocol's check and its
-    # plan returned a coroutine nothing awaited. Now one class has both twins.
+    # An async client must not pass the sync protocol's check with a plan that returns a
+    # coroutine nothing awaits: one class has both twins.
     async with ContextPilotClient(shared_server.base_url, fallback=False) as client:
         assert isinstance(client, Planner)
         for name in ("aplan", "aplan_batch", "aevict", "arecord_usage", "astats", "ahealth"):

@@ -111,7 +111,7 @@ def test_request_id_fields_per_engine() -> None:
         engine_body_fields(object())  # type: ignore[arg-type]
 
 
-def test_with_request_ids_merges_without_mutating() -> None:
+def test_with_engine_fields_merges_without_mutating() -> None:
     kwargs = {"model": "m", "extra_body": {"top_k": 5, "rid": "old"}}
     merged = with_engine_fields(kwargs, "new", "sglang")
     assert merged == {"model": "m", "extra_body": {"top_k": 5, "rid": "new", "session_id": "new"}}

@@ -1,4 +1,4 @@
-"""A hostile tenant against a real server (issue 12, finding 5): two tenants with keys, bob
+"""A hostile tenant against a real server: two tenants with keys, bob
 trying every endpoint against alice's state, and a differential check that nothing he does
 changes anything alice sees.
 

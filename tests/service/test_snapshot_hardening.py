@@ -1,4 +1,4 @@
-"""The snapshot file as hostile input and as a crash-safe write (issue 12, finding 6), in
+"""The snapshot file as hostile input and as a crash-safe write, in
 process: validated on load (a bad file is set aside, counted, and the service starts empty),
 atomic and fsynced writes, temporary files cleaned, a symlinked path followed, the whole pilot
 state in it (conversations too: checkpoint or final), and plans that never wait for a save.

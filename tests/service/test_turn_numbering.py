@@ -1,4 +1,4 @@
-"""Turn numbers across service restarts (issue 12, finding 4): the service's boot id on every
+"""Turn numbers across service restarts: the service's boot id on every
 answer, and a client that keeps the app's numbering when a service restarted without its
 snapshot (or with a lost one) numbers a conversation afresh. No turn number is given twice and
 no hint is ambiguous across a restart, with the fallback's rules (local plans never hint; a

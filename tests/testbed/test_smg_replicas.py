@@ -33,18 +33,14 @@ import pytest
 
 pytest.importorskip("tokenizers", reason="the engines extra needs `tokenizers`")
 
-from contextpilot_bench.kv_cache_size import max_model_len_for  # noqa: E402
-from contextpilot_bench.methods import PreparedWorkload, prepare_workload  # noqa: E402
+from contextpilot_bench.methods import PreparedWorkload  # noqa: E402
 from contextpilot_bench.smg_gateway import SmgGateway  # noqa: E402
-from contextpilot_bench.testbed.chat_template import tokenize_prompt  # noqa: E402
 from contextpilot_bench.testbed.locations import find_smg, find_vllm_python  # noqa: E402
-from contextpilot_bench.testbed.model_dir import ensure_model_dir  # noqa: E402
 from contextpilot_bench.testbed.process_group import process_group_members  # noqa: E402
-from contextpilot_bench.vllm_replica_fleet import ReplicaFleet  # noqa: E402
-from contextpilot_bench.workloads import load_workload, resolve_data_dir  # noqa: E402
-from tokenizers import Tokenizer  # noqa: E402
+from contextpilot_bench.vllm_replica_fleet import VllmCpuFleet  # noqa: E402
+from support.data_dir import MULTIHOP_RAG, dataset_dir_or_skip  # noqa: E402
+from support.vllm_workload import kv_cache_blocks, prepare_multihop  # noqa: E402
 
-from contextpilot_integrations.core.blocks import TokenizerCounter  # noqa: E402
 from contextpilot_integrations.core.plan import Plan  # noqa: E402
 from contextpilot_integrations.core.replicas.routing import ReplicaRouter  # noqa: E402
 from contextpilot_integrations.core.request import PlanRequest  # noqa: E402
@@ -73,37 +69,16 @@ pytestmark = [
 ]
 
 
-def _data_dir() -> Path:
-    try:
-        data_dir = resolve_data_dir()
-    except FileNotFoundError:
-        pytest.skip("no data dir (set CONTEXTPILOT_DATA_DIR)")
-    if not (data_dir / "multihop_rag_sample500").is_dir():
-        pytest.skip(f"MultiHop-RAG sample not in {data_dir}")
-    return data_dir
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_model_dir(tmp_path_factory.mktemp("vllm-model"))
-
-
 @pytest.fixture(scope="module")
 def prepared(model_dir: Path) -> PreparedWorkload:
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    workload = load_workload("multihop-rag", _data_dir()).head(SLICE)
-    return prepare_workload(workload, TOP_K, counter=TokenizerCounter(tokenizer))
+    return prepare_multihop(model_dir, SLICE, TOP_K)
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dir: Path, prepared: PreparedWorkload) -> Iterator[ReplicaFleet]:
+def fleet(model_dir: Path, prepared: PreparedWorkload) -> Iterator[VllmCpuFleet]:
     """Two servers for the module; both process groups are checked gone at its end."""
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    max_model_len, _ = max_model_len_for(
-        prepared, lambda messages: tokenize_prompt(tokenizer, messages), BLOCK_SIZE, 8192
-    )
-    usable = CACHE_REQUESTS * max_model_len // BLOCK_SIZE
-    with ReplicaFleet(
+    max_model_len, usable = kv_cache_blocks(model_dir, prepared, BLOCK_SIZE, CACHE_REQUESTS)
+    with VllmCpuFleet(
         model_dir, 2, block_size=BLOCK_SIZE, num_gpu_blocks=usable + 1, max_model_len=max_model_len
     ) as running:
         pids = [instance.server.pid for instance in running.instances]
@@ -117,15 +92,15 @@ def _requests(prepared: PreparedWorkload, prefix: str, part: slice = slice(None)
     return [PlanRequest(r.query, prepared.block_texts(i), f"{prefix}-{r.id}") for i, r in requests]
 
 
-def _landing_watch(fleet: ReplicaFleet) -> tuple[list[EngineLink], dict[str, set[str]]]:
+def _landing_watch(fleet: VllmCpuFleet) -> tuple[list[EngineLink], dict[str, set[str]]]:
     """One link per replica that records the rids its engine's stored blocks carry."""
     landed: dict[str, set[str]] = defaultdict(set)
     links = []
     for name, instance in zip(fleet.names, fleet.instances, strict=True):
         links.append(
-            EngineLink(
-                instance.cache_sync, on_evict=lambda rid: False, on_session=landed[name].add
-            ).start()
+            EngineLink(instance.cache_sync)
+            .bind(lambda rid: False, on_session=landed[name].add)
+            .start()
         )
     return links, landed
 
@@ -139,7 +114,7 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float = 20.0) -> bool:
     return condition()
 
 
-def _send_direct(fleet: ReplicaFleet, plans: list[Plan]) -> tuple[int, int]:
+def _send_direct(fleet: VllmCpuFleet, plans: list[Plan]) -> tuple[int, int]:
     """Send each plan to its replica's URL; (prompt tokens, cached tokens)."""
     prompt = cached = 0
     for plan in plans:
@@ -150,7 +125,7 @@ def _send_direct(fleet: ReplicaFleet, plans: list[Plan]) -> tuple[int, int]:
 
 
 def test_requests_with_the_routing_key_land_where_the_router_learns(
-    fleet: ReplicaFleet, prepared: PreparedWorkload
+    fleet: VllmCpuFleet, prepared: PreparedWorkload
 ) -> None:
     fleet.reset()
     links, landed = _landing_watch(fleet)
@@ -159,6 +134,7 @@ def test_requests_with_the_routing_key_land_where_the_router_learns(
         mode="gateway",
         layout=prepared.layout,
         token_counter=prepared.counter,
+        link_factory=EngineLink,
     )
     try:
         batch = router.plan_batch(_requests(prepared, "key"))
@@ -203,7 +179,7 @@ def test_requests_with_the_routing_key_land_where_the_router_learns(
 
 
 def test_evictions_from_each_replica_reach_only_its_index(
-    fleet: ReplicaFleet, prepared: PreparedWorkload
+    fleet: VllmCpuFleet, prepared: PreparedWorkload
 ) -> None:
     fleet.reset()
     with ReplicaRouter(
@@ -211,6 +187,7 @@ def test_evictions_from_each_replica_reach_only_its_index(
         mode="direct",
         layout=prepared.layout,
         token_counter=prepared.counter,
+        link_factory=EngineLink,
     ) as router:
         batch = router.plan_batch(_requests(prepared, "evict"))
         _send_direct(fleet, batch.scheduled())
@@ -234,7 +211,7 @@ def test_evictions_from_each_replica_reach_only_its_index(
 
 def test_cli_runs_two_replicas_behind_smg_in_one_command(tmp_path: Path) -> None:
     out = tmp_path / "replicas.json"
-    env = {**os.environ, "CONTEXTPILOT_DATA_DIR": str(_data_dir())}
+    env = {**os.environ, "CONTEXTPILOT_DATA_DIR": str(dataset_dir_or_skip(MULTIHOP_RAG))}
     cli = subprocess.run(
         [
             sys.executable, "-m", "contextpilot_bench", "--engine", "vllm-cpu",
@@ -263,7 +240,7 @@ def test_cli_runs_two_replicas_behind_smg_in_one_command(tmp_path: Path) -> None
 
 
 def test_a_replica_stopped_mid_run_is_marked_down_and_routing_goes_on(
-    fleet: ReplicaFleet, prepared: PreparedWorkload
+    fleet: VllmCpuFleet, prepared: PreparedWorkload
 ) -> None:
     """Last in the module: it stops the second server."""
     fleet.reset()
@@ -273,6 +250,7 @@ def test_a_replica_stopped_mid_run_is_marked_down_and_routing_goes_on(
         mode="direct",
         layout=prepared.layout,
         token_counter=prepared.counter,
+        link_factory=EngineLink,
     ) as router:
         first = router.plan_batch(_requests(prepared, "down", slice(0, half)))
         _send_direct(fleet, first.scheduled())

@@ -2,7 +2,7 @@
 directory reusable, and the chat templates rendered as transformers renders them.
 
 The conversion itself and the served model are checked in the ``vllm`` tier
-(``tests/engines/test_smollm2_vllm.py``)."""
+(``tests/testbed/test_smollm2_vllm.py``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct on vLLM's CPU build: the smoke of the real-model path.
 
-The model directory is converted once into the checkout's ``.cache`` (about 30 s the first
-time, reused after; :func:`~contextpilot_bench.testbed.smollm2.ensure_smollm2_dir`).
+The model directory is converted once into the checkout's ``.cache`` (the first time, reused
+after; :func:`~contextpilot_bench.testbed.smollm2.ensure_smollm2_dir`).
 First the two CLI paths, each starting and stopping its own server: the scored benchmark on 10
 MultiHop-RAG questions (four methods, answers scored, the local template checked against
 ``/tokenize``) and the chat replay of two short MTRAG-UN conversations with the model's own
@@ -32,7 +32,6 @@ from contextpilot_bench.testbed.smollm2 import (  # noqa: E402
     read_manifest,
 )
 from contextpilot_bench.vllm_instance import VllmCpuInstance  # noqa: E402
-from contextpilot_bench.workloads import resolve_data_dir  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,14 +43,6 @@ pytestmark = [
         "CONTEXTPILOT_VLLM_PYTHON",
     ),
 ]
-
-
-@pytest.fixture(scope="module")
-def data_dir() -> Path:
-    try:
-        return resolve_data_dir()
-    except FileNotFoundError:
-        pytest.skip("no data dir (set CONTEXTPILOT_DATA_DIR)")
 
 
 @pytest.fixture(scope="module")

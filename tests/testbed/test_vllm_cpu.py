@@ -45,7 +45,7 @@ from contextpilot_bench.testbed.model_dir import prepare_model_dir  # noqa: E402
 from contextpilot_bench.testbed.process_group import process_group_members  # noqa: E402
 from contextpilot_bench.testbed.tokenizer_training import corpus_files  # noqa: E402
 from contextpilot_bench.testbed.vllm_server import VllmCpuServer  # noqa: E402
-from contextpilot_bench.workloads import resolve_data_dir  # noqa: E402
+from support.data_dir import find_data_dir  # noqa: E402
 
 from contextpilot_integrations.core.rendering import PromptLayout  # noqa: E402
 
@@ -277,10 +277,10 @@ EDGE_TEXTS = [
 def _paragraphs() -> list[str]:
     """Real paragraphs (MuSiQue corpus) when the data dir is there, plus the edge cases."""
     texts = list(EDGE_TEXTS)
-    try:
-        corpus = resolve_data_dir() / "hipporag_train_subsets" / "musique_train_corpus.json"
-    except FileNotFoundError:
+    data_dir = find_data_dir()
+    if data_dir is None:
         return texts
+    corpus = data_dir / "hipporag_train_subsets" / "musique_train_corpus.json"
     if corpus.is_file():
         texts += [entry["text"] for entry in json.loads(corpus.read_text())[:400]]
     return texts

@@ -1,13 +1,13 @@
 """End to end on the real vLLM CPU engine: ContextPilot against the baseline, the embedded model
-against the engine, and the context index of an in-process ``ContextPilot(cache_sync=...)``
+against the engine, and the context index of an in-process ``ContextPilot(engine=EngineLink(...))``
 following the engine's evictions through the core's engine link.
 
 One server for the module (block size 32, a KV cache of four requests of ``max_model_len``
 tokens, a tenth of what the slice's prompts take, so that every few requests evict), started
 through :class:`VllmCpuInstance` and stopped at the module's end, also when a test fails (the
 fixture's ``with``); its process group is checked to be gone. The methods run through the
-benchmark's own runner (``run_method`` with ``instance.new_engine``), as the CLI runs them. The
-CLI tests start their own servers (a normal run, and a run stopped with Ctrl-C). All skip
+benchmark's own runner (``run_method`` with ``VllmCpuEngine.on_emptied_cache``), as the CLI runs
+them. The CLI tests start their own servers (a normal run, and a run stopped with Ctrl-C). All skip
 without a Python that runs vLLM (``scripts/setup-vllm-env.sh``) or without the MultiHop-RAG
 data.
 """
@@ -31,24 +31,20 @@ import pytest
 pytest.importorskip("tokenizers", reason="the engines extra needs `tokenizers`")
 
 from contextpilot_bench.engine_report import EngineMethodReport  # noqa: E402
-from contextpilot_bench.kv_cache_size import max_model_len_for  # noqa: E402
 from contextpilot_bench.methods import (  # noqa: E402
     MethodResult,
     PreparedWorkload,
-    prepare_workload,
     run_method,
 )
-from contextpilot_bench.testbed.chat_template import tokenize_prompt  # noqa: E402
 from contextpilot_bench.testbed.locations import find_vllm_python  # noqa: E402
-from contextpilot_bench.testbed.model_dir import ensure_model_dir  # noqa: E402
 from contextpilot_bench.testbed.process_group import process_group_members  # noqa: E402
 from contextpilot_bench.vllm_engine import VllmCpuEngine  # noqa: E402
 from contextpilot_bench.vllm_instance import VllmCpuInstance  # noqa: E402
-from contextpilot_bench.workloads import load_workload, resolve_data_dir  # noqa: E402
-from tokenizers import Tokenizer  # noqa: E402
+from support.data_dir import MULTIHOP_RAG, dataset_dir_or_skip  # noqa: E402
+from support.vllm_workload import kv_cache_blocks, prepare_multihop  # noqa: E402
 
-from contextpilot_integrations.core.blocks import TokenizerCounter  # noqa: E402
 from contextpilot_integrations.core.pilot import ContextPilot  # noqa: E402
+from contextpilot_integrations.sync.engine_link import EngineLink  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -67,36 +63,15 @@ pytestmark = [
 ]
 
 
-def _data_dir() -> Path:
-    try:
-        data_dir = resolve_data_dir()
-    except FileNotFoundError:
-        pytest.skip("no data dir (set CONTEXTPILOT_DATA_DIR)")
-    if not (data_dir / "multihop_rag_sample500").is_dir():
-        pytest.skip(f"MultiHop-RAG sample not in {data_dir}")
-    return data_dir
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_model_dir(tmp_path_factory.mktemp("vllm-model"))
-
-
 @pytest.fixture(scope="module")
 def prepared(model_dir: Path) -> PreparedWorkload:
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    workload = load_workload("multihop-rag", _data_dir()).head(SLICE)
-    return prepare_workload(workload, TOP_K, counter=TokenizerCounter(tokenizer))
+    return prepare_multihop(model_dir, SLICE, TOP_K)
 
 
 @pytest.fixture(scope="module")
 def bench(model_dir: Path, prepared: PreparedWorkload) -> Iterator[VllmCpuInstance]:
     """One real engine for the module; stopped (whole process group) at the module's end."""
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    max_model_len, _ = max_model_len_for(
-        prepared, lambda messages: tokenize_prompt(tokenizer, messages), BLOCK_SIZE, 8192
-    )
-    usable = CACHE_REQUESTS * max_model_len // BLOCK_SIZE
+    max_model_len, usable = kv_cache_blocks(model_dir, prepared, BLOCK_SIZE, CACHE_REQUESTS)
     with VllmCpuInstance(
         model_dir,
         block_size=BLOCK_SIZE,
@@ -129,7 +104,7 @@ def _run(
     engines: list[VllmCpuEngine] = []
 
     def new_engine() -> VllmCpuEngine:
-        engines.append(bench.new_engine(prepared.layout))
+        engines.append(VllmCpuEngine.on_emptied_cache(bench, prepared.layout))
         return engines[-1]
 
     result = run_method(
@@ -188,7 +163,7 @@ def test_index_drops_exactly_the_requests_whose_blocks_the_engine_removed(
 ) -> None:
     """The context index's view against the engine's answer, request by request.
 
-    Online ContextPilot, in process with ``cache_sync`` on the engine's KV events, through a
+    Online ContextPilot, in process with an engine link on the engine's KV events, through a
     cache of a few requests' blocks: each request's plan goes in the index, the engine's
     ``BlockRemoved`` events take requests out through the pilot's engine link. Then every
     request is re-sent, newest first, and before each re-send the index is asked whether it
@@ -209,7 +184,9 @@ def test_index_drops_exactly_the_requests_whose_blocks_the_engine_removed(
     carry their own session ids, unknown to the index.
     """
     with ContextPilot(
-        layout=prepared.layout, token_counter=prepared.counter, cache_sync=bench.cache_sync
+        layout=prepared.layout,
+        token_counter=prepared.counter,
+        engine=EngineLink(bench.cache_sync),
     ) as pilot:
         assert pilot.engine is not None
         run = _run(bench, "contextpilot", prepared, "online", pilot)
@@ -248,7 +225,7 @@ def test_index_drops_exactly_the_requests_whose_blocks_the_engine_removed(
 
 
 def _run_cli(args: list[str], **popen: object) -> subprocess.Popen[str]:
-    env = {**os.environ, "CONTEXTPILOT_DATA_DIR": str(_data_dir())}
+    env = {**os.environ, "CONTEXTPILOT_DATA_DIR": str(dataset_dir_or_skip(MULTIHOP_RAG))}
     return subprocess.Popen(
         [sys.executable, "-m", "contextpilot_bench", *args],
         stdout=subprocess.PIPE,

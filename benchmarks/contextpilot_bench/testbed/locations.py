@@ -48,20 +48,22 @@ VLLM_PYTHON_ENV = "CONTEXTPILOT_VLLM_PYTHON"
 SMG_ENV = "CONTEXTPILOT_SMG"
 """Environment variable naming the ``smg`` gateway binary."""
 
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+_CHECKOUT_ROOT = Path(__file__).resolve().parents[3]
+"""The repository root when the package runs from a source checkout
+(``<root>/benchmarks/contextpilot_bench/testbed/locations.py``)."""
 
 
 def source_checkout() -> Path | None:
-    """The root of the source checkout the package runs from (the directory holding its
-    ``pyproject.toml``), or None for an installed package."""
-    project = _PACKAGE_ROOT / "pyproject.toml"
+    """The root of the source checkout the package runs from (the directory holding the
+    library's ``pyproject.toml`` and ``benchmarks/``), or None for an installed package."""
+    project = _CHECKOUT_ROOT / "pyproject.toml"
     if not project.is_file():
         return None
     try:
         text = project.read_text(encoding="utf-8")
     except OSError:
         return None
-    return _PACKAGE_ROOT if 'name = "contextpilot-integrations"' in text else None
+    return _CHECKOUT_ROOT if 'name = "contextpilot-integrations"' in text else None
 
 
 def _executable(path: Path) -> bool:

@@ -5,8 +5,7 @@ trained on local text (:mod:`~contextpilot_bench.testbed.tokenizer_training`) an
 chat template (:mod:`~contextpilot_bench.testbed.chat_template`). vLLM serves it with
 ``--load-format dummy`` (random weights): prefill cost and prefix caching do not depend on the
 weights' values. :func:`ensure_model_dir` prepares such a directory once and reuses it while its
-manifest matches. The recipe and its traps: ``../shared/notes/engine-kv-events.md``
-("vLLM on a CPU, with random weights").
+manifest matches. The recipe and its traps: docs/DESIGN.md, "vLLM on a CPU".
 """
 
 from __future__ import annotations
@@ -219,7 +218,7 @@ def ensure_model_dir(path: str | os.PathLike[str] | None = None, *, seed: int = 
 
     Reused when its manifest (written last by :func:`prepare_model_dir`) records the default
     shape with this ``seed``, this Python version (the tokenizer's training text is the standard
-    library) and this ``tokenizers`` version; otherwise rewritten (about 10 s).
+    library) and this ``tokenizers`` version; otherwise rewritten.
 
     Args:
         path: the directory (default

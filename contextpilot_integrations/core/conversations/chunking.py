@@ -1,43 +1,27 @@
 """Content-defined chunking of a context block into sub-blocks, for partial-overlap de-duplication.
 
-Two retrieved blocks often share long stretches without being equal: overlapping windows of the
-same source document, the same page under two ids, a passage quoted in a longer one. Cutting
-every block at *content-defined* points makes equal stretches fall into equal sub-blocks, whose
-stable ids can then be looked up in the conversation's history (ContextPilot, MLSys 2026,
-multi-turn de-duplication: "cut a block after a line whose hash mod M == 0, hash each
-sub-block"; the general technique is LBFS, Muthitacharoen et al., SOSP 2001).
+Two retrieved blocks often share long stretches without being equal (overlapping windows of one
+document, a passage quoted in a longer one). Cut at *content-defined* points, equal stretches
+fall into equal sub-blocks, whose stable ids can be looked up in the conversation's history
+(ContextPilot, MLSys 2026, multi-turn de-duplication; the technique is LBFS, Muthitacharoen et
+al., SOSP 2001). The rule, on the UTF-8 bytes of the text (sizes in UTF-8 bytes, about 4 per
+token of English, as :class:`~contextpilot_integrations.core.blocks.ApproxTokenCounter`):
 
-The rule, on the UTF-8 bytes of the text (sizes are UTF-8 bytes, about 4 per token for English
-text, the same measure as :class:`~contextpilot_integrations.core.blocks.ApproxTokenCounter`):
-
-1. The text is read line by line (a line ends after ``"\\n"``; ``"\\r\\n"`` is one line ending).
+1. The text is read line by line (a line ends after ``"\n"``; ``"\r\n"`` is one line ending).
 2. After a line, the open sub-block is cut when it holds at least ``min_bytes`` and
-   ``blake2b-64(line content) % modulus == 0``. The line content excludes its ending, so a
-   text with CRLF endings is cut after the same lines as the same text with LF endings.
+   ``blake2b-64(line content) % modulus == 0`` (the content excludes the ending).
 3. A sub-block never exceeds ``max_bytes``: it is cut before a line that would overflow it, and
-   a line longer than that (text without newlines) is cut inside, after the last space that
-   leaves a piece of at least ``min_bytes``, else at the last character boundary that fits. The
-   pieces of one long line therefore depend on where the line starts (deterministic, not
-   content-defined).
-4. A block shorter than ``min_bytes`` is one sub-block: small blocks are left whole.
+   a longer line is cut inside, after the last space that leaves a piece of at least
+   ``min_bytes``, else at the last character boundary that fits (those pieces depend on where
+   the line starts: deterministic, not content-defined).
+4. A block shorter than ``min_bytes`` is one sub-block.
 
-Sizes count a CRLF ending as one byte, so the CRLF and LF forms of a text get the same cuts, line
-for line; their sub-blocks keep their exact bytes (the CRLF form's sub-blocks contain the
-``"\\r"``), so the two forms have different sub-block ids and are never taken for each other. A
-lone ``"\\r"`` (not followed by ``"\\n"``) is an ordinary character. Chunking is lossless:
-``"".join(s.text for s in chunker.split(text)) == text`` for every ``str`` that UTF-8 can encode.
-
-Defaults (``modulus=4, min_bytes=512, max_bytes=2048``) were chosen by measurement
-(``benchmarks/bench_chunking.py`` and ``benchmarks/bench_dedup.py``, figures in their
-docstrings). On MTRAG-UN (every user turn of the 507 conversations, BM25 top-10 over each
-collection's reference passages) whole-block hints save 27.3% of the retrieved tokens; sub-block
-pointers add 0.6 points with the defaults (govt +0.5, ibmcloud +1.0; clapnq and fiqa passages
-are mostly under 1 KB and stay whole), 1.3 points with ``(2, 128, 512)`` and 1.5 with
-``(2, 64, 256)``. A pointer costs about 30 tokens, so smaller sub-blocks only pay through runs of
-consecutive repeats. The cost decides: a request of 15 new blocks of ~1,000 tokens takes a median
-0.7-0.85 ms with the defaults (target <= 1 ms) and 1.6-1.8 ms with ``(2, 128, 512)``. MultiHop-RAG
-and LoCoMo blocks show no partial overlap worth a pointer. Choose ``(2, 128, 512)`` when the
-extra tokens matter more than a millisecond per request.
+A CRLF ending counts as one byte, so the CRLF and LF forms of a text get the same cuts; their
+sub-blocks keep their exact bytes, so the two forms never share an id. Lossless:
+``"".join(s.text for s in chunker.split(text)) == text`` for every ``str`` UTF-8 can encode.
+The defaults (``modulus=4, min_bytes=512, max_bytes=2048``) trade tokens saved against planning
+time (``benchmarks/micro/bench_chunking.py`` and ``bench_dedup.py`` measure both); smaller
+sub-blocks only pay through runs of consecutive repeats, since a pointer costs about 30 tokens.
 """
 
 from __future__ import annotations

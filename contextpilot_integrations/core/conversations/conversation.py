@@ -1,65 +1,51 @@
 """Per-conversation memory of what earlier prompts showed the model, recorded only once sent.
 
-Multi-turn de-duplication (ContextPilot, MLSys 2026, "multi-turn de-duplication") replaces a
-context block that an earlier turn of the same conversation already sent by a hint naming where
-it stands. That needs, per conversation, the blocks and sub-blocks rendered in full in each turn
-and their place: turn number, prompt label (``"[Doc 3]"``) and, for a sub-block, its index in
-that block. :class:`ConversationStore` keeps it:
+Multi-turn de-duplication (:mod:`.dedup`) replaces a block that an earlier turn of the same
+conversation already sent by a hint naming where it stands. That needs, per conversation, the
+blocks and sub-blocks each turn rendered in full and their place (turn number, label, sub-block
+index). :class:`ConversationStore` keeps it:
 
 - keyed by ``(tenant, conversation_id)``; a ``None`` conversation id is never stored or matched
-  (there is no shared default conversation, DESIGN.md invariant 2);
-- two-phase: :meth:`ConversationStore.open_turn` reserves the turn's number and gives a
-  consistent view for its lookups; its records are kept aside and enter the history only on
-  :meth:`ConversationTurn.commit`, which the planner calls once the plan is returned (a plan
-  that fails, or a batch that fails, records nothing: no phantom turns);
-- bounded (invariant 6): at most ``max_conversations`` conversations, least recently used
-  evicted first; a conversation unused for ``ttl_seconds`` expires; at most ``max_turns`` turns
-  per conversation, oldest dropped first;
-- thread-safe: one lock.
+  (docs/DESIGN.md, "Isolation");
+- two-phase: :meth:`ConversationStore.open_turn` reserves the turn's number and yields a
+  :class:`~.conversation_turn.ConversationTurn` for its lookups; its records enter the history
+  only on :meth:`~.conversation_turn.ConversationTurn.commit`, once the plan is returned (a
+  plan or batch that fails records nothing);
+- bounded (docs/DESIGN.md, "Bounded"): at most ``max_conversations`` (LRU), ``ttl_seconds``
+  unused, ``max_turns`` per conversation (oldest dropped first); thread-safe: one lock.
 
-Which earlier turns may be pointed to is the application's call: the prompt it sends may have
-dropped or summarised old turns. :class:`TurnVisibility` says which earlier turns the prompt
-still holds (all of them, the last ``n``, or an explicit set).
-
-Turn numbers that cannot go silently wrong (DESIGN.md invariant 9). A hint "[Doc 1] of turn 1"
-is right only if the app's turn 1 is the turn the store recorded as 1. Numbers the app gives
-(``turn=``) are the app's own. Numbers the store assigns (``turn=None``) agree with the app's
-only while the store has followed the conversation without a break:
-
-- a conversation dropped by the LRU bound, the TTL or :meth:`~ConversationStore.forget` leaves a
-  *tombstone* (its latest turn number), so numbering continues after it and never reuses a
-  number the app has already shown (older turns are simply gone: nothing points to them);
-- a store that may have missed turns (restored from a checkpoint taken while it kept
-  planning, told by its owner that history was lost, or whose tombstones overflowed) is
-  *amnesic*: it cannot know which numbers the app has already shown, so it numbers no turn
-  itself (the plan's ``scope.turn`` is ``None`` and the turn records nothing) until the app
-  gives its own turn number;
-- a checkpoint cannot tell what changed after it (a turn retried with other blocks, a turn
-  forgotten), so a store restored from one keeps only each conversation's latest turn number
-  (as a tombstone) and points to none of its records; a *final* snapshot (taken when planning
-  has stopped, e.g. at shutdown) restores everything.
+:class:`~.turns.TurnVisibility` says which earlier turns the app's prompt still holds. Turn
+numbers never go silently wrong (docs/DESIGN.md, "Sure hints"): numbers the app gives
+(``turn=``) are its own; numbers the store assigns continue after a dropped conversation (its
+*tombstone* keeps the latest number); a store that may have missed turns (restored from a
+checkpoint, told history was lost, tombstones overflowed) is *amnesic* and numbers no turn
+itself (``scope.turn`` is ``None``, nothing recorded) until the app gives its own number. A
+store restored from a checkpoint keeps only each conversation's latest number; a *final*
+snapshot (taken when planning has stopped) restores everything.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from contextpilot_integrations.core.conversations.conversation_records import (
     ConversationRecords,
+    Record,
     nonnegative_int,
 )
 from contextpilot_integrations.core.conversations.conversation_turn import ConversationTurn
 from contextpilot_integrations.core.conversations.turns import TurnVisibility
 from contextpilot_integrations.core.lru import LRU
 
-__all__ = ["ConversationStore"]
+__all__ = ["CONVERSATION_SNAPSHOT_VERSION", "ConversationStore"]
 
-SNAPSHOT_VERSION = 1
-
+CONVERSATION_SNAPSHOT_VERSION = 1
+"""Version of :meth:`ConversationStore.snapshot`'s format."""
 
 _ALL_TURNS = TurnVisibility()
 
@@ -179,18 +165,23 @@ class ConversationStore:
                 conversation.continuous = True  # from now on the store counts on from the app's
             if turn is not None:
                 conversation.pending.add(turn)
-            handle = ConversationTurn(self, conversation, key, turn, visibility)
+            handle = ConversationTurn(
+                conversation,
+                key,
+                turn,
+                visibility,
+                on_commit=functools.partial(self._commit, conversation, turn),
+                on_abort=functools.partial(self._abort, conversation, turn),
+            )
             try:
                 yield handle
             except BaseException:
                 if turn is not None:
                     conversation.pending.discard(turn)  # the lock is held: no handle.abort()
                 self._counters["aborted"] += 1
-                handle._state = "aborted"
+                handle.close(failed=True)
                 raise
-            finally:
-                handle._open = False
-            handle._state = "pending"
+            handle.close(failed=False)
 
     def forget(self, tenant: str, conversation_id: str) -> bool:
         """Drop a conversation's records (the user deleted it). ``False`` if unknown. Its
@@ -254,14 +245,14 @@ class ConversationStore:
                 planning goes on (``False``) may miss the turns planned after it.
         """
         # Under the lock only a copy of references (records are immutable tuples); the JSON
-        # form is built after, so planning is not held up by a large store (issue 12).
+        # form is built after, so planning is not held up by a large store.
         with self._lock:
             now = self._clock()
             held = [(key, c.copy(now)) for key, c in self._conversations.items()]
             buried = list(self._tombstones.items())
             amnesic = self._amnesic
         return {
-            "version": SNAPSHOT_VERSION,
+            "version": CONVERSATION_SNAPSHOT_VERSION,
             "final": bool(final),
             "amnesic": amnesic,
             "conversations": [
@@ -325,20 +316,23 @@ class ConversationStore:
             # A forgotten tombstone: that conversation could come back numbered from 1.
             self._amnesic = True
 
-    def _commit(self, handle: ConversationTurn) -> None:
-        if handle.turn is None:  # unnumbered: nothing to point to later
+    def _commit(
+        self, conversation: ConversationRecords, turn: int | None, records: Sequence[Record]
+    ) -> None:
+        """A turn's ``on_commit``: its records enter the conversation's history."""
+        if turn is None:  # unnumbered: nothing to point to later
             return
         with self._lock:
-            conversation = handle._conversation
-            conversation.pending.discard(handle.turn)
-            conversation.add(handle.turn, handle._records)
+            conversation.pending.discard(turn)
+            conversation.add(turn, records)
             while len(conversation.turns) > self.max_turns:
                 conversation.drop_turn(min(conversation.turns))
 
-    def _abort(self, handle: ConversationTurn) -> None:
+    def _abort(self, conversation: ConversationRecords, turn: int | None) -> None:
+        """A turn's ``on_abort``: its number is released."""
         with self._lock:
-            if handle.turn is not None:
-                handle._conversation.pending.discard(handle.turn)
+            if turn is not None:
+                conversation.pending.discard(turn)
             self._counters["aborted"] += 1
 
     def _expire(self, now: float) -> None:
@@ -354,8 +348,9 @@ class ConversationStore:
             self._counters["expired"] += 1
 
     def _load(self, snapshot: object) -> int:
-        if not isinstance(snapshot, dict) or snapshot.get("version") != SNAPSHOT_VERSION:
-            raise ValueError(f"conversation snapshot version must be {SNAPSHOT_VERSION}")
+        version = CONVERSATION_SNAPSHOT_VERSION
+        if not isinstance(snapshot, dict) or snapshot.get("version") != version:
+            raise ValueError(f"conversation snapshot version must be {version}")
         now = self._clock()
         for entry in snapshot["tombstones"]:
             # After a checkpoint the store cannot vouch for its numbering: not continuous.

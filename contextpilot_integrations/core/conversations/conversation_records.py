@@ -1,7 +1,8 @@
 """The records of one conversation: which blocks each committed turn showed, and where.
 
-Held by :class:`~contextpilot_integrations.core.conversations.conversation.ConversationStore` (which takes its
-lock around every use) and written to its snapshot in the JSON form of :meth:`to_json`.
+Held by :class:`~contextpilot_integrations.core.conversations.conversation.ConversationStore`
+(which takes its lock around every use) and written to its snapshot in the JSON form of
+:meth:`to_json`.
 """
 
 from __future__ import annotations

@@ -5,21 +5,20 @@
 sub-block already stands in full (in the earlier turns the turn's
 :class:`~.turns.TurnVisibility` lets it see, else earlier in this turn) and records what this
 turn's prompt shows; the records enter the store's history only on
-:meth:`ConversationTurn.commit` (the store's two phases, :mod:`.conversation`).
+:meth:`ConversationTurn.commit` (the store's two phases, :mod:`.conversation`). The turn knows
+nothing of the store: it is given the conversation's records to read and the two calls that
+end it (``on_commit``, ``on_abort``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 from contextpilot_integrations.core.conversations.conversation_records import (
     ConversationRecords,
     Record,
 )
 from contextpilot_integrations.core.conversations.turns import Location, TurnVisibility
-
-if TYPE_CHECKING:
-    from contextpilot_integrations.core.conversations.conversation import ConversationStore
 
 __all__ = ["ConversationTurn"]
 
@@ -30,6 +29,15 @@ class ConversationTurn:
     Obtained from :meth:`ConversationStore.open_turn`. Lookups and records are valid inside
     that ``with`` block; afterwards the turn is *pending* until :meth:`commit` (its records
     enter the history) or :meth:`abort` (they are dropped and its number released).
+
+    Args:
+        conversation: the conversation's committed records (read under the store's lock,
+            which ``open_turn`` holds while the turn is open).
+        key: ``(tenant, conversation_id)``.
+        turn, visibility: as the attributes.
+        on_commit: ``on_commit(records)``, called once by :meth:`commit` with what this turn
+            recorded, in order.
+        on_abort: ``on_abort()``, called once by :meth:`abort`.
 
     Attributes:
         tenant, conversation_id: the conversation's key.
@@ -42,12 +50,13 @@ class ConversationTurn:
 
     __slots__ = (
         "_conversation",
+        "_on_abort",
+        "_on_commit",
         "_open",
         "_own_blocks",
         "_own_sub_blocks",
         "_records",
         "_state",
-        "_store",
         "conversation_id",
         "number",
         "tenant",
@@ -57,13 +66,16 @@ class ConversationTurn:
 
     def __init__(
         self,
-        store: ConversationStore,
         conversation: ConversationRecords,
         key: tuple[str, str],
         turn: int | None,
         visibility: TurnVisibility,
+        *,
+        on_commit: Callable[[Sequence[Record]], None],
+        on_abort: Callable[[], None],
     ) -> None:
-        self._store = store
+        self._on_commit = on_commit
+        self._on_abort = on_abort
         self._conversation = conversation
         self._open = True
         self._state = "open"
@@ -121,15 +133,23 @@ class ConversationTurn:
         """The turn's prompt was handed out: its records enter the history. Idempotent;
         a no-op after :meth:`abort`."""
         if self._state == "pending":
-            self._store._commit(self)
+            self._on_commit(self._records)
             self._state = "committed"
 
     def abort(self) -> None:
         """The turn's plan was not handed out: drop its records, release its number.
         Idempotent; a no-op after :meth:`commit`."""
         if self._state in ("open", "pending"):
-            self._store._abort(self)
+            self._on_abort()
             self._state = "aborted"
+
+    def close(self, *, failed: bool) -> None:
+        """End the ``open_turn`` block (the store calls it): lookups and records are refused
+        from now on, and the turn is pending, or aborted when the block raised (``failed``:
+        the store has released its number itself, so ``on_abort`` is not called)."""
+        self._open = False
+        if self._state == "open":
+            self._state = "aborted" if failed else "pending"
 
     def _live(self) -> None:
         if not self._open:

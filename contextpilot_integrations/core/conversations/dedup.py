@@ -1,39 +1,31 @@
 """Multi-turn de-duplication: replace context already shown in a conversation by a location hint.
 
-ContextPilot (MLSys 2026, "multi-turn de-duplication"): in a conversation, a block that an
-earlier turn's prompt already shows is replaced by a short hint naming where it stands; below
-block level, a sub-block (content-defined chunk, :mod:`~contextpilot_integrations.core.conversations.chunking`)
-already shown is replaced by a pointer to its first occurrence; a run of consecutive sub-blocks
-that stands, in the same order, in one earlier block gets a single pointer. The model reads the
-text once, the prompt is shorter, and the earlier turns stay a byte-identical prefix for the KV
-cache.
+ContextPilot (MLSys 2026, "multi-turn de-duplication"): a block that an earlier turn's prompt
+already shows is replaced by a short hint naming where it stands; a sub-block
+(:mod:`~contextpilot_integrations.core.conversations.chunking`) already shown is replaced by a
+pointer to its first occurrence, and a run of consecutive ones standing in the same order in one
+earlier block gets a single pointer. :meth:`Deduplicator.plan` takes one request's blocks in
+prompt order and returns, per block, the text to render (with pointers spliced in) or a hint,
+plus the request's figures. Rules:
 
-:meth:`Deduplicator.plan` takes one request's blocks in prompt order and returns, per block,
-either the text to render (with sub-block pointers spliced in) or a hint, plus the request's
-figures. Rules:
+- Lossless (docs/DESIGN.md, "Lossless"): a block or sub-block is replaced only when its exact
+  text (same 64-bit id, :func:`~contextpilot_integrations.core.blocks.block_id`) stands in full
+  at the named place, in a turn the prompt still holds (:class:`TurnVisibility`) or earlier in
+  this prompt. Places are recorded only where text was rendered literally.
+- Isolation (docs/DESIGN.md, "Isolation"): history is per ``(tenant, conversation_id)``; a
+  request with ``conversation_id=None`` is never de-duplicated and never recorded.
+- Deterministic (docs/DESIGN.md, "Deterministic"): the output depends only on the inputs and
+  the store's records.
+- A replacement is made only if it saves at least ``min_tokens_saved`` tokens.
 
-- Lossless (DESIGN.md invariant 1): a block or sub-block is replaced only when its exact text
-  (same 64-bit id, :func:`~contextpilot_integrations.core.blocks.block_id`) stands in full at the
-  named place, in a turn the application's prompt still holds (:class:`TurnVisibility`) or
-  earlier in this prompt. Places are recorded only where text was rendered literally: a block
-  that got sub-block pointers is not recorded as a whole block, only its literal sub-blocks are.
-- Isolation (invariant 2): history is per ``(tenant, conversation_id)``; a request with
-  ``conversation_id=None`` is never de-duplicated and never recorded.
-- Deterministic (invariant 3): the output depends only on the inputs and the store's records.
-- A replacement is made only if it saves at least ``min_tokens_saved`` tokens (a hint longer
-  than the text it replaces is a loss).
+Hints (:class:`HintWording`, configurable) read ``Also relevant: [Doc 3] of turn 2, shown
+above.`` for a block and ``[Repeated passage: see [Doc 3] of turn 2, from "first words" to
+"last words".]`` for a sub-block (the quoted ends let the model find a passage whose boundaries
+it cannot see); a place earlier in the same prompt reads ``[Doc 3] in this message``.
 
-Hint wording (:class:`HintWording`, all configurable) by default reads, for a whole block,
-``Also relevant: [Doc 3] of turn 2, shown above.`` and, for a sub-block spliced into a kept
-block, ``[Repeated passage: see [Doc 3] of turn 2, from "first words" to "last words".]`` (the
-quoted ends let the model find the passage inside the named block, whose sub-block boundaries it
-cannot see; about 30 tokens). A place earlier in the same prompt reads ``[Doc 3] in this message``.
-
-Labels: the label of a kept block is ``label_template`` with ``position`` its 1-based position
-among the *kept* blocks (the renderer, ``PromptLayout.render_segments``, gets only the kept texts
-and lists the hints after the blocks, DESIGN.md "Prompt layout"); with
-``number_replaced_blocks=True`` it is the position among all blocks (a renderer that prints the
-hint in the block's place). The labels recorded in the store are those.
+Labels: a kept block's label is ``label_template`` with its 1-based position among the *kept*
+blocks (the renderer lists the hints after the blocks, docs/DESIGN.md, "Prompt layout"); with
+``number_replaced_blocks=True`` its position among all blocks. The store records those labels.
 """
 
 from __future__ import annotations

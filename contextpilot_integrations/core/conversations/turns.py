@@ -3,7 +3,7 @@
 The two values multi-turn de-duplication reasons with (:mod:`.conversation`, :mod:`.dedup`): a
 :class:`Location` names a place in an earlier (or the current) prompt; a
 :class:`TurnVisibility` is the application's statement of which earlier turns its prompt still
-sends, so a hint never points at a turn the model no longer sees (DESIGN.md invariant 9).
+sends, so a hint never points at a turn the model no longer sees (docs/DESIGN.md, "Sure hints").
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ class Location:
         turn: the turn number whose prompt shows the text.
         label: the block's label in that prompt (``"[Doc 3]"``).
         part: ``None`` when the text is the whole block; else the 0-based index of the
-            sub-block within that block (:class:`~contextpilot_integrations.core.conversations.chunking`).
+            sub-block within that block
+            (:mod:`~contextpilot_integrations.core.conversations.chunking`).
     """
 
     turn: int

@@ -1,31 +1,26 @@
 """The context index: a radix tree of block-id sequences that mirrors the engine's prefix cache.
 
 ContextPilot paper (MLSys 2026), section 4 (context index). A node holds a run of block ids
-(its edge); the path from the root to a node is a prefix of blocks that every context below it
-starts with; a context ends at a node that records its request id (``rid``). Internal nodes
-hold what their children share (the paper's intersection nodes); a node with no blocks never
-exists, because the tree is kept compressed (a node with one child and no request of its own
-is merged into that child).
+(its edge); the path from the root to a node is a prefix every context below it starts with; a
+context ends at a node that records its request id (``rid``). The tree is kept compressed (a
+node with one child and no request of its own is merged into that child). Costs (``k`` = blocks
+in the request, ``h`` = tree height <= k):
 
-Operations and their cost (``k`` = blocks in the request, ``h`` = tree height <= k):
-
-* :meth:`ContextIndex.search` -- the paper's Algorithm 1 descends greedily from the root to
-  the overlapping child; here every child whose edge starts with a request block is explored
-  (depth first, at most ``search_budget`` nodes) and the prefix with the most request tokens
-  wins. ``O(budget * k)`` dict look-ups; never touches the rest of the tree. Read-only.
+* :meth:`ContextIndex.search` -- every child whose edge starts with a request block is explored
+  (depth first, at most ``search_budget`` nodes; the paper's Algorithm 1 takes one child per
+  level) and the prefix with the most request tokens wins. ``O(budget * k)``; read-only.
 * :meth:`ContextIndex.insert` -- append a context under the node where its prefix ends, or
-  split an edge so the shared prefix gets its own node (the paper's "split a leaf"). ``O(k)``.
-* :meth:`ContextIndex.evict` -- remove one request; prune nodes left with no request and no
-  child, re-compress single-child chains. ``O(h)``.
+  split an edge so the shared prefix gets its own node. ``O(k)``.
+* :meth:`ContextIndex.evict` -- remove one request; prune and re-compress. ``O(h)``.
 
-Search paths are never stored: :meth:`search_path` walks parent links on demand, so a path is
-always correct after removals and node splits. Node ids start at 1 and are never reused. The
-tree's nodes, its surgery (split, prune, merge) and its walks: :mod:`.index_tree`; this module
-keys requests to its nodes and keeps the bounds, the lock and the statistics.
+Search paths are never stored (:meth:`search_path` walks parent links), so a path is always
+right after removals and splits. Node ids start at 1 and are never reused. The tree's nodes and
+surgery: :mod:`.index_tree`; this module keys requests to its nodes and keeps the bounds, the
+lock and the statistics.
 
-Bounded (DESIGN.md invariant 6): with ``max_requests`` and/or ``max_tokens`` set, inserting
-past the bound evicts least-recently-used requests (as a prefix cache without engine feedback
-would). Every public method takes one re-entrant lock, so one index can be shared by threads.
+Bounded (docs/DESIGN.md, "Bounded"): with ``max_requests`` and/or ``max_tokens`` set, inserting
+past the bound evicts least-recently-used requests. Every public method takes one re-entrant
+lock, so one index can be shared by threads.
 """
 
 from __future__ import annotations
@@ -36,7 +31,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from contextpilot_integrations.core.index.index_snapshot import SNAPSHOT_VERSION, checked_entries
+from contextpilot_integrations.core.index.index_snapshot import (
+    INDEX_SNAPSHOT_VERSION,
+    checked_entries,
+)
 from contextpilot_integrations.core.index.index_tree import (
     IndexNode,
     IndexTree,
@@ -342,9 +340,8 @@ class ContextIndex:
         The tree is rebuilt from the contexts on :meth:`restore`; node ids are not kept. The lock
         is held only to copy the request list, a few thousand entries at a time (a request's
         blocks and tokens never change), so planning is not held up while a large index is
-        copied and formatted (issue 12: 100,000 requests held the lock for most of a second). A
-        request inserted meanwhile may be missed and one evicted meanwhile is left out: the copy
-        is a checkpoint, not an atomic view.
+        copied and formatted. A request inserted meanwhile may be missed and one evicted
+        meanwhile is left out: the copy is a checkpoint, not an atomic view.
         """
         with self._lock:
             rids = list(self._requests)
@@ -356,7 +353,7 @@ class ContextIndex:
                     if request is not None:
                         held.append((rid, request))
         return {
-            "version": SNAPSHOT_VERSION,
+            "version": INDEX_SNAPSHOT_VERSION,
             "requests": [
                 {"rid": rid, "blocks": [str(b) for b in r.blocks], "tokens": list(r.tokens)}
                 for rid, r in held

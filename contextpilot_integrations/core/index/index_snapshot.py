@@ -9,10 +9,10 @@ loaded.
 
 from __future__ import annotations
 
-__all__ = ["SNAPSHOT_VERSION", "checked_entries"]
+__all__ = ["INDEX_SNAPSHOT_VERSION", "checked_entries"]
 
-SNAPSHOT_VERSION = 1
-"""Version of the snapshot format."""
+INDEX_SNAPSHOT_VERSION = 1
+"""Version of a context index's snapshot format (``ContextIndex.snapshot``)."""
 
 
 def checked_entries(snapshot: object) -> list[tuple[str, list[int], list[int]]]:
@@ -23,9 +23,9 @@ def checked_entries(snapshot: object) -> list[tuple[str, list[int], list[int]]]:
             not a str of 1..512 characters, blocks that are not distinct decimal strings in
             ``0..2**64-1``, token counts that are not ints in ``0..2**32``, lengths that differ.
     """
-    if not isinstance(snapshot, dict) or snapshot.get("version") != SNAPSHOT_VERSION:
+    if not isinstance(snapshot, dict) or snapshot.get("version") != INDEX_SNAPSHOT_VERSION:
         found = snapshot.get("version") if isinstance(snapshot, dict) else type(snapshot).__name__
-        raise ValueError(f"snapshot version must be {SNAPSHOT_VERSION}, got {found!r:.40}")
+        raise ValueError(f"snapshot version must be {INDEX_SNAPSHOT_VERSION}, got {found!r:.40}")
     requests = snapshot.get("requests", [])
     if not isinstance(requests, list):
         raise ValueError(f"snapshot requests must be a list, got {type(requests).__name__}")

@@ -3,10 +3,9 @@
 Two builders, both returning one block order per context (a permutation of its blocks):
 
 * ``"cluster"`` -- the paper's build (ContextPilot, section 4.1): pairwise distances
-  (:mod:`.distance`), agglomerative clustering (scipy ``linkage``), each
-  internal node's blocks = the intersection of its children's (linkage: see below), then
-  top-down: a node's order
-  is its parent's order followed by its own new blocks; a leaf appends its unshared rest in
+  (:mod:`.distance`), agglomerative clustering (scipy ``linkage``), each internal node's blocks
+  = the intersection of its children's (linkage: see below), then top-down: a node's order is
+  its parent's order followed by its own new blocks; a leaf appends its unshared rest in
   retriever order. Empty intersection nodes contribute nothing (the index's radix tree never
   materialises them). Memory is ``O(N**2)`` (the condensed distance vector), so it is used up
   to ``cluster_limit`` contexts.
@@ -22,8 +21,8 @@ Two builders, both returning one block order per context (a permutation of its b
 ``"auto"`` builds both up to ``cluster_limit`` contexts and keeps the one whose prefix trie
 holds fewer tokens (:func:`trie_tokens`: the batch's prefill with unlimited cache), and uses
 ``"frequency"`` above. Complete linkage is used rather than the public implementation's
-average linkage: on MultiHop-RAG and MTRAG (k=10, 5% cache) it raised the offline hit ratio
-from 0.710 to 0.727 and from 0.672 to 0.693 of the upper bound (``benchmarks/bench_ordering.py``).
+average linkage: it gives the higher offline hit ratio on the benchmark's workloads
+(``benchmarks/micro/bench_ordering.py`` compares them).
 """
 
 from __future__ import annotations

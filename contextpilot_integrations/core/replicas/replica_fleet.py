@@ -1,11 +1,11 @@
 """The replicas a router plans over, and what their engines tell it.
 
 Each replica (:class:`Replica`) has its own :class:`~.pilot.ContextPilot` (its own index) and,
-with ``cache_sync``, its own engine link fed by that replica's KV events: an eviction on one
-replica touches only its index. :class:`ReplicaFleet` keeps the replicas, where each routed
-request went (:class:`Route`), the replicas' routing keys (:mod:`.route_keys`) and loads
-(:mod:`.replica_load`), all under one lock. What it learns from the engines (each replica's
-link calls back):
+with ``cache_sync``, its own engine link (the router's ``link_factory(cache_sync)``, bound here)
+fed by that replica's KV events: an eviction on one replica touches only its index.
+:class:`ReplicaFleet` keeps the replicas, where each routed request went (:class:`Route`), the
+replicas' routing keys (:mod:`.route_keys`) and loads (:mod:`.replica_load`), all under one
+lock. What it learns from the engines (each replica's link calls back):
 
 - ``on_session(rid)``: replica X's events carry ``rid``. A gateway pins a key's group to a worker
   of its choosing, so the fleet learns where each key went (:meth:`RouteKeys.observe`) and,
@@ -14,9 +14,9 @@ link calls back):
 - ``on_health(False)``: X's KV-event publisher has been unreachable for its grace period: X is
   marked down, its requests are evicted (its index cleared, its mirror reset) and routing goes
   on with the others; ``on_health(True)`` brings it back, empty. With every replica down,
-  requests are still planned, over all of them (DESIGN.md invariant 5).
+  requests are still planned, over all of them (docs/DESIGN.md, "Never break a request").
 
-Public API: :class:`ReplicaFleet`, :class:`Replica`, :class:`Route`.
+Public API: :class:`ReplicaFleet`, :class:`Replica`, :class:`Route`, :data:`LinkFactory`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from contextpilot_integrations.core.engine_link_protocol import EngineLinkProtocol
 from contextpilot_integrations.core.index.context_index import ContextIndex
 from contextpilot_integrations.core.lru import LRU
 from contextpilot_integrations.core.pilot import ContextPilot
@@ -35,18 +36,18 @@ from contextpilot_integrations.core.replicas.route_keys import RouteKeys
 from contextpilot_integrations.core.replicas.routing_config import ReplicaSpec
 from contextpilot_integrations.core.usage import UsageCounter
 
-if TYPE_CHECKING:
-    from contextpilot_integrations.sync.engine_link import EngineLink
-
-__all__ = ["Blocks", "PilotFactory", "Replica", "ReplicaFleet", "Route"]
+__all__ = ["Blocks", "LinkFactory", "PilotFactory", "Replica", "ReplicaFleet", "Route"]
 
 logger = logging.getLogger(__name__)
 
 Blocks = tuple[tuple[int, int], ...]
 """A request's indexed blocks, ``((block_id, tokens), ...)`` in prompt order."""
 
-PilotFactory = Callable[[ContextIndex, "EngineLink | None"], ContextPilot]
+PilotFactory = Callable[[ContextIndex, EngineLinkProtocol | None], ContextPilot]
 """``(the replica's index, its engine link or None) -> its pilot`` (the router's settings)."""
+
+LinkFactory = Callable[[Mapping[str, Any]], EngineLinkProtocol]
+"""``(a replica's cache_sync mapping) -> its engine link``, unbound (``EngineLink``)."""
 
 
 class Replica:
@@ -55,7 +56,9 @@ class Replica:
 
     __slots__ = ("spec", "pilot", "link", "up", "down_evictions", "usage")
 
-    def __init__(self, spec: ReplicaSpec, pilot: ContextPilot, link: EngineLink | None) -> None:
+    def __init__(
+        self, spec: ReplicaSpec, pilot: ContextPilot, link: EngineLinkProtocol | None
+    ) -> None:
         self.spec = spec
         self.pilot = pilot
         self.link = link
@@ -81,6 +84,8 @@ class ReplicaFleet:
 
     Args:
         new_pilot: builds each replica's pilot (:data:`PilotFactory`).
+        new_link: builds the engine link of a replica with ``cache_sync``
+            (:data:`LinkFactory`); None: no replica may have one.
         loads: the replicas' loads.
         keys: the replicas' routing keys.
         max_requests: the LRU bound of each replica's index.
@@ -98,6 +103,7 @@ class ReplicaFleet:
     def __init__(
         self,
         new_pilot: PilotFactory,
+        new_link: LinkFactory | None = None,
         *,
         loads: LoadBoard,
         keys: RouteKeys,
@@ -111,6 +117,7 @@ class ReplicaFleet:
         self.loads = loads
         self.remapped = 0
         self._new_pilot = new_pilot
+        self._new_link = new_link
         self._max_requests = max_requests
 
     # ------------------------------------------------------------------ Public API: replicas
@@ -118,7 +125,8 @@ class ReplicaFleet:
         """Build one more replica (its engine link starts here) and route to it.
 
         Raises:
-            TypeError / ValueError: a bad replica, or its name is taken.
+            TypeError / ValueError: a bad replica, its name is taken, or it has ``cache_sync``
+                and the fleet no link factory.
         """
         spec = replica if isinstance(replica, ReplicaSpec) else ReplicaSpec.from_mapping(replica)
         with self.lock:
@@ -290,11 +298,14 @@ class ReplicaFleet:
         index = ContextIndex(max_requests=self._max_requests, on_evict=dropped)
         link = None
         if spec.cache_sync is not None:
-            from contextpilot_integrations.sync.engine_link import EngineLink
-
-            link = EngineLink(
-                spec.cache_sync,
-                on_evict=index.evict,
+            if self._new_link is None:
+                raise ValueError(
+                    f"replica {name!r} has cache_sync: give the router link_factory=EngineLink "
+                    "(contextpilot_integrations.sync.engine_link)"
+                )
+            link = self._new_link(spec.cache_sync)
+            link.bind(
+                index.evict,
                 on_session=functools.partial(self._landed, name),
                 on_health=functools.partial(self._health, name),
             )

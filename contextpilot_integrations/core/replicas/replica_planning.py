@@ -17,7 +17,7 @@ parallel).
 A rid is held from the choice of its replica until its plan is recorded (its route, its
 conversation's last replica), so two concurrent calls never plan it; the choice is made under
 the fleet's lock, the planning outside it. The per-request work is bounded by the request's
-size times the number of replicas (DESIGN.md invariant 7).
+size times the number of replicas (docs/DESIGN.md, "Hot path").
 
 Public API: :class:`ReplicaPlanning`.
 """

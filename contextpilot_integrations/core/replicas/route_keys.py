@@ -1,7 +1,7 @@
 """The routing key of each replica, learnt from where a gateway sends each key's requests.
 
 A gateway that routes on a key (SMG: ``--routing-key-headers NAME --routing-key-override``;
-``shared/notes/gateways.md``) pins each key to one worker when the first request with it
+docs/DESIGN.md, "The smg gateway") pins each key to one worker when the first request with it
 arrives (by its assignment mode: random, least loaded, fewest groups, or its policy) and sends
 every later request with that key there. The client cannot name the worker: a key names a
 *group*. So the router mints a *probe* key for a replica, sends that replica's requests with it,

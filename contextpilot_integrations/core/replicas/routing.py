@@ -19,7 +19,7 @@ requests evicted, routing goes on with the others): :mod:`.replica_fleet`.
 
 Replicas are added and removed at run time (:meth:`ReplicaRouter.add_replica`,
 :meth:`~ReplicaRouter.remove_replica`). Thread-safe; the per-request work is bounded by the
-request's size times the number of replicas (invariant 7).
+request's size times the number of replicas (docs/DESIGN.md, "Hot path").
 """
 
 from __future__ import annotations
@@ -27,16 +27,18 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenCounter
 from contextpilot_integrations.core.conversations.dedup import Deduplicator
+from contextpilot_integrations.core.engine_link_protocol import EngineLinkProtocol
 from contextpilot_integrations.core.index.context_index import ContextIndex
+from contextpilot_integrations.core.ordering.ordering_config import OrderingConfig
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import BatchPlan, Plan
 from contextpilot_integrations.core.planner_protocol import ThreadedAsyncTwins
 from contextpilot_integrations.core.rendering import PromptLayout
-from contextpilot_integrations.core.replicas.replica_fleet import ReplicaFleet
+from contextpilot_integrations.core.replicas.replica_fleet import LinkFactory, ReplicaFleet
 from contextpilot_integrations.core.replicas.replica_load import LoadBoard
 from contextpilot_integrations.core.replicas.replica_planning import ReplicaPlanning
 from contextpilot_integrations.core.replicas.route_keys import RouteKeys
@@ -49,9 +51,6 @@ from contextpilot_integrations.core.replicas.routing_config import (
 from contextpilot_integrations.core.request import NO_SCOPE, PlanRequest, Scope
 from contextpilot_integrations.core.usage import UsageCounter
 
-if TYPE_CHECKING:
-    from contextpilot_integrations.sync.engine_link import EngineLink
-
 __all__ = ["ReplicaRouter"]
 
 
@@ -61,7 +60,11 @@ class ReplicaRouter(ThreadedAsyncTwins):
     Args:
         replicas: :class:`~.routing_config.ReplicaSpec` or their mappings
             (``{"name", "base_url", "cache_sync"}``); at least one, names unique. A replica with
-            ``cache_sync`` gets its own engine link (the ``sync`` extra), started here.
+            ``cache_sync`` gets its own engine link, ``link_factory(cache_sync)``, started here.
+        link_factory: builds a replica's engine link from its ``cache_sync``
+            (:data:`~.replica_fleet.LinkFactory`): ``EngineLink`` from
+            ``contextpilot_integrations.sync.engine_link`` (the ``sync`` extra); needed only
+            when a replica has ``cache_sync``.
         mode, load, max_imbalance, load_window, in_flight_timeout_s, key_prefix: the routing
             rule (:class:`~.routing_config.RouterConfig`).
         layout, token_counter: shared by every replica's pilot.
@@ -72,8 +75,7 @@ class ReplicaRouter(ThreadedAsyncTwins):
         max_conversations: conversations whose last replica is remembered.
         cache_salt: every plan's ``cache_salt`` (one tenant's router).
         clock: seconds, for the in-flight load (tests inject one).
-        pilot_options: passed to every replica's :class:`~.pilot.ContextPilot` (``reorder``,
-            ``build_method``, ``rest_order``, ...).
+        ordering, annotate: every replica pilot's (:class:`~.pilot.ContextPilot`).
 
     Raises:
         TypeError / ValueError: a bad replica or setting (the message names it).
@@ -97,7 +99,9 @@ class ReplicaRouter(ThreadedAsyncTwins):
         max_conversations: int = 100_000,
         cache_salt: str | None = None,
         clock: Callable[[], float] = time.monotonic,
-        **pilot_options: Any,
+        link_factory: LinkFactory | None = None,
+        ordering: OrderingConfig | None = None,
+        annotate: bool = True,
     ) -> None:
         self.config = RouterConfig(
             tuple(replicas),  # type: ignore[arg-type]  # mappings are converted there
@@ -114,10 +118,12 @@ class ReplicaRouter(ThreadedAsyncTwins):
             token_counter=self.token_counter, label_template=self._layout.label_template
         )
         self.cache_salt = cache_salt
-        self._pilot_options = pilot_options
+        self._ordering = ordering
+        self._annotate = annotate
         self._usage = UsageCounter()
         self._fleet = ReplicaFleet(
             self._new_pilot,
+            link_factory,
             loads=LoadBoard(load, window=load_window, timeout_s=in_flight_timeout_s, clock=clock),
             keys=RouteKeys(mode, key_prefix),
             max_requests=max_requests,
@@ -285,9 +291,9 @@ class ReplicaRouter(ThreadedAsyncTwins):
         self.close()
 
     # ------------------------------------------------------------------ internals
-    def _new_pilot(self, index: ContextIndex, link: EngineLink | None) -> ContextPilot:
-        """A replica's pilot over ``index`` (its engine link ``link``), with the router's
-        layout, counter, conversation store, salt and pilot options."""
+    def _new_pilot(self, index: ContextIndex, link: EngineLinkProtocol | None) -> ContextPilot:
+        """A replica's pilot over ``index`` (its engine link ``link``, bound by the fleet),
+        with the router's layout, counter, conversation store, salt and ordering."""
         return ContextPilot(
             layout=self._layout,
             token_counter=self.token_counter,
@@ -295,5 +301,6 @@ class ReplicaRouter(ThreadedAsyncTwins):
             deduplicator=self.deduplicator,
             cache_salt=self.cache_salt,
             engine=link,
-            **self._pilot_options,
+            ordering=self._ordering,
+            annotate=self._annotate,
         )

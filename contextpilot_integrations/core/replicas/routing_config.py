@@ -11,8 +11,9 @@ A mapping (a config file, CLI flags) such as::
 
 is validated into :class:`RouterConfig` (:meth:`RouterConfig.from_mapping`) and taken by
 :meth:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter.from_config`.
-Each replica's ``cache_sync`` is the mapping ``ContextPilot(cache_sync=...)`` takes
-(:class:`~contextpilot_integrations.sync.configuration.CacheSyncConfig`): its own KV-event
+Each replica's ``cache_sync`` is the mapping the router's ``link_factory`` builds its engine
+link from (``EngineLink(cache_sync)``,
+:class:`~contextpilot_integrations.sync.configuration.CacheSyncConfig`): its own KV-event
 endpoints (the data-parallel ranks of one engine are one replica, ``dp_size``), or a capacity
 model; it is validated when the replica's engine link is built (the ``sync`` extra).
 
@@ -50,8 +51,9 @@ class ReplicaSpec:
             most 128 characters): how plans and statistics name it.
         base_url: its own OpenAI-compatible base URL (``http://host:port/v1``), which plans
             carry in the ``"direct"`` mode; None: not known.
-        cache_sync: how its prefix cache is followed: the mapping ``ContextPilot(cache_sync=
-            ...)`` takes, its own KV-event endpoints; None: its index's own LRU bound only.
+        cache_sync: how its prefix cache is followed: the mapping its engine link is built from
+            (``EngineLink(cache_sync)``), its own KV-event endpoints; None: its index's own LRU
+            bound only.
 
     Raises:
         TypeError / ValueError: a bad field (the message names it).

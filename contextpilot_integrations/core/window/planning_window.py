@@ -1,34 +1,25 @@
 """A planning window: requests that arrive close together are planned jointly.
 
-LangChain and LlamaIndex call a retriever one request at a time, so a web app with many users
-in flight plans each request alone and gets the online figures, while a batch planned jointly
-(:meth:`ContextPilot.plan_batch`) gets the offline ones. :class:`PlanningWindow` sits in front
-of any planner (the in-process pilot, the service client) and meets the same
+LangChain and LlamaIndex call a retriever one request at a time, so a web app plans each request
+alone (the online figures), while a batch planned jointly (:meth:`ContextPilot.plan_batch`) gets
+the offline ones. :class:`PlanningWindow` sits in front of any planner and meets the same
 :class:`~.planner_protocol.Planner` contract, so a face takes it unchanged::
 
     pilot = PlanningWindow(ContextPilot(), window_ms=10)
     retriever = ContextPilotRetriever(base_retriever=bm25, pilot=pilot)
 
-A request opens a window or joins the open one; the window closes when it is ``window_ms``
-old, when it holds ``max_batch`` requests, or when a request of a conversation already in it
-arrives (its turns are sequential: that request opens the next window). With ``adaptive``
-(the default) it closes earlier where waiting cannot pay: at once when the recent arrival rate
-predicts no other request within the window (an exponentially weighted mean of the gaps
-between arrivals; sparse traffic then waits for nothing), and at half its length if no two of
-its requests share a block yet (joint planning could only gain where they do). The window's
-requests are then planned as one batch and released in the batch's schedule order (each caller
-gets its own plan; requests sharing a prefix are handed out back to back, so their LLM calls
-reach the engine in that order); a window of one request is planned with ``plan``, exactly as
-without a window. ``window_ms=0`` plans every request at once.
+A request opens a window or joins the open one; the window closes when it is ``window_ms`` old,
+holds ``max_batch`` requests, or a request of a conversation already in it arrives (that request
+opens the next window). With ``adaptive`` it closes earlier where waiting cannot pay: at once
+when the recent arrival rate predicts no other request within the window, at half its length if
+no two of its requests share a block yet. The rule, in virtual time:
+:class:`~.window_policy.WindowPolicy`. The window's requests are planned as one batch and
+released in its schedule order (a window of one is planned with ``plan``); ``window_ms=0`` plans
+every request at once.
 
 Threads (``plan``) and coroutines (``aplan``) may share one window; a coroutine never blocks its
-event loop (it waits on a future; its batch is planned with the planner's ``aplan_batch``). A
-batch that fails (one bad or conflicting request) is planned again request by request, so only
-the bad request's caller gets the error.
-
-The closing rule itself, in virtual time (so the benchmark can replay an arrival process
-through it without sleeping), is :class:`~.window_policy.WindowPolicy`, re-exported here with
-:class:`~.window_policy.ArrivalRate`.
+event loop. A batch that fails (one bad or conflicting request) is planned again request by
+request, so only the bad request's caller gets the error.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from contextpilot_integrations.langchain import (
     RAGInputs,
     format_documents,
     schedule_order,
-    with_request_id,
+    with_plan_fields,
 )
 
 
@@ -44,7 +44,7 @@ def test_standard_chain_sends_the_plan_rid_to_the_engine(chat_server, topic_docu
     retriever = ContextPilotRetriever(
         base_retriever=Bm25sRetriever(documents=topic_documents, k=3), pilot=pilot
     )
-    chain = rag_chain(retriever, with_request_id(openai_model(url)))
+    chain = rag_chain(retriever, with_plan_fields(openai_model(url)))
     answer = chain.invoke("prefix cache eviction")
     assert answer.startswith("answer")
     (body,) = server.bodies
@@ -63,36 +63,36 @@ def test_extra_body_is_merged_with_the_models_own(chat_server, topic_documents):
     url, server = chat_server
     retriever = ContextPilotRetriever(base_retriever=Bm25sRetriever(documents=topic_documents))
     own = {"chat_template_kwargs": {"enable_thinking": False}, "rid": "overridden"}
-    rag_chain(retriever, with_request_id(openai_model(url, extra_body=own))).invoke("cache")
+    rag_chain(retriever, with_plan_fields(openai_model(url, extra_body=own))).invoke("cache")
     body = server.bodies[-1]
     assert body["chat_template_kwargs"] == {"enable_thinking": False}
     assert body["rid"].startswith("cp-") and body["rid"] == body["session_id"]
 
     bound = openai_model(url).bind(extra_body={"top_k": 5}, temperature=0.0)
-    rag_chain(retriever, with_request_id(bound, engine="sglang")).invoke("cache")
+    rag_chain(retriever, with_plan_fields(bound, engine="sglang")).invoke("cache")
     body = server.bodies[-1]
     assert body["top_k"] == 5 and body["temperature"] == 0.0 and body["rid"].startswith("cp-")
     assert body["session_id"] == body["rid"] and "request_id" not in body  # SGLang's fields
 
-    rag_chain(retriever, with_request_id(openai_model(url), engine="vllm")).invoke("cache")
+    rag_chain(retriever, with_plan_fields(openai_model(url), engine="vllm")).invoke("cache")
     body = server.bodies[-1]
     assert body["request_id"] == body["session_id"] and "rid" not in body  # vLLM's fields
 
-    rag_chain(retriever, with_request_id(openai_model(url), engine="hosted")).invoke("cache")
+    rag_chain(retriever, with_plan_fields(openai_model(url), engine="hosted")).invoke("cache")
     assert not {"rid", "request_id", "session_id"} & set(server.bodies[-1])
 
 
 def test_inputs_without_a_plan_pass_through(chat_server):
     url, server = chat_server
-    llm = with_request_id(openai_model(url))
+    llm = with_plan_fields(openai_model(url))
     assert llm.invoke("hello").content.startswith("answer")
     assert "rid" not in server.bodies[-1]
     with pytest.raises(TypeError, match="llm must be a LangChain Runnable"):
-        with_request_id(object())  # type: ignore[arg-type]
+        with_plan_fields(object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_concurrency must be >= 1"):
-        with_request_id(openai_model(url), max_concurrency=0)
+        with_plan_fields(openai_model(url), max_concurrency=0)
     with pytest.raises(ValueError, match="engine"):
-        with_request_id(openai_model(url), engine="bogus")  # type: ignore[arg-type]
+        with_plan_fields(openai_model(url), engine="bogus")  # type: ignore[arg-type]
 
 
 def test_batch_goes_out_in_schedule_order_and_comes_back_in_input_order(
@@ -105,7 +105,7 @@ def test_batch_goes_out_in_schedule_order_and_comes_back_in_input_order(
         base_retriever=Bm25sRetriever(documents=multihop_documents, k=5), pilot=pilot
     )
     chain = (
-        RAGInputs(retriever=retriever) | CONTEXTPILOT_PROMPT | with_request_id(openai_model(url))
+        RAGInputs(retriever=retriever) | CONTEXTPILOT_PROMPT | with_plan_fields(openai_model(url))
     )
     answers = chain.batch(questions, config={"max_concurrency": 1})
     (batch,) = pilot.batches  # one joint plan for the whole batch
@@ -126,7 +126,7 @@ def test_abatch_goes_out_in_schedule_order(chat_server, multihop_documents, mult
         base_retriever=Bm25sRetriever(documents=multihop_documents, k=5), pilot=pilot
     )
     chain = (
-        RAGInputs(retriever=retriever) | CONTEXTPILOT_PROMPT | with_request_id(openai_model(url))
+        RAGInputs(retriever=retriever) | CONTEXTPILOT_PROMPT | with_plan_fields(openai_model(url))
     )
     answers = asyncio.run(chain.abatch(multihop_questions[:12], config={"max_concurrency": 1}))
     (batch,) = pilot.batches
@@ -139,7 +139,7 @@ def test_concurrency_limit_is_respected(chat_server, topic_documents, limit):
     url, server = chat_server
     server.delay_s = 0.05
     retriever = ContextPilotRetriever(base_retriever=Bm25sRetriever(documents=topic_documents))
-    llm = with_request_id(openai_model(url), max_concurrency=limit)
+    llm = with_plan_fields(openai_model(url), max_concurrency=limit)
     chain = RAGInputs(retriever=retriever) | CONTEXTPILOT_PROMPT | llm
     questions = [f"cache question {i}" for i in range(8)]
     chain.batch(questions)
@@ -167,7 +167,7 @@ def test_batch_failures_and_schedule_order_helper():
             raise RuntimeError("engine overloaded")
         return AIMessage(content=str(kwargs.get("extra_body", {}).get("rid")))
 
-    llm = with_request_id(RunnableLambda(model))
+    llm = with_plan_fields(RunnableLambda(model))
     out = llm.batch(values, config={"max_concurrency": 1}, return_exceptions=True)
     assert seen == ["b", "c", "a", None]
     assert [getattr(o, "content", None) for o in out] == ["a", "b", "None", None]
@@ -182,7 +182,7 @@ def test_batch_failures_and_schedule_order_helper():
 
 def test_fake_chat_model_in_the_chain_is_untouched_by_the_extra_body(topic_documents):
     retriever = ContextPilotRetriever(base_retriever=Bm25sRetriever(documents=topic_documents))
-    llm = with_request_id(GenericFakeChatModel(messages=iter(["one", "two"])))
+    llm = with_plan_fields(GenericFakeChatModel(messages=iter(["one", "two"])))
     chain = rag_chain(retriever, llm)
     assert chain.invoke("cache") == "one"
     docs = retriever.invoke("cache")
@@ -199,15 +199,15 @@ def test_extra_body_is_found_through_wrappers(chat_server, topic_documents):
         model.with_fallbacks([openai_model(url)]),
         model.bind(temperature=0.5).with_retry(stop_after_attempt=1),
     ):
-        rag_chain(retriever, with_request_id(wrapped)).invoke("cache")
+        rag_chain(retriever, with_plan_fields(wrapped)).invoke("cache")
         body = server.bodies[-1]
         assert body["top_k"] == 3 and body["rid"].startswith("cp-"), type(wrapped).__name__
 
 
 def test_a_prompt_that_is_not_contextpilots_is_warned_about_once(chat_server, caplog):
     url, server = chat_server
-    llm = with_request_id(openai_model(url))
+    llm = with_plan_fields(openai_model(url))
     with caplog.at_level("WARNING"):
         llm.invoke("hello")
         llm.invoke("again")
-    assert caplog.text.count("no request id is sent") == 1
+    assert caplog.text.count("no plan field is sent") == 1

@@ -1,54 +1,34 @@
-"""Sending the plan's request id with the LLM call, and a batch's calls in scheduled order.
+"""Sending the plan's fields with the LLM call, and a batch's calls in schedule order.
 
-The engine must receive the plan's ``rid`` so that its KV-cache events and evictions can be
-tied back to the request in the context index (DESIGN.md, "The flow of one request"). On the
-OpenAI-compatible APIs the id is a body field (``../shared/notes/engine-kv-events.md``, "Request
-ids"): SGLang reads ``rid`` (and ``session_id`` from 0.5.15), vLLM ``request_id`` and
-``session_id`` (echoed on its ``BlockStored`` events); openai-python sends such fields through
-``extra_body``, which ``ChatOpenAI`` forwards.
+:func:`with_plan_fields` wraps a chat model; each call whose input is a
+:class:`~.prompts.ContextPilotPromptValue` gets what its plan adds to the LLM call, by
+``engine`` (:mod:`contextpilot_integrations.llm_call`):
 
-Why a wrapper and not glue code or a callback: in an LCEL chain the only value that travels
-from the prompt step to the model step is the prompt value, and a callback cannot change a
-request body. So the request id rides on the prompt value: :data:`~.prompts.format_documents`
-returns a :class:`~.prompts.RenderedContext` (a ``str`` with the ``rid``), the prompt template
-returns a :class:`~.prompts.ContextPilotPromptValue` with it, and :func:`with_request_id` wraps
-the chat model so that each call gets the engine's request-id body fields, built by
-:func:`contextpilot_integrations.llm_call.engine_fields.engine_body_fields` (by default
-``REQUEST_ID_FIELDS``: ``{"rid": rid, "request_id": rid, "session_id": rid}``), merged into
-``extra_body`` over the model's own (the model's field or a ``.bind(extra_body=...)``). A
-context variable was not used: LCEL runs each step, and each branch of a ``{...}`` map, in a
-copied context, so a value set by the retriever never reaches the model step. The wrapper
-opens no run of its own: traces show the model's run as before.
+- ``"any"`` (default), ``"sglang"``, ``"vllm"``: the request-id body fields
+  (:func:`~contextpilot_integrations.llm_call.engine_fields.engine_body_fields`; ``"any"``:
+  ``{"rid": rid, "request_id": rid, "session_id": rid}``) merged into ``extra_body`` over the
+  model's own, so the engine's KV events name the request the plan was indexed under
+  (docs/DESIGN.md, "The flow of one request");
+- ``"anthropic"``: no body field; the prompt as content blocks, one per rendered document,
+  with ``cache_control`` breakpoints placed from the plan (at most four, none below the
+  model's minimum cacheable length: ``cache_policy``);
+- ``"openai"``: the plan's ``prompt_cache_key`` (and ``prompt_cache_retention`` when set);
+- ``"hosted"``: nothing.
 
-Several engine replicas behind a gateway: with ``router`` (the
-:class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter` the retriever plans with), each
-call also sends the plan's routing key in a header (``routing_header``, default
-:data:`~contextpilot_integrations.llm_call.engine_fields.ROUTING_HEADER`) through ``extra_headers``, which
-``ChatOpenAI`` forwards to openai-python, so the gateway sends the request to the replica it was
-planned for::
+With ``router`` (the retriever's
+:class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter`) the plan's routing key
+also goes in the ``routing_header`` through ``extra_headers``, for a gateway in front of the
+replicas; with ``tracker`` each response's cache usage goes back to the pilot.
+``batch``/``abatch`` send the calls in ``schedule_position`` order (unscheduled inputs after,
+in input order), at most ``max_concurrency`` in flight, and return results in input order.
+Why a wrapper: docs/DESIGN.md, "LangChain".
 
-    llm = with_request_id(ChatOpenAI(base_url=gateway_url, model=...), router=router)
-
-``batch``/``abatch`` issue the calls in the order of the batch's schedule
-(``schedule_position``, set by ``ContextPilotRetriever.batch``) with at most
-``config["max_concurrency"]`` (or ``max_concurrency``) calls in flight, and return the results in
-input order. Inputs without a schedule position keep their input order, after the scheduled
-ones.
-
-Hosted APIs reject unknown body fields (OpenAI's answers HTTP 400), and cache by their own
-controls (:mod:`contextpilot_integrations.llm_call.hosted_cache`), one line each::
-
-    with_request_id(ChatAnthropic(model="claude-sonnet-4-5"), engine="anthropic")
-    with_request_id(ChatOpenAI(model="gpt-4.1"), engine="openai")
-
-``engine="anthropic"`` sends the prompt as content blocks, one per rendered document, with
-``cache_control`` breakpoints placed from the plan (after the system prompt, after the prefix
-shared with indexed requests, where the history ends and, in a conversation, after the
-documents; at most four, none below the model's minimum cacheable length: ``cache_policy``);
-``engine="openai"`` sends the plan's ``prompt_cache_key`` (and ``prompt_cache_retention`` when
-set); ``engine="hosted"`` sends nothing. With ``tracker`` (an
-:class:`~contextpilot_integrations.llm_call.engine_fields.CacheUsageTracker`) each response's cache reads
-and writes go back to the pilot.
+The wrapped model can be an agent's model (``create_agent(with_plan_fields(model), tools)``)
+or have tools bound in a chain: ``bind_tools``, ``bind`` and ``with_structured_output`` return
+the model's own bound runnable, wrapped the same way, so a prompt value sent through them
+still carries its plan's fields. An agent's model calls carry messages, not a prompt value:
+they go through as they are, with the fields
+:class:`~.agent_middleware.ContextPilotMiddleware` binds.
 """
 
 from __future__ import annotations
@@ -64,6 +44,7 @@ from langchain_core.prompt_values import ChatPromptValue
 from langchain_core.runnables import (
     Runnable,
     RunnableConfig,
+    RunnableParallel,
     RunnableSequence,
     RunnableSerializable,
     RunnableWithFallbacks,
@@ -85,34 +66,33 @@ from contextpilot_integrations.llm_call.engine_fields import (
     routing_headers,
 )
 
-__all__ = ["RequestIdChatModel", "schedule_order", "with_request_id"]
+__all__ = ["PlanFieldsChatModel", "schedule_order", "with_plan_fields"]
 
 logger = logging.getLogger(__name__)
 
 
-class RequestIdChatModel(RunnableSerializable[Any, Any]):
-    """A chat model (any runnable taking a prompt value) that sends the plan's request id.
+class PlanFieldsChatModel(RunnableSerializable[Any, Any]):
+    """A chat model (any runnable taking a prompt value) that sends the plan's fields.
 
     Args:
         bound: the chat model (``ChatOpenAI``, a ``.bind(...)`` of it, or any runnable that
             takes ``extra_body`` as a call keyword).
-        engine: which request-id body fields to send
-            (:func:`~contextpilot_integrations.llm_call.engine_fields.engine_body_fields`): ``"any"``
-            (default: ``rid``, ``request_id``, ``session_id``), ``"sglang"``, ``"vllm"``, or
-            ``"hosted"`` (none).
+        engine: what to send (module docstring): ``"any"`` (default: ``rid``,
+            ``request_id``, ``session_id``), ``"sglang"``, ``"vllm"``; hosted APIs:
+            ``"anthropic"`` (breakpoints), ``"openai"`` (cache key), ``"hosted"`` (none).
         max_concurrency: calls in flight in ``batch``/``abatch`` when the config sets none
             (``None``: the executor's default).
         cache_policy: ``engine="anthropic"``: where breakpoints go and the model's minimum
-            (:class:`~contextpilot_integrations.llm_call.hosted_cache.AnthropicCachePolicy`; default:
-            the bound model's ``model`` attribute decides the minimum).
+            (:class:`~contextpilot_integrations.llm_call.anthropic_breakpoints.AnthropicCachePolicy`;
+            default: the bound model's ``model`` attribute decides the minimum).
         token_counter: counts prefix tokens against that minimum (default the approximate
             counter; give the pilot's).
         prompt_cache_retention: ``engine="openai"``: ``"in_memory"`` or ``"24h"``, sent as is.
-        tracker: a :class:`~contextpilot_integrations.llm_call.engine_fields.CacheUsageTracker` that
-            each response of a planned call is recorded with (``invoke``/``ainvoke``).
+        tracker: a :class:`~contextpilot_integrations.llm_call.engine_fields.CacheUsageTracker`
+            that each response of a planned call is recorded with (``invoke``/``ainvoke``).
         router: where the plan's routing key is looked up by its rid (``routing_key(rid)``:
-            the :class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter`); None: no
-            routing header.
+            the :class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter`);
+            None: no routing header.
         routing_header: the header the routing key goes in.
 
     An input that is not a :class:`~.prompts.ContextPilotPromptValue` with a ``rid`` is passed
@@ -131,7 +111,9 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
     tracker: Any = None
     router: Any = None
     routing_header: str = ROUTING_HEADER
-    _warned: bool = PrivateAttr(default=False)
+    # One flag for this wrapper and its bind_tools / bind copies (a shallow copy shares the
+    # list), so an agent, which binds the model again on every call, is warned once.
+    _warned: list[bool] = PrivateAttr(default_factory=lambda: [False])
 
     @field_validator("max_concurrency")
     @classmethod
@@ -212,12 +194,13 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
         """The call keywords for ``input``: ``kwargs`` plus the merged ``extra_body`` and, with a
         ``router``, ``extra_headers`` with the plan's routing key."""
         if not isinstance(input, ContextPilotPromptValue):
-            if not self._warned:
-                self._warned = True
+            if not self._warned[0]:
+                self._warned[0] = True
                 logger.warning(
-                    "with_request_id got a %s, not a ContextPilotPromptValue: no request id is "
-                    "sent (build the prompt with CONTEXTPILOT_PROMPT or "
-                    "ContextPilotChatPromptTemplate); warned once",
+                    "with_plan_fields got a %s, not a ContextPilotPromptValue: no plan field "
+                    "is sent (build the prompt with CONTEXTPILOT_PROMPT or "
+                    "ContextPilotChatPromptTemplate; an agent's model calls get theirs from "
+                    "ContextPilotMiddleware); warned once",
                     type(input).__name__,
                 )
             return dict(kwargs)
@@ -251,6 +234,68 @@ class RequestIdChatModel(RunnableSerializable[Any, Any]):
         rid = getattr(input, "rid", None)
         if self.tracker is not None and isinstance(rid, str) and rid:
             self.tracker.record(rid, result)
+
+    # ------------------------------------------------------------------ an agent's model
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> PlanFieldsChatModel:
+        """The model's ``bind_tools(tools, **kwargs)``, wrapped like this model (what
+        ``create_agent`` calls on each model call, with its ``model_settings`` as keywords).
+
+        ``extra_body`` and ``extra_headers`` keywords are merged over the model's own (a bound
+        keyword replaces the model's field, ``ChatOpenAI``'s ``extra_body`` for one): the model
+        settings of an agent middleware keep the model's fields, as the plan's fields do.
+
+        Raises:
+            AttributeError: the wrapped runnable has no ``bind_tools``.
+        """
+        return self._rewrapped(self._inner("bind_tools")(tools, **self._merged(kwargs)))
+
+    def bind(self, **kwargs: Any) -> PlanFieldsChatModel:
+        """The model's ``bind(**kwargs)``, wrapped like this model (``extra_body`` and
+        ``extra_headers`` merged over the model's own, as in :meth:`bind_tools`)."""
+        return self._rewrapped(self.bound.bind(**self._merged(kwargs)))
+
+    def with_structured_output(self, schema: Any, **kwargs: Any) -> Runnable[Any, Any]:
+        """The model's ``with_structured_output(schema, **kwargs)`` with its model step
+        wrapped like this model.
+
+        A structured runnable is the model (bound) followed by a parser; call keywords reach
+        only the first step of a sequence, so the wrapper goes around the whole sequence, or,
+        with ``include_raw=True`` (a map ``{"raw": model}`` first, which takes no call
+        keywords), around the map's model step, which gets the same input.
+
+        Raises:
+            AttributeError: the wrapped runnable has no ``with_structured_output``.
+        """
+        structured = self._inner("with_structured_output")(schema, **kwargs)
+        if isinstance(structured, RunnableSequence) and isinstance(
+            structured.first, RunnableParallel
+        ):
+            steps = structured.first.steps__
+            if list(steps) == ["raw"]:
+                raw = RunnableParallel(raw=self._rewrapped(steps["raw"]))
+                return RunnableSequence(raw, *structured.steps[1:])
+        return self._rewrapped(structured)
+
+    def _inner(self, name: str) -> Any:
+        method = getattr(self.bound, name, None)
+        if not callable(method):
+            raise AttributeError(
+                f"with_plan_fields wraps {type(self.bound).__name__}, which has no {name}: "
+                f"wrap a chat model that has one"
+            )
+        return method
+
+    def _merged(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        out = dict(kwargs)
+        for name in ("extra_body", "extra_headers"):
+            given = kwargs.get(name)
+            if isinstance(given, Mapping):
+                out[name] = {**_bound_mapping(self.bound, name), **given}
+        return out
+
+    def _rewrapped(self, bound: Runnable[Any, Any]) -> PlanFieldsChatModel:
+        """This wrapper's settings around ``bound``."""
+        return self.model_copy(update={"bound": bound})
 
     # ------------------------------------------------------------------ a batch
     def batch(
@@ -325,7 +370,7 @@ def schedule_order(inputs: Sequence[Any]) -> list[int]:
     return sorted(range(len(inputs)), key=key)
 
 
-def with_request_id(
+def with_plan_fields(
     llm: Runnable[Any, Any],
     *,
     engine: EngineKind = "any",
@@ -336,7 +381,7 @@ def with_request_id(
     tracker: Any = None,
     router: Any = None,
     routing_header: str = ROUTING_HEADER,
-) -> RequestIdChatModel:
+) -> PlanFieldsChatModel:
     """Wrap a chat model so that each call sends the plan's engine-facing fields (see the
     module doc).
 
@@ -347,7 +392,7 @@ def with_request_id(
             ``engine_fields.engine_body_fields``).
         max_concurrency: default limit of calls in flight in ``batch``/``abatch``.
         cache_policy, token_counter, prompt_cache_retention, tracker, router, routing_header:
-            see :class:`RequestIdChatModel`.
+            see :class:`PlanFieldsChatModel`.
 
     Raises:
         TypeError: ``llm`` is not a runnable.
@@ -355,7 +400,7 @@ def with_request_id(
     """
     if not isinstance(llm, Runnable):
         raise TypeError(f"llm must be a LangChain Runnable, got {type(llm).__name__}")
-    return RequestIdChatModel(
+    return PlanFieldsChatModel(
         bound=llm,
         engine=engine,
         max_concurrency=max_concurrency,
