@@ -19,6 +19,10 @@ For batches planned jointly and sent in schedule order, start the chain with
 ``pip install contextpilot-integrations[langchain]``; the framework types stay in this package.
 """
 
+from contextpilot_integrations.langchain.agent_middleware import (
+    AgentEngine,
+    ContextPilotMiddleware,
+)
 from contextpilot_integrations.langchain.documents import planned_documents, planned_entry
 from contextpilot_integrations.langchain.plan_fields import (
     PlanFieldsChatModel,
@@ -43,6 +47,7 @@ from contextpilot_integrations.langchain.retriever import (
     VISIBLE_TURNS_KEY,
     ContextPilotRetriever,
 )
+from contextpilot_integrations.langchain.retriever_tool import retriever_tool
 
 __all__ = [
     "CONTEXTPILOT_PROMPT",
@@ -50,7 +55,9 @@ __all__ = [
     "TENANT_KEY",
     "TURN_KEY",
     "VISIBLE_TURNS_KEY",
+    "AgentEngine",
     "ContextPilotChatPromptTemplate",
+    "ContextPilotMiddleware",
     "ContextPilotPromptValue",
     "ContextPilotRetriever",
     "PlanFieldsChatModel",
@@ -62,6 +69,7 @@ __all__ = [
     "planned_documents",
     "planned_entry",
     "render_context",
+    "retriever_tool",
     "schedule_order",
     "with_plan_fields",
 ]
