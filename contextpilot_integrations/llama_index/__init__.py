@@ -27,11 +27,19 @@ Chat (one conversation per chat engine; its second turn de-duplicates against th
 Request ids: use ``ContextPilotOpenAILike`` (an ``OpenAILike``) as the LLM and each request
 carries its plan's rid (see :mod:`.request_ids`). Hosted APIs: ``ContextPilotAnthropic`` places
 the plan's cache breakpoints, ``ContextPilotOpenAI`` sends its ``prompt_cache_key``
-(:mod:`contextpilot_integrations.llm_call.hosted_cache`).
+(:mod:`contextpilot_integrations.llm_call`).
+
+Agents (``FunctionAgent``, ``AgentWorkflow``): retrieval runs inside the tools, so the agent's
+LLM is wrapped instead; every call's history is planned (byte-stable, repeated tool results
+and documents sent once, then as checked pointers; see :mod:`.agent_llm`)::
+
+    pilot_llm = ContextPilotAgentLLM(llm, tenant="acme")
+    agent = FunctionAgent(llm=pilot_llm.for_conversation(session_id), tools=[search_tool])
 """
 
 from typing import Any
 
+from contextpilot_integrations.llama_index.agent_llm import ContextPilotAgentLLM
 from contextpilot_integrations.llama_index.conversation_sections import ConversationSections
 from contextpilot_integrations.llama_index.plan_store import PlanStore, StoredPlan
 from contextpilot_integrations.llama_index.postprocessor import ContextPilotNodePostprocessor
@@ -48,6 +56,7 @@ from contextpilot_integrations.llama_index.request_ids import (
 )
 
 __all__ = [
+    "ContextPilotAgentLLM",
     "ContextPilotAnthropic",
     "ContextPilotNodePostprocessor",
     "ContextPilotOpenAI",
