@@ -11,7 +11,7 @@ Searches made here use ``TurnVisibility.last(0)``, so no memory is ever replaced
 pointing at an earlier turn: each memory context is complete on its own. The LlamaIndex block
 renders its context again for every model call, replacing the previous one, so an earlier
 call's memories are not in the next prompt; the LangChain middleware's context stays in the
-conversation, but a later call may no longer send the earlier turn a hint would point into (a
+conversation, but a later call may leave out the earlier turn a hint would point into (a
 trimming or summarising middleware drops it).
 """
 
