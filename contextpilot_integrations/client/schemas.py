@@ -442,6 +442,31 @@ class UsageResponse(BaseModel):
     indexed: bool
 
 
+class UsageFiguresModel(BaseModel):
+    """Running totals of planned requests since the service started (``ContextPilot.totals``):
+    plans made, tokens their de-duplication removed (``dedup_figures.tokens_saved``, by the
+    service's token counter), blocks replaced by a hint, sub-blocks replaced by a pointer, and
+    the engine's usage reports of those plans (``POST /v1/usage``) with their prompt and
+    cached tokens."""
+
+    plans: int
+    tokens_removed: int
+    blocks_replaced: int
+    sub_blocks_replaced: int
+    usage_reports: int
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class UsageTotalsResponse(UsageFiguresModel):
+    """``GET /v1/usage``: the caller tenant's totals and its recent conversations'
+    (``conversations``: ``{tenant: {conversation_id: figures}}``, the caller's tenant only;
+    without API keys ``tenant`` is null and every conversation is listed)."""
+
+    tenant: str | None
+    conversations: dict[str, dict[str, UsageFiguresModel]]
+
+
 class SnapshotResponse(BaseModel):
     """``saved``: False when the service has no snapshot path or the save failed."""
 

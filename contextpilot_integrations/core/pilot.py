@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,9 +41,11 @@ from contextpilot_integrations.core.request import (
 )
 from contextpilot_integrations.core.request_blocks import RequestBlocks, distinct_blocks
 from contextpilot_integrations.core.rid_reservations import RidReservations
-from contextpilot_integrations.core.usage import UsageCounter
+from contextpilot_integrations.core.usage import ConversationTotals, UsageCounter
 
 __all__ = ["PILOT_SNAPSHOT_VERSION", "ContextPilot"]
+
+logger = logging.getLogger(__name__)
 
 PILOT_SNAPSHOT_VERSION = 1
 """Version of :meth:`ContextPilot.snapshot`'s format (the index's and the conversation store's
@@ -62,6 +65,9 @@ class ContextPilot(ThreadedAsyncTwins):
         block_cache_size: texts whose (block id, tokens) are memoised (LRU).
         deduplicator: multi-turn de-duplication against each conversation's earlier turns;
             default a :class:`Deduplicator` with the layout's labels and this token counter.
+            Every plan counts with this pilot's token counter, a given deduplicator's too
+            (its ``min_tokens_saved`` test and ``dedup_figures.tokens_saved``), so a plan's
+            figures all have the counter its blocks' tokens come from.
         cache_salt: the engine's ``cache_salt`` for every plan of this pilot (one tenant's
             pilot; see :attr:`Plan.cache_salt`); ``None``: none.
         engine: follow the engine's prefix cache through this link
@@ -73,10 +79,18 @@ class ContextPilot(ThreadedAsyncTwins):
             the ``with`` block). A link its owner bound already (the index service's, shared by
             every tenant's pilot) is only recorded with: its owner routes its evictions and
             starts and stops it. ``None`` (default): the index's own LRU bound only.
+        stats_conversations: conversations whose running totals :meth:`stats` keeps (LRU of
+            ``(tenant, conversation_id)``, ``int >= 1``).
+        stats_tenants: tenants whose running totals :meth:`stats` keeps (LRU, ``int >= 1``).
+
+    Every plan logs one INFO line (logger ``contextpilot_integrations.core.pilot``): its rid,
+    tenant, conversation id and turn as given (ids, never content; quoted, so no id breaks the
+    line), the blocks it shows, the hints and sub-block pointers de-duplication put in and the
+    tokens they removed.
 
     Raises:
         TypeError: ``engine`` is not an engine link.
-        ValueError: a bad ``cache_salt``.
+        ValueError: a bad ``cache_salt``, ``stats_conversations`` or ``stats_tenants``.
 
     Thread-safe: one pilot may be shared by threads and coroutines.
     """
@@ -94,6 +108,8 @@ class ContextPilot(ThreadedAsyncTwins):
         deduplicator: Deduplicator | None = None,
         cache_salt: str | None = None,
         engine: EngineLinkProtocol | None = None,
+        stats_conversations: int = 1024,
+        stats_tenants: int = 1024,
     ) -> None:
         if engine is not None and not isinstance(engine, EngineLinkProtocol):
             raise TypeError(
@@ -104,6 +120,12 @@ class ContextPilot(ThreadedAsyncTwins):
             raise TypeError(f"ordering must be an OrderingConfig or None, got {ordering!r:.80}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r:.80}")
+        for name, bound in (
+            ("stats_conversations", stats_conversations),
+            ("stats_tenants", stats_tenants),
+        ):
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {bound!r:.80}")
         self.cache_salt = cache_salt
         self._layout = layout or PromptLayout()
         self.token_counter = token_counter or ApproxTokenCounter()
@@ -123,6 +145,7 @@ class ContextPilot(ThreadedAsyncTwins):
         self._identify = functools.lru_cache(maxsize=block_cache_size)(self._identify_uncached)
         self._reservations = RidReservations()
         self._usage = UsageCounter()
+        self._totals = ConversationTotals(stats_conversations, stats_tenants)
         self.engine = engine
         self._owns_engine = engine is not None and not engine.bound
         if engine is not None and self._owns_engine:
@@ -180,6 +203,7 @@ class ContextPilot(ThreadedAsyncTwins):
                 kept, kept_tokens = self.index.prefix_in_order(prepared.ids, prepared.tokens)
                 found = SearchResult(tuple(order[:kept]), kept_tokens, (), 0, False)
             plan = self._finish(rid, request, prepared, order, found, turns)
+        self._count(plan)
         if self.engine is not None:
             self.engine.record([plan])
         return plan
@@ -229,6 +253,8 @@ class ContextPilot(ThreadedAsyncTwins):
                 dataclasses.replace(plan, shared_prefix_blocks=blocks, shared_prefix_tokens=tokens)
                 for plan, (blocks, tokens) in zip(plans, self.index.shared_prefixes(rids))
             )
+        for plan in plans:
+            self._count(plan)
         if self.engine is not None:
             self.engine.record(plans)
         return BatchPlan(
@@ -277,6 +303,7 @@ class ContextPilot(ThreadedAsyncTwins):
                 ``0 <= cached_tokens + cache_write_tokens <= prompt_tokens``.
         """
         self._usage.add(prompt_tokens, cached_tokens, cache_write_tokens)
+        self._totals.add_usage(rid, prompt_tokens, cached_tokens)
         if cached_tokens > 0 or (cache_write_tokens or 0) > 0:
             indexed = self.index.touch(rid)
             if self.engine is not None:
@@ -286,8 +313,9 @@ class ContextPilot(ThreadedAsyncTwins):
 
     def stats(self) -> dict[str, Any]:
         """The index's statistics at the top level (``requests``, ``nodes``, ``tokens``, ...),
-        and sections ``index`` (the same), ``conversations``, ``usage`` (with ``hit_ratio``)
-        and, with an engine link, ``sync``. Walks the conversation store: for monitoring."""
+        and sections ``index`` (the same), ``conversations``, ``usage`` (with ``hit_ratio``),
+        ``totals`` (:meth:`totals`) and, with an engine link, ``sync``. Walks the conversation
+        store: for monitoring."""
         s = self.index.stats()
         index = {f: getattr(s, f) for f in s.__dataclass_fields__}
         out: dict[str, Any] = {
@@ -295,10 +323,30 @@ class ContextPilot(ThreadedAsyncTwins):
             "index": index,
             "conversations": self.deduplicator.store.stats(),
             "usage": self._usage.stats(),
+            "totals": self._totals.stats(),
         }
         if self.engine is not None:
             out["sync"] = self.engine.stats()
         return out
+
+    def totals(self, tenant: str | None = None) -> dict[str, Any]:
+        """Running totals since the pilot was made (:data:`~.usage.TOTAL_FIELDS`: ``plans``,
+        ``tokens_removed``: the plans' ``dedup_figures.tokens_saved``, by this pilot's token
+        counter; ``blocks_replaced``, ``sub_blocks_replaced``; and the engine's
+        ``usage_reports``, ``prompt_tokens``, ``cached_tokens`` from :meth:`record_usage`).
+
+        Args:
+            tenant: ``None``: every tenant's, with ``tenants`` (``{tenant: figures}``) and
+                ``conversations`` (``{tenant: {conversation_id: figures}}``); a tenant: that
+                tenant's figures and its own ``conversations`` only.
+
+        The most recent ``stats_conversations`` conversations and ``stats_tenants`` tenants are
+        kept; a usage report adds to a conversation when its rid is one of the last
+        :data:`~.usage.RIDS_REMEMBERED` planned.
+        """
+        if tenant is None:
+            return self._totals.stats()
+        return self._totals.tenant_stats(tenant)
 
     def snapshot(self, *, final: bool = False) -> dict[str, Any]:
         """A JSON-serialisable copy of the state a restart must keep: the index's contexts
@@ -377,6 +425,30 @@ class ContextPilot(ThreadedAsyncTwins):
         ) - self._cooccurrence.future_reuse(blocks.ids, blocks.tokens, lifetime, depth)
         return found.prefix_tokens - kept + future > annotation
 
+    def _count(self, plan: Plan) -> None:
+        """Add ``plan`` to the running totals and log its line (class docstring)."""
+        figures, scope = plan.dedup_figures, plan.scope
+        self._totals.add_plan(
+            plan.rid,
+            scope.tenant,
+            scope.conversation_id,
+            figures.tokens_saved,
+            figures.blocks_replaced,
+            figures.sub_blocks_replaced,
+        )
+        logger.info(
+            "contextpilot: rid=%s tenant=%r conversation=%r turn=%s blocks=%d hints=%d "
+            "pointers=%d tokens_removed=%d",
+            plan.rid,
+            scope.tenant,
+            scope.conversation_id,
+            scope.turn,
+            figures.blocks_kept,
+            figures.blocks_replaced,
+            figures.sub_blocks_replaced,
+            figures.tokens_saved,
+        )
+
     def _popularity(self, block: int) -> float:
         return self.index.block_popularity(block) + self._history.get(block)
 
@@ -402,7 +474,9 @@ class ContextPilot(ThreadedAsyncTwins):
         index what the prompt shows, render the plan. The conversation turn it records joins
         ``turns`` (committed when the call returns)."""
         layout = self._layout
-        placed = place_blocks(request, blocks, order, layout, self.deduplicator, turns)
+        placed = place_blocks(
+            request, blocks, order, layout, self.deduplicator, turns, self.token_counter
+        )
         shown, hints, references = placed.shown, placed.hints, placed.references
         rendered = [p.rendered_text or "" for p in shown]
         if shown:

@@ -18,6 +18,7 @@ import contextvars
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from contextpilot_integrations.core.blocks import TokenCounter
 from contextpilot_integrations.core.conversations.conversation_turn import ConversationTurn
 from contextpilot_integrations.core.conversations.dedup import Deduplicator
 from contextpilot_integrations.core.plan import DedupFigures, Placement, PlacementStatus
@@ -116,10 +117,12 @@ def place_blocks(
     layout: PromptLayout,
     deduplicator: Deduplicator,
     turns: PendingTurns,
+    token_counter: TokenCounter | None = None,
 ) -> PlacedBlocks:
     """Place ``request``'s inputs with its distinct ``blocks`` in ``order`` (block ids, a
     permutation of ``blocks.ids``); in a conversation, de-duplicate them against its earlier
-    turns (the turn recorded joins ``turns``)."""
+    turns (the turn recorded joins ``turns``), counting with ``token_counter`` (the one
+    ``blocks.tokens`` come from; default the deduplicator's)."""
     at = {bid: i for i, bid in enumerate(blocks.ids)}
     aligned = [at[bid] for bid in order]  # distinct-block positions in prompt order
     placements: list[Placement | None] = [None] * len(request.blocks)
@@ -157,6 +160,7 @@ def place_blocks(
             visibility=scope.visibility,
             block_ids=list(order),
             block_tokens=[blocks.tokens[p] for p in aligned],
+            token_counter=token_counter,
         )
         turns.add(dedup.pending)
         for p, decision in zip(aligned, dedup.blocks):

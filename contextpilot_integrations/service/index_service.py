@@ -43,7 +43,7 @@ from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import PlanRequest, check_batch
 from contextpilot_integrations.core.window.planning_window import PlanningWindow
 from contextpilot_integrations.service.metrics import ServiceMetrics
-from contextpilot_integrations.service.partitions import Partitions, sum_stats
+from contextpilot_integrations.service.partitions import Partition, Partitions, sum_stats
 from contextpilot_integrations.service.persistence import Restored, ServiceSnapshots
 from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.service.tenants import TenantMismatchError
@@ -244,9 +244,11 @@ class IndexService:
         without one ``cache_model="none"`` and the service's own ``failures``) and ``service``
         (``version``, ``isolation``, the tenant's ``evictions`` asked for: ``{"api": n}``,
         ``snapshot`` figures, and with a planning window its ``window`` figures). ``sync`` and
-        ``service.snapshot`` are service-wide counts."""
+        ``service.snapshot`` are service-wide counts; ``totals`` is :meth:`usage`'s, the
+        caller's own."""
         tenant = self._partitions.of(caller)
         stats = self._pilot_stats(tenant.pilot)
+        stats["totals"] = self._usage_of(tenant)
         with self._lock:
             evictions = (
                 tenant.api_evictions
@@ -259,6 +261,20 @@ class IndexService:
         if window is not None:
             stats["service"]["window"] = window.stats()
         return stats
+
+    def usage(self, *, caller: str | None = None) -> dict[str, Any]:
+        """``caller``'s running totals (``ContextPilot.totals`` of its tenant: ``plans``,
+        ``tokens_removed``, ``blocks_replaced``, ``sub_blocks_replaced``, ``usage_reports``,
+        ``prompt_tokens``, ``cached_tokens`` and ``conversations``:
+        ``{tenant: {conversation_id: figures}}``), with ``tenant``: the caller's own
+        conversations only, in every isolation mode (a shared index keeps them per tenant
+        too). Without keys (``tenant`` ``None``) every conversation of the one pilot, whose
+        tenants are labels of the body.
+
+        Raises:
+            TenantMismatchError: ``caller`` is not a tenant of this service.
+        """
+        return self._usage_of(self._partitions.of(caller))
 
     @property
     def cache_model(self) -> str:
@@ -388,6 +404,17 @@ class IndexService:
         stats.pop("sync", None)
         return stats
 
+    @staticmethod
+    def _usage_of(partition: Partition) -> dict[str, Any]:
+        """:meth:`usage` of ``partition`` (its tenant's totals; every tenant's without
+        keys, the per-tenant section left out)."""
+        if partition.name is None:
+            totals = partition.pilot.totals()
+            totals.pop("tenants", None)
+        else:
+            totals = partition.pilot.totals(partition.name)
+        return {"tenant": partition.name, **totals}
+
     def _sync_stats(self) -> dict[str, Any]:
         if self.engine is not None:
             return self.engine.stats()
@@ -411,8 +438,14 @@ class IndexService:
         }
 
     def _service_stats(self) -> dict[str, Any]:
-        """Every pilot's figures added up (the metrics' source: service-wide counts)."""
-        stats = sum_stats([self._pilot_stats(p) for _, _, p in self._partitions.sections()])
+        """Every pilot's figures added up (the metrics' source: service-wide counts; the
+        totals without their per-tenant and per-conversation sections)."""
+        parts = [self._pilot_stats(p) for _, _, p in self._partitions.sections()]
+        for part in parts:
+            part["totals"] = {
+                k: v for k, v in part["totals"].items() if k not in ("tenants", "conversations")
+            }
+        stats = sum_stats(parts)
         with self._lock:
             evictions = sum(p.api_evictions for p in self._partitions)
         stats["sync"] = self._sync_stats()
@@ -448,6 +481,8 @@ class IndexService:
                 max_requests=self.config.max_requests,
                 cache_salt=salt,
                 engine=self.engine,
+                # A shared pilot keeps every tenant's totals (the usage endpoint's figures).
+                stats_tenants=max(1024, len(self.tenancy.tenants)),
             )
 
         return Partitions(self.tenancy, pilot)

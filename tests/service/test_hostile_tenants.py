@@ -39,6 +39,7 @@ ENDPOINTS = [
     ("POST", "/v1/evict", {"rid": "r"}),
     ("POST", "/v1/conversations/forget", {"conversation_id": "c"}),
     ("POST", "/v1/usage", {"rid": "r", "prompt_tokens": 1, "cached_tokens": 0}),
+    ("GET", "/v1/usage", None),
     ("POST", "/v1/snapshot", {}),
     ("GET", "/v1/layout", None),
     ("GET", "/v1/stats", None),
@@ -154,7 +155,7 @@ def _request(body: dict[str, Any]) -> PlanRequest:
 
 
 def _own_stats(stats: dict[str, Any]) -> dict[str, Any]:
-    return {key: stats[key] for key in ("index", "conversations", "usage")}
+    return {key: stats[key] for key in ("index", "conversations", "usage", "totals")}
 
 
 def test_a_hostile_tenant_reaches_nothing_of_another(server_factory, key_file) -> None:  # type: ignore[no-untyped-def]
@@ -190,6 +191,7 @@ def test_a_hostile_tenant_reaches_nothing_of_another(server_factory, key_file) -
             effects += (status, answer) != _in_process(twin, tenant, call)
         server_stats = _http(url, tenant, ("GET", "/v1/stats", None))[1]
         effects += _own_stats(server_stats) != _own_stats(twin.stats(caller=tenant))
+        effects += _http(url, tenant, ("GET", "/v1/usage", None))[1] != twin.usage(caller=tenant)
     print(f"cross-tenant effects: {effects}")
     assert effects == 0
 

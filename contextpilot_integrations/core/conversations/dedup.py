@@ -31,7 +31,7 @@ blocks (the renderer lists the hints after the blocks, docs/DESIGN.md, "Prompt l
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenCounter, block_id
@@ -86,8 +86,8 @@ class DedupBlock:
             place (``"[Doc 3] of turn 2"``); for the order annotation's labels.
         pointers: the runs of sub-blocks replaced in a kept block, in text order.
         tokens: token count of the original text.
-        tokens_saved: estimated tokens saved: original minus hint, or the sum over replaced
-            runs of run minus pointer (by the deduplicator's token counter).
+        tokens_saved: tokens saved: original minus hint, or the sum over replaced runs of
+            run minus pointer (by the token counter of the :meth:`Deduplicator.plan` call).
     """
 
     index: int
@@ -156,7 +156,8 @@ class Deduplicator:
         chunker: cuts kept blocks into sub-blocks for partial-overlap replacement; ``None``
             for whole-block de-duplication only.
         token_counter: counts tokens for ``tokens_saved`` and the ``min_tokens_saved`` test
-            (default :class:`~contextpilot_integrations.core.blocks.ApproxTokenCounter`).
+            where a :meth:`plan` call passes none (default
+            :class:`~contextpilot_integrations.core.blocks.ApproxTokenCounter`).
         wording: hint templates.
         label_template: a kept block's label, ``str.format`` template with field
             ``{position}`` (1-based), the same as ``PromptLayout.label_template``.
@@ -232,6 +233,7 @@ class Deduplicator:
         visibility: TurnVisibility | None = None,
         block_ids: Sequence[int] | None = None,
         block_tokens: Sequence[int] | None = None,
+        token_counter: TokenCounter | None = None,
     ) -> DedupPlan:
         """De-duplicate one request's blocks; this turn's records wait in the store, pending
         until the caller commits them (:attr:`DedupPlan.pending`).
@@ -247,6 +249,10 @@ class Deduplicator:
             block_ids: :func:`~contextpilot_integrations.core.blocks.block_id` of each block,
                 when the caller has them (saves hashing); must match ``blocks``.
             block_tokens: token count of each block, when the caller has them.
+            token_counter: counts this call's tokens (the blocks without ``block_tokens``, the
+                hints, pointers and runs: ``tokens_saved`` and the ``min_tokens_saved`` test);
+                default the deduplicator's. A pilot passes its own, the counter its
+                ``block_tokens`` come from, so every figure of one plan has one counter.
 
         Returns:
             The :class:`DedupPlan`; its blocks are in the order of ``blocks``.
@@ -257,9 +263,12 @@ class Deduplicator:
             ValueError: ``block_ids``/``block_tokens`` do not match ``blocks`` in length, a
                 text cannot be encoded as UTF-8, a bad ``turn`` or ``conversation_id``.
         """
+        if token_counter is not None and not callable(getattr(token_counter, "count", None)):
+            raise TypeError(f"token_counter must have a count(text) method, got {token_counter!r}")
+        count = (token_counter or self.token_counter).count
         texts = _check_blocks(blocks)
         ids = self._ids(texts, block_ids)
-        tokens = self._tokens(texts, block_tokens)
+        tokens = self._tokens(texts, block_tokens, count)
         if conversation_id is None:
             if not isinstance(tenant, str):
                 raise TypeError(f"tenant must be a str, got {type(tenant).__name__}: {tenant!r}")
@@ -268,7 +277,7 @@ class Deduplicator:
             decided: list[DedupBlock] = []
             kept = 0
             for i, text in enumerate(texts):
-                block = self._decide(history, i, kept + 1, text, ids[i], tokens[i])
+                block = self._decide(history, i, kept + 1, text, ids[i], tokens[i], count)
                 kept += block.kept
                 decided.append(block)
             return DedupPlan(
@@ -294,12 +303,13 @@ class Deduplicator:
         text: str,
         bid: int,
         tokens: int,
+        count: Callable[[str], int],
     ) -> DedupBlock:
         """Replace, or keep (with sub-block pointers), the block at ``index``; record it.
 
-        ``kept_number`` is the 1-based number the block gets among the kept ones if kept.
+        ``kept_number`` is the 1-based number the block gets among the kept ones if kept;
+        ``count`` counts tokens.
         """
-        count = self.token_counter.count
         source = history.find_block(bid)
         if source is not None:
             where = self.wording.where(source, history.number)
@@ -318,7 +328,7 @@ class Deduplicator:
         first = 0
         while first < len(parts):
             end = _run_end(sources, first)
-            found = self._pointer(history, text, parts, first, end, sources[first])
+            found = self._pointer(history, text, parts, first, end, sources[first], count)
             if found is None:
                 for part in range(first, max(end, first + 1)):
                     pieces.append(parts[part].text)
@@ -351,6 +361,7 @@ class Deduplicator:
         first: int,
         end: int,
         source: Location | None,
+        count: Callable[[str], int],
     ) -> tuple[SubBlockPointer, int] | None:
         """The pointer replacing ``parts[first:end]`` (a run found at ``source``) and the
         tokens it saves, or ``None`` when there is no run or it saves under
@@ -358,7 +369,7 @@ class Deduplicator:
         if source is None or end <= first:
             return None
         start, stop = parts[first].start, parts[end - 1].end
-        run_tokens = self.token_counter.count(text[start:stop])
+        run_tokens = count(text[start:stop])
         if run_tokens < self.min_tokens_saved:
             return None
         head, _ = quote_ends(parts[first].text, self.wording.quote_words)
@@ -371,7 +382,7 @@ class Deduplicator:
             head=head,
             tail=tail,
         ) + line_ending(parts[end - 1].text)
-        run_saved = run_tokens - self.token_counter.count(pointer_text)
+        run_saved = run_tokens - count(pointer_text)
         if run_saved < self.min_tokens_saved:
             return None
         return SubBlockPointer(first, end - first, start, stop, source, pointer_text), run_saved
@@ -415,9 +426,11 @@ class Deduplicator:
                 raise TypeError(f"block_ids[{i}] must be an unsigned 64-bit int, got {value!r}")
         return ids
 
-    def _tokens(self, texts: list[str], block_tokens: Sequence[int] | None) -> list[int]:
+    def _tokens(
+        self, texts: list[str], block_tokens: Sequence[int] | None, count: Callable[[str], int]
+    ) -> list[int]:
         if block_tokens is None:
-            return [self.token_counter.count(text) for text in texts]
+            return [count(text) for text in texts]
         counts = list(block_tokens)
         if len(counts) != len(texts):
             raise ValueError(f"block_tokens has {len(counts)} counts for {len(texts)} blocks")
