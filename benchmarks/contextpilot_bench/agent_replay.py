@@ -1,0 +1,148 @@
+"""Agent sessions replayed through real ``langchain.agents.create_agent`` loops.
+
+One agent per session (thread id = the session id, ``InMemorySaver`` checkpointer), the
+session's user turns invoked in order; the scripted model (:mod:`~contextpilot_bench.agent_models`)
+calls the search tool twice per turn and answers. The methods differ only in the tool and the
+middleware:
+
+``baseline``
+    ``create_retriever_tool`` (the documents' texts joined by blank lines), no middleware.
+``contextpilot``
+    ``retriever_tool`` (labelled documents,
+    :mod:`contextpilot_integrations.langchain.retriever_tool`) and ``ContextPilotMiddleware``
+    (``engine="openai-compatible"``, :mod:`contextpilot_integrations.langchain.agent_middleware`).
+``anthropic-caching``
+    the baseline on ``ChatAnthropic`` with LangChain's ``AnthropicPromptCachingMiddleware``
+    (system message, last tool and the message tail marked).
+``contextpilot-anthropic``
+    ``contextpilot`` on ``ChatAnthropic`` with ``engine="anthropic"`` (the library's one
+    breakpoint on the newest stable prefix).
+``contextpilot-anthropic+caching``
+    the same with ``AnthropicPromptCachingMiddleware`` listed before it (outer), as the
+    middleware's docstring says to combine them.
+
+What each model call received is recorded
+(:func:`~contextpilot_bench.agent_accounting.langchain_prompt`) with the tools' own outputs by
+call id (from the agent's state), for the pointer check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from langchain.agents import create_agent
+from langchain_anthropic.middleware import AnthropicPromptCachingMiddleware
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.tools import create_retriever_tool
+from langgraph.checkpoint.memory import InMemorySaver
+
+from contextpilot_bench.agent_accounting import AgentPrompt, langchain_prompt
+from contextpilot_bench.agent_models import (
+    SEARCH_TOOL,
+    ScriptedAnthropicModel,
+    ScriptedChatModel,
+)
+from contextpilot_bench.agent_sessions import AgentSession, ScopedBM25Retriever
+from contextpilot_bench.retrieval import ScopedBM25
+from contextpilot_integrations.langchain.agent_middleware import (
+    AgentEngine,
+    ContextPilotMiddleware,
+)
+from contextpilot_integrations.langchain.retriever_tool import retriever_tool
+
+__all__ = [
+    "ANTHROPIC_MODEL",
+    "HOSTED_AGENT_METHODS",
+    "LANGCHAIN_AGENT_METHODS",
+    "SEARCH_DESCRIPTION",
+    "SYSTEM_PROMPT",
+    "AgentRun",
+    "replay_langchain",
+]
+
+LANGCHAIN_AGENT_METHODS = ("baseline", "contextpilot")
+HOSTED_AGENT_METHODS = (
+    "anthropic-caching",
+    "contextpilot-anthropic",
+    "contextpilot-anthropic+caching",
+)
+ANTHROPIC_MODEL = "claude-sonnet-4-5"
+"""The model id the Anthropic methods name (its minimum cacheable prefix applies)."""
+SYSTEM_PROMPT = (
+    "You are a research assistant. Search the document collection before you answer: call the "
+    "search tool with the question, then with a follow-up query, and answer from the "
+    "documents it returns, citing them."
+)
+SEARCH_DESCRIPTION = "Search the document collection; returns the most relevant documents."
+
+
+@dataclass
+class AgentRun:
+    """One method's replay: every model call's prompt in call order, and the tools' outputs
+    by call id per session (``{session: {call id: text}}``)."""
+
+    method: str
+    prompts: list[AgentPrompt] = field(default_factory=list)
+    originals: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+def _agent(method: str, session: AgentSession, index: ScopedBM25) -> tuple[Any, Any]:
+    """The agent and its scripted model for one session."""
+    retriever = ScopedBM25Retriever(index=index, scope=session.scope)
+    pilot = method.startswith("contextpilot")
+    anthropic = method in HOSTED_AGENT_METHODS
+    tool = (
+        retriever_tool(retriever, SEARCH_TOOL, SEARCH_DESCRIPTION)
+        if pilot
+        else create_retriever_tool(retriever, SEARCH_TOOL, SEARCH_DESCRIPTION)
+    )
+    model: ScriptedChatModel | ScriptedAnthropicModel
+    if anthropic:
+        # No request leaves the process: the key is never sent.
+        fields = {"model": ANTHROPIC_MODEL, "api_key": "unused", "script": session.turns}
+        model = ScriptedAnthropicModel.model_validate(fields)
+    else:
+        model = ScriptedChatModel(script=session.turns)
+    middleware: list[Any] = []
+    if method in ("anthropic-caching", "contextpilot-anthropic+caching"):
+        middleware.append(AnthropicPromptCachingMiddleware(unsupported_model_behavior="raise"))
+    if pilot:
+        engine: AgentEngine = "anthropic" if anthropic else "openai-compatible"
+        middleware.append(ContextPilotMiddleware(tenant="bench", engine=engine))
+    agent = create_agent(
+        model,
+        [tool],
+        system_prompt=SYSTEM_PROMPT,
+        middleware=middleware,
+        checkpointer=InMemorySaver(),
+    )
+    return agent, model
+
+
+def replay_langchain(method: str, sessions: Sequence[AgentSession], index: ScopedBM25) -> AgentRun:
+    """Replay ``sessions`` one after the other with ``method``.
+
+    Raises:
+        ValueError: an unknown ``method``.
+    """
+    if method not in (*LANGCHAIN_AGENT_METHODS, *HOSTED_AGENT_METHODS):
+        raise ValueError(
+            f"method must be one of {', '.join((*LANGCHAIN_AGENT_METHODS, *HOSTED_AGENT_METHODS))}"
+            f", got {method!r}"
+        )
+    run = AgentRun(method)
+    for session in sessions:
+        agent, model = _agent(method, session, index)
+        config = {"configurable": {"thread_id": session.id}}
+        state: dict[str, Any] = {}
+        for turn in session.turns:
+            state = agent.invoke({"messages": [HumanMessage(turn.question)]}, config)
+        run.prompts += [langchain_prompt(session.id, c.messages, c.kwargs) for c in model.calls]
+        run.originals[session.id] = {
+            m.tool_call_id: str(m.content)
+            for m in state.get("messages", ())
+            if isinstance(m, ToolMessage)
+        }
+    return run

@@ -1,0 +1,297 @@
+"""``contextpilot-bench --workload agentic-multihop-rag | agentic-mtrag``: the agent replays'
+tables and targets.
+
+Runs the LangChain methods (:mod:`~contextpilot_bench.agent_replay`), the LlamaIndex ones
+(:mod:`~contextpilot_bench.agent_llamaindex`, skipped with a printed note when they cannot be
+imported) and the hosted Anthropic ones over the same sessions, then prints per session and in
+total: model calls, prompt tokens, prefill tokens on an unlimited prefix cache and on one of
+5% of the baseline's unique tokens, the ratio to the plain agent's, pointers, dangling pointers
+and prefix breaks (:mod:`~contextpilot_bench.agent_accounting`), the Anthropic input cost
+(base-price tokens: ``input + 1.25 * writes + 0.1 * reads``, the 5-minute prices), and the
+targets with ok / MISSED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from contextpilot_bench.agent_accounting import (
+    AgentPrompt,
+    anthropic_usage,
+    dangling_pointers,
+    pointer_count,
+    prefill_tokens,
+    prefix_breaks,
+    unique_tokens,
+)
+from contextpilot_bench.agent_llamaindex import (
+    LLAMAINDEX_AGENT_METHODS,
+    llamaindex_unavailable,
+    replay_llamaindex,
+)
+from contextpilot_bench.agent_replay import (
+    ANTHROPIC_MODEL,
+    HOSTED_AGENT_METHODS,
+    LANGCHAIN_AGENT_METHODS,
+    AgentRun,
+    replay_langchain,
+)
+from contextpilot_bench.agent_sessions import TOP_K, agent_sessions, source_workload
+from contextpilot_bench.report import format_table
+from contextpilot_bench.retrieval import ScopedBM25
+from contextpilot_bench.workloads import load_workload
+from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenCounter
+from contextpilot_integrations.llm_call.provider_minimums import anthropic_min_cacheable_tokens
+
+__all__ = [
+    "AGENT_FAMILIES",
+    "DEFAULT_AGENT_SESSIONS",
+    "PREFILL_TARGETS",
+    "agent_rows",
+    "run_agent_report",
+]
+
+AGENT_FAMILIES = ("langchain", "llamaindex", "hosted-anthropic")
+"""``--agents`` values: which replays run."""
+DEFAULT_AGENT_SESSIONS = {"agentic-multihop-rag": 8, "agentic-mtrag": 32}
+"""``--agent-sessions`` by workload: the first N sessions."""
+PREFILL_TARGETS = {"agentic-multihop-rag": 0.80, "agentic-mtrag": 0.50}
+"""ContextPilot's prefill tokens at most this share of the plain agent's (unlimited cache)."""
+LLAMAINDEX_TARGET = 0.60
+"""The LlamaIndex ``FunctionAgent``'s, on agentic MTRAG-UN."""
+HOSTED_TARGET = 0.80
+"""ContextPilot's Anthropic input cost at most this share of
+``AnthropicPromptCachingMiddleware``'s."""
+PRICE_WRITE, PRICE_READ, TTL_S = 1.25, 0.1, 300.0
+SMALL_CACHE = 0.05
+"""The small cache: this share of the baseline's unique tokens."""
+
+_COLUMNS = [
+    ("method", "method", "str"),
+    ("calls", "calls", "int"),
+    ("prompt tokens", "prompt_tokens", "int"),
+    ("prefill tokens", "prefill_tokens", "int"),
+    ("vs baseline", "prefill_vs_baseline", "ratio"),
+    ("prefill @5%", "prefill_small_cache", "int"),
+    ("vs baseline @5%", "small_vs_baseline", "ratio"),
+    ("pointers", "pointers", "int"),
+    ("dangling", "dangling", "int"),
+    ("prefix breaks", "prefix_breaks", "int"),
+]
+_SESSION_COLUMNS = [
+    ("session", "session", "str"),
+    ("method", "method", "str"),
+    ("calls", "calls", "int"),
+    ("prompt tokens", "prompt_tokens", "int"),
+    ("prefill tokens", "prefill_tokens", "int"),
+    ("vs baseline", "prefill_vs_baseline", "ratio"),
+    ("dangling", "dangling", "int"),
+    ("prefix breaks", "prefix_breaks", "int"),
+]
+_HOSTED_COLUMNS = [
+    ("method", "method", "str"),
+    ("prompt tokens", "prompt_tokens", "int"),
+    ("cache reads", "cache_read_tokens", "int"),
+    ("cache writes", "cache_write_tokens", "int"),
+    ("input", "input_tokens", "int"),
+    ("input cost", "input_cost", "f1"),
+    ("vs caching mw", "cost_vs_caching", "ratio"),
+    ("dangling", "dangling", "int"),
+    ("prefix breaks", "prefix_breaks", "int"),
+]
+
+
+def _baseline_of(method: str) -> str:
+    return "llamaindex-baseline" if method.startswith("llamaindex") else "baseline"
+
+
+def _figures(
+    prompts: Sequence[AgentPrompt], dangling: Sequence[int], counter: TokenCounter, small: int
+) -> dict[str, Any]:
+    """The figures of ``prompts`` served in order on fresh caches (``dangling``: per prompt)."""
+    served = prefill_tokens(prompts, counter, None)
+    last: dict[str, AgentPrompt] = {p.session: p for p in prompts}
+    return {
+        "calls": len(prompts),
+        "prompt_tokens": sum(t for t, _ in served),
+        "prefill_tokens": sum(p for _, p in served),
+        "prefill_small_cache": sum(p for _, p in prefill_tokens(prompts, counter, small)),
+        "pointers": sum(pointer_count(p) for p in last.values()),
+        "dangling": sum(dangling),
+        "prefix_breaks": len(prefix_breaks(prompts)),
+    }
+
+
+def agent_rows(
+    runs: Sequence[AgentRun], counter: TokenCounter
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(total rows, session rows)``: one per method, and per method and session (the
+    non-hosted runs; ratios against the run's own framework's baseline). A method's sessions
+    share one cache in its total row; a session row is that session alone on a fresh cache."""
+    base_run = next((r for r in runs if r.method == "baseline"), runs[0])
+    small = max(1, round(SMALL_CACHE * unique_tokens(base_run.prompts, counter)))
+    totals: list[dict[str, Any]] = []
+    sessions: list[dict[str, Any]] = []
+    for run in runs:
+        dangling = [len(dangling_pointers(p, run.originals[p.session])) for p in run.prompts]
+        totals.append({"method": run.method, **_figures(run.prompts, dangling, counter, small)})
+        by_session: dict[str, list[int]] = {}
+        for position, prompt in enumerate(run.prompts):
+            by_session.setdefault(prompt.session, []).append(position)
+        for session, positions in by_session.items():
+            own = [run.prompts[i] for i in positions]
+            row: dict[str, Any] = {"session": session, "method": run.method}
+            row.update(_figures(own, [dangling[i] for i in positions], counter, small))
+            sessions.append(row)
+    for rows, key in ((totals, ()), (sessions, ("session",))):
+        index = {(r["method"], *(r[k] for k in key)): r for r in rows}
+        for row in rows:
+            base = index.get((_baseline_of(row["method"]), *(row[k] for k in key)))
+            row["prefill_vs_baseline"] = (
+                row["prefill_tokens"] / base["prefill_tokens"]
+                if base and base["prefill_tokens"]
+                else None
+            )
+            row["small_vs_baseline"] = (
+                row["prefill_small_cache"] / base["prefill_small_cache"]
+                if base and base["prefill_small_cache"]
+                else None
+            )
+    return totals, sessions
+
+
+def hosted_rows(runs: Sequence[AgentRun], counter: TokenCounter) -> list[dict[str, Any]]:
+    """One row per hosted method: Anthropic usage and input cost (module docstring)."""
+    minimum = anthropic_min_cacheable_tokens(ANTHROPIC_MODEL)
+    rows: list[dict[str, Any]] = []
+    for run in runs:
+        usage = anthropic_usage(run.prompts, counter, min_tokens=minimum, ttl_s=TTL_S)
+        reads = sum(u.cache_read_tokens for u in usage)
+        writes = sum(u.cache_write_tokens or 0 for u in usage)
+        inputs = sum(u.input_tokens for u in usage)
+        rows.append(
+            {
+                "method": run.method,
+                "prompt_tokens": sum(u.prompt_tokens for u in usage),
+                "cache_read_tokens": reads,
+                "cache_write_tokens": writes,
+                "input_tokens": inputs,
+                "input_cost": round(inputs + PRICE_WRITE * writes + PRICE_READ * reads, 1),
+                "dangling": sum(
+                    len(dangling_pointers(p, run.originals[p.session])) for p in run.prompts
+                ),
+                "prefix_breaks": len(prefix_breaks(run.prompts)),
+            }
+        )
+    base = next((r["input_cost"] for r in rows if r["method"] == "anthropic-caching"), None)
+    for row in rows:
+        row["cost_vs_caching"] = row["input_cost"] / base if base else None
+    return rows
+
+
+def _verdict(value: float | None, target: float) -> str:
+    if value is None:
+        return f"n/a (target <= {target})"
+    return f"{value:.3f} (target <= {target}: {'ok' if value <= target else 'MISSED'})"
+
+
+def _parse_families(text: str | None) -> list[str]:
+    if text is None:
+        return list(AGENT_FAMILIES)
+    chosen = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in chosen if t not in AGENT_FAMILIES]
+    if bad or not chosen:
+        raise ValueError(f"--agents takes values from {', '.join(AGENT_FAMILIES)}, got {text!r}")
+    return chosen
+
+
+def run_agent_report(args: argparse.Namespace) -> int:
+    """Run the agent replays ``args`` choose and print the tables and targets; 0 on success."""
+    name = args.workload
+    families = _parse_families(args.agents)
+    count = args.agent_sessions or DEFAULT_AGENT_SESSIONS[name]
+    if args.tokenizer:
+        from contextpilot_bench.engine_setups import load_tokenizer
+
+        counter: TokenCounter = load_tokenizer(args.tokenizer)
+    else:
+        counter = ApproxTokenCounter()
+    workload = load_workload(source_workload(name), args.data_dir)
+    sessions = agent_sessions(name, workload, count)
+    index = ScopedBM25(workload)
+    started = time.perf_counter()
+    runs: list[AgentRun] = []
+    if "langchain" in families:
+        runs += [replay_langchain(m, sessions, index) for m in LANGCHAIN_AGENT_METHODS]
+    note = None
+    if "llamaindex" in families:
+        note = llamaindex_unavailable()
+        if note is None:
+            runs += [replay_llamaindex(m, sessions, index) for m in LLAMAINDEX_AGENT_METHODS]
+    hosted = (
+        [replay_langchain(m, sessions, index) for m in HOSTED_AGENT_METHODS]
+        if "hosted-anthropic" in families
+        else []
+    )
+    turns = sum(len(s.turns) for s in sessions)
+    print(
+        f"workload {name}: {len(sessions)} sessions, {turns} user turns, 2 searches (BM25 "
+        f"top-{TOP_K}) and an answer per turn; scripted models, {counter!r}; replayed in "
+        f"{time.perf_counter() - started:.1f}s"
+    )
+    totals, per_session = agent_rows(runs, counter) if runs else ([], [])
+    if runs:
+        print()
+        print(format_table(per_session, _SESSION_COLUMNS))
+        print()
+        print(format_table(totals, _COLUMNS))
+    if note is not None:
+        print(f"\nLlamaIndex FunctionAgent skipped: {note}")
+    hrows = hosted_rows(hosted, counter) if hosted else []
+    if hrows:
+        print(
+            f"\nhosted Anthropic ({ANTHROPIC_MODEL}, minimum cacheable "
+            f"{anthropic_min_cacheable_tokens(ANTHROPIC_MODEL):,} tokens, 5m TTL, write "
+            f"{PRICE_WRITE}x, read {PRICE_READ}x the base input price):"
+        )
+        print(format_table(hrows, _HOSTED_COLUMNS))
+    print()
+    by_method = {r["method"]: r for r in totals}
+    target = PREFILL_TARGETS[name]
+    if "contextpilot" in by_method:
+        print(
+            "contextpilot prefill tokens vs the plain agent's (unlimited cache) = "
+            + _verdict(by_method["contextpilot"]["prefill_vs_baseline"], target)
+        )
+    if "llamaindex-contextpilot" in by_method:
+        ratio = by_method["llamaindex-contextpilot"]["prefill_vs_baseline"]
+        verdict = (
+            _verdict(ratio, LLAMAINDEX_TARGET)
+            if name == "agentic-mtrag" or ratio is None
+            else f"{ratio:.3f} (the target is for agentic-mtrag)"
+        )
+        print(f"llamaindex-contextpilot prefill tokens vs the plain FunctionAgent's = {verdict}")
+    checked = [*totals, *hrows]
+    dangling = sum(r["dangling"] for r in checked)
+    breaks = sum(r["prefix_breaks"] for r in checked)
+    print(f"dangling pointers: {dangling} (target 0: {'ok' if dangling == 0 else 'MISSED'})")
+    print(f"prefix breaks: {breaks} (target 0: {'ok' if breaks == 0 else 'MISSED'})")
+    for row in hrows:
+        if row["method"].startswith("contextpilot"):
+            print(
+                f"{row['method']} Anthropic input cost vs AnthropicPromptCachingMiddleware's = "
+                + _verdict(row["cost_vs_caching"], HOSTED_TARGET)
+            )
+    if args.out:
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"workload": name, "sessions": len(sessions), "totals": totals,
+                   "per_session": per_session, "hosted": hrows}  # fmt: skip
+        path.write_text(json.dumps(payload, indent=2))
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,221 @@
+"""The agent replays' accounting: prefill on a hand-computed prompt sequence, pointers checked
+against the tools' own output, prefix breaks counted, and small real replays (2 sessions)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from contextpilot_bench.agent_accounting import (
+    AgentPrompt,
+    dangling_pointers,
+    pointer_count,
+    prefill_tokens,
+    prefix_breaks,
+)
+from contextpilot_bench.agent_llamaindex import llamaindex_unavailable, replay_llamaindex
+from contextpilot_bench.agent_replay import replay_langchain
+from contextpilot_bench.agent_sessions import agent_sessions
+from contextpilot_bench.cli import main
+from contextpilot_bench.retrieval import ScopedBM25
+from contextpilot_bench.workloads import Document, Request, Workload
+
+from contextpilot_integrations.core.blocks import ApproxTokenCounter
+
+COUNTER = ApproxTokenCounter()
+TOOLS = ({"type": "function", "function": {"name": "search"}},)
+
+
+def _call(call_id: str, query: str) -> dict[str, object]:
+    arguments = json.dumps({"query": query})
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": "search", "arguments": arguments},
+            }
+        ],
+    }
+
+
+def _tokens(message: object) -> int:
+    return COUNTER.count(json.dumps(message, ensure_ascii=False, sort_keys=True))
+
+
+def test_baseline_prefill_matches_the_hand_computed_value() -> None:
+    system = {"role": "system", "content": "Be brief."}
+    user = {"role": "user", "content": "What is a KV cache?"}
+    call = _call("c1", "kv cache")
+    result = {"role": "tool", "tool_call_id": "c1", "content": "A cache of keys and values."}
+    answer = {"role": "assistant", "content": "Keys and values."}
+    first = AgentPrompt("s", TOOLS, (system, user))
+    second = AgentPrompt("s", TOOLS, (system, user, call, result))
+    third = AgentPrompt("s", TOOLS, (system, user, call, result, answer, user))
+    served = prefill_tokens([first, second, third], COUNTER, None)
+    tools = COUNTER.count(json.dumps(list(TOOLS), sort_keys=True))
+    # ceil(bytes / 4) of each unit's canonical JSON: 54, 42, 50, 160, 80 and 52 bytes.
+    assert (tools, _tokens(system), _tokens(user), _tokens(call)) == (14, 11, 13, 40)
+    assert (_tokens(result), _tokens(answer)) == (20, 13)
+    # Call 1: nothing cached. Call 2: the first prompt (38) is cached. Call 3: the second (98).
+    assert served == [(38, 38), (98, 60), (124, 26)]
+    assert prefix_breaks([first, second, third]) == []
+
+
+def test_an_injected_change_is_a_prefix_break() -> None:
+    system = {"role": "system", "content": "Be brief."}
+    user = {"role": "user", "content": "q"}
+    first = AgentPrompt("s", TOOLS, (system, user))
+    edited = AgentPrompt("s", TOOLS, ({"role": "system", "content": "Be long."}, user, user))
+    other = AgentPrompt("t", TOOLS, (user,))
+    assert prefix_breaks([first, other, edited]) == [2]
+    served = prefill_tokens([first, edited], COUNTER, None)
+    assert served[1][1] == served[1][0] - 14  # only the tools (14 tokens) are cached
+
+
+def _pointer_prompt(earlier: str) -> tuple[AgentPrompt, dict[str, str]]:
+    doc1, doc2 = "Paged attention stores KV in blocks.", "Radix trees share prefixes."
+    first = f"[Doc 1]\n{doc1}\n-----\n[Doc 2]\n{doc2}\n-----\n"
+    second = f"[Doc 1]\n{doc2}\n-----\n"
+    signature = 'search({"query": "kv"})'
+    pointer = f"[Same as document [Doc 2] in the result of the earlier call {signature} above.]"
+    sent = f"[Doc 1]\n{pointer}\n-----\n"
+    messages = (
+        {"role": "user", "content": "q"},
+        _call("c1", "kv"),
+        {"role": "tool", "tool_call_id": "c1", "content": earlier.format(first=first)},
+        _call("c2", "radix"),
+        {"role": "tool", "tool_call_id": "c2", "content": sent},
+    )
+    return AgentPrompt("s", TOOLS, messages), {"c1": first, "c2": second}
+
+
+def test_pointers_are_checked_against_the_tools_output() -> None:
+    prompt, originals = _pointer_prompt("{first}")
+    assert pointer_count(prompt) == 1
+    assert dangling_pointers(prompt, originals) == []
+    # The earlier result no longer holds the document: the pointer dangles.
+    broken, originals = _pointer_prompt("[Doc 1]\nsomething else\n-----\n[Doc 2]\nother\n")
+    assert len(dangling_pointers(broken, originals)) == 1
+    # The sent text does not map back to what the tool returned.
+    prompt, originals = _pointer_prompt("{first}")
+    assert len(dangling_pointers(prompt, {**originals, "c2": "unrelated"})) == 1
+
+
+TEXTS = [
+    "Paged attention keeps the KV cache in fixed-size blocks of GPU memory.",
+    "A radix tree over token ids lets requests share a cached prompt prefix.",
+    "Prefix caching reuses the KV cache of a shared system prompt across requests.",
+    "Speculative decoding drafts tokens with a small model and verifies them.",
+    "Continuous batching admits new requests at every decoding step.",
+    "Quantized KV caches store keys and values in eight bits.",
+    "Chunked prefill splits a long prompt into pieces scheduled with decodes.",
+]
+
+
+def _workload() -> Workload:
+    corpus = tuple(Document(f"d{i}", text, "c") for i, text in enumerate(TEXTS))
+    asked = [
+        ("a", "How does paged attention store the KV cache?"),
+        ("a", "And prefix caching of the KV cache?"),
+        ("b", "What is continuous batching?"),
+        ("b", "How does chunked prefill work with batching?"),
+    ]
+    requests = tuple(
+        Request(f"{c}::{n}", q, conversation_id=c, scope="c") for n, (c, q) in enumerate(asked)
+    )
+    return Workload("mtrag", corpus, requests)
+
+
+def test_a_scripted_session_costs_its_hand_counted_messages() -> None:
+    workload = _workload()
+    (session,) = agent_sessions("agentic-mtrag", workload.head(1), 1)
+    run = replay_langchain("baseline", [session], ScopedBM25(workload))
+    first, second, third = run.prompts
+    roles = [m["role"] for m in third.messages]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "tool"]
+    assert first.messages == third.messages[:2] and second.messages == third.messages[:4]
+    tools = COUNTER.count(json.dumps(list(third.tools), ensure_ascii=False, sort_keys=True))
+    sizes = [_tokens(m) for m in third.messages]
+    # Call 1 prefills the tools, system and user message; each later call its two new
+    # messages (the tool call and its result): the whole of the last prompt, once.
+    served = prefill_tokens(run.prompts, COUNTER, None)
+    assert [p for _, p in served] == [tools + sizes[0] + sizes[1], sizes[2] + sizes[3],
+                                      sizes[4] + sizes[5]]  # fmt: skip
+    assert [t for t, _ in served] == [tools + sum(sizes[:n]) for n in (2, 4, 6)]
+
+
+def test_two_sessions_replay_planned_without_breaks_or_dangling_pointers() -> None:
+    workload = _workload()
+    sessions = agent_sessions("agentic-mtrag", workload, 2)
+    assert [len(s.turns) for s in sessions] == [2, 2]
+    index = ScopedBM25(workload)
+    base = replay_langchain("baseline", sessions, index)
+    pilot = replay_langchain("contextpilot", sessions, index)
+    assert len(base.prompts) == len(pilot.prompts) == 12  # 2 sessions x 2 turns x 3 calls
+    for run in (base, pilot):
+        assert prefix_breaks(run.prompts) == []
+        assert all(dangling_pointers(p, run.originals[p.session]) == [] for p in run.prompts)
+    assert sum(pointer_count(p) for p in pilot.prompts) > 0
+    base_prefill = sum(p for _, p in prefill_tokens(base.prompts, COUNTER, None))
+    pilot_prefill = sum(p for _, p in prefill_tokens(pilot.prompts, COUNTER, None))
+    assert pilot_prefill < base_prefill
+    # An edited earlier message in a later call is caught.
+    last = pilot.prompts[-1]
+    messages = list(last.messages)
+    messages[1] = {**messages[1], "content": "edited"}
+    injected = [*pilot.prompts[:-1], dataclasses.replace(last, messages=tuple(messages))]
+    assert prefix_breaks(injected) == [len(injected) - 1]
+
+
+def test_hosted_methods_mark_breakpoints() -> None:
+    workload = _workload()
+    sessions = agent_sessions("agentic-mtrag", workload, 1)
+    index = ScopedBM25(workload)
+    caching = replay_langchain("anthropic-caching", sessions, index)
+    assert all(0 in p.breakpoints and 1 in p.breakpoints for p in caching.prompts)
+    assert prefix_breaks(caching.prompts) == []
+
+
+@pytest.mark.skipif(llamaindex_unavailable() is not None, reason="LlamaIndex agent not importable")
+def test_llamaindex_replay_is_planned() -> None:
+    workload = _workload()
+    sessions = agent_sessions("agentic-mtrag", workload, 2)
+    index = ScopedBM25(workload)
+    base = replay_llamaindex("llamaindex-baseline", sessions, index)
+    pilot = replay_llamaindex("llamaindex-contextpilot", sessions, index)
+    assert len(base.prompts) == len(pilot.prompts) == 12
+    assert prefix_breaks(pilot.prompts) == []
+    assert all(dangling_pointers(p, pilot.originals[p.session]) == [] for p in pilot.prompts)
+
+
+def test_cli_runs_two_agentic_mtrag_sessions(
+    data_dir: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        ["--workload", "agentic-mtrag", "--agent-sessions", "2", "--data-dir", str(data_dir)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "dangling pointers: 0 (target 0: ok)" in out
+    assert "prefix breaks: 0 (target 0: ok)" in out
+    assert "AnthropicPromptCachingMiddleware's" in out
+
+
+def test_cli_runs_one_agentic_multihop_session_with_langchain_only(
+    data_dir: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--workload", "agentic-multihop-rag", "--agent-sessions", "1", "--agents", "langchain"]
+    code = main([*argv, "--data-dir", str(data_dir)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "contextpilot prefill tokens vs the plain agent's" in out
+    assert "llamaindex" not in out and "hosted Anthropic" not in out
+
+
+def test_cli_rejects_an_unknown_agent(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--workload", "agentic-mtrag", "--agents", "sdk"]) == 2
+    assert "--agents takes values from" in capsys.readouterr().err
