@@ -53,7 +53,17 @@ from .conversation_turn import ConversationTurn
 from .lru import LRU
 from .turns import Location, TurnVisibility
 
-__all__ = ["ConversationStore", "ConversationTurn", "Location", "TurnVisibility"]
+MAX_TURN = 2**31 - 1
+"""Largest turn number (also the largest ``scope.turn`` a request may give)."""
+
+__all__ = [
+    "MAX_TURN",
+    "ConversationStore",
+    "ConversationTurn",
+    "Location",
+    "TurnVisibility",
+    "next_turn",
+]
 
 SNAPSHOT_VERSION = 1
 
@@ -144,13 +154,14 @@ class ConversationStore:
 
         Raises:
             TypeError / ValueError: bad ``tenant``, ``conversation_id``, ``turn`` or
-                ``visibility`` (the message names the field and value).
+                ``visibility`` (the message names the field and value); no ``turn`` while
+                the latest is :data:`MAX_TURN` (:func:`next_turn`).
         """
         key = _conversation_key(tenant, conversation_id)
         if turn is not None:
             _check_int("turn", turn)
-            if turn < 0:
-                raise ValueError(f"turn must be >= 0, got {turn}")
+            if not 0 <= turn <= MAX_TURN:
+                raise ValueError(f"turn must be in 0..{MAX_TURN}, got {turn}")
         if visibility is None:
             visibility = _ALL_TURNS
         elif not isinstance(visibility, TurnVisibility):
@@ -167,7 +178,7 @@ class ConversationStore:
             latest = conversation.latest_turn()
             if turn is None:
                 if conversation.continuous:
-                    turn = 1 if latest is None else latest + 1
+                    turn = next_turn(conversation_id, latest)
                 else:
                     self._counters["unnumbered"] += 1
             else:
@@ -371,6 +382,29 @@ class ConversationStore:
                 if latest is not None:
                     self._tombstones.put(key, (latest, False))
         return len(self._conversations)
+
+
+def next_turn(conversation_id: str, latest: int | None) -> int:
+    """The number after a conversation's ``latest`` turn (1 when it has none).
+
+    A turn the app numbered :data:`MAX_TURN` (accepted: it is the app's own number) has no
+    next number. Rather than a plan numbered past the range, or an error about a number the
+    app never sent, the next unnumbered turn is refused, naming the conversation and its
+    latest turn; the app gives its own ``scope.turn`` from there (an earlier number replans
+    from that turn) or starts a new conversation.
+
+    Raises:
+        ValueError: ``latest`` is :data:`MAX_TURN`.
+    """
+    if latest is None:
+        return 1
+    if latest >= MAX_TURN:
+        raise ValueError(
+            f"conversation {conversation_id!r:.80} is at turn {latest}, the largest turn "
+            f"number, so its next turn cannot be numbered: give scope.turn (at most "
+            f"{MAX_TURN}; an earlier one replans from there) or start a new conversation"
+        )
+    return latest + 1
 
 
 def _conversation_key(tenant: object, conversation_id: object) -> tuple[str, str]:

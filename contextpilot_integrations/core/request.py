@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .conversation import TurnVisibility
+from .conversation import MAX_TURN, TurnVisibility
 
 __all__ = [
     "MAX_BLOCKS_PER_REQUEST",
@@ -38,9 +38,6 @@ MAX_BLOCKS_PER_REQUEST = 100_000
 
 MAX_ID_CHARS = 512
 """Longest rid, conversation id or tenant, in characters."""
-
-MAX_TURN = 2**31 - 1
-"""Largest turn number."""
 
 
 class RidConflictError(ValueError):
