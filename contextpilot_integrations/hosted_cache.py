@@ -94,12 +94,18 @@ def create_message(
             the plan's user message (their end is the ``history`` breakpoint).
         token_counter: counts prefix tokens (default the approximate counter).
         tracker: where the usage goes (None: not recorded).
-        kwargs: the other arguments of ``create`` (``model``, ``max_tokens``, ...).
+        kwargs: the other arguments of ``create`` (``model``, ``max_tokens``, ``tools``, ...).
+            ``tools`` are sent as given, and the ``cache_control`` markers on them count
+            against the breakpoint limit, as do those in ``history``.
 
     Returns:
         The response (a stream is returned as is and not recorded).
+
+    Raises:
+        ValueError: more ``cache_control`` markers in ``tools`` and ``history`` than the
+            policy's ``max_breakpoints``.
     """
-    prompt = _plan_prompt(plan, policy, history, token_counter, kwargs.get("model"))
+    prompt = _plan_prompt(plan, policy, history, token_counter, kwargs)
     response = client.messages.create(**prompt.kwargs(), **kwargs)
     if tracker is not None and not kwargs.get("stream"):
         tracker.record(plan, response)
@@ -119,7 +125,7 @@ async def acreate_message(
     """:func:`create_message` for an ``anthropic.AsyncAnthropic`` client."""
     import asyncio
 
-    prompt = _plan_prompt(plan, policy, history, token_counter, kwargs.get("model"))
+    prompt = _plan_prompt(plan, policy, history, token_counter, kwargs)
     response = await client.messages.create(**prompt.kwargs(), **kwargs)
     if tracker is not None and not kwargs.get("stream"):
         await asyncio.to_thread(tracker.record, plan, response)
@@ -132,12 +138,20 @@ def _plan_prompt(
     policy: AnthropicCachePolicy | None,
     history: Sequence[Mapping[str, Any]],
     token_counter: TokenCounter | None,
-    model: Any,
+    kwargs: dict[str, Any],
 ) -> AnthropicPrompt:
+    """The prompt for ``create``, whose other arguments are ``kwargs``."""
     if policy is None:
+        model = kwargs.get("model")
         policy = AnthropicCachePolicy(model=model if isinstance(model, str) else None)
     messages = list(plan.messages)
     system, user = (
         (messages[:1], messages[1:]) if messages[0]["role"] == "system" else ([], messages)
     )
-    return anthropic_prompt([*system, *history, *user], CachePrefix.of(plan), policy, token_counter)
+    return anthropic_prompt(
+        [*system, *history, *user],
+        CachePrefix.of(plan),
+        policy,
+        token_counter,
+        tools=kwargs.get("tools"),
+    )
