@@ -178,7 +178,8 @@ class AnthropicPrompt:
 
     Attributes:
         system: the system prompt as text blocks (``None``: no system message).
-        messages: ``{"role", "content": [blocks]}`` dicts, system excluded.
+        messages: ``{"role", "content": [blocks]}`` dicts, system excluded; a message given
+            with the content ``""`` keeps it (an empty block list is invalid at Anthropic).
         breakpoints: the breakpoints placed, in prompt order.
         found_plan: whether the plan's blocks were found in the messages (otherwise only
             system and history breakpoints could be placed).
@@ -237,6 +238,7 @@ def anthropic_prompt(
     counter = token_counter or _DEFAULT_COUNTER
     system: list[dict[str, Any]] | None = None
     out: list[dict[str, Any]] = []
+    empty: list[int] = []  # messages given as "": sent so (Anthropic refuses an empty list)
     for i, message in enumerate(messages):
         role = message.get("role")
         content = message.get("content")
@@ -247,6 +249,8 @@ def anthropic_prompt(
             system = blocks
         else:
             out.append({"role": role, "content": blocks})
+            if content == "":
+                empty.append(len(out) - 1)
     on_tools = tool_breakpoints(tools)
     existing = on_tools + sum(
         1
@@ -280,6 +284,8 @@ def anthropic_prompt(
         block = _block_at(system, out, positions[at])
         block["cache_control"] = dict(policy.cache_control)
         placed.append(Breakpoint(m, b, cumulative[at], reason))
+    for m in empty:  # no block, so no breakpoint, stands in it
+        out[m]["content"] = ""
     return AnthropicPrompt(system, out, tuple(placed), found is not None, existing)
 
 

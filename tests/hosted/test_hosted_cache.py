@@ -370,3 +370,16 @@ def test_never_more_than_four_counting_tools_and_history(tools, history, minimum
     create_message(client, plan, **call)
     sent = client.sent[-1]
     assert own <= markers_sent(sent) <= ANTHROPIC_MAX_BREAKPOINTS
+
+
+def test_an_empty_history_message_stays_an_empty_string():
+    plan, history = planned_turn()
+    client = RecordingClient()
+    empty = {"role": "assistant", "content": ""}
+    create_message(client, plan, model="m", max_tokens=8, history=[history[0], empty])
+    assert client.sent[-1]["messages"][1] == empty  # never [], which Anthropic refuses
+    prompt = anthropic_prompt(
+        [{"role": "user", "content": ""}, {"role": "user", "content": "q"}],
+        None,
+    )
+    assert prompt.messages[0]["content"] == ""

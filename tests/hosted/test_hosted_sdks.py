@@ -390,3 +390,13 @@ def test_llama_index_anthropic_tools_markers_count(hosted_server):
         ]
     )
     assert marks(state.last("messages")) == [("tools", i) for i in range(4)]
+
+
+def test_an_empty_message_is_never_sent_as_an_empty_list(hosted_server):
+    url, state = hosted_server
+    client = anthropic.Anthropic(base_url=url, api_key="test", max_retries=0)
+    pilot = ContextPilot()
+    plan = pilot.plan("question A", texts("question A"))
+    history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": ""}]
+    create_message(client, plan, model="claude-sonnet-4-6", max_tokens=8, history=history)
+    assert state.last("messages")["messages"][1]["content"] == ""
