@@ -339,14 +339,16 @@ def test_markers_on_tools_count_against_the_limit():
 @settings(max_examples=80, deadline=None)
 @given(
     tools=st.lists(st.booleans(), max_size=5),
+    system=st.lists(st.booleans(), max_size=3),
     history=st.lists(st.lists(st.booleans(), min_size=1, max_size=3), max_size=4),
     minimum=st.sampled_from([0, 1024, 4096]),
 )
-def test_never_more_than_four_counting_tools_and_history(tools, history, minimum):
-    """The app's own markers at random on its tools and history blocks: the request never
-    carries more than four in all, and never fewer than the app's."""
+def test_never_more_than_four_counting_tools_system_and_history(tools, system, history, minimum):
+    """The app's own markers at random on its tools, system blocks and history blocks: the
+    request never carries more than four in all, and never fewer than the app's."""
     plan, _ = planned_turn()
     own_tools = [tool(f"t{i}", marked) for i, marked in enumerate(tools)]
+    own_system = [{"type": "text", "text": "s" * 400, **(MARK if m else {})} for m in system]
     own_history = [
         {
             "role": "user" if i % 2 == 0 else "assistant",
@@ -354,7 +356,7 @@ def test_never_more_than_four_counting_tools_and_history(tools, history, minimum
         }
         for i, turn in enumerate(history)
     ]
-    own = sum(tools) + sum(sum(turn) for turn in history)
+    own = sum(tools) + sum(system) + sum(sum(turn) for turn in history)
     client = RecordingClient()
     call = dict(
         policy=AnthropicCachePolicy(min_tokens=minimum),
@@ -362,6 +364,7 @@ def test_never_more_than_four_counting_tools_and_history(tools, history, minimum
         tools=own_tools,
         model="claude-sonnet-4-6",
         max_tokens=8,
+        **({"system": own_system} if own_system else {}),
     )
     if own > ANTHROPIC_MAX_BREAKPOINTS:
         with pytest.raises(ValueError, match="cache_control breakpoints"):
@@ -370,6 +373,9 @@ def test_never_more_than_four_counting_tools_and_history(tools, history, minimum
     create_message(client, plan, **call)
     sent = client.sent[-1]
     assert own <= markers_sent(sent) <= ANTHROPIC_MAX_BREAKPOINTS
+    if own_system:  # the app's system text first, then the plan's system prompt
+        assert [b["text"] for b in sent["system"]][: len(own_system)] == ["s" * 400] * len(system)
+        assert sent["system"][-1]["text"] == plan.messages[0]["content"]
 
 
 def test_an_empty_history_message_stays_an_empty_string():
@@ -383,3 +389,14 @@ def test_an_empty_history_message_stays_an_empty_string():
         None,
     )
     assert prompt.messages[0]["content"] == ""
+
+
+def test_the_apps_system_goes_before_the_plans_system_prompt():
+    plan, _ = planned_turn()
+    client = RecordingClient()
+    create_message(client, plan, model="m", max_tokens=8, system="You are a pirate.")
+    system = client.sent[-1]["system"]
+    assert [b["text"] for b in system] == ["You are a pirate.", plan.messages[0]["content"]]
+    assert not any("pirate" in str(m["content"]) for m in client.sent[-1]["messages"])
+    with pytest.raises(TypeError, match="system must be a str or a list of text blocks"):
+        create_message(client, plan, model="m", max_tokens=8, system=3)

@@ -302,7 +302,7 @@ def planned_requests(pilot: ContextPilot) -> list[Any]:
     return [pilot.plan(question, texts(question)) for question in REQUESTS]
 
 
-def test_anthropic_sdk_counts_the_markers_on_tools(hosted_server):
+def test_anthropic_sdk_counts_tools_and_merges_the_apps_system(hosted_server):
     url, state = hosted_server
     client = anthropic.Anthropic(base_url=url, api_key="test", max_retries=0)
     tools = [marked_tool("search"), marked_tool("lookup"), marked_tool("fetch")]
@@ -318,9 +318,12 @@ def test_anthropic_sdk_counts_the_markers_on_tools(hosted_server):
             max_tokens=16,
             history=history,
             tools=tools,
+            system="You answer in one line.",
         )
         body = state.last("messages")
         assert len(marks(body)) == ANTHROPIC_MAX_BREAKPOINTS  # three tools and the app's one
+        assert [b["text"] for b in body["system"]][0] == "You answer in one line."
+        assert body["system"][-1]["text"] == plan.messages[0]["content"]
 
 
 def test_langchain_bind_tools_markers_count(hosted_server):
