@@ -303,8 +303,11 @@ def _keys(
             )
         try:
             TenantKeys((api_key,))
-        except ValueError as exc:
-            raise ValueError(f"{source}: {exc}{_OPEN_HINT}") from None
+        except ValueError:
+            raise ValueError(
+                f"{source} must be printable ASCII characters without whitespace (the key "
+                "travels in an HTTP header as Bearer <key>)"
+            ) from None
     tenants: dict[str, TenantKeys] = {}
     if args.api_keys is not None:
         tenants.update(read_key_file(args.api_keys))
