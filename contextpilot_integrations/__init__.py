@@ -6,12 +6,13 @@ context index that mirrors the engine's KV prefix cache (ContextPilot, MLSys 202
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .core import (
+from contextpilot_integrations.core import (
     DEFAULT_SYSTEM_PROMPT,
     ApproxTokenCounter,
     BatchPlan,
     ContextIndex,
     ContextPilot,
+    OrderingConfig,
     Placement,
     PlacementStatus,
     Plan,
@@ -39,6 +40,7 @@ __all__ = [
     "BatchPlan",
     "ContextIndex",
     "ContextPilot",
+    "OrderingConfig",
     "Placement",
     "PlacementStatus",
     "Plan",

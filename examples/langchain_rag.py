@@ -7,7 +7,7 @@ ContextPilot chain is the same chain with the retriever wrapped::
     chain = (
         {"context": retriever | format_documents, "question": RunnablePassthrough()}
         | CONTEXTPILOT_PROMPT
-        | with_request_id(llm)                                       # rid -> the engine
+        | with_plan_fields(llm)                                       # rid -> the engine
     )
 
 and, for a whole batch planned jointly and sent in schedule order, ``RAGInputs(retriever=...)``
@@ -15,7 +15,7 @@ in place of the dict. Both render with the same layout, so the only difference i
 of the documents (and the order annotation after them).
 
 The model: by default a fake chat model in front of the embedded prefix-cache model
-(``contextpilot_integrations.bench.engine.EmbeddedEngine``: a radix tree of cached prompt
+(``contextpilot_bench.engine.EmbeddedEngine``: a radix tree of cached prompt
 prefixes with LRU eviction, in the engine's way). It counts cached tokens in whole lines of
 the chat-templated prompt (a line is cached only when it and everything before it is), with
 ``ApproxTokenCounter`` token counts, and passes the request ids it evicts back to
@@ -25,13 +25,14 @@ the chat-templated prompt (a line is cached only when it and everything before i
 ``ChatOpenAI`` and the figures are the engine's own ``cached_tokens`` (SGLang with
 ``--enable-cache-report``, vLLM with ``--enable-prompt-tokens-details``); the engine's prefix
 cache is flushed before each run when it allows it. With a real engine, the pilot follows the
-engine's cache itself: ``ContextPilot(cache_sync={"kind": "kv-events", "endpoint": ...,
-"replay_endpoint": ...})`` subscribes to its KV-cache events and drops the requests it evicts
+engine's cache itself: ``ContextPilot(engine=EngineLink({"kind": "kv-events", "endpoint": ...,
+"replay_endpoint": ...}))`` subscribes to its KV-cache events and drops the requests it evicts
 (this example does not, as the endpoints depend on the engine's launch flags);
 ``tests/langchain/test_langchain_vllm_engine.py`` runs that loop against vLLM.
 
 Run: ``python examples/langchain_rag.py [--limit 500] [--k 5] [--cache-tokens unlimited]``;
-data from ``--data-dir``, ``$CONTEXTPILOT_DATA_DIR`` or ``../shared/data``.
+data from ``--data-dir``, else the benchmark's rule
+(``contextpilot_bench.workloads.resolve_data_dir``: ``$CONTEXTPILOT_DATA_DIR``, ...).
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from contextpilot_bench.engine import EmbeddedEngine
+from contextpilot_bench.methods import parse_cache_tokens, resolve_cache_tokens
+from contextpilot_bench.report import format_table
+from contextpilot_bench.retrieval import ScopedBM25
+from contextpilot_bench.workloads import Request, Workload, load_workload
 from langchain_core.callbacks import CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel
@@ -57,17 +63,12 @@ from langchain_core.runnables import Runnable, RunnablePassthrough
 from pydantic import ConfigDict, PrivateAttr
 
 from contextpilot_integrations import ApproxTokenCounter, ContextPilot
-from contextpilot_integrations.bench.engine import EmbeddedEngine
-from contextpilot_integrations.bench.methods import parse_cache_tokens, resolve_cache_tokens
-from contextpilot_integrations.bench.report import format_table
-from contextpilot_integrations.bench.retrieval import ScopedBM25
-from contextpilot_integrations.bench.workloads import Request, Workload, load_workload
 from contextpilot_integrations.langchain import (
     CONTEXTPILOT_PROMPT,
     ContextPilotRetriever,
     RAGInputs,
     format_documents,
-    with_request_id,
+    with_plan_fields,
 )
 
 logger = logging.getLogger("langchain_rag")
@@ -157,9 +158,8 @@ def real_model() -> Runnable[Any, Any] | None:
     base_url = os.environ.get(BASE_URL_ENV)
     if not base_url:
         return None
+    from contextpilot_bench.engine_client import EngineClient
     from langchain_openai import ChatOpenAI
-
-    from contextpilot_integrations.bench.engine_client import EngineClient
 
     api_key = os.environ.get(API_KEY_ENV) or "none"
     model = os.environ.get(MODEL_ENV)
@@ -172,7 +172,7 @@ def real_model() -> Runnable[Any, Any] | None:
 
 
 def flush_real_engine() -> None:
-    from contextpilot_integrations.bench.engine_client import EngineClient
+    from contextpilot_bench.engine_client import EngineClient
 
     with EngineClient(os.environ[BASE_URL_ENV]) as client:
         client.flush_cache()
@@ -295,12 +295,12 @@ def run_all(
                     "context": retriever | format_documents,
                     "question": RunnablePassthrough(),
                 }
-                return inputs | CONTEXTPILOT_PROMPT | with_request_id(llm)
+                return inputs | CONTEXTPILOT_PROMPT | with_plan_fields(llm)
 
         elif mode == "batch":
 
             def build(llm: Runnable[Any, Any], retriever: Any = retriever) -> Runnable[Any, Any]:
-                return RAGInputs(retriever=retriever) | CONTEXTPILOT_PROMPT | with_request_id(llm)
+                return RAGInputs(retriever=retriever) | CONTEXTPILOT_PROMPT | with_plan_fields(llm)
 
         else:
             raise ValueError(f"mode must be 'invoke' or 'batch', got {mode!r}")

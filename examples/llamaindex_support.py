@@ -5,7 +5,7 @@
   sentence-transformers). ``llama-index-embeddings-huggingface`` would do the same job; it is not
   a dependency of this project, so the examples carry this small class instead.
 - :func:`multihop_documents` / :func:`multihop_questions`: the MultiHop-RAG sample through the
-  benchmark's loader (``contextpilot_integrations.bench.workloads``).
+  benchmark's loader (``contextpilot_bench.workloads``).
 - :func:`build_vector_index`: a ``VectorStoreIndex`` over FAISS (in memory).
 - :func:`make_llm`: ``MockLLM`` (it answers with the prompt it was given), or a real
   OpenAI-compatible endpoint when ``CONTEXTPILOT_LLM_BASE_URL`` is set
@@ -13,7 +13,7 @@
 - :class:`PromptRecorder`: records every prompt the LLM receives (LlamaIndex instrumentation
   events), with the cached-token count the engine reported when it reports one.
 - :class:`PrefixCacheReplay` / :func:`hit_ratio`: prompts through the benchmark's embedded
-  prefix-cache model (``contextpilot_integrations.bench.engine.EmbeddedEngine``), token by
+  prefix-cache model (``contextpilot_bench.engine.EmbeddedEngine``), token by
   token, with the request ids it evicts (to hand back to ``ContextPilot.evict``).
 """
 
@@ -30,6 +30,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from contextpilot_bench.engine import EmbeddedEngine  # noqa: E402
+from contextpilot_bench.workloads import load_workload, resolve_data_dir  # noqa: E402
 from llama_index.core import Document, StorageContext, VectorStoreIndex  # noqa: E402
 from llama_index.core.base.embeddings.base import BaseEmbedding  # noqa: E402
 from llama_index.core.bridge.pydantic import PrivateAttr  # noqa: E402
@@ -45,8 +47,6 @@ from llama_index.core.instrumentation.events.llm import (  # noqa: E402
 from llama_index.core.llms import LLM, MockLLM  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 
-from contextpilot_integrations.bench.engine import EmbeddedEngine  # noqa: E402
-from contextpilot_integrations.bench.workloads import load_workload, resolve_data_dir  # noqa: E402
 from contextpilot_integrations.core.blocks import TokenizerCounter  # noqa: E402
 
 LLM_BASE_URL_ENV = "CONTEXTPILOT_LLM_BASE_URL"
@@ -103,7 +103,8 @@ class MiniLMEmbedding(BaseEmbedding):
 
 
 def data_dir(path: str | Path | None = None) -> Path:
-    """``path``, else ``$CONTEXTPILOT_DATA_DIR``, else ``../shared/data`` (the bench's rule)."""
+    """``path``, else the benchmark's rule (``resolve_data_dir``: ``$CONTEXTPILOT_DATA_DIR``,
+    ...)."""
     return resolve_data_dir(path)
 
 
@@ -252,7 +253,7 @@ def tiktoken_counter() -> TokenizerCounter:
 
 class PrefixCacheReplay:
     """Prompts sent one by one to the embedded prefix-cache model
-    (``contextpilot_integrations.bench.engine.EmbeddedEngine``), token by token.
+    (``contextpilot_bench.engine.EmbeddedEngine``), token by token.
 
     Args:
         capacity_tokens: cache capacity in tokens (``None``: unlimited).

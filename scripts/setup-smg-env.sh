@@ -3,11 +3,11 @@
 # registry, pinned, used by the `vllm` test tier's two-replica test and by
 # `contextpilot-bench --engine vllm-cpu --replicas N --router smg` (found there by default;
 # elsewhere name the binary with CONTEXTPILOT_SMG or --smg-binary:
-# contextpilot_integrations/engines/locations.py). smg is a Rust binary shipped in a wheel; it
+# benchmarks/contextpilot_bench/testbed/locations.py). smg is a Rust binary shipped in a wheel; it
 # needs nothing else of this package, so the venv holds smg alone.
 # Idempotent: a second run only checks the pinned version and that the binary answers.
 #
-# Facts and flags: ../shared/notes/gateways.md.
+# Facts and flags: docs/DESIGN.md, "The smg gateway".
 # Environment: PYTHON (interpreter for the venv, default python3), SMG_VENV (default
 # <repo>/.venv-smg).
 set -euo pipefail

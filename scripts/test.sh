@@ -11,7 +11,7 @@ set -uo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
-export CONTEXTPILOT_DATA_DIR="${CONTEXTPILOT_DATA_DIR:-$repo_root/../shared/data}"
+# The datasets: $CONTEXTPILOT_DATA_DIR when set (tests that need data skip without it).
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MEM0_TELEMETRY=False
 tiers=("${@:-main sglang vllm}")
 read -r -a tiers <<< "${tiers[*]}"
@@ -32,14 +32,16 @@ run_tier() {
 }
 
 main_tier() {
-    bash scripts/setup-venv.sh all,dev || return 1
+    bash scripts/setup-venv.sh all,dev testbed,mem0,hosted || return 1
     bash scripts/setup-smg-env.sh || return 1
     .venv/bin/python -m ipykernel install --user --name contextpilot --display-name contextpilot \
         > /dev/null || return 1
-    echo "--- ruff check, ruff format --check, mypy (the whole package)"
+    echo "--- ruff check, ruff format --check, mypy (both distributions), the import contracts"
     .venv/bin/ruff check . || return 1
     .venv/bin/ruff format --check . || return 1
     .venv/bin/mypy contextpilot_integrations || return 1
+    .venv/bin/mypy benchmarks/contextpilot_bench || return 1
+    .venv/bin/lint-imports || return 1
     .venv/bin/python -m pytest -m "not sglang and not vllm" "$@"
 }
 
@@ -51,7 +53,7 @@ sglang_tier() {
 vllm_tier() {
     bash scripts/setup-vllm-env.sh || return 1
     bash scripts/setup-smg-env.sh || return 1
-    bash scripts/setup-venv.sh all,dev || return 1
+    bash scripts/setup-venv.sh all,dev testbed,mem0,hosted || return 1
     .venv/bin/python -m pytest -m vllm tests
 }
 

@@ -1,10 +1,11 @@
-"""Fixtures shared by every face's tests: a real index service on 127.0.0.1 and an address
-where none answers (for the client's local fallback).
+"""Fixtures shared by every folder's tests: the real data directory, a real index service on
+127.0.0.1 and an address where none answers (for the client's local fallback). The mechanisms
+several conftests use live in ``tests/support``.
 
-Imports stay within the standard library and pytest at module level: every tier (the sglang
-tier's environment too) loads this file. Mem0 reads ``MEM0_TELEMETRY`` and ``MEM0_DIR`` when
-it is first imported, so they are set here, before any test module imports ``mem0``; the model
-hubs are off (nothing is downloaded).
+Imports stay within the standard library, pytest and ``support.data_dir`` at module level: every
+tier (the sglang tier's environment too) loads this file. Mem0 reads ``MEM0_TELEMETRY`` and
+``MEM0_DIR`` when it is first imported, so they are set here, before any test module imports
+``mem0``; the model hubs are off (nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 for _key, _value in {
     "MEM0_TELEMETRY": "False",
@@ -26,6 +28,7 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 import pytest  # noqa: E402
+from support.data_dir import data_dir_or_skip  # noqa: E402
 
 
 def free_port() -> int:
@@ -33,6 +36,12 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The real datasets, ``$CONTEXTPILOT_DATA_DIR`` (tests that need them skip without it)."""
+    return data_dir_or_skip()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Every face over every planner, on the sync and the async path (issue 11's matrix).
+"""Every face over every planner, on the sync and the async path.
 
 Faces: the LangChain retriever, the LlamaIndex node post-processor, the Mem0 memory wrapper and
 the Mem0 agent middleware (LangChain ``create_agent``). Planners: the in-process
@@ -33,6 +33,12 @@ from llama_index.core.schema import NodeWithScore, TextNode
 from mem0 import AsyncMemory, Memory
 
 from contextpilot_integrations import ContextPilot, Plan, PlanRequest, PromptLayout
+from contextpilot_integrations.client.client import ContextPilotClient
+from contextpilot_integrations.core.placement_metadata import (
+    METADATA_KEY,
+    PLACEMENT_KEYS,
+    placement_entry,
+)
 from contextpilot_integrations.core.plan import BatchPlan
 from contextpilot_integrations.langchain import ContextPilotRetriever
 from contextpilot_integrations.llama_index import ContextPilotNodePostprocessor
@@ -43,12 +49,6 @@ from contextpilot_integrations.mem0 import (
 )
 from contextpilot_integrations.mem0.langchain_middleware import Mem0MemoryMiddleware
 from contextpilot_integrations.mem0.local_config import local_mem0_config
-from contextpilot_integrations.placement_metadata import (
-    METADATA_KEY,
-    PLACEMENT_KEYS,
-    placement_entry,
-)
-from contextpilot_integrations.service.client import ContextPilotClient
 
 FACES = ("langchain", "llama_index", "mem0", "middleware")
 PLANNERS = ("in_process", "client", "client_fallback")

@@ -2,7 +2,7 @@
 
 A context block is one retrieved document, chunk or memory. Its identity is a stable 64-bit
 hash of the exact text that will be rendered, so that the same text gets the same id in every
-process and after a restart (DESIGN.md, "block identity"); framework ids (LangChain
+process and after a restart (docs/DESIGN.md, "Block identity"); framework ids (LangChain
 ``Document.id``, LlamaIndex ``node_id``, Mem0 memory ids) are kept for reporting only.
 
 Token lengths come from a pluggable :class:`TokenCounter`. The default,

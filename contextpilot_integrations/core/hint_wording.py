@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .turns import Location
+from contextpilot_integrations.core.conversations.turns import Location
 
 __all__ = ["HintWording", "line_ending", "quote_ends"]
 

@@ -1,6 +1,6 @@
 """One bounded least-recently-used mapping, used by every bounded table of the package.
 
-DESIGN.md invariant 6: the index, the conversation store and every cache have a size limit and
+docs/DESIGN.md, "Bounded": the index, the conversation store and every cache have a size limit and
 drop least-recently-used entries first. :class:`LRU` is that mechanism, written once: the
 context index's requests, the conversation store, the chunk cache, the popularity memory, the
 LlamaIndex plan store, the capacity and TTL cache models all hold their entries in one.

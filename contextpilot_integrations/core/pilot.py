@@ -1,50 +1,55 @@
 """The facade the adapters call: plan one request, or plan and schedule a batch.
 
-Flow of one request (DESIGN.md): blocks -> index search -> align -> de-duplicate (per
-conversation) -> index insert -> annotate -> render. A batch is ordered jointly first
-(:mod:`.clustering`) and scheduled (:mod:`.scheduling`). Each plan carries a request id
-(``rid``) to send with the LLM call, so the engine's cache events and evictions can be tied
-back to it; with ``cache_sync`` the pilot follows the engine itself
-(:class:`~contextpilot_integrations.sync.engine_link.EngineLink`). Steps with a home of
-their own: a request's distinct blocks (:mod:`.request_blocks`), where each input goes in the
-prompt (:mod:`.placements`), the rids a running call holds (:mod:`.rid_reservations`).
-"""
+Flow of one request (docs/DESIGN.md, "The flow of one request"): blocks -> index search ->
+align -> de-duplicate (per conversation) -> index insert -> annotate -> render. A batch is
+ordered jointly first (:mod:`.clustering`) and scheduled (:mod:`.scheduling`), as the
+:class:`~.ordering_config.OrderingConfig` says. Each plan carries a request id (``rid``) to
+send with the LLM call, so the engine's cache events and evictions can be tied back to it;
+with an engine link (``engine=``, :mod:`.engine_link_protocol`) the pilot follows the engine
+itself. Steps with a home of their own: a request's distinct blocks (:mod:`.request_blocks`),
+where each input goes in the prompt (:mod:`.placements`), the rids a running call holds
+(:mod:`.rid_reservations`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+import logging
+from collections.abc import Sequence
+from typing import Any
 
-from .alignment import CONDITIONAL_STEPS, RestOrder, align
-from .blocks import ApproxTokenCounter, TokenCounter, block_id
-from .clustering import DEFAULT_CLUSTER_LIMIT, BuildMethod, order_behind_prefixes
-from .context_index import ContextIndex, SearchResult
-from .dedup import Deduplicator
-from .distance import DEFAULT_ALPHA
-from .placements import PendingTurns, place_blocks
-from .plan import BatchPlan, Plan
-from .planner_protocol import ThreadedAsyncTwins
-from .popularity import CooccurrenceMemory, PopularityMemory
-from .rendering import PromptLayout
-from .request import NO_SCOPE, PlanRequest, Scope, check_batch, new_rid
-from .request_blocks import RequestBlocks, distinct_blocks
-from .rid_reservations import RidReservations
-from .scheduling import ScheduleMethod, schedule
-from .usage import UsageCounter
+from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenCounter, block_id
+from contextpilot_integrations.core.conversations.dedup import Deduplicator
+from contextpilot_integrations.core.engine_link_protocol import EngineLinkProtocol
+from contextpilot_integrations.core.index.context_index import ContextIndex
+from contextpilot_integrations.core.index.index_types import SearchResult
+from contextpilot_integrations.core.ordering.alignment import CONDITIONAL_STEPS, align
+from contextpilot_integrations.core.ordering.clustering import order_behind_prefixes
+from contextpilot_integrations.core.ordering.ordering_config import OrderingConfig
+from contextpilot_integrations.core.ordering.popularity import CooccurrenceMemory, PopularityMemory
+from contextpilot_integrations.core.ordering.scheduling import schedule
+from contextpilot_integrations.core.placements import PendingTurns, place_blocks
+from contextpilot_integrations.core.plan import BatchPlan, Plan
+from contextpilot_integrations.core.planner_protocol import ThreadedAsyncTwins
+from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.core.request import (
+    NO_SCOPE,
+    PlanRequest,
+    Scope,
+    check_batch,
+    new_rid,
+)
+from contextpilot_integrations.core.request_blocks import RequestBlocks, distinct_blocks
+from contextpilot_integrations.core.rid_reservations import RidReservations
+from contextpilot_integrations.core.usage import ConversationTotals, UsageCounter
 
-if TYPE_CHECKING:
-    from contextpilot_integrations.sync.configuration import CacheSyncConfig
-    from contextpilot_integrations.sync.engine_link import EngineLink
+__all__ = ["PILOT_SNAPSHOT_VERSION", "ContextPilot"]
 
-__all__ = ["SNAPSHOT_VERSION", "ContextPilot", "Reorder"]
+logger = logging.getLogger(__name__)
 
-Reorder = Literal["cost-aware", "always"]
-"""When a single request is reordered (see ``ContextPilot(reorder=...)``)."""
-
-SNAPSHOT_VERSION = 1
-"""Version of :meth:`ContextPilot.snapshot`'s format."""
+PILOT_SNAPSHOT_VERSION = 1
+"""Version of :meth:`ContextPilot.snapshot`'s format (the index's and the conversation store's
+sections carry their own)."""
 
 
 class ContextPilot(ThreadedAsyncTwins):
@@ -54,43 +59,38 @@ class ContextPilot(ThreadedAsyncTwins):
         layout: prompt layout (system prompt, templates); default :class:`PromptLayout`.
         token_counter: text -> tokens; default :class:`ApproxTokenCounter`.
         index: an existing index to share; default a new one bounded by ``max_requests``.
-        alpha: position-gap weight of the paper's distance (offline build).
         max_requests: LRU bound of a new index (ignored when ``index`` is given).
-        build_method: offline build, ``"auto"``, ``"cluster"`` or ``"frequency"``.
-        cluster_limit: largest batch the agglomerative build takes (``"auto"``).
-        schedule_method: ``"prefix-tree"`` (default) or ``"first-step"`` (paper Alg. 5).
-        rest_order: order of the unmatched blocks of a single request, ``"co-occurrence"``
-            (default), ``"popularity"`` or ``"retriever"`` (:mod:`.alignment`).
-        weight_by_tokens: weigh shared blocks by tokens (else by count) when ordering.
+        ordering: how blocks are ordered (:class:`OrderingConfig`); default its defaults.
         annotate: add the order annotation after the blocks.
-        reorder: ``"cost-aware"`` (default): a single request is reordered only when the
-            tokens its aligned order is expected to reuse beyond what its retriever order would
-            (the matched prefix now, plus the reuse later requests can expect of its leading
-            blocks while the cache holds it: see ``CooccurrenceMemory.future_reuse``, with the
-            index's size as the cache's lifetime in requests) exceed what the order annotation
-            costs, so planning adds no prefill tokens for nothing; ``"always"``: always aligned
-            (the paper's online rule). A batch is always ordered jointly.
         block_cache_size: texts whose (block id, tokens) are memoised (LRU).
-        popularity_memory: blocks whose request counts are remembered after eviction, for
-            the popularity order (0: use only the requests the index holds).
-        cooccurrence_memory: recent requests whose blocks the co-occurrence order reads.
         deduplicator: multi-turn de-duplication against each conversation's earlier turns;
             default a :class:`Deduplicator` with the layout's labels and this token counter.
-        cache_sync: follow the engine's prefix cache: the mapping the index service takes
-            (``{"kind": "kv-events", "endpoint": "tcp://127.0.0.1:5557", ...}``,
-            ``{"kind": "capacity", "capacity_tokens": N}``, ``{"kind": "ttl", "provider":
-            "openai"}``; :class:`~contextpilot_integrations.sync.configuration.CacheSyncConfig`).
-            Needs the ``sync`` extra. The link starts here and stops with :meth:`close` (or
-            the ``with`` block); every plan is recorded with it and the engine's evictions
-            drop requests from the index. ``None`` (default): the index's own LRU bound only.
+            Every plan counts with this pilot's token counter, a given deduplicator's too
+            (its ``min_tokens_saved`` test and ``dedup_figures.tokens_saved``), so a plan's
+            figures all have the counter its blocks' tokens come from.
         cache_salt: the engine's ``cache_salt`` for every plan of this pilot (one tenant's
             pilot; see :attr:`Plan.cache_salt`); ``None``: none.
-        engine: an engine link shared with other pilots (the index service's, one per engine,
-            whose owner routes its evictions and starts and stops it): plans are recorded with
-            it, but this pilot neither starts nor stops it. Not with ``cache_sync``.
+        engine: follow the engine's prefix cache through this link
+            (:class:`~.engine_link_protocol.EngineLinkProtocol`; e.g.
+            ``EngineLink({"kind": "kv-events", "endpoint": "tcp://127.0.0.1:5557"})`` from
+            ``contextpilot_integrations.sync.engine_link``, the ``sync`` extra). Every plan is
+            recorded with it. A link nobody bound yet is this pilot's: its evictions drop
+            requests from this pilot's index, it starts here and stops with :meth:`close` (or
+            the ``with`` block). A link its owner bound already (the index service's, shared by
+            every tenant's pilot) is only recorded with: its owner routes its evictions and
+            starts and stops it. ``None`` (default): the index's own LRU bound only.
+        stats_conversations: conversations whose running totals :meth:`stats` keeps (LRU of
+            ``(tenant, conversation_id)``, ``int >= 1``).
+        stats_tenants: tenants whose running totals :meth:`stats` keeps (LRU, ``int >= 1``).
+
+    Every plan logs one INFO line (logger ``contextpilot_integrations.core.pilot``): its rid,
+    tenant, conversation id and turn as given (ids, never content; quoted, so no id breaks the
+    line), the blocks it shows, the hints and sub-block pointers de-duplication put in and the
+    tokens they removed.
 
     Raises:
-        ValueError: an invalid ``cache_sync`` mapping (the message names the field).
+        TypeError: ``engine`` is not an engine link.
+        ValueError: a bad ``cache_salt``, ``stats_conversations`` or ``stats_tenants``.
 
     Thread-safe: one pilot may be shared by threads and coroutines.
     """
@@ -101,27 +101,31 @@ class ContextPilot(ThreadedAsyncTwins):
         layout: PromptLayout | None = None,
         token_counter: TokenCounter | None = None,
         index: ContextIndex | None = None,
-        alpha: float = DEFAULT_ALPHA,
         max_requests: int | None = 100_000,
-        build_method: BuildMethod = "auto",
-        cluster_limit: int = DEFAULT_CLUSTER_LIMIT,
-        schedule_method: ScheduleMethod = "prefix-tree",
-        rest_order: RestOrder = "co-occurrence",
-        weight_by_tokens: bool = True,
+        ordering: OrderingConfig | None = None,
         annotate: bool = True,
-        reorder: Reorder = "cost-aware",
         block_cache_size: int = 65_536,
-        popularity_memory: int = 262_144,
-        cooccurrence_memory: int = 2_000,
         deduplicator: Deduplicator | None = None,
-        cache_sync: Mapping[str, Any] | CacheSyncConfig | None = None,
         cache_salt: str | None = None,
-        engine: EngineLink | None = None,
+        engine: EngineLinkProtocol | None = None,
+        stats_conversations: int = 1024,
+        stats_tenants: int = 1024,
     ) -> None:
-        if engine is not None and cache_sync is not None:
-            raise ValueError("give cache_sync (the pilot builds its own link) or engine, not both")
+        if engine is not None and not isinstance(engine, EngineLinkProtocol):
+            raise TypeError(
+                "engine must be an engine link such as EngineLink({...}) "
+                f"(contextpilot_integrations.sync.engine_link) or None, got {engine!r:.80}"
+            )
+        if ordering is not None and not isinstance(ordering, OrderingConfig):
+            raise TypeError(f"ordering must be an OrderingConfig or None, got {ordering!r:.80}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r:.80}")
+        for name, bound in (
+            ("stats_conversations", stats_conversations),
+            ("stats_tenants", stats_tenants),
+        ):
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {bound!r:.80}")
         self.cache_salt = cache_salt
         self._layout = layout or PromptLayout()
         self.token_counter = token_counter or ApproxTokenCounter()
@@ -130,18 +134,10 @@ class ContextPilot(ThreadedAsyncTwins):
             if index is not None
             else ContextIndex(max_requests=max_requests, on_evict=self._dropped_by_index)
         )
-        self.alpha = alpha
-        self.build_method = build_method
-        self.cluster_limit = cluster_limit
-        self.schedule_method = schedule_method
-        self.rest_order = rest_order
-        self.weight_by_tokens = weight_by_tokens
+        self.ordering = ordering or OrderingConfig()
         self.annotate = annotate
-        if reorder not in ("cost-aware", "always"):
-            raise ValueError(f"reorder must be 'cost-aware' or 'always', got {reorder!r}")
-        self.reorder = reorder
-        self._history = PopularityMemory(popularity_memory)
-        self._cooccurrence = CooccurrenceMemory(cooccurrence_memory)
+        self._history = PopularityMemory(self.ordering.popularity_memory)
+        self._cooccurrence = CooccurrenceMemory(self.ordering.cooccurrence_memory)
         self.deduplicator = deduplicator or Deduplicator(
             token_counter=self.token_counter, label_template=self._layout.label_template
         )
@@ -149,13 +145,12 @@ class ContextPilot(ThreadedAsyncTwins):
         self._identify = functools.lru_cache(maxsize=block_cache_size)(self._identify_uncached)
         self._reservations = RidReservations()
         self._usage = UsageCounter()
-        self.engine: EngineLink | None = engine
-        self._owns_engine = False
-        if cache_sync is not None:
-            from contextpilot_integrations.sync.engine_link import EngineLink
-
-            self.engine = EngineLink(cache_sync, on_evict=self.index.evict).start()
-            self._owns_engine = True
+        self._totals = ConversationTotals(stats_conversations, stats_tenants)
+        self.engine = engine
+        self._owns_engine = engine is not None and not engine.bound
+        if engine is not None and self._owns_engine:
+            engine.bind(self.index.evict)
+            engine.start()
 
     @property
     def layout(self) -> PromptLayout:
@@ -196,16 +191,19 @@ class ContextPilot(ThreadedAsyncTwins):
             order = align(
                 prepared.ids,
                 found.prefix,
-                rest_order=self.rest_order,
+                rest_order=self.ordering.rest_order,
                 popularity=self._popularity,
                 holders=self._cooccurrence.holders,
             )
-            if self.reorder == "cost-aware" and not self._reordering_pays(prepared, order, found):
+            if self.ordering.reorder == "cost-aware" and not self._reordering_pays(
+                prepared, order, found
+            ):
                 # The retriever's order stays; what it hits is its own indexed prefix.
                 order = list(prepared.ids)
                 kept, kept_tokens = self.index.prefix_in_order(prepared.ids, prepared.tokens)
                 found = SearchResult(tuple(order[:kept]), kept_tokens, (), 0, False)
             plan = self._finish(rid, request, prepared, order, found, turns)
+        self._count(plan)
         if self.engine is not None:
             self.engine.record([plan])
         return plan
@@ -238,10 +236,10 @@ class ContextPilot(ThreadedAsyncTwins):
                 [blocks.ids for blocks in prepared],
                 [blocks.tokens for blocks in prepared],
                 [result.prefix for result in found],
-                method=self.build_method,
-                alpha=self.alpha,
-                weight_by_tokens=self.weight_by_tokens,
-                cluster_limit=self.cluster_limit,
+                method=self.ordering.build_method,
+                alpha=self.ordering.alpha,
+                weight_by_tokens=self.ordering.weight_by_tokens,
+                cluster_limit=self.ordering.cluster_limit,
             )
             plans = tuple(
                 self._finish(rids[i], batch[i], prepared[i], orders[i], found[i], turns)
@@ -255,9 +253,13 @@ class ContextPilot(ThreadedAsyncTwins):
                 dataclasses.replace(plan, shared_prefix_blocks=blocks, shared_prefix_tokens=tokens)
                 for plan, (blocks, tokens) in zip(plans, self.index.shared_prefixes(rids))
             )
+        for plan in plans:
+            self._count(plan)
         if self.engine is not None:
             self.engine.record(plans)
-        return BatchPlan(plans=plans, schedule=tuple(schedule(paths, self.schedule_method)))
+        return BatchPlan(
+            plans=plans, schedule=tuple(schedule(paths, self.ordering.schedule_method))
+        )
 
     def forget_conversation(self, conversation_id: str, tenant: str = "") -> bool:
         """Drop a conversation's de-duplication records (its turn numbers go on: a later turn
@@ -301,6 +303,7 @@ class ContextPilot(ThreadedAsyncTwins):
                 ``0 <= cached_tokens + cache_write_tokens <= prompt_tokens``.
         """
         self._usage.add(prompt_tokens, cached_tokens, cache_write_tokens)
+        self._totals.add_usage(rid, prompt_tokens, cached_tokens)
         if cached_tokens > 0 or (cache_write_tokens or 0) > 0:
             indexed = self.index.touch(rid)
             if self.engine is not None:
@@ -310,8 +313,9 @@ class ContextPilot(ThreadedAsyncTwins):
 
     def stats(self) -> dict[str, Any]:
         """The index's statistics at the top level (``requests``, ``nodes``, ``tokens``, ...),
-        and sections ``index`` (the same), ``conversations``, ``usage`` (with ``hit_ratio``)
-        and, with an engine link, ``sync``. Walks the conversation store: for monitoring."""
+        and sections ``index`` (the same), ``conversations``, ``usage`` (with ``hit_ratio``),
+        ``totals`` (:meth:`totals`) and, with an engine link, ``sync``. Walks the conversation
+        store: for monitoring."""
         s = self.index.stats()
         index = {f: getattr(s, f) for f in s.__dataclass_fields__}
         out: dict[str, Any] = {
@@ -319,10 +323,30 @@ class ContextPilot(ThreadedAsyncTwins):
             "index": index,
             "conversations": self.deduplicator.store.stats(),
             "usage": self._usage.stats(),
+            "totals": self._totals.stats(),
         }
         if self.engine is not None:
             out["sync"] = self.engine.stats()
         return out
+
+    def totals(self, tenant: str | None = None) -> dict[str, Any]:
+        """Running totals since the pilot was made (:data:`~.usage.TOTAL_FIELDS`: ``plans``,
+        ``tokens_removed``: the plans' ``dedup_figures.tokens_saved``, by this pilot's token
+        counter; ``blocks_replaced``, ``sub_blocks_replaced``; and the engine's
+        ``usage_reports``, ``prompt_tokens``, ``cached_tokens`` from :meth:`record_usage`).
+
+        Args:
+            tenant: ``None``: every tenant's, with ``tenants`` (``{tenant: figures}``) and
+                ``conversations`` (``{tenant: {conversation_id: figures}}``); a tenant: that
+                tenant's figures and its own ``conversations`` only.
+
+        The most recent ``stats_conversations`` conversations and ``stats_tenants`` tenants are
+        kept; a usage report adds to a conversation when its rid is one of the last
+        :data:`~.usage.RIDS_REMEMBERED` planned.
+        """
+        if tenant is None:
+            return self._totals.stats()
+        return self._totals.tenant_stats(tenant)
 
     def snapshot(self, *, final: bool = False) -> dict[str, Any]:
         """A JSON-serialisable copy of the state a restart must keep: the index's contexts
@@ -330,7 +354,7 @@ class ContextPilot(ThreadedAsyncTwins):
         (:meth:`ConversationStore.snapshot`; ``final``: nothing is planned after it, e.g. at
         shutdown, so the restored store misses no turn)."""
         return {
-            "version": SNAPSHOT_VERSION,
+            "version": PILOT_SNAPSHOT_VERSION,
             "index": self.index.snapshot(),
             "conversations": self.deduplicator.store.snapshot(final=final),
         }
@@ -352,8 +376,8 @@ class ContextPilot(ThreadedAsyncTwins):
         """
         store = self.deduplicator.store
         try:
-            if not isinstance(snapshot, dict) or snapshot.get("version") != SNAPSHOT_VERSION:
-                raise ValueError(f"pilot snapshot version must be {SNAPSHOT_VERSION}")
+            if not isinstance(snapshot, dict) or snapshot.get("version") != PILOT_SNAPSHOT_VERSION:
+                raise ValueError(f"pilot snapshot version must be {PILOT_SNAPSHOT_VERSION}")
             count = self.index.load(snapshot["index"])
             store.restore(snapshot["conversations"], checkpoint=checkpoint)
         except (KeyError, ValueError) as exc:
@@ -363,8 +387,8 @@ class ContextPilot(ThreadedAsyncTwins):
         return count
 
     def close(self) -> None:
-        """Stop the engine link this pilot started (idempotent; a link given as ``engine=``
-        is its owner's to stop); the index stays usable."""
+        """Stop the engine link this pilot bound and started (idempotent; a link its owner
+        bound is the owner's to stop); the index stays usable."""
         if self.engine is not None and self._owns_engine:
             self.engine.stop()
 
@@ -378,7 +402,9 @@ class ContextPilot(ThreadedAsyncTwins):
     def _search(self, blocks: RequestBlocks) -> SearchResult:
         if not blocks.ids:
             return SearchResult((), 0, (), 0, False)
-        return self.index.search(blocks.ids, blocks.tokens if self.weight_by_tokens else None)
+        return self.index.search(
+            blocks.ids, blocks.tokens if self.ordering.weight_by_tokens else None
+        )
 
     def _reordering_pays(
         self, blocks: RequestBlocks, order: Sequence[int], found: SearchResult
@@ -398,6 +424,30 @@ class ContextPilot(ThreadedAsyncTwins):
             order, [token_of[b] for b in order], lifetime, depth
         ) - self._cooccurrence.future_reuse(blocks.ids, blocks.tokens, lifetime, depth)
         return found.prefix_tokens - kept + future > annotation
+
+    def _count(self, plan: Plan) -> None:
+        """Add ``plan`` to the running totals and log its line (class docstring)."""
+        figures, scope = plan.dedup_figures, plan.scope
+        self._totals.add_plan(
+            plan.rid,
+            scope.tenant,
+            scope.conversation_id,
+            figures.tokens_saved,
+            figures.blocks_replaced,
+            figures.sub_blocks_replaced,
+        )
+        logger.info(
+            "contextpilot: rid=%s tenant=%r conversation=%r turn=%s blocks=%d hints=%d "
+            "pointers=%d tokens_removed=%d",
+            plan.rid,
+            scope.tenant,
+            scope.conversation_id,
+            scope.turn,
+            figures.blocks_kept,
+            figures.blocks_replaced,
+            figures.sub_blocks_replaced,
+            figures.tokens_saved,
+        )
 
     def _popularity(self, block: int) -> float:
         return self.index.block_popularity(block) + self._history.get(block)
@@ -424,7 +474,9 @@ class ContextPilot(ThreadedAsyncTwins):
         index what the prompt shows, render the plan. The conversation turn it records joins
         ``turns`` (committed when the call returns)."""
         layout = self._layout
-        placed = place_blocks(request, blocks, order, layout, self.deduplicator, turns)
+        placed = place_blocks(
+            request, blocks, order, layout, self.deduplicator, turns, self.token_counter
+        )
         shown, hints, references = placed.shown, placed.hints, placed.references
         rendered = [p.rendered_text or "" for p in shown]
         if shown:

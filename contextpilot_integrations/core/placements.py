@@ -3,8 +3,8 @@
 A distinct block is shown (its label in prompt order, its text, or its text with repeated
 sub-blocks replaced by pointers) or, in a conversation, replaced by a hint to an earlier turn
 that still shows it (:mod:`.dedup`); a repeated input is a duplicate of its first occurrence;
-an empty one is skipped. Every input gets exactly one :class:`~.plan.Placement` (DESIGN.md
-invariant 1). The conversation turn the de-duplication records waits in
+an empty one is skipped. Every input gets exactly one :class:`~.plan.Placement`
+(docs/DESIGN.md, "Lossless"). The conversation turn the de-duplication records waits in
 :class:`PendingTurns` until the planning call completes.
 
 Public API: :func:`place_blocks`, :class:`PlacedBlocks`, :class:`PendingTurns`,
@@ -18,12 +18,13 @@ import contextvars
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from .conversation_turn import ConversationTurn
-from .dedup import Deduplicator
-from .plan import DedupFigures, Placement, PlacementStatus
-from .rendering import PromptLayout
-from .request import PlanRequest, Scope
-from .request_blocks import RequestBlocks
+from contextpilot_integrations.core.blocks import TokenCounter
+from contextpilot_integrations.core.conversations.conversation_turn import ConversationTurn
+from contextpilot_integrations.core.conversations.dedup import Deduplicator
+from contextpilot_integrations.core.plan import DedupFigures, Placement, PlacementStatus
+from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.core.request import PlanRequest, Scope
+from contextpilot_integrations.core.request_blocks import RequestBlocks
 
 __all__ = ["DeferredTurns", "PendingTurns", "PlacedBlocks", "place_blocks"]
 
@@ -116,10 +117,12 @@ def place_blocks(
     layout: PromptLayout,
     deduplicator: Deduplicator,
     turns: PendingTurns,
+    token_counter: TokenCounter | None = None,
 ) -> PlacedBlocks:
     """Place ``request``'s inputs with its distinct ``blocks`` in ``order`` (block ids, a
     permutation of ``blocks.ids``); in a conversation, de-duplicate them against its earlier
-    turns (the turn recorded joins ``turns``)."""
+    turns (the turn recorded joins ``turns``), counting with ``token_counter`` (the one
+    ``blocks.tokens`` come from; default the deduplicator's)."""
     at = {bid: i for i, bid in enumerate(blocks.ids)}
     aligned = [at[bid] for bid in order]  # distinct-block positions in prompt order
     placements: list[Placement | None] = [None] * len(request.blocks)
@@ -157,6 +160,7 @@ def place_blocks(
             visibility=scope.visibility,
             block_ids=list(order),
             block_tokens=[blocks.tokens[p] for p in aligned],
+            token_counter=token_counter,
         )
         turns.add(dedup.pending)
         for p, decision in zip(aligned, dedup.blocks):

@@ -7,7 +7,7 @@ skipped (empty text). Adapters only map placements to their framework's objects,
 order :meth:`Plan.output_order` gives: shown blocks in prompt order, then replaced blocks in
 the order of their hints, then duplicates, then skipped inputs (each group by input index).
 
-Nothing is lost (DESIGN.md invariant 1): every input index has exactly one placement.
+Nothing is lost (docs/DESIGN.md, "Lossless"): every input index has exactly one placement.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeVar
 
-from .rendering import PromptLayout
-from .request import Scope
+from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.core.request import Scope
 
 __all__ = ["BatchPlan", "DedupFigures", "Placement", "PlacementStatus", "Plan"]
 
@@ -117,7 +117,7 @@ class Plan:
 
     Attributes:
         rid: request id for the engine (SGLang ``rid``, vLLM ``request_id``, ``session_id``;
-            :mod:`contextpilot_integrations.engine_fields`).
+            :mod:`contextpilot_integrations.llm_call.engine_fields`).
         query: the question.
         scope: the request's scope, with ``turn`` set to the number the turn was planned as
             (``None`` without a conversation).
@@ -138,7 +138,8 @@ class Plan:
             not shared with other salts), or ``None`` (``engine_fields.engine_body_fields``
             sends it).
         replica: with several engine replicas, the name of the one the request was planned
-            for (:class:`~contextpilot_integrations.core.routing.ReplicaRouter`); else ``None``.
+            for (:class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter`); else
+            ``None``.
         routing_key: the key a gateway routes the request to that replica by (sent in a
             header: ``engine_fields.engine_headers``), or ``None``.
         base_url: the replica's own OpenAI-compatible base URL, for apps that call the

@@ -1,7 +1,7 @@
 """The planner contract every adapter plans through, with sync and async twins.
 
 Met by the in-process :class:`~contextpilot_integrations.core.pilot.ContextPilot` and by the
-index service's client (:class:`~contextpilot_integrations.service.client.ContextPilotClient`),
+index service's client (:class:`~contextpilot_integrations.client.client.ContextPilotClient`),
 so the LangChain, LlamaIndex and Mem0 adapters take either: one shared context index per
 process, or one per fleet. Sync callers use ``plan`` / ``plan_batch``; coroutines await
 ``aplan`` / ``aplan_batch``, which never block the event loop (the in-process pilot plans in a
@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
-    from .plan import BatchPlan, Plan
-    from .rendering import PromptLayout
-    from .request import PlanRequest, Scope
+    from contextpilot_integrations.core.plan import BatchPlan, Plan
+    from contextpilot_integrations.core.rendering import PromptLayout
+    from contextpilot_integrations.core.request import PlanRequest, Scope
 
 __all__ = ["PLANNER_MEMBERS", "Planner", "ThreadedAsyncTwins", "check_planner"]
 
@@ -146,7 +146,7 @@ class ThreadedAsyncTwins:
         return await self._in_thread(lambda: self.plan_batch(requests))
 
     async def _in_thread(self, call: Callable[[], _Planned]) -> _Planned:
-        from .placements import DeferredTurns
+        from contextpilot_integrations.core.placements import DeferredTurns
 
         deferred = DeferredTurns()
 

@@ -1,6 +1,6 @@
 """Prompt rendering: the one function every adapter uses to lay a request out.
 
-Layout (DESIGN.md, "Prompt layout"):
+Layout (docs/DESIGN.md, "Prompt layout"):
 ``[system prompt][block 1]...[block n][location hints][order annotation][question]``.
 
 Everything that can be shared across requests comes first and is rendered from the block's

@@ -4,12 +4,12 @@ A :class:`PlanRequest` is a question, its context blocks in retriever (relevance
 optional request id and one :class:`Scope` (conversation id, tenant, turn, visibility). A
 batch is a list of requests. The same type is planned in process
 (:meth:`~contextpilot_integrations.core.pilot.ContextPilot.plan_batch`), sent by both service
-clients and read by the service (its wire form, :mod:`contextpilot_integrations.service.schemas`,
+clients and read by the service (its wire form, :mod:`contextpilot_integrations.client.schemas`,
 converts to it field for field), so every check below runs wherever a request enters the
 library and names the field and the value.
 
 Blocks that are empty or only whitespace are accepted: they are not context blocks, the plan
-marks them ``skipped`` and hands them back (DESIGN.md invariant 1: nothing given in is lost).
+marks them ``skipped`` and hands them back (docs/DESIGN.md, "Lossless": nothing given in is lost).
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .conversation import MAX_TURN, TurnVisibility
+from contextpilot_integrations.core.conversations.turns import MAX_TURN, TurnVisibility
 
 __all__ = [
     "MAX_BLOCKS_PER_REQUEST",
     "MAX_ID_CHARS",
-    "MAX_TURN",
     "NO_SCOPE",
     "PlanRequest",
     "RidConflictError",
@@ -60,7 +59,7 @@ class Scope:
 
     Attributes:
         conversation_id: the conversation this request is a turn of; ``None``: none, nothing
-            is de-duplicated across requests or recorded (DESIGN.md invariant 2).
+            is de-duplicated across requests or recorded (docs/DESIGN.md, "Isolation").
         tenant: the owner (user, app) of the conversation; different tenants never see each
             other's conversations. In the service it comes from the API key, never the body.
         turn: this turn's number (``int >= 0``); ``None``: one after the conversation's latest.

@@ -1,9 +1,10 @@
 """A request's distinct context blocks: ids and tokens, with its duplicates and skipped inputs.
 
-The first step of planning (DESIGN.md: blocks -> index search -> ...): each input text is a
+The first step of planning (docs/DESIGN.md, "The flow of one request"): each input text is a
 context block unless it is empty or whitespace only (skipped: handed back, never lost,
-DESIGN.md invariant 1); a text identical to an earlier one of the same request is a duplicate
-of that one; the rest are the distinct blocks the index and the ordering see, in input order.
+docs/DESIGN.md, "Lossless"); a text identical to an earlier one of the same request is a
+duplicate of that one; the rest are the distinct blocks the index and the ordering see, in
+input order.
 
 Public API: :class:`RequestBlocks`, :func:`distinct_blocks`.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .request import is_block_text
+from contextpilot_integrations.core.request import is_block_text
 
 __all__ = ["RequestBlocks", "distinct_blocks"]
 

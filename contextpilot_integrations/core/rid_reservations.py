@@ -13,7 +13,7 @@ import contextlib
 import threading
 from collections.abc import Container, Iterator, Sequence
 
-from .request import RidConflictError
+from contextpilot_integrations.core.request import RidConflictError
 
 __all__ = ["RidReservations"]
 

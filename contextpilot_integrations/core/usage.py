@@ -1,18 +1,49 @@
-"""The engine's own figures for planned requests, added up: prompt, cached and written tokens.
+"""Running totals of planned requests: the engine's own usage figures, and what plans removed.
+
+:class:`UsageCounter` adds up the engine's figures (prompt, cached and written tokens) over
+every report. :class:`ConversationTotals` keeps, overall, per tenant and per
+``(tenant, conversation_id)``, the tokens de-duplication removed from the prompts (by the
+pilot's token counter) next to the cached tokens the engine reported for those prompts, so a
+conversation's saving and its cache hits read side by side (docs/DESIGN.md, "Conversations and
+de-duplication"). Both are running totals since the pilot was made (a snapshot does not keep
+them).
 
 Engines report how much of a prompt they served from their prefix cache as
 ``usage.prompt_tokens_details.cached_tokens`` (OpenAI's API; SGLang; vLLM with
 ``--enable-prompt-tokens-details``) or ``cache_read_input_tokens`` (Anthropic, which also
 reports what a request wrote to the cache, ``cache_creation_input_tokens``);
-:func:`contextpilot_integrations.engine_fields.read_usage` parses them and the planner's
+:func:`contextpilot_integrations.llm_call.engine_fields.read_usage` parses them and the planner's
 ``record_usage`` adds them here.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import TypeVar
 
-__all__ = ["UsageCounter"]
+from contextpilot_integrations.core.lru import LRU
+
+__all__ = ["RIDS_REMEMBERED", "TOTAL_FIELDS", "ConversationTotals", "UsageCounter"]
+
+TOTAL_FIELDS = (
+    "plans",
+    "tokens_removed",
+    "blocks_replaced",
+    "sub_blocks_replaced",
+    "usage_reports",
+    "prompt_tokens",
+    "cached_tokens",
+)
+"""The figures of every :class:`ConversationTotals` entry (all ints): plans made, tokens
+their de-duplication removed (``DedupFigures.tokens_saved``, by the pilot's token counter),
+blocks replaced by a hint, sub-blocks replaced by a pointer, and the engine's usage reports of
+those plans with their ``prompt_tokens`` and ``cached_tokens``."""
+
+RIDS_REMEMBERED = 65_536
+"""Plans whose rid :class:`ConversationTotals` maps to its conversation, most recent first: a
+usage report for an older rid adds to the overall figures only."""
+
+K = TypeVar("K")
 
 
 class UsageCounter:
@@ -69,3 +100,110 @@ class UsageCounter:
             out["cached_tokens"] / out["prompt_tokens"] if out["prompt_tokens"] else 0.0
         )
         return out
+
+
+class ConversationTotals:
+    """Thread-safe running totals (:data:`TOTAL_FIELDS`) overall, per tenant and per
+    ``(tenant, conversation_id)``.
+
+    Conversations are keyed by tenant and id together: two tenants that use the same
+    conversation id never add to one entry (docs/DESIGN.md, "Isolation").
+
+    Args:
+        max_conversations: conversations kept (LRU, the most recently planned or reported).
+        max_tenants: tenants kept (LRU); a tenant dropped starts from zero when it is back.
+
+    Raises:
+        ValueError: a bound that is not a positive int.
+
+    Bounded (docs/DESIGN.md, "Bounded"): the conversations, the tenants and the rids of the
+    last :data:`RIDS_REMEMBERED` plans (to tie a usage report to its conversation) are LRUs.
+    """
+
+    def __init__(self, max_conversations: int = 1024, max_tenants: int = 1024) -> None:
+        for name, bound in (("max_conversations", max_conversations), ("max_tenants", max_tenants)):
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {bound!r}")
+        self._lock = threading.Lock()
+        self._overall = dict.fromkeys(TOTAL_FIELDS, 0)
+        self._tenants: LRU[str, dict[str, int]] = LRU(max_tenants)
+        self._conversations: LRU[tuple[str, str], dict[str, int]] = LRU(max_conversations)
+        self._rids: LRU[str, tuple[str, str | None]] = LRU(RIDS_REMEMBERED)
+
+    def add_plan(
+        self,
+        rid: str,
+        tenant: str,
+        conversation_id: str | None,
+        tokens_removed: int,
+        blocks_replaced: int = 0,
+        sub_blocks_replaced: int = 0,
+    ) -> None:
+        """One plan's figures (``conversation_id`` ``None``: the tenant's and the overall
+        figures only)."""
+        figures = {
+            "plans": 1,
+            "tokens_removed": tokens_removed,
+            "blocks_replaced": blocks_replaced,
+            "sub_blocks_replaced": sub_blocks_replaced,
+        }
+        with self._lock:
+            self._rids.put(rid, (tenant, conversation_id))
+            for entry in self._entries(tenant, conversation_id):
+                for key, value in figures.items():
+                    entry[key] += value
+
+    def add_usage(self, rid: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """One usage report of ``rid`` (figures checked by :meth:`UsageCounter.add`): added
+        overall, and to the tenant and conversation that planned ``rid`` when it is one of
+        the rids remembered."""
+        with self._lock:
+            owner = self._rids.get(rid)
+            entries = [self._overall] if owner is None else self._entries(*owner)
+            for entry in entries:
+                entry["usage_reports"] += 1
+                entry["prompt_tokens"] += prompt_tokens
+                entry["cached_tokens"] += cached_tokens
+
+    def stats(self) -> dict[str, object]:
+        """The overall figures, with ``tenants`` (``{tenant: figures}``) and
+        ``conversations`` (``{tenant: {conversation_id: figures}}``), least recently used
+        first."""
+        with self._lock:
+            conversations: dict[str, dict[str, dict[str, int]]] = {}
+            for (tenant, conversation_id), figures in self._conversations.items():
+                conversations.setdefault(tenant, {})[conversation_id] = dict(figures)
+            return {
+                **self._overall,
+                "tenants": {tenant: dict(figures) for tenant, figures in self._tenants.items()},
+                "conversations": conversations,
+            }
+
+    def tenant_stats(self, tenant: str) -> dict[str, object]:
+        """``tenant``'s figures (zeros when none are held) with ``conversations``
+        (``{tenant: {conversation_id: figures}}``, that tenant's only)."""
+        with self._lock:
+            own = self._tenants.peek(tenant)
+            mine = {
+                conversation_id: dict(figures)
+                for (owner, conversation_id), figures in self._conversations.items()
+                if owner == tenant
+            }
+        figures = dict(own) if own is not None else dict.fromkeys(TOTAL_FIELDS, 0)
+        return {**figures, "conversations": {tenant: mine} if mine else {}}
+
+    def _entries(self, tenant: str, conversation_id: str | None) -> list[dict[str, int]]:
+        """The entries a figure of ``(tenant, conversation_id)`` adds to (made when missing,
+        marked as just used)."""
+        entries = [self._overall, _entry(self._tenants, tenant)]
+        if conversation_id is not None:
+            entries.append(_entry(self._conversations, (tenant, conversation_id)))
+        return entries
+
+
+def _entry(table: LRU[K, dict[str, int]], key: K) -> dict[str, int]:
+    entry = table.get(key)
+    if entry is None:
+        entry = dict.fromkeys(TOTAL_FIELDS, 0)
+        table.put(key, entry)
+    return entry

@@ -1,13 +1,13 @@
-"""LangChain adapter: a drop-in retriever wrapper, prompt formatting, request ids, batches.
+"""LangChain adapter: a drop-in retriever wrapper, prompt formatting, the plan's fields, batches.
 
 Swap ``retriever`` for ``ContextPilotRetriever(base_retriever=retriever)``, format with
 :data:`format_documents`, prompt with :data:`CONTEXTPILOT_PROMPT`, wrap the model with
-:func:`with_request_id`::
+:func:`with_plan_fields`::
 
     chain = (
         {"context": retriever | format_documents, "question": RunnablePassthrough()}
         | CONTEXTPILOT_PROMPT
-        | with_request_id(llm)
+        | with_plan_fields(llm)
     )
 
 For batches planned jointly and sent in schedule order, start the chain with
@@ -15,12 +15,21 @@ For batches planned jointly and sent in schedule order, start the chain with
 :class:`~contextpilot_integrations.Planner`: the in-process ``ContextPilot`` (default; with
 ``cache_sync={...}`` it follows the engine's cache) or the index service's
 ``ContextPilotClient``. Returned documents carry ``metadata["contextpilot"]``
-(:mod:`contextpilot_integrations.placement_metadata`, :mod:`.documents`). Install with
+(:mod:`contextpilot_integrations.core.placement_metadata`, :mod:`.documents`). Install with
 ``pip install contextpilot-integrations[langchain]``; the framework types stay in this package.
 """
 
-from .documents import planned_documents, planned_entry
-from .prompts import (
+from contextpilot_integrations.langchain.agent_middleware import (
+    AgentEngine,
+    ContextPilotMiddleware,
+)
+from contextpilot_integrations.langchain.documents import planned_documents, planned_entry
+from contextpilot_integrations.langchain.plan_fields import (
+    PlanFieldsChatModel,
+    schedule_order,
+    with_plan_fields,
+)
+from contextpilot_integrations.langchain.prompts import (
     CONTEXTPILOT_PROMPT,
     ContextPilotChatPromptTemplate,
     ContextPilotPromptValue,
@@ -30,15 +39,15 @@ from .prompts import (
     format_documents,
     render_context,
 )
-from .rag_inputs import RAGInputs
-from .request_ids import RequestIdChatModel, schedule_order, with_request_id
-from .retriever import (
+from contextpilot_integrations.langchain.rag_inputs import RAGInputs
+from contextpilot_integrations.langchain.retriever import (
     CONVERSATION_ID_KEY,
     TENANT_KEY,
     TURN_KEY,
     VISIBLE_TURNS_KEY,
     ContextPilotRetriever,
 )
+from contextpilot_integrations.langchain.retriever_tool import retriever_tool
 
 __all__ = [
     "CONTEXTPILOT_PROMPT",
@@ -46,18 +55,21 @@ __all__ = [
     "TENANT_KEY",
     "TURN_KEY",
     "VISIBLE_TURNS_KEY",
+    "AgentEngine",
     "ContextPilotChatPromptTemplate",
+    "ContextPilotMiddleware",
     "ContextPilotPromptValue",
     "ContextPilotRetriever",
+    "PlanFieldsChatModel",
     "RAGInputs",
     "RenderedContext",
-    "RequestIdChatModel",
     "contextpilot_prompt",
     "document_formatter",
     "format_documents",
     "planned_documents",
     "planned_entry",
     "render_context",
+    "retriever_tool",
     "schedule_order",
-    "with_request_id",
+    "with_plan_fields",
 ]

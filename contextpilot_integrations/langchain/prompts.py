@@ -3,26 +3,27 @@
 The usual LCEL RAG chain works with one import changed::
 
     from contextpilot_integrations.langchain import (
-        CONTEXTPILOT_PROMPT, ContextPilotRetriever, format_documents, with_request_id,
+        CONTEXTPILOT_PROMPT, ContextPilotRetriever, format_documents, with_plan_fields,
     )
 
     retriever = ContextPilotRetriever(base_retriever=vectorstore.as_retriever())
     chain = (
         {"context": retriever | format_documents, "question": RunnablePassthrough()}
         | CONTEXTPILOT_PROMPT
-        | with_request_id(ChatOpenAI(base_url=..., model=...))
+        | with_plan_fields(ChatOpenAI(base_url=..., model=...))
     )
 
 :data:`format_documents` renders the documents :class:`~.retriever.ContextPilotRetriever`
 returned with the core renderer (:class:`~contextpilot_integrations.PromptLayout`, one function
 for every adapter, so that the index, the renderer and the engine agree): block ``i`` is
 ``layout.render_block(i, page_content)``, and after the blocks comes the plan's context tail
-(location hints and order annotation, DESIGN.md "Prompt layout"). Its output is a
-:class:`RenderedContext`, a ``str`` that also carries the plan's request id.
-:data:`CONTEXTPILOT_PROMPT` puts that string in the user message, before the question, and
-returns a :class:`ContextPilotPromptValue`, a ``ChatPromptValue`` that keeps the request id for
-:func:`~.request_ids.with_request_id`. The messages equal ``Plan.messages``: the system prompt,
-then one user message ``"".join(plan.segments[1:])``.
+(location hints and order annotation, docs/DESIGN.md, "Prompt layout"). Its output is a
+:class:`RenderedContext`, a ``str`` that also carries the plan's fields (``rid``, schedule
+position, cache prefix, prompt cache key). :data:`CONTEXTPILOT_PROMPT` puts that string in the
+user message, before the question, and returns a :class:`ContextPilotPromptValue`, a
+``ChatPromptValue`` that keeps those fields for :func:`~.plan_fields.with_plan_fields`. The
+messages equal ``Plan.messages``: the system prompt, then one user message
+``"".join(plan.segments[1:])``.
 
 Give the formatter and the template the same :class:`PromptLayout` as the pilot when it is not
 the default (:func:`document_formatter`, :func:`contextpilot_prompt`).
@@ -41,10 +42,9 @@ from langchain_core.prompt_values import ChatPromptValue
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 from langchain_core.runnables import Runnable, RunnableLambda
 
-from contextpilot_integrations.cache_prefix import CachePrefix
 from contextpilot_integrations.core.rendering import PromptLayout
-
-from .documents import planned_entry
+from contextpilot_integrations.langchain.documents import planned_entry
+from contextpilot_integrations.llm_call.cache_prefix import CachePrefix
 
 __all__ = [
     "CONTEXTPILOT_PROMPT",
@@ -69,8 +69,8 @@ class RenderedContext(str):
         schedule_position: the request's position in its batch's schedule; ``None`` outside
             a batch.
         cache_prefix: the plan's rendered blocks and shared prefix, for a hosted API's cache
-            breakpoints (:class:`~contextpilot_integrations.hosted_cache.CachePrefix`; block
-            ids are not needed there); ``None`` without one plan.
+            breakpoints (:class:`~contextpilot_integrations.llm_call.cache_prefix.CachePrefix`;
+            block ids are not needed there); ``None`` without one plan.
         prompt_cache_key: the plan's OpenAI ``prompt_cache_key``, or ``None``.
     """
 
@@ -205,8 +205,9 @@ class ContextPilotPromptValue(ChatPromptValue):
     Attributes:
         rid: the plan's request id (``None``: no plan).
         schedule_position: the request's position in its batch's schedule, or ``None``.
-        cache_prefix: the plan's :class:`~contextpilot_integrations.hosted_cache.CachePrefix`
-            (Anthropic breakpoints), or ``None``.
+        cache_prefix: the plan's
+            :class:`~contextpilot_integrations.llm_call.cache_prefix.CachePrefix` (Anthropic
+            breakpoints), or ``None``.
         prompt_cache_key: the plan's OpenAI ``prompt_cache_key``, or ``None``.
     """
 

@@ -5,9 +5,9 @@ the map is a ``RunnableParallel``, whose ``batch`` runs ``invoke`` once per inpu
 is then planned on its own, against what the index already holds (ContextPilot's online mode).
 ``RAGInputs(retriever=...)`` produces the same dict, but its ``batch``/``abatch`` call the
 retriever's ``batch``, so that :meth:`ContextPilotRetriever.batch` plans the whole batch jointly
-and marks the schedule, which :func:`~.request_ids.with_request_id` then follows::
+and marks the schedule, which :func:`~.plan_fields.with_plan_fields` then follows::
 
-    chain = RAGInputs(retriever=retriever) | CONTEXTPILOT_PROMPT | with_request_id(llm)
+    chain = RAGInputs(retriever=retriever) | CONTEXTPILOT_PROMPT | with_plan_fields(llm)
     answers = chain.batch(questions, config={"max_concurrency": 4})  # input order
 """
 
@@ -21,7 +21,7 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableSerializa
 from langchain_core.runnables.config import patch_config
 from pydantic import ConfigDict, Field
 
-from .prompts import format_documents
+from contextpilot_integrations.langchain.prompts import format_documents
 
 __all__ = ["RAGInputs"]
 

@@ -1,55 +1,34 @@
 """``ContextPilotRetriever``: a drop-in wrapper that plans any LangChain retriever's results.
 
-Swap ``retriever`` for ``ContextPilotRetriever(base_retriever=retriever)`` and nothing else in
-the chain has to change: it is a :class:`~langchain_core.retrievers.BaseRetriever`, its input is
-the query string and its output a list of documents. Each call
+A :class:`~langchain_core.retrievers.BaseRetriever` (query string in, documents out). Each call
+runs the base retriever (its run nested in traces, the call's keyword arguments passed
+through), plans the documents' texts with the pilot (a
+:class:`~contextpilot_integrations.core.planner_protocol.Planner`; ``aplan`` on the async path)
+and returns one copy of each document in the plan's output order with its
+``metadata["contextpilot"]`` entry (:mod:`.documents`). ``batch``/``abatch`` plan the whole
+batch jointly (``plan_batch``) and mark each document with its request's
+``schedule_position``, which :func:`~.plan_fields.with_plan_fields` sends the calls in.
 
-1. runs the base retriever, its run nested under this one in traces
-   (``run_manager.get_child()``, as langchain-classic's ``ContextualCompressionRetriever``
-   does), with the call's keyword arguments passed through (``invoke(q, k=3)``);
-2. plans the documents' texts with the pilot, a
-   :class:`~contextpilot_integrations.core.planner_protocol.Planner` (``pilot.plan(query,
-   texts, scope=...)``: alignment against the shared context index, multi-turn
-   de-duplication when the call names a conversation); the async path awaits
-   ``pilot.aplan``, which never blocks the event loop;
-3. returns one copy of each document in the plan's output order, each with a
-   ``metadata["contextpilot"]`` entry (request id, input index, status, label, block id,
-   hint; :mod:`.documents`).
+Per-call settings, read from ``config={"metadata": {...}}`` (or the retriever's own
+``metadata`` field), make the request's
+:class:`~contextpilot_integrations.core.request.Scope`:
 
-``batch``/``abatch`` run the base retriever's batch, then plan the whole batch jointly
-(``pilot.plan_batch`` / ``await pilot.aplan_batch`` with one
-:class:`~contextpilot_integrations.core.request.PlanRequest` per input: requests ordered
-against each other, a schedule that runs requests sharing a prefix back to back); results
-come back in input order and each document carries its request's ``schedule_position``, which
-:func:`~.request_ids.with_request_id` uses to issue the LLM calls in that order.
+================================= ==============================================================
+key                               value
+================================= ==============================================================
+``contextpilot_conversation_id``  the conversation this request is a turn of (``str``); without
+                                  it nothing is de-duplicated (docs/DESIGN.md, "Isolation")
+``contextpilot_tenant``           the tenant owning the conversation (``str``, default ``""``)
+``contextpilot_turn``             this turn's number (``int``; default: after the latest)
+``contextpilot_visible_turns``    how many earlier turns' documents the app's prompt still holds
+                                  (``int``: the last n, or ``"all"``; default ``0``: the usual
+                                  chain does not resend them, and a hint must point at text the
+                                  model sees)
+================================= ==============================================================
 
-Per-call settings come from ``config={"metadata": {...}}`` and make the request's
-:class:`~contextpilot_integrations.core.request.Scope`: LangChain hands them to the retriever
-as ``run_manager.metadata`` on every call path, direct or inside a chain (``configurable`` is not
-read: langchain-core 1.8 copies only its ``model`` and ``checkpoint_ns`` into the metadata, and a
-retriever sees ``configurable`` only inside a chain). The retriever's own ``metadata`` field
-works too, for a fixed tenant.
-
-===============================  ===================================================================
-key                              value
-===============================  ===================================================================
-``contextpilot_conversation_id`` the conversation this request is a turn of (``str``); without it
-                                 nothing is de-duplicated across requests (DESIGN.md invariant 2)
-``contextpilot_tenant``          the tenant owning the conversation (``str``, default ``""``)
-``contextpilot_turn``            this turn's number (``int``; default: after the latest)
-``contextpilot_visible_turns``   how many earlier turns' documents the app's prompt still holds:
-                                 ``int`` (the last n turns) or ``"all"``; default ``0``. A block an
-                                 earlier *visible* turn showed becomes a hint; with the default
-                                 no hint points at an earlier turn, because the usual
-                                 chain (README) does not resend earlier turns' documents and a
-                                 hint must never point at text the model does not see
-===============================  ===================================================================
-
-LangGraph's ``thread_id`` and ``user_id`` are *not* read by default: a hint ("Also relevant:
-[Doc 3] of turn 2, shown above.") is only right when the app's prompt still holds that earlier
-turn's documents, and most chat histories keep only questions and answers. An app whose history
-does keep the rendered prompts opts in with ``conversation_id_keys=("thread_id",)`` and
-``tenant_keys=("user_id",)``.
+LangGraph's ``thread_id`` and ``user_id`` are read only when named
+(``conversation_id_keys=("thread_id",)``, ``tenant_keys=("user_id",)``): why in
+docs/DESIGN.md, "LangChain".
 """
 
 from __future__ import annotations
@@ -70,13 +49,12 @@ from langchain_core.runnables import RunnableConfig, ensure_config
 from langchain_core.runnables.config import get_config_list, patch_config
 from pydantic import Field, field_validator
 
-from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.conversations.turns import TurnVisibility
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import BatchPlan
 from contextpilot_integrations.core.planner_protocol import check_planner
 from contextpilot_integrations.core.request import PlanRequest, Scope
-
-from .documents import planned_documents
+from contextpilot_integrations.langchain.documents import planned_documents
 
 __all__ = [
     "CONVERSATION_ID_KEY",
@@ -101,7 +79,7 @@ class ContextPilotRetriever(BaseRetriever):
         base_retriever: any retriever or runnable ``str -> list[Document]``.
         pilot: the :class:`~contextpilot_integrations.core.planner_protocol.Planner`; default a
             new in-process :class:`ContextPilot`. Share one across retrievers, or use the index
-            service's :class:`~contextpilot_integrations.service.client.ContextPilotClient`
+            service's :class:`~contextpilot_integrations.client.client.ContextPilotClient`
             across processes, so that they share one context index.
         k: keep only the base retriever's first ``k`` documents (retriever order) before
             planning; ``None`` keeps all. A ``k`` keyword given to ``invoke`` is passed to the

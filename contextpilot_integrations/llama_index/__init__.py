@@ -15,7 +15,7 @@ Quick start::
                                          text_qa_template=text_qa_template(pp))
 
 Each returned node is a copy carrying ``node.metadata["contextpilot"]``, the placement entry of
-:mod:`contextpilot_integrations.placement_metadata` (excluded from the LLM and embedding text).
+:mod:`contextpilot_integrations.core.placement_metadata` (excluded from the LLM and embedding text).
 
 Chat (one conversation per chat engine; its second turn de-duplicates against the first)::
 
@@ -27,18 +27,36 @@ Chat (one conversation per chat engine; its second turn de-duplicates against th
 Request ids: use ``ContextPilotOpenAILike`` (an ``OpenAILike``) as the LLM and each request
 carries its plan's rid (see :mod:`.request_ids`). Hosted APIs: ``ContextPilotAnthropic`` places
 the plan's cache breakpoints, ``ContextPilotOpenAI`` sends its ``prompt_cache_key``
-(:mod:`contextpilot_integrations.hosted_cache`).
+(:mod:`contextpilot_integrations.llm_call`).
+
+Agents (``FunctionAgent``, ``AgentWorkflow``): retrieval runs inside the tools, so the agent's
+LLM is wrapped instead; every call's history is planned (byte-stable, repeated tool results
+and documents sent once, then as checked pointers; see :mod:`.agent_llm`)::
+
+    pilot_llm = ContextPilotAgentLLM(llm, tenant="acme")
+    agent = FunctionAgent(llm=pilot_llm.for_conversation(session_id), tools=[search_tool])
 """
 
 from typing import Any
 
-from .conversation_sections import ConversationSections
-from .plan_store import PlanStore, StoredPlan
-from .postprocessor import ContextPilotNodePostprocessor
-from .prompts import PlanRenderer, chat_context_template, text_qa_template
-from .request_ids import arm_request, nodes_rid, request_id_kwargs, take_request
+from contextpilot_integrations.llama_index.agent_llm import ContextPilotAgentLLM
+from contextpilot_integrations.llama_index.conversation_sections import ConversationSections
+from contextpilot_integrations.llama_index.plan_store import PlanStore, StoredPlan
+from contextpilot_integrations.llama_index.postprocessor import ContextPilotNodePostprocessor
+from contextpilot_integrations.llama_index.prompts import (
+    PlanRenderer,
+    chat_context_template,
+    text_qa_template,
+)
+from contextpilot_integrations.llama_index.request_ids import (
+    arm_request,
+    nodes_rid,
+    request_id_kwargs,
+    take_request,
+)
 
 __all__ = [
+    "ContextPilotAgentLLM",
     "ContextPilotAnthropic",
     "ContextPilotNodePostprocessor",
     "ContextPilotOpenAI",
@@ -59,11 +77,11 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # optional dependencies, imported on first use
     if name in ("ContextPilotOpenAI", "ContextPilotOpenAILike"):
-        from . import llms
+        from contextpilot_integrations.llama_index import llms
 
         return getattr(llms, name)
     if name == "ContextPilotAnthropic":
-        from .anthropic import ContextPilotAnthropic
+        from contextpilot_integrations.llama_index.anthropic import ContextPilotAnthropic
 
         return ContextPilotAnthropic
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,11 +5,11 @@ ContextPilot templates (:mod:`.request_ids`); the ``chat`` call (sync, async, st
 ``complete``, which LlamaIndex's ``Anthropic`` sends through ``chat``) whose prompt shows the
 plan's first block takes it once and sends the prompt as content blocks, one per rendered
 document, with ``cache_control`` breakpoints placed by
-:func:`contextpilot_integrations.hosted_cache.anthropic_prompt`: after the system prompt, after
-the prefix shared with indexed requests, where the conversation's earlier turns end (the chat
-template renders them before this turn's documents) and, in a conversation, after this turn's
-documents; at most four, none below the model's minimum cacheable length (``cache_policy``;
-default by ``model``).
+:func:`contextpilot_integrations.llm_call.anthropic_breakpoints.anthropic_prompt`: after the
+system prompt, after the prefix shared with indexed requests, where the conversation's earlier
+turns end (the chat template renders them before this turn's documents) and, in a
+conversation, after this turn's documents; at most four, none below the model's minimum
+cacheable length (``cache_policy``; default by ``model``).
 
 LlamaIndex's ``Anthropic`` flattens a system message into one string, which cannot carry a
 breakpoint; when one belongs there (the chat template puts the documents in the system
@@ -37,14 +37,13 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field
 from llama_index.llms.anthropic import Anthropic
 
-from contextpilot_integrations.anthropic_breakpoints import (
+from contextpilot_integrations.llama_index.request_ids import PendingRequest, take_pending
+from contextpilot_integrations.llm_call.anthropic_breakpoints import (
     AnthropicCachePolicy,
     AnthropicPrompt,
     anthropic_prompt,
 )
-from contextpilot_integrations.cache_prefix import CachePrefix
-
-from .request_ids import PendingRequest, take_pending
+from contextpilot_integrations.llm_call.cache_prefix import CachePrefix
 
 __all__ = ["ContextPilotAnthropic"]
 
@@ -63,8 +62,8 @@ class ContextPilotAnthropic(Anthropic):
 
     Args:
         cache_policy: where breakpoints go and the limits
-            (:class:`~contextpilot_integrations.hosted_cache.AnthropicCachePolicy`; default:
-            by ``model``).
+            (:class:`~contextpilot_integrations.llm_call.anthropic_breakpoints.AnthropicCachePolicy`;
+            default: by ``model``).
         token_counter: counts prefix tokens against the minimum (default the approximate
             counter; give the pilot's).
         usage_tracker: where each planned response's usage is recorded, or ``None``.

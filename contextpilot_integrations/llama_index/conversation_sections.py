@@ -8,10 +8,10 @@ layout's turn header, then turn ``t``'s own section
 (:meth:`~contextpilot_integrations.core.rendering.PromptLayout.render_turns`). That makes each
 turn's prompt start with the previous turn's documents (byte-identical, a prefix-cache hit) and
 lets the core replace a repeated document by a hint that points to where it stands *in the same
-prompt* (DESIGN.md invariant 1). The post-processor passes the kept turns to the core as the
+prompt* (docs/DESIGN.md, "Lossless"). The post-processor passes the kept turns to the core as the
 visible turns (``Scope.visibility``), so a hint never points to a turn the prompt does not show.
 
-Bounded (DESIGN.md invariant 6): at most ``max_conversations`` conversations (least recently
+Bounded (docs/DESIGN.md, "Bounded"): at most ``max_conversations`` conversations (least recently
 used dropped, :class:`~contextpilot_integrations.core.lru.LRU`). A conversation keeps its
 sections while their tokens stay within ``history_tokens``; past that, the oldest sections are
 dropped until at most half the budget is left, so the shared prefix changes once per drop, not

@@ -2,30 +2,28 @@
 engine-facing fields.
 
 Needs ``llama-index-llms-openai`` (``ContextPilotOpenAI``) and ``llama-index-llms-openai-like``
-(``ContextPilotOpenAILike``). The mechanism is described in :mod:`.request_ids`: the
-post-processor (and the ContextPilot templates) arm the plan in the caller's context; each
-``chat``/``complete`` call (sync, async, streaming; the LlamaIndex entry points) whose prompt
-shows the plan's first block takes it once, before the client's retries, and
-``_get_model_kwargs`` merges the plan's body fields
-(:func:`contextpilot_integrations.engine_fields.with_engine_fields`) into the request body's
-``extra_body``, on top of any ``extra_body`` the user set in ``additional_kwargs``. Calls that
-take no request are sent unchanged.
+(``ContextPilotOpenAILike``). The post-processor (and the ContextPilot templates) arm the plan
+in the caller's context (:mod:`.request_ids`); each ``chat``/``complete`` call (sync, async,
+streaming) whose prompt shows the plan's first block takes it once, before the client's
+retries, and ``_get_model_kwargs`` merges the plan's body fields
+(:func:`contextpilot_integrations.llm_call.engine_fields.with_engine_fields`) into
+``extra_body``, over any ``extra_body`` set in ``additional_kwargs``. Calls that take no
+request are sent unchanged.
 
 - ``ContextPilotOpenAILike`` (self-hosted SGLang / vLLM): SGLang's ``rid``, vLLM's
   ``request_id`` and ``session_id`` by default (``request_id_engine="any"``).
 - ``ContextPilotOpenAI`` (the hosted OpenAI API, which refuses unknown fields): the plan's
-  ``prompt_cache_key`` (:func:`contextpilot_integrations.hosted_cache.prompt_cache_key`:
-  requests whose aligned prefix starts alike share it, so they reach the machine that caches
-  it) and ``prompt_cache_retention`` when set (``request_id_engine="openai"``).
+  ``prompt_cache_key``
+  (:func:`contextpilot_integrations.llm_call.openai_cache_key.prompt_cache_key`: requests whose
+  aligned prefix starts alike share it, so they reach the machine that caches it) and
+  ``prompt_cache_retention`` when set (``request_id_engine="openai"``).
 
-Behind a gateway in front of several engine replicas (the plan of a
-:class:`~contextpilot_integrations.core.routing.ReplicaRouter`), the plan's routing key goes in
-a header (``routing_header``, default
-:data:`~contextpilot_integrations.engine_fields.ROUTING_HEADER`) through the client's
-``extra_headers``, so the gateway sends the request to the replica it was planned for.
-
-With ``usage_tracker`` (an :class:`~contextpilot_integrations.engine_fields.CacheUsageTracker`)
-the usage of each planned ``chat``/``complete`` response is read back to the pilot.
+Behind a gateway in front of engine replicas (the plan of a
+:class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter`), the plan's routing
+key goes in the ``routing_header`` through ``extra_headers``, so the gateway sends the request
+to the replica it was planned for. With ``usage_tracker`` (a
+:class:`~contextpilot_integrations.llm_call.engine_fields.CacheUsageTracker`) the usage of each
+planned response is read back to the pilot.
 """
 
 from __future__ import annotations
@@ -46,14 +44,13 @@ from llama_index.core.bridge.pydantic import Field
 from llama_index.llms.openai import OpenAI
 from llama_index.llms.openai_like import OpenAILike
 
-from contextpilot_integrations.engine_fields import (
+from contextpilot_integrations.llama_index.request_ids import PendingRequest, take_pending
+from contextpilot_integrations.llm_call.engine_fields import (
     ROUTING_HEADER,
     EngineKind,
     engine_headers,
     with_engine_fields,
 )
-
-from .request_ids import PendingRequest, take_pending
 
 __all__ = ["ContextPilotOpenAI", "ContextPilotOpenAILike"]
 
@@ -70,9 +67,9 @@ class ContextPilotOpenAI(OpenAI):
 
     Args:
         request_id_engine: whose body fields to send
-            (:func:`~contextpilot_integrations.engine_fields.engine_body_fields`): ``"openai"``
-            (default: ``prompt_cache_key``), ``"any"``, ``"sglang"``, ``"vllm"``, or ``"hosted"``
-            (none; the armed request is then left untaken).
+            (:func:`~contextpilot_integrations.llm_call.engine_fields.engine_body_fields`):
+            ``"openai"`` (default: ``prompt_cache_key``), ``"any"``, ``"sglang"``, ``"vllm"``,
+            or ``"hosted"`` (none; the armed request is then left untaken).
         prompt_cache_retention: ``"in_memory"`` or ``"24h"``, sent with ``"openai"``.
         usage_tracker: where each planned response's usage is recorded, or ``None``.
         routing_header: the header a routed plan's ``routing_key`` goes in (self-hosted

@@ -9,7 +9,7 @@ node's LLM text stripped, empty ones left out, joined with a blank line). When s
 plans have the same context (identical concurrent requests), the one armed in the caller's
 context wins (:mod:`.request_ids`).
 
-Bounded (DESIGN.md invariant 6): at most ``max_plans`` plans, the least recently filed dropped
+Bounded (docs/DESIGN.md, "Bounded"): at most ``max_plans`` plans, the least recently filed dropped
 first (:class:`~contextpilot_integrations.core.lru.LRU`). Thread-safe (one lock).
 """
 
@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 from contextpilot_integrations.core.lru import LRU
 from contextpilot_integrations.core.plan import Plan
-
-from .request_ids import pending_request
+from contextpilot_integrations.llama_index.request_ids import pending_request
 
 __all__ = ["PlanStore", "StoredPlan", "context_digest", "context_text"]
 

@@ -1,46 +1,38 @@
 """``ContextPilotNodePostprocessor``: align and de-duplicate retrieved nodes against the shared
-context index (ContextPilot, MLSys 2026), for LlamaIndex query engines, chat engines and
-Workflows.
+context index, for LlamaIndex query engines, chat engines and Workflows.
 
-What it does with the nodes it is given (in relevance order: the retriever's, or the previous
-post-processor's):
+For the nodes it is given (in relevance order):
 
-1. Each node's text as LlamaIndex shows it to the LLM (``get_content(MetadataMode.LLM)``,
-   stripped, as the response synthesizer strips it) is a context block; every node's text goes
-   to the planner, which marks the empty ones (an image node without text) ``skipped``.
+1. each node's text as LlamaIndex shows it to the LLM (``get_content(MetadataMode.LLM)``,
+   stripped) is a context block; the planner marks the empty ones ``skipped``;
 2. ``pilot.plan(query, texts, scope=...)`` (``await pilot.aplan(...)`` on the async path)
-   aligns the blocks with the prefixes the index already holds (shared blocks first, in the
-   order earlier requests sent them), de-duplicates them against the conversation's earlier
-   turns, and indexes the request under a new request id.
-3. It returns a *copy* of every node (the docstore's objects are shared and never changed), in
-   ``plan.output_order()``: the blocks the prompt shows, in prompt order; then the blocks
-   replaced by a hint (already shown in an earlier turn of the conversation); then repeated
-   texts; then nodes without text. Nothing is dropped: the output is a permutation of the
-   input. Each copy carries ``metadata["contextpilot"]``, the one placement entry of every face
-   (:mod:`contextpilot_integrations.placement_metadata`: ``rid``, ``index``, ``status``,
-   ``position``, ``label``, ``block_id``, ``hint``, ``duplicate_of``), listed in
-   ``excluded_llm_metadata_keys`` and ``excluded_embed_metadata_keys``, so the text LlamaIndex
-   renders for a node is byte-identical to the original's. Scores are carried, never read.
+   aligns the blocks with the prefixes the index holds, de-duplicates them against the
+   conversation's earlier turns, and indexes the request under a new rid;
+3. it returns a *copy* of every node (a permutation of the input) in ``plan.output_order()``:
+   shown blocks in prompt order, then blocks replaced by a hint, repeated texts, nodes without
+   text. Each copy carries ``metadata["contextpilot"]``
+   (:mod:`contextpilot_integrations.core.placement_metadata`), excluded from the LLM and
+   embedding text, so the text LlamaIndex renders for a node is unchanged. Scores are carried,
+   never read.
 
-Rendering: with the stock LlamaIndex templates the LLM sees the nodes joined in the aligned
-order, so requests that share nodes share a byte-identical prefix, and every node's full text is
-present (a replaced node too). With the templates of :mod:`.prompts`
-(``text_qa_template(pp)``, ``chat_context_template(pp)``) the prompt is the layout of
-DESIGN.md: labelled blocks, location hints, the order annotation, then the question, and a
-replaced node appears only as its hint.
+With the stock templates the LLM sees every node's full text in the aligned order; with those
+of :mod:`.prompts` it sees the prompt layout (docs/DESIGN.md, "Prompt layout"), a replaced
+node as its hint. The conversation is bound to the post-processor
+(``pp.for_conversation(conversation_id, tenant=...)``, a sibling sharing the pilot and the
+stores; one per chat engine), since LlamaIndex passes a post-processor only the nodes and the
+query; without one nothing is de-duplicated across requests (docs/DESIGN.md, "Isolation").
+The plan's rid is armed for the next LLM call (:mod:`.request_ids`) and on every node.
 
-Per-call information (which conversation, which tenant): LlamaIndex hands a post-processor
-only the nodes and the query, and a retriever only the query, so neither can learn per call
-which conversation a request belongs to. The conversation is therefore bound to the
-post-processor as one :class:`~contextpilot_integrations.core.request.Scope`:
-``pp.for_conversation(conversation_id, tenant=...)`` returns a sibling that shares the pilot
-and the stores; give one to each chat engine (or create it per call in a Workflow step). Each
-call adds the visible turns (the sections :mod:`.conversation_sections` still keeps). Without a
-conversation id nothing is de-duplicated across requests (DESIGN.md invariant 2).
-
-Request ids: see :mod:`.request_ids`. The plan's rid is armed in the caller's context and
-:class:`~contextpilot_integrations.llama_index.llms.ContextPilotOpenAILike` sends it with the
-next LLM request; it is also on every returned node (``metadata["contextpilot"]["rid"]``).
+Agents (``FunctionAgent``, ``AgentWorkflow``) are not served by the conversation mode, and
+``scope.visibility`` stays refused: the turns it tracks are the sections a ContextPilot
+template renders into one engine's prompt, while an agent's retrieval runs inside a tool
+(a ``RetrieverTool`` joins the nodes' texts, a ``QueryEngineTool`` returns its engine's
+answer) and the agent's model reads its own history of tool messages, which a post-processor
+never sees. A hint made here would point at a prompt that model was never sent. For agents,
+wrap the agent's LLM in
+:class:`~contextpilot_integrations.llama_index.agent_llm.ContextPilotAgentLLM`: it plans the
+history the model is sent, so repeated tool results and documents become pointers into that
+history (docs/DESIGN.md, "LlamaIndex").
 """
 
 from __future__ import annotations
@@ -55,17 +47,16 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.conversations.turns import TurnVisibility
 from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY, placement_entry
 from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.core.planner_protocol import Planner, check_planner
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import NO_SCOPE, Scope
-from contextpilot_integrations.placement_metadata import METADATA_KEY, placement_entry
-
-from .conversation_sections import ConversationSections
-from .plan_store import PlanStore, StoredPlan
-from .request_ids import arm_plan, nodes_rid
+from contextpilot_integrations.llama_index.conversation_sections import ConversationSections
+from contextpilot_integrations.llama_index.plan_store import PlanStore, StoredPlan
+from contextpilot_integrations.llama_index.request_ids import arm_plan, nodes_rid
 
 __all__ = ["ContextPilotNodePostprocessor"]
 

@@ -1,39 +1,25 @@
-"""Prompt templates that render a ContextPilot plan in the layout of DESIGN.md.
+"""Prompt templates that render a ContextPilot plan in the prompt layout.
 
-``[system prompt][block 1]...[block n][location hints][order annotation][question]``: the
-blocks are the plan's, labelled by prompt position and rendered by the core's
-:class:`~contextpilot_integrations.core.rendering.PromptLayout` (the one rendering function
-every adapter uses); nothing request-specific comes before or inside them. The order annotation
-(ContextPilot paper, section 4.4) and the question come after the context.
+``[system prompt][block 1]...[block n][location hints][order annotation][question]``
+(docs/DESIGN.md, "Prompt layout"), rendered by the core's
+:class:`~contextpilot_integrations.core.rendering.PromptLayout`; nothing request-specific comes
+before or inside the blocks.
 
 - :func:`text_qa_template` for query engines and response synthesizers
-  (``as_query_engine(text_qa_template=...)``, ``RetrieverQueryEngine.from_args(...)``,
-  ``get_response_synthesizer(text_qa_template=...)``). A completion model gets exactly
-  ``plan.prompt``; a chat model gets exactly ``plan.messages`` (system prompt, then one user
-  message with the blocks, hints, annotation and question).
+  (``as_query_engine(text_qa_template=...)``, ``get_response_synthesizer(...)``): a completion
+  model gets exactly ``plan.prompt``, a chat model exactly ``plan.messages``.
 - :func:`chat_context_template` for ``condense_plus_context`` (and ``context``) chat engines:
   the system message holds the system prompt, the context and the annotation; the engine adds
   the chat history and the user's message after it.
 
-How a template finds the plan: LlamaIndex formats a template with the joined node texts
-(``context_str``) and the question only; the template looks the plan up in the
-post-processor's :class:`~.plan_store.PlanStore` by that text (see :mod:`.plan_store`). When no
-plan matches, it renders ``context_str`` as LlamaIndex gave it, after the system prompt: the
-prompt holds every node's text, just without labels and annotation. That happens when the
-response synthesizer splits the context into several chunks (``refine`` mode, or a context
-longer than the LLM's window), or when a node post-processor after ContextPilot changed the
-nodes; it is logged once per template.
-
-In a conversation, the context is the sections of the earlier turns still kept
-(:mod:`.conversation_sections`), then this turn's section, each after the layout's turn header
-(``PromptLayout.turn_header``, ``"### Turn 1\n"`` by default), assembled by the core's one
-multi-turn assembly, :meth:`~contextpilot_integrations.core.rendering.PromptLayout.render_turns`;
-then the plan's hints and annotation (``plan.context_tail``). So each turn's prompt starts with
-the previous turn's documents (a prefix-cache hit) and every location hint points to text that
-stands in the same prompt. A template records the section it rendered, so the next turn can
-show it. With the stock LlamaIndex templates nothing is recorded and nothing is de-duplicated
-across turns.
-
+A template finds its plan in the post-processor's :class:`~.plan_store.PlanStore` by the
+``context_str`` LlamaIndex formats it with; when none matches (``refine`` mode, a context split
+into chunks, nodes changed by a later post-processor) it renders ``context_str`` as given,
+after the system prompt, and logs it once per template. In a conversation the context is the
+kept sections of the earlier turns (:mod:`.conversation_sections`), then this turn's, each
+after the layout's turn header (:meth:`PromptLayout.render_turns
+<contextpilot_integrations.core.rendering.PromptLayout.render_turns>`), then
+``plan.context_tail``; the template records the section it rendered for the next turn.
 Rendering a plan arms its request id (:mod:`.request_ids`) for the LLM call that follows.
 """
 
@@ -48,11 +34,10 @@ from llama_index.core.prompts.prompt_type import PromptType
 from llama_index.core.prompts.utils import is_chat_model
 
 from contextpilot_integrations.core.rendering import PromptLayout
-
-from .conversation_sections import ConversationSections
-from .plan_store import PlanStore, StoredPlan
-from .postprocessor import ContextPilotNodePostprocessor
-from .request_ids import arm_plan
+from contextpilot_integrations.llama_index.conversation_sections import ConversationSections
+from contextpilot_integrations.llama_index.plan_store import PlanStore, StoredPlan
+from contextpilot_integrations.llama_index.postprocessor import ContextPilotNodePostprocessor
+from contextpilot_integrations.llama_index.request_ids import arm_plan
 
 __all__ = ["PlanRenderer", "chat_context_template", "text_qa_template"]
 

@@ -1,32 +1,24 @@
 """Request ids: how a plan's ``rid`` reaches the engine call without glue code.
 
-Why: the context index files each planned request under ``plan.rid``; the engine's KV-cache
-events and evictions are tied back to it only if the LLM request carries that id (the body
-fields of :mod:`contextpilot_integrations.engine_fields`: SGLang ``rid``, vLLM ``request_id``,
-both ``session_id``). In a LlamaIndex query or chat engine the LLM call is made deep inside the
-response synthesizer, which passes no per-call arguments to the LLM; so the id travels beside
-the call instead of through it:
+The engine's KV-cache events are tied back to a planned request only if the LLM request
+carries its rid (:mod:`contextpilot_integrations.llm_call.engine_fields`). LlamaIndex makes the
+LLM call deep inside the response synthesizer, with no per-call arguments, so the rid travels
+beside the call (docs/DESIGN.md, "LlamaIndex"):
 
-1. ``ContextPilotNodePostprocessor`` plans the nodes and *arms* the plan's request in a
-   :class:`contextvars.ContextVar` of the caller's context (the thread, or the asyncio task,
-   that runs the query). The ContextPilot prompt templates arm it again when they render a
-   plan, so the id follows the prompt that shows the plan's blocks.
-2. The next LLM request made in that context whose prompt shows the plan's blocks *takes*
-   it, exactly once: :class:`~contextpilot_integrations.llama_index.llms.ContextPilotOpenAILike`
-   (an ``OpenAILike`` that adds the fields to ``extra_body``) takes it when ``chat``/``complete``
-   (sync, async, streaming) is called, before the client's retries, so a retried request keeps
-   its id; the following request (the next turn's question condensing) carries none, and so
-   does a request whose prompt does not contain the start of the plan's first block (a call
-   that has nothing to do with the plan, made after a retrieval that was never answered).
+1. ``ContextPilotNodePostprocessor`` (and the ContextPilot templates, when they render a plan)
+   *arm* the plan's request in a :class:`contextvars.ContextVar` of the caller's context;
+2. the next LLM request in that context whose prompt contains the start of the plan's first
+   block *takes* it, exactly once, before the client's retries
+   (:class:`~contextpilot_integrations.llama_index.llms.ContextPilotOpenAILike`); later
+   requests, and requests whose prompt does not show the plan, carry none.
 
-The armed request is a shared holder, not a value: a copied context (LlamaIndex runs streamed
-answers in a context-copying thread) takes the same holder, so the id is still sent once.
+The armed request is a shared holder, not a value, so a copied context (a streamed answer's
+thread) takes the same one and the id is still sent once.
 
-Where the LLM is called by hand (a Workflow step), pass the id explicitly:
-``llm.achat(messages, **request_id_kwargs(nodes))`` works with any OpenAI-based LlamaIndex LLM
-(note: a static ``additional_kwargs["extra_body"]`` on the LLM replaces a per-call one; use
-``ContextPilotOpenAILike`` there). The nodes carry the rid in ``metadata["contextpilot"]["rid"]``
-(:mod:`contextpilot_integrations.placement_metadata`).
+Where the LLM is called by hand (a Workflow step): ``llm.achat(messages,
+**request_id_kwargs(nodes))`` works with any OpenAI-based LlamaIndex LLM (a static
+``additional_kwargs["extra_body"]`` replaces a per-call one; use ``ContextPilotOpenAILike``
+there). The nodes carry the rid in ``metadata["contextpilot"]["rid"]``.
 """
 
 from __future__ import annotations
@@ -36,9 +28,9 @@ from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY
 from contextpilot_integrations.core.plan import Plan
-from contextpilot_integrations.engine_fields import EngineKind, with_engine_fields
-from contextpilot_integrations.placement_metadata import METADATA_KEY
+from contextpilot_integrations.llm_call.engine_fields import EngineKind, with_engine_fields
 
 __all__ = [
     "PendingRequest",
@@ -193,7 +185,7 @@ def request_id_kwargs(
         nodes_or_rid: the rid, or nodes returned by ``ContextPilotNodePostprocessor``
             (:func:`nodes_rid`).
         engine: whose body fields carry it
-            (:func:`contextpilot_integrations.engine_fields.engine_body_fields`).
+            (:func:`contextpilot_integrations.llm_call.engine_fields.engine_body_fields`).
 
     Returns:
         ``{"extra_body": {field: rid, ...}}``, or ``{}`` when the nodes carry no rid.

@@ -5,7 +5,7 @@
   keeps Mem0's signature and the client's answer shape (a dict with ``"results"``, other keys
   such as ``"relations"`` unchanged, or a bare list), with at most ``top_k`` results in prompt
   order, each with ``result["contextpilot"]``
-  (:mod:`contextpilot_integrations.placement_metadata`; :mod:`.memory`, planned by
+  (:mod:`contextpilot_integrations.core.placement_metadata`; :mod:`.memory`, planned by
   :mod:`.search_results`).
 - :func:`scope_from_filters`: Mem0 filters (``user_id``, ``agent_id``, ``run_id``) and a
   conversation id as the core's :class:`~contextpilot_integrations.core.request.Scope`.

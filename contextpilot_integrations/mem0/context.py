@@ -7,9 +7,12 @@ Works with a wrapped memory (:class:`~.memory.ContextPilotMemory`,
 (memories in Mem0's order, the same layout): wrapping the memory is the one line an application
 changes. Either way at most ``top_k`` memories are used, whatever the client returns.
 
-The memory context is rendered again for every model call and replaces the previous one, so an
-earlier call's memories are not in the next prompt: searches made here use
-``TurnVisibility.last(0)``, so no memory is ever replaced by a hint pointing at an earlier turn.
+Searches made here use ``TurnVisibility.last(0)``, so no memory is ever replaced by a hint
+pointing at an earlier turn: each memory context is complete on its own. The LlamaIndex block
+renders its context again for every model call, replacing the previous one, so an earlier
+call's memories are not in the next prompt; the LangChain middleware's context stays in the
+conversation, but a later call may leave out the earlier turn a hint would point into (a
+trimming or summarising middleware drops it).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.conversations.turns import TurnVisibility
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import is_block_text
 from contextpilot_integrations.mem0.layout import MEMORY_LAYOUT, plain_memory_context

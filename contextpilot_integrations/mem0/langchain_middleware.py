@@ -1,18 +1,37 @@
-"""A LangChain agent middleware that puts Mem0 memories in front of every model call.
+"""A LangChain agent middleware that gives each user turn its Mem0 memories, once.
 
-For ``langchain.agents.create_agent`` (langchain 1.x). Before each model call
-(``wrap_model_call`` / ``awrap_model_call``) the middleware searches the memory with the latest
-user message and sends the model, in this order (DESIGN.md, "Prompt layout"):
+For ``langchain.agents.create_agent`` (langchain 1.x). At the first model call of a user turn
+(``wrap_model_call`` / ``awrap_model_call`` when the request's last message is a user message
+that carries no memories yet) the middleware searches the memory with that message and sends
+the model, in this order (docs/DESIGN.md, "Prompt layout"):
 
-1. one system message: the agent's own system prompt, then the memory context (memory system
-   prompt, the memories as labelled documents, location hints, order annotation);
-2. the conversation's messages, unchanged.
+1. the agent's own system message, unchanged;
+2. the conversation's earlier messages, unchanged;
+3. the user message, its content after the memory context (memory system prompt, the memories
+   as labelled documents, location hints, order annotation): ``[memory context][question]``.
 
-The memory context is rebuilt for each call and is never written to the agent's state. With a
-:class:`~contextpilot_integrations.mem0.memory.ContextPilotMemory` the memories are aligned
-against the shared index, so the system prompt and the memories that recent calls placed first
-form a prefix the engine's cache already holds; with a plain ``mem0.Memory`` they come in Mem0's
-order. Changing one line, ``memory = ContextPilotMemory(memory)``, switches between the two.
+The user message with its memories goes into the agent's state (replacing the message of the
+same id), so every later call of the conversation, in this turn's tool loop and in the next
+turns, sends it byte-identical and searches nothing (docs/DESIGN.md, "Mem0"). Why there and not
+in the system message: an engine's prefix cache reuses a call's KV only up to the first changed
+byte, and the system message comes first; memories rebuilt into it change it whenever the
+search does (every user turn), so the whole history behind it is prefilled again. A memory
+context that never changes once sent, placed where the conversation grows, keeps every call's
+prompt a prefix of the next one's: the memories cost their own tokens, once per turn. The
+message's ``additional_kwargs["contextpilot_memory_chars"]`` (:data:`MEMORY_CHARS_KEY`) is the
+memory context's length in characters (the start of a string content, the first block of a
+list content), so an application can show the user's own text.
+
+Each turn's memory context is complete: memories an earlier turn showed are shown again. A
+message written once cannot know which earlier messages later calls still send (a trimming or
+summarising middleware may drop them), so a hint into them could point at nothing
+(docs/DESIGN.md, "Lossless").
+
+With a :class:`~contextpilot_integrations.mem0.memory.ContextPilotMemory` the memories are
+aligned against the shared index, so conversations of one user that start with the same
+system prompt share the memories the index placed first; with a plain ``mem0.Memory`` they come
+in Mem0's order. Changing one line, ``memory = ContextPilotMemory(memory)``, switches between
+the two.
 """
 
 from __future__ import annotations
@@ -20,11 +39,17 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, get_args
 
-from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
-from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage
+from langchain.agents.middleware import (
+    AgentMiddleware,
+    ExtendedModelResponse,
+    ModelRequest,
+    ModelResponse,
+)
+from langchain_core.messages import AIMessage, AnyMessage, HumanMessage
+from langgraph.types import Command
 
 from contextpilot_integrations.core.rendering import PromptLayout
-from contextpilot_integrations.engine_fields import EngineKind, with_engine_fields
+from contextpilot_integrations.llm_call.engine_fields import EngineKind, with_engine_fields
 from contextpilot_integrations.mem0.context import (
     MemoryContext,
     asearch_memory_context,
@@ -33,17 +58,34 @@ from contextpilot_integrations.mem0.context import (
 from contextpilot_integrations.mem0.layout import MEMORY_LAYOUT
 from contextpilot_integrations.mem0.scope import ENTITY_KEYS
 
-__all__ = ["Mem0MemoryMiddleware"]
+__all__ = ["MEMORY_CHARS_KEY", "Mem0MemoryMiddleware"]
 
 Filters = Mapping[str, Any] | Callable[[ModelRequest], Mapping[str, Any]]
 
+MEMORY_CHARS_KEY = "contextpilot_memory_chars"
+"""The ``additional_kwargs`` key of a user message that carries its turn's memory context; the
+value is the context's length in characters."""
 
-def _latest_user_text(messages: Sequence[BaseMessage]) -> str | None:
-    for message in reversed(messages):
-        if isinstance(message, HumanMessage):
-            text = message.text
-            return text if text.strip() else None
-    return None
+
+def _new_turn(messages: Sequence[AnyMessage]) -> HumanMessage | None:
+    """The user message that opens a turn without memories yet: the request's last message
+    when it is a user message with text and no memory context; else ``None`` (a call of a
+    turn's tool loop, or a turn that has its memories)."""
+    last = messages[-1] if messages else None
+    if not isinstance(last, HumanMessage) or MEMORY_CHARS_KEY in last.additional_kwargs:
+        return None
+    return last if last.text.strip() else None
+
+
+def _with_context(message: HumanMessage, context: str) -> HumanMessage:
+    """``message`` (same id) with ``context`` in front of its content and the marker set."""
+    content: str | list[str | dict[str, Any]]
+    if isinstance(message.content, str):
+        content = context + message.content
+    else:
+        content = [{"type": "text", "text": context}, *message.content]
+    marked = {**message.additional_kwargs, MEMORY_CHARS_KEY: len(context)}
+    return message.model_copy(update={"content": content, "additional_kwargs": marked})
 
 
 def _filters_from_context(context: Any) -> dict[str, Any]:
@@ -61,7 +103,11 @@ def _filters_from_context(context: Any) -> dict[str, Any]:
 
 
 class Mem0MemoryMiddleware(AgentMiddleware):
-    """Injects Mem0 memories before the conversation messages of every model call.
+    """Puts Mem0 memories in front of the user message that opens each turn, once per turn.
+
+    The turn's first model call searches the memory with the user message; the message with
+    the memory context in front (marked with :data:`MEMORY_CHARS_KEY`) replaces it in the
+    agent's state, so later calls send it unchanged. The system message is never changed.
 
     Args:
         memory: a :class:`~contextpilot_integrations.mem0.memory.ContextPilotMemory` /
@@ -70,24 +116,26 @@ class Mem0MemoryMiddleware(AgentMiddleware):
             and ``ainvoke`` (the latter in a worker thread); an asynchronous one only
             ``ainvoke``.
         filters: the Mem0 scope: a dict (``{"user_id": "alice"}``) or a function of the
-            ``ModelRequest``; default: ``user_id`` / ``agent_id`` / ``run_id`` read from the
-            runtime context (``agent.invoke(..., context={"user_id": "alice"})``).
+            ``ModelRequest`` (of the turn's first call); default: ``user_id`` / ``agent_id`` /
+            ``run_id`` read from the runtime context
+            (``agent.invoke(..., context={"user_id": "alice"})``).
         top_k: memories per search.
         search_kwargs: other arguments for Mem0's ``search`` (``threshold``, ``rerank``, ...).
         layout: the layout for a plain memory (a wrapped one uses its pilot's).
         engine: send the plan's rid to this engine when the memory is wrapped: its body
-            fields (:func:`~contextpilot_integrations.engine_fields.engine_body_fields`;
-            ``"any"``: SGLang's and vLLM's) are merged into the call's
-            ``model_settings["extra_body"]`` (for ``langchain_openai.ChatOpenAI`` on an
-            OpenAI-compatible server), so the engine's cache events name the plan's request.
+            fields (:func:`~contextpilot_integrations.llm_call.engine_fields.engine_body_fields`;
+            ``"any"``: SGLang's and vLLM's) are merged into the ``model_settings["extra_body"]``
+            of the turn's first call, the request the plan was made for (for
+            ``langchain_openai.ChatOpenAI`` on an OpenAI-compatible server), so the engine's
+            cache events name the plan's request; the tool loop's calls carry none.
             ``None`` (default): model settings unchanged (a model that takes no
             ``extra_body``).
 
     Raises:
         TypeError: ``memory`` has no ``search``; ``filters`` neither a dict nor a function.
         ValueError: ``top_k < 1``; an unknown ``engine``.
-        Per model call: ValueError, no scope (no ``filters`` and none in the runtime
-        context); whatever Mem0's ``search`` raises.
+        At a turn's first model call: ValueError, no scope (no ``filters`` and none in the
+        runtime context); whatever Mem0's ``search`` raises.
     """
 
     def __init__(
@@ -127,31 +175,45 @@ class Mem0MemoryMiddleware(AgentMiddleware):
         self,
         request: ModelRequest,
         handler: Callable[[ModelRequest], ModelResponse],
-    ) -> ModelResponse:
-        """Search the memory with the latest user message and call the model with the memory
-        context in the system message (the request is unchanged when there is no user message
-        or no memory)."""
-        query = _latest_user_text(request.messages)
-        if query is None:
+    ) -> ModelResponse | AIMessage | ExtendedModelResponse:
+        """At a turn's first call, search the memory with the user message and call the model
+        with the memory context in front of it, writing that message to the state; any other
+        call, or a search that finds no memory, goes to the model unchanged."""
+        opening = _new_turn(request.messages)
+        if opening is None:
             return handler(request)
         found = search_memory_context(
-            self.memory, query, self._scope(request), layout=self.layout, **self._search_args()
+            self.memory,
+            opening.text,
+            self._scope(request),
+            layout=self.layout,
+            **self._search_args(),
         )
-        return handler(self._with_memories(request, found))
+        if not found.text:
+            return handler(request)
+        message = _with_context(opening, found.text)
+        return self._answer(handler(self._with_memories(request, message, found)), message)
 
     async def awrap_model_call(
         self,
         request: ModelRequest,
         handler: Callable[[ModelRequest], Awaitable[ModelResponse]],
-    ) -> ModelResponse:
+    ) -> ModelResponse | AIMessage | ExtendedModelResponse:
         """Async :meth:`wrap_model_call`."""
-        query = _latest_user_text(request.messages)
-        if query is None:
+        opening = _new_turn(request.messages)
+        if opening is None:
             return await handler(request)
         found = await asearch_memory_context(
-            self.memory, query, self._scope(request), layout=self.layout, **self._search_args()
+            self.memory,
+            opening.text,
+            self._scope(request),
+            layout=self.layout,
+            **self._search_args(),
         )
-        return await handler(self._with_memories(request, found))
+        if not found.text:
+            return await handler(request)
+        message = _with_context(opening, found.text)
+        return self._answer(await handler(self._with_memories(request, message, found)), message)
 
     # ------------------------------------------------------------------ helpers
     def _search_args(self) -> dict[str, Any]:
@@ -168,14 +230,28 @@ class Mem0MemoryMiddleware(AgentMiddleware):
             raise TypeError(f"the filters function must return a dict, got {scope!r:.200}")
         return dict(scope)
 
-    def _with_memories(self, request: ModelRequest, found: MemoryContext) -> ModelRequest:
-        if not found.text:
-            return request
-        own = request.system_message.text if request.system_message is not None else ""
-        content = f"{own}\n\n{found.text}" if own else found.text
-        overrides: dict[str, Any] = {"system_message": SystemMessage(content=content)}
+    def _with_memories(
+        self, request: ModelRequest, message: HumanMessage, found: MemoryContext
+    ) -> ModelRequest:
+        overrides: dict[str, Any] = {"messages": [*request.messages[:-1], message]}
         if found.rid is not None and self.engine is not None:
             overrides["model_settings"] = with_engine_fields(
                 request.model_settings, found.rid, self.engine
             )
         return request.override(**overrides)
+
+    @staticmethod
+    def _answer(
+        response: ModelResponse | AIMessage, message: HumanMessage
+    ) -> ModelResponse | AIMessage | ExtendedModelResponse:
+        """The model's answer, with the state update that replaces the user message by the one
+        carrying its memories (``add_messages`` replaces a message of the same id in place). A
+        message without an id (made by another middleware, not from the state) has nothing to
+        replace: only this call sees the memories."""
+        if message.id is None:
+            return response
+        if isinstance(response, AIMessage):
+            response = ModelResponse(result=[response])
+        return ExtendedModelResponse(
+            model_response=response, command=Command(update={"messages": [message]})
+        )

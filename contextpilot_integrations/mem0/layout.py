@@ -1,9 +1,10 @@
 """The prompt layout for memories, and the memory context put in front of a conversation.
 
-Memories are context blocks like retrieved documents (a memory's text is the block text), so they
-follow DESIGN.md's prompt layout: ``[system prompt][memory 1]...[memory n][location hints][order
-annotation]``. For an agent the question is not part of it: the conversation's messages follow
-the memory context, and the latest user message is the question.
+Memories are context blocks like retrieved documents (a memory's text is the block text), so
+they follow the prompt layout (docs/DESIGN.md, "Prompt layout"): ``[system prompt][memory 1]
+...[memory n][location hints][order annotation]``. For an agent the question is not part of
+it: the LangChain middleware puts the memory context in front of the text of the user message
+that opens a turn (the question), the LlamaIndex block in front of the chat history.
 """
 
 from __future__ import annotations

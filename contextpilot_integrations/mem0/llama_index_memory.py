@@ -6,7 +6,7 @@ For ``llama_index.core.memory.Memory`` (llama-index-core 0.14), the memory that 
 content; a block that returns chat messages has them placed before the chat history. This
 block returns one system message: the memory context (memory system prompt, the memories as
 labelled documents, location hints, order annotation) for the latest user message, so the
-prompt reads ``[prefix messages][memory context][chat history]`` (DESIGN.md, "Prompt layout").
+prompt reads ``[prefix messages][memory context][chat history]`` (docs/DESIGN.md, "Prompt layout").
 
 Messages that ``Memory`` flushes out of its short-term history (its waterfall to long-term
 blocks) are added to Mem0 in the block's scope, like LlamaIndex's own fact-extraction and

@@ -10,38 +10,19 @@ Wrap a Mem0 memory and keep using it as before (one line changes)::
         result["memory"], result["score"], result["contextpilot"]
 
 ``search`` has Mem0's signature and returns the wrapped client's shape (:data:`SearchResponse`):
+``{"results": [...], ...}`` (``mem0.Memory`` / ``AsyncMemory``; other keys such as a graph
+memory's ``"relations"`` unchanged) or a bare list (the platform ``MemoryClient`` /
+``AsyncMemoryClient``). Each memory dict comes as the client returned it plus
+``"contextpilot"`` (its placement entry), in prompt order, memories already shown in an
+earlier turn of the conversation (``conversation_id=``, else the ``run_id``, :mod:`.scope`)
+replaced by a location hint (:mod:`.search_results`). The first ``top_k`` results in the
+client's order are planned and returned; the rest are dropped. Mem0's other search arguments
+are sent only when they differ from Mem0's defaults.
 
-- ``{"results": [...]}`` (``mem0.Memory`` / ``AsyncMemory``; every other key of the answer kept
-  unchanged, such as the ``"relations"`` that earlier releases' graph memory adds);
-- a bare list of results (the platform ``MemoryClient`` / ``AsyncMemoryClient``, the v1.0
-  output format of older releases): a list again.
-
-Each memory dict comes as the client returned it plus one key, ``"contextpilot"`` (its
-placement entry); what changes is the order: the results come in the order the memories should
-be placed in the prompt, and memories already shown in an earlier turn of the same conversation
-(``conversation_id=``, else the ``run_id``, :mod:`.scope`) are replaced by a location hint
-(:mod:`.search_results`: the planning, the entries, the output order).
-
-``top_k`` is enforced here: the first ``top_k`` results, in the order the client returned them
-(its relevance order), are planned and returned, each once. Results beyond them (from a client
-or server that ignores ``top_k``) are dropped: they were not asked for, and planning them would
-put memories in the prompt and in the shared index that the caller limited out. ``top_k`` is
-always sent to the client; Mem0's other search arguments are sent when they differ from Mem0's
-defaults (``mem0.Memory`` applies the same defaults, and the platform client its own, as it
-would unwrapped).
-
-What the prompt shows for a memory (its text, or the text with a passage shown earlier in the
-conversation replaced by a pointer) is the plan's (``search_with_plan(...).plan.blocks``, and
-``.context`` renders it), not a result key: ``search`` answers applications that read memories;
-those that render a prompt take the plan. Every other method (``add``, ``get``, ``get_all``,
-``update``, ``delete``, ``delete_all``, ``history``, ``reset``, ...) and attribute is the wrapped
-memory's own (attribute delegation). Errors Mem0 raises (bad filters or ``top_k``, store
+What the prompt shows for each memory is the plan's (``search_with_plan(...).plan``). Every
+other method (``add``, ``get``, ``update``, ``delete``, ``history``, ``reset``, ...) and
+attribute is the wrapped memory's own. Errors Mem0 raises (bad filters or ``top_k``, store
 unavailable) reach the caller unchanged: the search runs before any planning.
-
-Public API: :class:`ContextPilotMemory`, :class:`AsyncContextPilotMemory`,
-:data:`MEM0_DEFAULT_TOP_K`. Re-exported from :mod:`.search_results`, for the importers of this
-module: :class:`MemorySearch`, :data:`SearchResponse`, :func:`plan_search_results`,
-:func:`aplan_search_results`, :func:`top_results`.
 """
 
 from __future__ import annotations
@@ -50,7 +31,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.conversations.turns import TurnVisibility
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.planner_protocol import Planner, check_planner
 from contextpilot_integrations.core.request import Scope
@@ -61,19 +42,9 @@ from contextpilot_integrations.mem0.search_results import (
     SearchResponse,
     aplan_search_results,
     plan_search_results,
-    top_results,
 )
 
-__all__ = [
-    "MEM0_DEFAULT_TOP_K",
-    "AsyncContextPilotMemory",
-    "ContextPilotMemory",
-    "MemorySearch",
-    "SearchResponse",
-    "aplan_search_results",
-    "plan_search_results",
-    "top_results",
-]
+__all__ = ["MEM0_DEFAULT_TOP_K", "AsyncContextPilotMemory", "ContextPilotMemory"]
 
 MEM0_DEFAULT_TOP_K = 20
 """Mem0's default ``top_k`` (mem0ai 2.2 ``Memory.search``): the wrappers' default."""
@@ -245,7 +216,7 @@ class ContextPilotMemory(_MemoryWrapper):
             The client's shape: ``{"results": [...]}`` (and every other key it returned,
             ``"relations"`` too, unchanged) or a bare list; its first ``top_k`` results once
             each, in output order, each with ``result["contextpilot"]``
-            (:func:`~contextpilot_integrations.placement_metadata.placement_entry`).
+            (:func:`~contextpilot_integrations.core.placement_metadata.placement_entry`).
 
         Raises:
             Whatever Mem0's ``search`` raises, unchanged (``ValueError`` for bad filters or

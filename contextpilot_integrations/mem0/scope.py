@@ -2,7 +2,7 @@
 
 Mem0 (``mem0ai`` 2.2) scopes every memory by up to three entity ids, given to ``search`` as
 ``filters={"user_id": ..., "agent_id": ..., "run_id": ...}``. Multi-turn de-duplication is per
-``(tenant, conversation_id)`` (DESIGN.md invariant 2). :func:`scope_from_filters` maps:
+``(tenant, conversation_id)`` (docs/DESIGN.md, "Isolation"). :func:`scope_from_filters` maps:
 
 - tenant: every entity id of the filters, encoded as ``"user_id=<u>&agent_id=<a>&run_id=<r>"``
   (only those given, in that order; ``%``, ``&`` and ``=`` inside a value percent-encoded, as
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.conversations.turns import TurnVisibility
 from contextpilot_integrations.core.request import Scope
 
 __all__ = ["ENTITY_KEYS", "scope_from_filters"]

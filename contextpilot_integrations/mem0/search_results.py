@@ -1,37 +1,24 @@
 """One Mem0 search answer planned: its memories aligned and de-duplicated, marked, in output order.
 
 The wrappers (:mod:`.memory`) and the memory contexts (:mod:`.context`) plan each answer here;
-:func:`plan_search_results` also takes an answer obtained any other way.
+:func:`plan_search_results` also takes an answer obtained any other way. A memory's text is
+its block text (a memory Mem0 updates gets a new block id).
 
-Each memory dict comes as the client returned it plus one key, ``"contextpilot"``: the placement
-entry every face attaches (:mod:`contextpilot_integrations.placement_metadata`: ``rid``,
-``index`` = Mem0's rank, ``status``, ``position``, ``label``, ``block_id``, ``hint``,
-``duplicate_of``). What changes is the order: the results come in the order the memories should
-be placed in the prompt (ContextPilot, MLSys 2026: memories that recent requests already placed
-first, in the same order, are put first, so the engine's prefix cache reuses their KV; the rest
-follow). Mem0's relevance order is kept in ``index`` and, when the prompt order differs from it,
-in the order annotation of the rendered context. Memories already shown in an earlier turn of
-the same conversation (``conversation_id=``, else the ``run_id``, :mod:`.scope`) are replaced by
-a location hint instead of being placed again.
-
-The results come in the plan's output order
+Each memory dict comes as the client returned it plus ``"contextpilot"``, the placement entry
+every face attaches (:mod:`contextpilot_integrations.core.placement_metadata`; ``index`` is
+Mem0's rank). The results come in the plan's output order
 (:meth:`~contextpilot_integrations.core.plan.Plan.output_order`):
 
-1. memories placed in the prompt, in prompt order (``status="shown"``, ``position`` 0, 1, ...);
-2. memories replaced by a hint (their exact text stands in an earlier turn of this conversation
-   that the prompt still holds), in the order of their hints (``"replaced"``);
+1. memories placed in the prompt, in prompt order (``status="shown"``, ``position`` 0, 1, ...;
+   those recent requests placed first come first, so the engine's prefix cache reuses them);
+2. memories replaced by a hint (their text stands in an earlier turn of this conversation that
+   the prompt still holds), in hint order (``"replaced"``);
 3. repeats of a memory text already in this answer (``"duplicate"``, ``duplicate_of``), by rank;
-4. memories with empty or whitespace-only text (``"skipped"``; Mem0 can return them), by rank.
+4. memories with empty or whitespace-only text (``"skipped"``), by rank.
 
-Only the first ``top_k`` results, in the order the client returned them (its relevance order),
-are planned and returned, each once; results beyond them are dropped (:func:`top_results`).
-
-A memory's text is its block text: its block id is the hash of the exact text, so a memory that
-Mem0 updates (``update``, or ``add`` with ``infer=True``) gets a new block id and is never
-de-duplicated against its old text.
-
-Public API: :func:`plan_search_results`, :func:`aplan_search_results`, :class:`MemorySearch`,
-:data:`SearchResponse`, :func:`top_results`.
+Mem0's relevance order stays in ``index`` and, when the prompt order differs, in the order
+annotation. Only the first ``top_k`` results in the client's order are planned and returned,
+each once (:func:`top_results`).
 """
 
 from __future__ import annotations
@@ -40,11 +27,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY, placement_entry
 from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.core.planner_protocol import Planner
 from contextpilot_integrations.core.request import Scope
 from contextpilot_integrations.mem0.layout import memory_context
-from contextpilot_integrations.placement_metadata import METADATA_KEY, placement_entry
 
 __all__ = [
     "MemorySearch",
@@ -56,7 +43,8 @@ __all__ = [
 
 SearchResponse: TypeAlias = dict[str, Any] | list[dict[str, Any]]
 """A Mem0 search answer: ``{"results": [...], ...}`` (``mem0.Memory``, ``AsyncMemory``; a graph
-memory adds ``"relations"``) or a bare list of results (the platform clients, older releases)."""
+memory adds ``"relations"``) or a bare list of results (the platform clients; Mem0's v1.0
+output format)."""
 
 
 @dataclass(frozen=True)

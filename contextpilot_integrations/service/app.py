@@ -1,11 +1,11 @@
 """The index service's HTTP API: a FastAPI app built around one :class:`IndexService`.
 
 ``create_app(config)`` returns a new app with its own service, metrics registry and state (no
-module-level state), so tests and embedders can run several. Run one app per index in one
-server process (uvicorn ``workers=1``): the index lives in that process, and many client
-processes share it over HTTP.
+module-level state). Run one app per index in one server process (uvicorn ``workers=1``): the
+index lives in that process, and client processes share it over HTTP.
 
-Endpoints (JSON bodies, :mod:`.schemas`; handlers in :mod:`.endpoints`):
+Endpoints (JSON bodies, :mod:`contextpilot_integrations.client.schemas`; handlers in
+:mod:`.endpoints`):
 
 =======  ============================  ======================================================
 POST     ``/v1/plan``                  one ``PlanRequest`` -> ``PlanResponse``
@@ -23,16 +23,13 @@ GET      ``/health``                   liveness and the engine link (never authe
 
 Errors (:mod:`.errors`): every 4xx/5xx body is an ``ErrorResponse`` whose ``message`` names
 the field and the value; invalid input is a 422 (a rid conflict a 409, a body naming another
-tenant a 403) and never changes the index. Every request is counted and timed, and bodies over
-``max_body_bytes`` are refused with a 413 (:mod:`.middleware`). Every answer carries the
-service's boot id (header ``x-contextpilot-boot``, random per start).
+tenant a 403) and never changes the index. Bodies over ``max_body_bytes`` get a 413, and every
+answer carries the service's boot id (:mod:`.middleware`).
 
 Keys (:mod:`.tenants`): with API keys configured, every endpoint but ``/health`` answers 401
-without ``Authorization: Bearer <key>`` of a tenant, and runs as that key's tenant. The API
-documents: ``/openapi.json`` needs a key like the API (tools such as schemathesis send it);
-the browser pages ``/docs`` and ``/redoc`` are off, since a browser cannot send a bearer key
-when it opens a page (read the API in the README, or run a local server without keys). Without
-keys all three are served.
+without ``Authorization: Bearer <key>`` of a tenant, and runs as that key's tenant;
+``/openapi.json`` needs a key too, and the browser pages ``/docs`` and ``/redoc`` are off (a
+browser cannot send a bearer key). Without keys all three are served.
 """
 
 from __future__ import annotations
@@ -47,8 +44,9 @@ from fastapi.routing import APIRoute
 from contextpilot_integrations import __version__
 from contextpilot_integrations.service.endpoints import ServiceCalls, add_body_schemas, api_router
 from contextpilot_integrations.service.errors import install_error_handlers
-from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
+from contextpilot_integrations.service.index_service import IndexService
 from contextpilot_integrations.service.middleware import BootIdMiddleware, MeteringMiddleware
+from contextpilot_integrations.service.service_config import ServiceConfig
 
 __all__ = ["create_app"]
 

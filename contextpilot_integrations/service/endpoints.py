@@ -28,21 +28,14 @@ from typing import Annotated, Any, TypeVar
 import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
-from fastapi.routing import APIRouter
+from fastapi.routing import APIRoute, APIRouter
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from contextpilot_integrations import __version__
-from contextpilot_integrations.service.errors import (
-    JSON,
-    InvalidInput,
-    ServiceClosing,
-    json_response,
-    validate_json,
-)
-from contextpilot_integrations.service.index_service import IndexService, ServiceClosingError
-from contextpilot_integrations.service.schemas import (
+from contextpilot_integrations.client.schemas import (
     BatchPlanResponse,
     ErrorResponse,
     EvictRequest,
@@ -57,7 +50,16 @@ from contextpilot_integrations.service.schemas import (
     SnapshotResponse,
     UsageReport,
     UsageResponse,
+    UsageTotalsResponse,
 )
+from contextpilot_integrations.service.errors import (
+    JSON,
+    InvalidInput,
+    ServiceClosing,
+    json_response,
+    validate_json,
+)
+from contextpilot_integrations.service.index_service import IndexService, ServiceClosingError
 
 __all__ = ["API_PREFIX", "ServiceCalls", "add_body_schemas", "api_router", "caller_tenant"]
 
@@ -204,6 +206,15 @@ async def usage(body: UsageReport, request: Request, caller: Caller) -> Response
     return json_response({"indexed": await calls.run(call, "call")})
 
 
+async def usage_totals(request: Request, caller: Caller) -> Response:
+    """``IndexService.usage()``: the caller tenant's running totals, its own conversations
+    only."""
+    calls = _calls(request)
+    return json_response(
+        await calls.run(functools.partial(calls.service.usage, caller=caller), "call")
+    )
+
+
 async def snapshot(request: Request, caller: Caller) -> Response:
     """Save a checkpoint of the snapshot now (every tenant's state; calls that arrive during a
     save share the next one)."""
@@ -255,10 +266,24 @@ async def openapi_document(request: Request, caller: Caller) -> Response:
 # --------------------------------------------------------------------------------------------
 
 
+class _PathRoute(APIRoute):
+    """An API route whose 405 answer lists in ``Allow`` every method its path serves: the
+    router answers a method no route of a path serves from that path's first route, and
+    ``/v1/usage`` has two (``POST`` reports usage, ``GET`` reads the totals)."""
+
+    path_methods: frozenset[str] = frozenset()
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.path_methods and scope["method"] not in (self.methods or ()):
+            allow = ", ".join(sorted(self.path_methods))
+            raise StarletteHTTPException(405, headers={"Allow": allow})
+        await super().handle(scope, receive, send)
+
+
 def api_router(*, keyed: bool) -> APIRouter:
     """Every endpoint; ``keyed``: the service has API keys, so ``/openapi.json`` is served
     here behind a key (FastAPI's own is off then)."""
-    router = APIRouter()
+    router = APIRouter(route_class=_PathRoute)
     post = functools.partial(router.add_api_route, methods=["POST"], responses=ERRORS)
     get = functools.partial(router.add_api_route, methods=["GET"], responses=ERRORS)
     post(
@@ -292,6 +317,12 @@ def api_router(*, keyed: bool) -> APIRouter:
         usage,
         response_model=UsageResponse,
         summary="Report the engine's token usage for a planned request",
+    )
+    get(
+        f"{API_PREFIX}/usage",
+        usage_totals,
+        response_model=UsageTotalsResponse,
+        summary="The caller tenant's tokens removed and engine cached tokens, per conversation",
     )
     post(
         f"{API_PREFIX}/snapshot",
@@ -329,6 +360,13 @@ def api_router(*, keyed: bool) -> APIRouter:
         router.add_api_route(
             "/openapi.json", openapi_document, methods=["GET"], include_in_schema=False
         )
+    served: dict[str, set[str]] = {}
+    for route in router.routes:
+        if isinstance(route, _PathRoute):
+            served.setdefault(route.path, set()).update(route.methods or ())
+    for route in router.routes:
+        if isinstance(route, _PathRoute):
+            route.path_methods = frozenset(served[route.path])
     return router
 
 

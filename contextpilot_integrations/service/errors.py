@@ -1,6 +1,6 @@
 """JSON responses and the error bodies of the index service's HTTP API.
 
-Every 4xx/5xx body is an :class:`~contextpilot_integrations.service.schemas.ErrorResponse`
+Every 4xx/5xx body is an :class:`~contextpilot_integrations.client.schemas.ErrorResponse`
 (``message``, ``error_type``, ``fields``) whose ``message`` names the field and the value:
 
 - a body that does not match its model: 422, ``ValueError``, one entry in ``fields`` per

@@ -1,45 +1,27 @@
 """The shared index behind the HTTP service: its tenants' pilots, one engine link, the snapshot.
 
 :class:`IndexService` holds what the HTTP layer (:mod:`.app`) serves, and is usable on its
-own: one :class:`~contextpilot_integrations.core.pilot.ContextPilot` (index, popularity
-memory, conversation store) per tenant when the service has tenant keys (the default
-``"partitioned"`` isolation, :mod:`.tenants`), else one for everyone; one
-:class:`~contextpilot_integrations.sync.engine_link.EngineLink` that follows the engine for all
-of them (KV events, capacity model or TTL model, from ``ServiceConfig.cache_sync``) and routes
-each eviction to the pilot of the rid's tenant; the metrics; the snapshot file.
+own: one :class:`~contextpilot_integrations.core.pilot.ContextPilot` per tenant when the
+service has tenant keys (the default ``"partitioned"`` isolation, :mod:`.tenants`), else one
+for everyone; one :class:`~contextpilot_integrations.sync.engine_link.EngineLink` that follows
+the engine for all of them (``ServiceConfig.cache_sync``) and routes each eviction to the pilot
+of the rid's tenant; the metrics; the snapshot file (:mod:`.persistence`).
 
-Tenants (DESIGN.md invariant 8): every call takes ``caller``, the tenant of the request's API
-key (``None`` on a service without keys). A request whose ``scope.tenant`` names another
-tenant is refused (:class:`~.tenants.TenantMismatchError`); rids are resolved within the
-caller's tenant (its rid tag, :mod:`.tenants`), so no call of one tenant can evict, probe,
-plan under, read, forget or add to another tenant's requests or conversations.
+Tenants (docs/DESIGN.md, "Tenants from credentials"): every call takes ``caller``, the tenant
+of the request's API key (``None`` without keys). A request whose ``scope.tenant`` names
+another tenant is refused (:class:`~.tenants.TenantMismatchError`); rids are resolved within
+the caller's tenant, so no call of one tenant reaches another tenant's requests or
+conversations.
 
-The sync path never breaks a request (DESIGN.md invariant 5): the engine link absorbs, counts
-and logs once every failure of recording, touching, an unreachable engine or a resync that
-cannot complete; a snapshot that cannot be read or written is counted the same way (through the
-engine link, or by the service when it has none: ``stats()["sync"]["failures"]``,
-``contextpilot_sync_failures_total``), and plans are served all the same.
+Failures of the sync path and of the snapshot file are absorbed, counted
+(``stats()["sync"]["failures"]``, ``contextpilot_sync_failures_total``) and logged once; plans
+are served all the same (docs/DESIGN.md, "Never break a request"). Restored requests were
+indexed by another process, so :meth:`IndexService.start` asks the engine link to resync with
+what the engine still caches (``resync_pending`` on ``/health`` meanwhile). The boot id
+(:attr:`IndexService.boot_id`, random per service made) goes with every answer, so a client
+tells a restarted service (:mod:`contextpilot_integrations.client.conversations`).
 
-Snapshot (``ServiceConfig.snapshot_path``; :mod:`.persistence`, file format in
-:mod:`.snapshot`): each pilot's whole state (index and conversations). Restored when the service
-is made; saved as a *checkpoint* by the periodic timer and ``/v1/snapshot`` (planning goes on:
-the conversation stores restored from it keep turn numbers, not records), and *final* by
-:meth:`IndexService.stop` once planning has stopped (they come back whole). A file that cannot
-be restored is set aside, counted, and the service starts empty with amnesic stores. Saves do
-not stall plans (``benchmarks/bench_snapshot_save.py``).
-
-The restored requests were indexed by an earlier process, so :meth:`IndexService.start` asks
-the engine link to re-establish what the engine still caches
-(:meth:`EngineLink.resync <contextpilot_integrations.sync.engine_link.EngineLink.resync>`);
-``resync_pending`` stays true while it waits (``/health``).
-
-Boot id (:attr:`IndexService.boot_id`, random per service made, i.e. per server process
-start): the HTTP layer sends it with every answer (:data:`~.schemas.BOOT_HEADER`), so a client
-tells a restarted service from the one that numbered its conversations' turns, and keeps the
-app's numbering when a service started without its snapshot numbers them afresh
-(:mod:`.client_conversations`).
-
-Thread-safety: every method may be called from any thread. :meth:`stop` is bounded
+Thread-safe: every method may be called from any thread. :meth:`stop` is bounded
 (``shutdown_timeout_s``): a call stuck in the engine link or a lock does not keep the service
 from saving and stopping.
 """
@@ -57,19 +39,18 @@ from typing import Any, TypeVar
 from contextpilot_integrations import __version__
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import BatchPlan, Plan
-from contextpilot_integrations.core.planning_window import PlanningWindow
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import PlanRequest, check_batch
+from contextpilot_integrations.core.window.planning_window import PlanningWindow
 from contextpilot_integrations.service.metrics import ServiceMetrics
-from contextpilot_integrations.service.partitions import Partitions, sum_stats
+from contextpilot_integrations.service.partitions import Partition, Partitions, sum_stats
 from contextpilot_integrations.service.persistence import Restored, ServiceSnapshots
 from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.service.tenants import TenantMismatchError
 from contextpilot_integrations.sync.configuration import CacheSyncConfig
 from contextpilot_integrations.sync.engine_link import EngineLink
 
-# ServiceConfig lives in .service_config; it is imported from here as well.
-__all__ = ["IndexService", "ServiceClosingError", "ServiceConfig"]
+__all__ = ["IndexService", "ServiceClosingError"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +95,7 @@ class IndexService:
         self._started = False
         sync = self.config.cache_sync
         assert sync is None or isinstance(sync, CacheSyncConfig)
-        self.engine = EngineLink(sync, on_evict=self._engine_evicted) if sync else None
+        self.engine = EngineLink(sync).bind(self._engine_evicted) if sync else None
         self._restored: Restored | None = None
         self._snapshots: ServiceSnapshots | None = None
         path = self.config.snapshot_path
@@ -263,9 +244,11 @@ class IndexService:
         without one ``cache_model="none"`` and the service's own ``failures``) and ``service``
         (``version``, ``isolation``, the tenant's ``evictions`` asked for: ``{"api": n}``,
         ``snapshot`` figures, and with a planning window its ``window`` figures). ``sync`` and
-        ``service.snapshot`` are service-wide counts."""
+        ``service.snapshot`` are service-wide counts; ``totals`` is :meth:`usage`'s, the
+        caller's own."""
         tenant = self._partitions.of(caller)
         stats = self._pilot_stats(tenant.pilot)
+        stats["totals"] = self._usage_of(tenant)
         with self._lock:
             evictions = (
                 tenant.api_evictions
@@ -278,6 +261,20 @@ class IndexService:
         if window is not None:
             stats["service"]["window"] = window.stats()
         return stats
+
+    def usage(self, *, caller: str | None = None) -> dict[str, Any]:
+        """``caller``'s running totals (``ContextPilot.totals`` of its tenant: ``plans``,
+        ``tokens_removed``, ``blocks_replaced``, ``sub_blocks_replaced``, ``usage_reports``,
+        ``prompt_tokens``, ``cached_tokens`` and ``conversations``:
+        ``{tenant: {conversation_id: figures}}``), with ``tenant``: the caller's own
+        conversations only, in every isolation mode (a shared index keeps them per tenant
+        too). Without keys (``tenant`` ``None``) every conversation of the one pilot, whose
+        tenants are labels of the body.
+
+        Raises:
+            TenantMismatchError: ``caller`` is not a tenant of this service.
+        """
+        return self._usage_of(self._partitions.of(caller))
 
     @property
     def cache_model(self) -> str:
@@ -407,6 +404,17 @@ class IndexService:
         stats.pop("sync", None)
         return stats
 
+    @staticmethod
+    def _usage_of(partition: Partition) -> dict[str, Any]:
+        """:meth:`usage` of ``partition`` (its tenant's totals; every tenant's without
+        keys, the per-tenant section left out)."""
+        if partition.name is None:
+            totals = partition.pilot.totals()
+            totals.pop("tenants", None)
+        else:
+            totals = partition.pilot.totals(partition.name)
+        return {"tenant": partition.name, **totals}
+
     def _sync_stats(self) -> dict[str, Any]:
         if self.engine is not None:
             return self.engine.stats()
@@ -430,8 +438,14 @@ class IndexService:
         }
 
     def _service_stats(self) -> dict[str, Any]:
-        """Every pilot's figures added up (the metrics' source: service-wide counts)."""
-        stats = sum_stats([self._pilot_stats(p) for _, _, p in self._partitions.sections()])
+        """Every pilot's figures added up (the metrics' source: service-wide counts; the
+        totals without their per-tenant and per-conversation sections)."""
+        parts = [self._pilot_stats(p) for _, _, p in self._partitions.sections()]
+        for part in parts:
+            part["totals"] = {
+                k: v for k, v in part["totals"].items() if k not in ("tenants", "conversations")
+            }
+        stats = sum_stats(parts)
         with self._lock:
             evictions = sum(p.api_evictions for p in self._partitions)
         stats["sync"] = self._sync_stats()
@@ -457,8 +471,8 @@ class IndexService:
 
     def _new_partitions(self) -> Partitions:
         """Empty pilots: one per tenant when partitioned, else one for all; each records,
-        touches and forgets through the service's one engine link (the service starts and
-        stops it)."""
+        touches and forgets through the service's one engine link (the service binds, starts
+        and stops it)."""
 
         def pilot(tenant: str | None) -> ContextPilot:
             salt = self.tenancy.cache_salt(tenant) if tenant is not None else None
@@ -467,6 +481,8 @@ class IndexService:
                 max_requests=self.config.max_requests,
                 cache_salt=salt,
                 engine=self.engine,
+                # A shared pilot keeps every tenant's totals (the usage endpoint's figures).
+                stats_tenants=max(1024, len(self.tenancy.tenants)),
             )
 
         return Partitions(self.tenancy, pilot)

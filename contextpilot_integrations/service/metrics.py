@@ -19,6 +19,10 @@ reads the metrics learns volumes, never which tenant or what):
   engine link's ``failures``, or the service's own without one);
 - ``contextpilot_usage_prompt_tokens_total`` / ``contextpilot_usage_cached_tokens_total``:
   the engine's own ``usage`` figures reported back by clients (hit ratio = cached / prompt);
+- ``contextpilot_dedup_tokens_removed_total``, ``contextpilot_dedup_blocks_replaced_total``,
+  ``contextpilot_dedup_sub_blocks_replaced_total``: what de-duplication removed from the
+  plans' prompts (tokens by the service's token counter; ``ContextPilot.totals``), next to
+  the engine's cached tokens above (per tenant and conversation: ``GET /v1/usage``, never here);
 - ``contextpilot_index_{requests,nodes,tokens,height}`` gauges, the index size;
 - ``contextpilot_index_{inserts,evictions,lru_evictions,searches}_total`` counters;
 - ``contextpilot_conversations`` and the engine link's other numeric figures as
@@ -66,6 +70,11 @@ _USAGE_COUNTERS = {
     "prompt_tokens": "Prompt tokens the engine reported for planned requests.",
     "cached_tokens": "Prompt tokens the engine served from its prefix cache (cached_tokens).",
 }
+_DEDUP_COUNTERS = {
+    "tokens_removed": "Prompt tokens de-duplication removed from planned prompts.",
+    "blocks_replaced": "Blocks de-duplication replaced by a location hint.",
+    "sub_blocks_replaced": "Sub-blocks de-duplication replaced by a pointer.",
+}
 _NAME_CHARS = re.compile(r"[^a-zA-Z0-9_]")
 
 StatsSource = Callable[[], Mapping[str, Any]]
@@ -77,7 +86,7 @@ class ServiceMetrics:
 
     Args:
         stats: called at each scrape for the live figures (index, conversations, usage,
-            sync, the service's own evictions).
+            totals, sync, the service's own evictions).
     """
 
     def __init__(self, stats: StatsSource) -> None:
@@ -137,6 +146,12 @@ class _LiveStatsCollector(Collector):
             if name in usage:
                 yield CounterMetricFamily(
                     f"contextpilot_usage_{name}", help_text, value=usage[name]
+                )
+        totals = stats.get("totals", {})
+        for name, help_text in _DEDUP_COUNTERS.items():
+            if name in totals:
+                yield CounterMetricFamily(
+                    f"contextpilot_dedup_{name}", help_text, value=totals[name]
                 )
         sync = stats.get("sync", {})
         evictions = {**sync.get("evictions", {}), **stats.get("service", {}).get("evictions", {})}

@@ -4,8 +4,8 @@ limit refused (413), every answer stamped with the service's boot id.
 Plain ASGI middleware (cheaper per request than Starlette's ``BaseHTTPMiddleware``). The
 limit holds both for a declared ``Content-Length`` (refused before the body is read) and for a
 streamed body without one (refused as soon as the received bytes pass it). The boot id
-(:data:`~.schemas.BOOT_HEADER`) goes on every answer, errors and 413s included, so a client
-can tell a restarted service from any answer.
+(:data:`~contextpilot_integrations.client.schemas.BOOT_HEADER`) goes on every answer, errors
+and 413s included, so a client can tell a restarted service from any answer.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 import pydantic_core
 
+from contextpilot_integrations.client.schemas import BOOT_HEADER
 from contextpilot_integrations.service.errors import JSON, BodyTooLarge, error_body
 from contextpilot_integrations.service.metrics import ServiceMetrics
-from contextpilot_integrations.service.schemas import BOOT_HEADER
 
 __all__ = ["BootIdMiddleware", "MeteringMiddleware"]
 
@@ -95,7 +95,8 @@ class MeteringMiddleware:
 
 
 class BootIdMiddleware:
-    """Adds the :data:`~.schemas.BOOT_HEADER` header to every HTTP answer.
+    """Adds the :data:`~contextpilot_integrations.client.schemas.BOOT_HEADER` header to every
+    HTTP answer.
 
     Args:
         app: the ASGI app to wrap.

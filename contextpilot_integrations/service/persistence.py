@@ -5,7 +5,7 @@ and checks it) and saves them:
 
 - a **checkpoint** (the periodic timer, ``POST /v1/snapshot``) is taken while planning goes
   on, so a conversation store restored from it is amnesic: it keeps each conversation's turn
-  numbers, points to none of its records (the core's store, DESIGN.md invariant 9);
+  numbers, points to none of its records (the core's store, docs/DESIGN.md, "Sure hints");
 - the **final** save (``IndexService.stop``, planning stopped) restores whole;
 - an in-use marker (``.<name>.in-use`` beside the file) exists while a service runs on it:
   found at start, the last run did not stop cleanly, so even a final snapshot is restored as
@@ -37,8 +37,8 @@ from typing import Any
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.service.partitions import Partitions
 from contextpilot_integrations.service.snapshot import (
+    SERVICE_SNAPSHOT_VERSION,
     SNAPSHOT_FORMAT,
-    SNAPSHOT_VERSION,
     read_snapshot,
     remove_temporary_files,
     resolved,
@@ -196,7 +196,7 @@ class ServiceSnapshots:
                 requests = sum(len(s["pilot"]["index"]["requests"]) for s in sections)
                 document = {
                     "format": SNAPSHOT_FORMAT,
-                    "version": SNAPSHOT_VERSION,
+                    "version": SERVICE_SNAPSHOT_VERSION,
                     "saved_at": time.time(),
                     "cache_model": cache_model,
                     "final": final,

@@ -19,7 +19,7 @@ Examples::
 
 Keys: ``--api-keys FILE`` (a JSON key file) and/or the environment variable
 ``CONTEXTPILOT_API_KEYS`` map keys to tenants (:mod:`.tenants`; each tenant gets its own index
-unless ``--share-prefixes-across-tenants``); the single shared key of earlier releases comes
+unless ``--share-prefixes-across-tenants``); one key shared by everyone comes
 from ``--api-key`` or, better (a command line is visible to other users),
 ``CONTEXTPILOT_API_KEY``, and is the tenant ``""``. A key source that is given but holds no
 key (a key file naming no tenant, an empty variable or ``--api-key ""``) is refused at start,
@@ -27,7 +27,7 @@ naming it: the server would otherwise trust every request. With no key source at
 service runs without authentication; ``--no-auth`` says so explicitly (logged at warning level,
 and refused beside a key source). One process holds the index: uvicorn runs
 one worker, and many app processes share it through
-:class:`~contextpilot_integrations.service.client.ContextPilotClient`. SIGTERM or Ctrl-C stops
+:class:`~contextpilot_integrations.client.client.ContextPilotClient`. SIGTERM or Ctrl-C stops
 it gracefully: in-flight requests get ``--shutdown-timeout`` seconds to finish, then planning
 stops and the final snapshot is saved, within another ``--shutdown-timeout`` even if a call is
 stuck.

@@ -1,7 +1,7 @@
 """The settings of one index service (:class:`ServiceConfig`), checked when made.
 
 What the command line (:mod:`.server`) and embedders give
-:class:`~contextpilot_integrations.service.index_service.IndexService` (which re-exports it):
+:class:`~contextpilot_integrations.service.index_service.IndexService`:
 the engine link, the snapshot file, the index bound, the layout, the tenants and their keys,
 and the limits of the HTTP layer.
 """
@@ -30,15 +30,14 @@ class ServiceConfig:
             :meth:`~contextpilot_integrations.sync.configuration.CacheSyncConfig.from_mapping`
             takes it (``{"kind": "kv-events", "endpoint": ..., "engine_grace_s": 5.0}``,
             ``{"kind": "capacity", ...}``, ``{"kind": "ttl", ...}``); the same mapping
-            ``ContextPilot(cache_sync=...)`` takes. None: no engine feedback (the index's own
-            LRU bound).
+            ``EngineLink(...)`` takes. None: no engine feedback (the index's own LRU bound).
         snapshot_path: file to restore on start and save on stop; None: no snapshot. A
             symlink is followed (its target is read and replaced).
         snapshot_interval_s: also save a checkpoint every this many seconds (None: only on
             stop).
         max_requests: LRU bound of the context index (of each tenant's, when partitioned).
         layout: the prompt layout (None: the default :class:`PromptLayout`).
-        api_key: the single shared secret of earlier releases: one tenant named ``""``. Every
+        api_key: one shared secret for everyone: the tenant named ``""``. Every
             request but ``/health`` must present a key as ``Authorization: Bearer <key>``
             once any key is set.
         tenants: tenant name -> its keys and optional ``cache_salt`` (:mod:`.tenants`); None:
@@ -51,7 +50,7 @@ class ServiceConfig:
         max_call_threads: other calls that take a lock (evict, usage, forget, stats,
             metrics, snapshot) running at once in worker threads.
         window_ms: a planning window in front of each tenant's pilot
-            (:class:`~contextpilot_integrations.core.planning_window.PlanningWindow`): single
+            (:class:`~contextpilot_integrations.core.window.planning_window.PlanningWindow`): single
             plans arriving within this many milliseconds are planned jointly (at most as many
             as run at once: anyio's 40 worker threads); 0 (default): each at once.
         shutdown_timeout_s: longest :meth:`IndexService.stop` waits for in-flight plans, the
@@ -107,9 +106,9 @@ class ServiceConfig:
             self.cache_sync = CacheSyncConfig.from_mapping(self.cache_sync)
         tenants: dict[str, TenantKeys] = dict(self.tenants or {})
         if self.api_key is not None:
-            legacy = tenants.get("")
-            keys = (*(legacy.keys if legacy else ()), self.api_key)
+            shared = tenants.get("")
+            keys = (*(shared.keys if shared else ()), self.api_key)
             tenants[""] = TenantKeys(
-                tuple(dict.fromkeys(keys)), legacy.cache_salt if legacy else None
+                tuple(dict.fromkeys(keys)), shared.cache_salt if shared else None
             )
         self.tenancy = Tenancy(tenants, share_prefixes=self.share_prefixes_across_tenants)

@@ -9,21 +9,16 @@ File format (JSON, UTF-8)::
                      modes>, "rid_tags": [<hex>, ...], "pilot": <ContextPilot.snapshot()>}]}
 
 ``saved_at`` lets the TTL model tell how long the service was down; ``final`` says the save
-was taken with planning stopped (at shutdown): only then does the conversation store come back
-whole (:mod:`contextpilot_integrations.core.conversation`). Version 1 files (the index alone)
-are still read.
+was taken with planning stopped: only then does the conversation store come back whole
+(:mod:`contextpilot_integrations.core.conversations.conversation`). A version 1 file (the
+index alone) is read too.
 
-Writing (:func:`write_snapshot`): the JSON goes to a temporary file in the target's directory
-(``.<name>.<random>.tmp``), which is flushed and fsynced, renamed over the target (POSIX
-``rename`` is atomic) and the directory fsynced, so a crash at any point leaves either the old
-snapshot or the new one, never a torn file. The encoding is done in pieces of bounded size
-with a pause between them, so that a save in a background thread does not hold the GIL for
-long stretches and plans on other threads go on (:func:`yield_to_planners`).
-
-A symlinked snapshot path is followed: the file it points to is read and replaced (the
-temporary file is made beside the target, so the rename stays in one file system) and the
-link is kept. Temporary files a killed save left behind are removed at start
-(:func:`remove_temporary_files`).
+Writing (:func:`write_snapshot`): a temporary file beside the target (``.<name>.<random>.tmp``;
+a symlinked path is followed, the link kept), flushed, fsynced, renamed over the target and
+the directory fsynced, so a crash leaves the old snapshot or the new one, never a torn file.
+The encoding is done in pieces of bounded size with a pause between them, so a save in a
+background thread does not hold the GIL for long (:func:`yield_to_planners`). Temporary files
+a killed save left behind are removed at start (:func:`remove_temporary_files`).
 
 Reading (:func:`read_snapshot`) checks the whole document before anything is restored; a file
 that fails (bad JSON, nesting too deep, wrong types) raises :class:`SnapshotError`, and the
@@ -47,8 +42,8 @@ import msgspec
 from contextpilot_integrations.service.tenants import is_rid_tag
 
 __all__ = [
+    "SERVICE_SNAPSHOT_VERSION",
     "SNAPSHOT_FORMAT",
-    "SNAPSHOT_VERSION",
     "SnapshotError",
     "read_snapshot",
     "remove_temporary_files",
@@ -61,7 +56,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_FORMAT = "contextpilot-service-snapshot"
-SNAPSHOT_VERSION = 2
+SERVICE_SNAPSHOT_VERSION = 2
 _READABLE_VERSIONS = (1, 2)
 _TEMPORARY_SUFFIX = ".tmp"
 _PIECE_LEAVES = 20_000
@@ -232,7 +227,7 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-_encode = msgspec.json.Encoder().encode  # compact JSON, UTF-8; about 10x json.dumps
+_encode = msgspec.json.Encoder().encode  # compact JSON, UTF-8; faster than json.dumps
 
 
 def _json_pieces(value: Any) -> Iterator[bytes]:

@@ -1,13 +1,13 @@
 """Tenants from credentials: which API key belongs to which tenant, and what each tenant gets.
 
-DESIGN.md invariant 8: a request's tenant comes from its API key, never from its body. The
-keys come from a key file (``contextpilot-server --api-keys FILE``)::
+docs/DESIGN.md, "Tenants from credentials": a request's tenant comes from its API key, never
+from its body. The keys come from a key file (``contextpilot-server --api-keys FILE``)::
 
     {"tenants": {"alice": {"keys": ["<key>", ...], "cache_salt": "<optional>"},
                  "bob": {"keys": ["<key>"]}}}
 
 and/or the environment (``CONTEXTPILOT_API_KEYS="alice=<key>,bob=<key>,alice=<second key>"``);
-the single shared key of earlier releases (``CONTEXTPILOT_API_KEY``, ``--api-key``) is one
+one key shared by everyone (``CONTEXTPILOT_API_KEY``, ``--api-key``) is the one
 tenant named ``""``. A key belongs to exactly one tenant; a tenant may have several keys (to
 rotate them).
 
@@ -212,7 +212,7 @@ class Tenancy:
     """The service's tenants: key -> tenant, each tenant's rid tag and cache salt.
 
     Args:
-        tenants: tenant name -> its keys (``""``: the single shared key of earlier releases).
+        tenants: tenant name -> its keys (``""``: the one key shared by everyone).
         share_prefixes: one index for all tenants (``"shared"`` mode; no ``cache_salt``).
 
     Raises:

@@ -1,50 +1,31 @@
 """The blocks an engine's KV prefix cache holds, per data-parallel rank, rebuilt from its events.
 
-Per rank (each data-parallel rank has its own cache) the mirror holds every block the engine
-reported stored (``BlockStored``) and not yet removed from every medium (``BlockRemoved``), as
-``hash -> Block(parent hash, page tokens, session id, media, present children)``, and a token
-index ``(parent hash, page tokens) -> hash`` of the present blocks whose tokens are known, which
-token matching walks (:mod:`~contextpilot_integrations.sync.request_attribution`). Hashes are
-the engine's own (``BlockStored.block_hashes``), never recomputed (DESIGN.md invariant 4); the
-caller passes them in canonical form
+Per rank the mirror holds every block reported stored (``BlockStored``) and not yet removed from
+every medium (``BlockRemoved``), as ``hash -> Block(parent hash, page tokens, session id, media,
+present children)``, and a token index ``(parent hash, page tokens) -> hash`` of the present
+blocks whose tokens are known, which token matching walks
+(:mod:`~contextpilot_integrations.sync.request_attribution`). Hashes are the engine's own, never
+recomputed (docs/DESIGN.md, "Engine hashes are read"), passed in canonical form
 (:func:`~contextpilot_integrations.sync.kv_events.canonical_block_hash`).
 
-Namespaces (tenants and adapters, DESIGN.md invariant 8): blocks are keyed by namespace and
-hash, pages by namespace root or parent (:mod:`~contextpilot_integrations.sync.block_namespaces`),
-so a request registered in one namespace never matches a chain stored in another; a removal
-names no namespace and removes the hash from every namespace holding it.
-
-A block counts as present while it is held in any medium (GPU, host memory, disk): a GPU
-eviction that keeps a host copy removes nothing. The present blocks of a rank form a tree
-(parent links, orphans, leaves, cycle-safe walks bounded by the rank's block count:
-:mod:`~contextpilot_integrations.sync.block_tree`).
-
-Bound (DESIGN.md invariant 6): at most ``max_blocks`` blocks per rank. Beyond it the least
-recently stored *leaf* goes first (a block none of whose children is present; storing a block
-again, e.g. in another medium, counts as a use), as the engines' own LRU evicts leaves first:
-the caller treats it as a removal, so requests attached there are evicted (conservative: less
-believed reuse, never wrong reuse). Engines emit nothing on a cache hit, so the order is that
-of stores; the bound is meant to sit above the engine's real cache and to act only when
-removals were lost or the input is hostile.
-
-Memory: page tokens are kept as packed 8-byte ints (``bytes``) rather than tuples of Python
-ints, a chain's links need no container, and media sets are shared: 728 MiB of RSS for 1M
-blocks of 16 tokens with 100,000 attributed requests (1,228 MiB before), and flat at about
-200 MiB under a 100,000-block bound while 1M stores go in
-(``benchmarks/bench_mirror_memory.py``).
+- Namespaces (tenants and adapters, docs/DESIGN.md, "Tenants from credentials"): blocks are
+  keyed by namespace and hash, pages by namespace root or parent
+  (:mod:`~contextpilot_integrations.sync.block_namespaces`), so a request registered in one
+  namespace never matches a chain stored in another; a removal names no namespace and removes
+  the hash from every namespace holding it.
+- A block is present while it is held in any medium (GPU, host memory, disk). The present
+  blocks of a rank form a tree (:mod:`~contextpilot_integrations.sync.block_tree`).
+- Bounded (docs/DESIGN.md, "Bounded"): at most ``max_blocks`` blocks per rank; beyond it the
+  least recently stored *leaf* goes first, as the engines' own LRU does, and the caller treats
+  it as a removal (less believed reuse, never wrong reuse).
+- Page tokens are packed 8-byte ints (``bytes``, :mod:`~contextpilot_integrations.sync.
+  page_tokens`) and media sets are shared, to keep a million blocks small.
 
 The mirror knows nothing of requests: :class:`~contextpilot_integrations.sync.cache_mirror.
-CacheMirror` applies each event here, then tells the attribution what changed (the pages
-stored, the blocks whose removal breaks a cached prefix). Not thread-safe by itself: the
-``CacheMirror`` lock is held around every call.
+CacheMirror` applies each event here, then tells the attribution what changed. Not thread-safe
+by itself: the ``CacheMirror`` lock is held around every call.
 
-Public API: :class:`BlockMirror`, :class:`Chain`, :data:`StoredPage`,
-:data:`DEFAULT_MAX_BLOCKS`. Re-exported from their homes, for the importers of this module:
-:class:`~contextpilot_integrations.sync.block_tree.Block`; from
-:mod:`~contextpilot_integrations.sync.block_namespaces`: :class:`Namespace`, :data:`BlockKey`,
-:func:`block_key`, :func:`root_key`, :func:`namespace_of`, :func:`event_namespace`; from
-:mod:`~contextpilot_integrations.sync.page_tokens`: :data:`PageKey`, :data:`PackedTokens`,
-:func:`pack_tokens`, :func:`packed_page`, :func:`packed_length`, :func:`page_tokens`.
+Public API: :class:`BlockMirror`, :class:`Chain`, :data:`StoredPage`, :data:`DEFAULT_MAX_BLOCKS`.
 """
 
 from __future__ import annotations
@@ -60,47 +41,24 @@ from contextpilot_integrations.sync.block_namespaces import (
     block_key,
     event_namespace,
     inherit_namespace,
-    namespace_of,
     root_key,
 )
 from contextpilot_integrations.sync.block_tree import Block, RankBlocks
 from contextpilot_integrations.sync.kv_events import MEDIUM_GPU, BlockHash, BlockStored
 from contextpilot_integrations.sync.page_tokens import (
-    PackedTokens,
     PageKey,
     pack_tokens,
-    packed_length,
     packed_page,
-    page_tokens,
 )
 
-__all__ = [
-    "DEFAULT_MAX_BLOCKS",
-    "Block",
-    "BlockKey",
-    "BlockMirror",
-    "Chain",
-    "Namespace",
-    "PackedTokens",
-    "PageKey",
-    "StoredPage",
-    "block_key",
-    "event_namespace",
-    "namespace_of",
-    "pack_tokens",
-    "packed_length",
-    "packed_page",
-    "page_tokens",
-    "root_key",
-]
+__all__ = ["DEFAULT_MAX_BLOCKS", "BlockMirror", "Chain", "StoredPage"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BLOCKS = 1_000_000
 """Blocks kept per rank by default. A GPU's cache holds far fewer pages of 16 tokens (an 80 GB
 card serving an 8B model: about 30,000; a 1B model: about 120,000); SGLang at page size 1 counts
-one block per token (about 2M tokens for a 1B model on an 80 GB card: raise the bound there).
-About 0.7 GB of RSS at the bound with pages of 16 tokens."""
+one block per token (about 2M tokens for a 1B model on an 80 GB card: raise the bound there)."""
 
 
 class Chain(NamedTuple):

@@ -1,10 +1,11 @@
 """Cache namespaces (tenants and adapters) and how blocks and pages are keyed in them.
 
-DESIGN.md invariant 8: an engine keeps the prefixes of requests with different ``cache_salt``
-or LoRA adapter apart, so the mirror (:mod:`~contextpilot_integrations.sync.block_mirror`)
-does too. A block is keyed by ``(namespace, hash)`` (:func:`block_key`; the plain hash in the
-default namespace, no salt and no adapter), the token index by ``(namespace's root or parent,
-page tokens)`` (:func:`root_key`), so a request registered in one namespace never matches a
+An engine keeps the prefixes of requests with different ``cache_salt`` or LoRA adapter apart
+(docs/DESIGN.md, "Tenants from credentials"), so the mirror
+(:mod:`~contextpilot_integrations.sync.block_mirror`) does too. A block is keyed by
+``(namespace, hash)`` (:func:`block_key`; the plain hash in the default namespace, no salt and
+no adapter), the token index by ``(namespace's root or parent, page tokens)``
+(:func:`root_key`), so a request registered in one namespace never matches a
 chain stored in another (:mod:`~contextpilot_integrations.sync.request_attribution`), even
 where the engine publishes the same hash for both (SGLang's hashes need not include the
 salt). A ``BlockStored`` names its namespace by ``cache_salt`` (SGLang 0.5.18+), ``lora_name``

@@ -1,40 +1,28 @@
 """A mirror of an engine's KV prefix cache, built from its KV-cache events: the public entry
 point that applies events and reports the requests whose cached prefix the engine dropped.
 
-:class:`CacheMirror` joins two parts, each in its own module:
+:class:`CacheMirror` joins :mod:`~contextpilot_integrations.sync.block_mirror` (the blocks each
+data-parallel rank holds) and :mod:`~contextpilot_integrations.sync.request_attribution` (which
+of our requests each cached block belongs to, and the eviction rule). For each event the blocks
+change first, then the attribution is told what changed; every rid it evicts is passed to
+``on_evict`` once, and each ``session_id`` a store echoes to ``on_session`` (once per batch: the
+request reached this engine). ``AllBlocksCleared`` (and :meth:`CacheMirror.resync`) evicts every
+request attached on that rank. Blocks are kept per namespace
+(:mod:`~contextpilot_integrations.sync.block_namespaces`), so salted tenants and adapters never
+count as sharing a cache.
 
-- :mod:`~contextpilot_integrations.sync.block_mirror`: the blocks each data-parallel rank
-  holds, as the events say (hashes, parents, page tokens, media);
-- :mod:`~contextpilot_integrations.sync.request_attribution`: which of our requests each
-  cached block belongs to (the echoed ``session_id``, or matching the request's prompt tokens)
-  and the eviction rule: a cached request is evicted as soon as any block of its chain leaves
-  the cache; ``AllBlocksCleared`` (and :meth:`CacheMirror.resync`) evicts every request
-  attached on that rank.
+Errors: each event is checked before it changes anything; one that fails (a hash that is
+neither a 64-bit int nor bytes, a store naming one of its own blocks as parent, a field of the
+wrong type, an item that is no KV event) is counted in ``malformed_events``, logged (the first
+10 at warning level) and skipped, its batch-mates applied. Hashes are kept in canonical form
+(:func:`~contextpilot_integrations.sync.kv_events.canonical_block_hash`); the readers take
+either form and return the canonical one. The block bound (``max_blocks`` per rank) is enforced
+after every store, each dropped block treated as a removal. Every walk is bounded by the rank's
+block count.
 
-For each event the mirror of blocks is changed first, then the attribution is told what
-changed; every rid it evicts is passed to ``on_evict`` once. Blocks are kept per namespace
-(tenant ``cache_salt``, LoRA adapter: see :mod:`~contextpilot_integrations.sync.block_namespaces`),
-and a request registered for token matching names its own, so salted tenants and adapters never
-count as sharing a cache. Each ``session_id`` a store echoes is passed to ``on_session`` (once
-per batch): the request reached this engine (a router learns from it which replica a gateway
-sent it to).
-
-Untrusted input: each event is checked before it changes anything, and one that fails (a hash
-that is neither a 64-bit int nor bytes, a store naming one of its own blocks as parent, a field
-of the wrong type, an item that is no KV event) is counted in ``malformed_events``, logged
-(the first 10 at warning level) and skipped; the rest of its batch is applied. Hashes are kept
-in one canonical form (:func:`~contextpilot_integrations.sync.kv_events.canonical_block_hash`:
-ints as signed 64 bits, bytes as they are), so a block stored as an unsigned int is removed by
-its signed twin; the readers below take either form and return the canonical one. The block
-bound (``max_blocks`` per rank, least recently stored leaf first: see
-:mod:`~contextpilot_integrations.sync.block_mirror`) is enforced after every store, each
-dropped block treated as a removal (its requests evicted). Every walk is bounded by the rank's
-block count (within one event, each block is walked once), and the lock is taken per event,
-so it is held for one event at most: a few seconds for the largest event the decoder passes
-(2^20 new blocks), microseconds for a real one.
-
-Thread-safety: all public methods take one lock; ``on_evict`` runs after the lock is released,
-on the calling thread (the subscriber's thread for events).
+Thread-safety: all public methods take one lock, per event (so it is held for one event at
+most); ``on_evict`` runs after the lock is released, on the calling thread (the subscriber's
+thread for events).
 """
 
 from __future__ import annotations

@@ -109,8 +109,8 @@ def notify_evicted(
     on_evict: EvictCallback | None, rids: Iterable[str], name: str = "on_evict"
 ) -> int:
     """Call ``on_evict`` (or another per-rid callback, ``name`` in the log) for each rid; an
-    exception is logged, never raised (DESIGN.md invariant 5). Returns the number of calls
-    that raised."""
+    exception is logged, never raised (docs/DESIGN.md, "Never break a request"). Returns the
+    number of calls that raised."""
     if on_evict is None:
         return 0
     errors = 0

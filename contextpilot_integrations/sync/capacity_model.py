@@ -9,7 +9,7 @@ request is evicted (``on_evict(rid)``) and the blocks no other held request uses
 which is what a radix cache's leaf-first LRU does at block granularity.
 
 The model never sees the engine: it is a stand-in, right only as far as the budget matches the
-engine's real KV capacity for this workload (DESIGN.md invariant 6: bounded, LRU without
+engine's real KV capacity for this workload (docs/DESIGN.md, "Bounded": bounded, LRU without
 engine feedback).
 """
 

@@ -20,6 +20,10 @@ from typing import Any, Literal
 
 import msgspec
 
+from contextpilot_integrations.llm_call.provider_minimums import (
+    OPENAI_MIN_CACHED_TOKENS,
+    anthropic_min_cacheable_tokens,
+)
 from contextpilot_integrations.sync.block_mirror import DEFAULT_MAX_BLOCKS
 from contextpilot_integrations.sync.cache_state_source import (
     CacheStateSource,
@@ -31,7 +35,7 @@ from contextpilot_integrations.sync.kv_event_source import KVEventSource
 from contextpilot_integrations.sync.ttl_model import TTLModel
 
 _PROVIDER_TTL_S = {"openai": 300.0, "anthropic": 300.0, "anthropic-1h": 3600.0}
-_PROVIDER_MIN_TOKENS = {"openai": 1024}
+_PROVIDER_MIN_TOKENS = {"openai": OPENAI_MIN_CACHED_TOKENS}
 
 
 class CacheSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -40,8 +44,8 @@ class CacheSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ``kind="kv-events"`` needs ``endpoint``; ``kind="capacity"`` needs ``capacity_tokens``;
     ``kind="ttl"`` needs ``provider`` ("openai", "anthropic", "anthropic-1h") or ``ttl_s``;
     ``model`` picks an Anthropic model's minimum cacheable length
-    (:func:`~contextpilot_integrations.hosted_cache.anthropic_min_cacheable_tokens`), and
-    ``min_cached_tokens`` overrides the minimum either way. ``engine_grace_s``: seconds the
+    (:func:`~contextpilot_integrations.llm_call.provider_minimums.anthropic_min_cacheable_tokens`),
+    and ``min_cached_tokens`` overrides the minimum either way. ``engine_grace_s``: seconds the
     KV-event publisher may stay unconnected before the engine counts as unreachable (and a
     resync after a restore may wait for every rank: then it finishes with the ranks that
     joined, and counts a failure). ``max_blocks``: the KV-event mirror's bound on blocks per
@@ -137,8 +141,6 @@ def build_cache_state_source(
     ttl_s = config.ttl_s if config.ttl_s is not None else _PROVIDER_TTL_S[config.provider or ""]
     min_tokens = config.min_cached_tokens
     if min_tokens is None and config.provider in ("anthropic", "anthropic-1h"):
-        from contextpilot_integrations.anthropic_breakpoints import anthropic_min_cacheable_tokens
-
         min_tokens = anthropic_min_cacheable_tokens(config.model)
     if min_tokens is None:
         min_tokens = _PROVIDER_MIN_TOKENS.get(config.provider or "", 0)

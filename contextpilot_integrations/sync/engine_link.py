@@ -1,8 +1,8 @@
 """The engine link: one cache-state source, what was sent, evictions, and failures absorbed.
 
-The in-process :class:`~contextpilot_integrations.core.pilot.ContextPilot`
-(``ContextPilot(cache_sync={...})``), the index service and the benchmark all follow the engine
-through an :class:`EngineLink` built from the same configuration mapping
+The pilot (``ContextPilot(engine=EngineLink({...}))``), the router's replicas
+(``ReplicaRouter(..., link_factory=EngineLink)``), the index service and the benchmark follow
+the engine through an :class:`EngineLink` built from one configuration mapping
 (:class:`~contextpilot_integrations.sync.configuration.CacheSyncConfig`):
 
 - ``{"kind": "kv-events", "endpoint": ..., "replay_endpoint": ...}``: the engine's own KV-cache
@@ -12,21 +12,19 @@ through an :class:`EngineLink` built from the same configuration mapping
   publish nothing;
 - ``{"kind": "ttl", "provider": "openai" | "anthropic" | ...}``: a time-to-live, for hosted APIs.
 
-Every source ends in ``on_evict(rid)``. With several engine replicas there is one link per
-replica (:class:`~contextpilot_integrations.core.routing.ReplicaRouter`), each evicting from its
-own replica's index; ``on_session(rid)`` says that a request reached this link's engine (its
-rid echoed on a stored block), and ``on_health(up)`` that the engine's KV-event publisher has
-been unreachable for ``engine_grace_s`` (``False``) or is connected again (``True``).
+Every source ends in ``on_evict(rid)``, bound by the link's owner (:meth:`EngineLink.bind`).
+With several engine replicas there is one link per replica
+(:class:`~contextpilot_integrations.core.replicas.routing.ReplicaRouter`), each evicting from
+its own replica's index; ``on_session(rid)`` says that a request reached this link's engine
+(its rid echoed on a stored block), and ``on_health(up)`` that the engine's KV-event publisher
+has been unreachable for ``engine_grace_s`` (``False``) or is connected again (``True``).
 
-The link records each planned request with the source (:meth:`EngineLink.record`), passes cache
-hits on (:meth:`~EngineLink.touch`), and re-establishes what the engine still holds after an
-index was restored from a snapshot (:meth:`~EngineLink.resync`).
-
-The sync path never breaks a request (DESIGN.md invariant 5): a source or an ``on_evict`` that
-raises, an engine that is unreachable, a resync that cannot complete is counted
-(``stats()["failures"]``, by kind), logged once per kind at warning level (later ones at
-debug), and never raised to the caller.
-"""
+The link records each planned request (:meth:`EngineLink.record`), passes cache hits on
+(:meth:`~EngineLink.touch`), and re-establishes what the engine still holds after a restore
+(:meth:`~EngineLink.resync`). The sync path never breaks a request (docs/DESIGN.md, "Never
+break a request"): a source or an ``on_evict`` that raises, an unreachable engine, a resync
+that cannot complete is counted (``stats()["failures"]``, by kind), logged once per kind at
+warning level (later ones at debug), and never raised to the caller."""
 
 from __future__ import annotations
 
@@ -54,19 +52,14 @@ RestoredRequest = tuple[str, Sequence[tuple[int, int]]]
 
 
 class EngineLink:
-    """Follows one engine's prefix cache and reports its evictions.
+    """Follows one engine's prefix cache and reports its evictions (implements
+    :class:`~contextpilot_integrations.core.engine_link_protocol.EngineLinkProtocol`).
 
     Args:
         config: the cache-state source, as :meth:`CacheSyncConfig.from_mapping` takes it.
-        on_evict: ``on_evict(rid) -> bool``, called when the engine dropped ``rid``'s prefix
-            (e.g. ``ContextIndex.evict``); True when the rid was indexed (only those count as
-            evictions). An exception is counted as a failure of kind ``evict``.
-        on_session: ``on_session(rid)``, called on the subscriber's thread with each rid the
-            engine echoed as ``session_id`` on a stored block (KV events only).
-        on_health: ``on_health(up)``, called on the link's watch thread with False once the
-            KV-event publisher has been unconnected for ``engine_grace_s`` (when the outage is
-            counted), and with True when it connects again after that. An exception is
-            counted as a failure of kind ``health``.
+
+    The owner routes the engine's news with :meth:`bind` (a pilot given an unbound link binds
+    it to its own index); an unbound link evicts nothing.
 
     Raises:
         ValueError: an invalid configuration (the message names the field).
@@ -75,23 +68,17 @@ class EngineLink:
     timer, the resync waiter) or on the caller's (the capacity model).
     """
 
-    def __init__(
-        self,
-        config: Mapping[str, Any] | CacheSyncConfig,
-        on_evict: Callable[[str], bool],
-        *,
-        on_session: Callable[[str], object] | None = None,
-        on_health: Callable[[bool], object] | None = None,
-    ) -> None:
+    def __init__(self, config: Mapping[str, Any] | CacheSyncConfig) -> None:
         self.config = (
             config if isinstance(config, CacheSyncConfig) else CacheSyncConfig.from_mapping(config)
         )
         self.config.validate()
         self.kind: str = self.config.kind
-        self._on_evict = on_evict
-        self._on_health = on_health
+        self._on_evict: Callable[[str], bool] | None = None
+        self._on_session: Callable[[str], object] | None = None
+        self._on_health: Callable[[bool], object] | None = None
         self.source: CacheStateSource = build_cache_state_source(
-            self.config, self._evicted, on_session=on_session
+            self.config, self._evicted, on_session=self._session
         )
         self._lock = threading.Lock()
         self._lifecycle = threading.Lock()
@@ -103,6 +90,45 @@ class EngineLink:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._started = False
+
+    # ------------------------------------------------------------------ Public API: owner
+    def bind(
+        self,
+        on_evict: Callable[[str], bool],
+        *,
+        on_session: Callable[[str], object] | None = None,
+        on_health: Callable[[bool], object] | None = None,
+    ) -> EngineLink:
+        """Route the engine's news to the link's owner (once, before :meth:`start`); returns
+        self.
+
+        Args:
+            on_evict: ``on_evict(rid) -> bool``, called when the engine dropped ``rid``'s
+                prefix (e.g. ``ContextIndex.evict``); True when the rid was indexed (only
+                those count as evictions). An exception is counted as a failure of kind
+                ``evict``.
+            on_session: ``on_session(rid)``, called on the subscriber's thread with each rid
+                the engine echoed as ``session_id`` on a stored block (KV events only).
+            on_health: ``on_health(up)``, called on the link's watch thread with False once the
+                KV-event publisher has been unconnected for ``engine_grace_s`` (when the outage
+                is counted), and with True when it connects again after that. An exception is
+                counted as a failure of kind ``health``.
+
+        Raises:
+            ValueError: the link is bound already (it has an owner).
+        """
+        with self._lock:
+            if self._on_evict is not None:
+                raise ValueError("engine link is bound already: one owner binds its callbacks")
+            self._on_evict = on_evict
+            self._on_session = on_session
+            self._on_health = on_health
+        return self
+
+    @property
+    def bound(self) -> bool:
+        """Whether :meth:`bind` was called."""
+        return self._on_evict is not None
 
     # ------------------------------------------------------------------ Public API: lifecycle
     def start(self) -> EngineLink:
@@ -274,8 +300,11 @@ class EngineLink:
     # ------------------------------------------------------------------ internals
     def _evicted(self, rid: str, *, cause: str | None = None) -> bool:
         """``on_evict(rid)``, counted by cause when the rid was indexed; never raises."""
+        on_evict = self._on_evict
+        if on_evict is None:
+            return False
         try:
-            evicted = bool(self._on_evict(rid))
+            evicted = bool(on_evict(rid))
         except Exception as exc:
             self.failure("evict", f"on_evict({rid!r}) raised {type(exc).__name__}: {exc}")
             return False
@@ -285,9 +314,16 @@ class EngineLink:
                 self._evictions[cause] = self._evictions.get(cause, 0) + 1
         return evicted
 
+    def _session(self, rid: str) -> None:
+        # The source counts what this raises (``session_callback_errors``).
+        on_session = self._on_session
+        if on_session is not None:
+            on_session(rid)
+
     def _health(self, up: bool) -> None:
-        if self._on_health is not None:
-            self._guard("health", self._on_health, up)
+        on_health = self._on_health
+        if on_health is not None:
+            self._guard("health", on_health, up)
 
     def _guard(self, kind: str, call: Callable[..., Any], *args: Any) -> Any:
         try:

@@ -1,48 +1,28 @@
 """Decoding of the KV-cache event batches that SGLang and vLLM publish over ZMQ.
 
 Wire format (SGLang ``sglang/srt/disaggregation/kv_events.py``, vLLM
-``vllm/distributed/kv_events.py``; see ``shared/notes/engine-kv-events.md``):
+``vllm/distributed/kv_events.py``; docs/DESIGN.md, "SGLang KV events" and "vLLM KV events"):
 
 - A batch is a msgpack array ``[ts, events, dp_rank]``: ``ts`` is the publisher's
   ``time.time()`` in seconds, ``dp_rank`` the data-parallel (SGLang: attention-DP) rank or nil.
-- Each event is one of ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared`` in one of two
-  shapes:
+- Each event is ``BlockStored``, ``BlockRemoved`` or ``AllBlocksCleared``, either as a
+  positional tagged array (SGLang <= 0.5.18, vLLM 0.9: ``["BlockStored", block_hashes,
+  parent_block_hash, token_ids, block_size, lora_id, medium, ...]``) or as a map with a
+  ``"type"`` key (SGLang 0.5.20+, current vLLM). Unknown map keys and extra trailing items are
+  ignored, missing optional fields take their defaults. vLLM's ``extra_keys`` (per block, what
+  was mixed into its hash: LoRA name, ``cache_salt``, ...) is kept for the namespaces
+  (:func:`~contextpilot_integrations.sync.block_mirror.event_namespace`).
+- Block hashes are opaque engine ids (SGLang: signed 64-bit ints; recent vLLM: bytes), never
+  recomputed, only brought to one form (:func:`canonical_block_hash`: an int as signed 64
+  bits), so a hash published unsigned matches its signed twin.
 
-  * positional tagged array (SGLang <= 0.5.18, vLLM 0.9):
-    ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-    medium, ...]``;
-  * map with a ``"type"`` key (SGLang 0.5.20+, current vLLM):
-    ``{"type": "BlockStored", "block_hashes": [...], ...}``.
-
-Fields added by later releases (``medium``, ``cache_salt``, ``session_id``, ``lora_name``,
-vLLM's ``extra_keys``...) are tolerated: unknown map keys and extra trailing array items are
-ignored, missing optional fields take their defaults. ``extra_keys`` (vLLM: per block, the
-untagged keys mixed into its hash: the LoRA name, ``(mm_identifier, offset)`` pairs, the
-``cache_salt`` on a request's first block, prompt-embedding digests) is kept, so that the mirror
-can tell which tenant or adapter a chain belongs to
-(:func:`~contextpilot_integrations.sync.block_mirror.event_namespace`).
-
-Block hashes are opaque ids taken from the engine (SGLang: signed 64-bit ints; recent vLLM:
-bytes); they are never recomputed here, only brought to one canonical form
-(:func:`canonical_block_hash`: an int as signed 64 bits, bytes as they are), so that a hash
-published unsigned matches its signed twin.
-
-Hostile or broken input (the decoder reads whatever arrives on the engine's socket):
-
-- a frame that is not a batch, larger than :data:`MAX_PAYLOAD_BYTES`, with more than
-  :data:`MAX_EVENTS_PER_BATCH` events, or nested deeper than msgspec's recursion guard (the
-  interpreter's recursion limit, 1,000 frames by default, less the caller's own stack; a real
-  batch nests 5 levels) raises :exc:`MalformedEventBatchError`: the caller counts and drops it;
-- an event of the batch that does not decode (a missing, mistyped or shifted field, a string
-  longer than :data:`MAX_STRING_LENGTH`, more than :data:`MAX_HASHES_PER_EVENT` hashes or
-  :data:`MAX_TOKENS_PER_EVENT` token ids) is counted (:attr:`KVEventDecoder.malformed_events`)
-  and skipped; the rest of its batch is decoded and applied.
-
-The limits are far above what the engines send: a scheduler step stores at most its prefill
-budget plus one page per running request (SGLang ``max_prefill_tokens`` 16,384, vLLM
-``max_num_batched_tokens`` 8,192 by default), a few hundred KB of msgpack; even a 1M-token
-request stored at once at page size 1 (about 14 MB) fits. msgspec checks a length from the
-array header before it allocates the items, so a frame that claims 10^9 items costs nothing.
+Errors (the decoder reads whatever arrives on the engine's socket): a frame that is not a batch,
+larger than :data:`MAX_PAYLOAD_BYTES`, with more than :data:`MAX_EVENTS_PER_BATCH` events or
+nested deeper than msgspec's recursion guard raises :exc:`MalformedEventBatchError` (the caller
+counts and drops it); an event that does not decode (a missing or mistyped field, a string over
+:data:`MAX_STRING_LENGTH`, too many hashes or token ids) is counted
+(:attr:`KVEventDecoder.malformed_events`) and skipped, its batch-mates applied. The limits are
+far above what an engine's scheduler step sends.
 
 Public API: :class:`BlockStored`, :class:`BlockRemoved`, :class:`AllBlocksCleared`,
 :class:`KVEventBatch`, :class:`KVEventDecoder`, :exc:`MalformedEventBatchError`,

@@ -2,10 +2,9 @@
 
 The mirror's token index (:mod:`~contextpilot_integrations.sync.block_mirror`) and the request
 attribution (:mod:`~contextpilot_integrations.sync.request_attribution`) key pages the same
-way, so that a request's page and a stored page with the same ids meet. Packed ints rather
-than tuples of Python ints are part of the mirror's memory figures (728 MiB of RSS for 1M
-blocks of 16 tokens with 100,000 attributed requests, 1,228 MiB with tuples:
-``benchmarks/bench_mirror_memory.py``).
+way, so that a request's page and a stored page with the same ids meet. Packed ints take far
+less memory than tuples of Python ints, which matters at a million blocks
+(``benchmarks/micro/bench_mirror_memory.py`` measures it).
 
 Public API: :data:`PageKey`, :data:`PackedTokens`, :func:`pack_tokens`, :func:`packed_length`,
 :func:`packed_page`, :func:`page_tokens`.

@@ -2,56 +2,31 @@
 the replay socket, restart detection and resync.
 
 Each published message carries a sequence number counting from 0 per publisher process. Per
-rank:
+rank (:meth:`RankStream.on_message`):
 
 - first message (or first after a restart) with seq > 0: the batches before it are fetched
-  from the replay socket starting at 0; when that fails the rank is resynchronised;
-- seq > expected: a gap (once confirmed: below); the missing range is fetched from the replay
-  socket and applied in order before the live batch (``repaired``). The replay returns
-  everything buffered from the missing seq on, so the batches after the live one are applied
-  at once too, and their live copies (same seq, same payload) skipped: one replay covers every
-  gap up to the publisher's head. When replay is not configured, times out or no longer holds
-  the whole range, the rank is resynchronised (the receiver forgets what it believes cached
-  there), then the contiguous tail the replay did return is applied;
-- seq < expected (and not the live copy of a batch a replay already applied): the publisher
-  restarted (a new engine process, empty cache), once confirmed (below): resync, then the
-  first-message rule;
-- after the SUB socket reconnects (a ZMQ socket monitor reports it), the new stream may have
-  passed the old sequence number already, which seq alone cannot tell from a gap. So the
-  replay socket is asked for batch ``expected - 1``: the same publisher returns the very
-  payload last applied; anything else is a restart, handled as above;
-- idle: when a rank has been silent for ``idle_probe_s``, the replay socket is asked for
-  anything from the expected seq on. This finds a lost *last* message (no later message would
-  reveal the gap) and the batches a subscriber missed by joining after the engine went quiet.
-  While the replay socket does not answer (engine down), probes back off to 30 s. A publisher
-  that answers with an empty buffer has published nothing: the rank counts as joined.
+  from the replay socket from 0; when that fails the rank is resynchronised;
+- seq > expected: a gap, once confirmed (below): the missing range is replayed and applied
+  before the live batch (``repaired``); one replay returns everything buffered from there, so
+  the later live copies (same seq, same payload) are skipped. Replay absent, timed out or short
+  of the range: resync (forget what the rank is believed to cache), then apply the contiguous
+  tail it returned;
+- seq < expected (not the live copy of a replayed batch): the publisher restarted, once
+  confirmed: resync, then the first-message rule;
+- after the SUB socket reconnects: the replay is asked for batch ``expected - 1``; the same
+  publisher returns the payload last applied, anything else is a restart;
+- idle for ``idle_probe_s``: the replay is asked for anything from ``expected`` (a lost *last*
+  message, batches missed by joining late); probes back off to 30 s while it does not answer;
+  an empty buffer counts as joined.
 
-Absurd sequence numbers. A resync forgets everything believed cached on the rank, so one stray
-frame must not cause one (nor the second one that would follow when the true stream resumes
-"behind" it). Hence:
+A stray frame must not cause a resync: a seq of :data:`MAX_PLAUSIBLE_SEQ` or more is refused; a
+frame out of line is held until the replay confirms it (the publisher holds that seq with that
+payload) or, without an answer, until the next message continues from it or ``hold_s`` passes;
+one never confirmed is dropped (``bad_sequence``). A stray with exactly the expected seq cannot
+be told apart and is applied.
 
-- a seq of :data:`MAX_PLAUSIBLE_SEQ` (2^56) or more is refused outright: a publisher counting
-  one million batches a second reaches it after 2,284 years (2^64 - 1, the replay end marker's
-  sequence frame, is one such);
-- a frame out of line (a gap, or a step back that is no known duplicate) changes nothing
-  until it is confirmed. The replay socket confirms it: a gap's live seq must be one the
-  publisher published (its buffer holds that seq with that payload, or has moved past it); a
-  step back is a restart only when the publisher holds this seq with this payload and has not
-  reached ``expected - 1`` yet (a new process: the same publisher would return what was applied
-  there, and the frame is a late copy). Without an answer (no replay socket, or it does not
-  answer) the frame is held: the next message confirms it when it continues from the held
-  frame rather than from ``expected``, and so does a silence of ``hold_s``;
-- a frame that is not confirmed is dropped and counted (``bad_sequence``); the stream goes on
-  from ``expected`` as if it never came;
-- a stray frame that carries exactly the expected seq cannot be told from the engine's batch:
-  it is applied (a payload that does not decode changes nothing); when the publisher's own
-  batch of that seq follows, the replay shows it is the publisher's and it is applied too.
-
-:class:`RankStream` holds that state and applies those rules; the
-:class:`~contextpilot_integrations.sync.subscriber.KVEventSubscriber` owns the sockets and the
-thread, and hands each received message to :meth:`RankStream.on_message`.
-
-Public API: :class:`RankStream`, :data:`MAX_PLAUSIBLE_SEQ`.
+The :class:`~contextpilot_integrations.sync.subscriber.KVEventSubscriber` owns the sockets and
+the thread. Public API: :class:`RankStream`, :data:`MAX_PLAUSIBLE_SEQ`.
 """
 
 from __future__ import annotations
@@ -67,7 +42,9 @@ __all__ = ["MAX_PLAUSIBLE_SEQ", "RankStream"]
 logger = logging.getLogger(__name__)
 
 MAX_PLAUSIBLE_SEQ = 1 << 56
-"""Sequence numbers from here on are refused (see the module docstring)."""
+"""Sequence numbers from here on (2^56) are refused: a publisher counting a million batches a
+second would need 2,284 years to reach it; 2^64 - 1, the replay end marker's sequence frame, is
+one such."""
 
 _MAX_PROBE_BACKOFF_S = 30.0
 _RECONNECT_PROBE_DELAY_S = 0.2

@@ -1,7 +1,7 @@
 """The client side of the engines' KV-event replay socket (``replay_endpoint``).
 
 Protocol (SGLang ``ZmqEventPublisher`` in ``sglang/srt/disaggregation/kv_events.py``, the same
-in vLLM ``vllm/distributed/kv_events.py``; ``shared/notes/engine-kv-events.md``): a ROUTER
+in vLLM ``vllm/distributed/kv_events.py``; docs/DESIGN.md, "SGLang KV events"): a ROUTER
 socket, one per data-parallel rank (the port offset by the rank). A request
 ``(b"", start_seq as 8 bytes big-endian)`` is answered with every buffered message whose
 sequence number is at least ``start_seq``, then an end marker whose sequence frame is -1

@@ -1,48 +1,29 @@
 """Which of our requests the engine's cached blocks belong to, and when a request's prefix breaks.
 
-No engine event carries the request id, so blocks are attributed two ways:
+No engine event carries the request id (docs/DESIGN.md, "SGLang KV events"), so blocks are
+attributed two ways:
 
-1. ``session_id`` echoed on ``BlockStored`` (SGLang's ``UnifiedRadixCache`` in 0.5.20+, recent
-   vLLM): the plan's rid is sent as ``session_id``, so the stored chain belongs to that rid
+1. ``session_id`` echoed on ``BlockStored`` (SGLang 0.5.20+, recent vLLM): the plan's rid is
+   sent as ``session_id``, so the stored chain belongs to that rid
    (:meth:`RequestAttribution.session_stored`).
 2. token matching: :meth:`RequestAttribution.register` takes the request's prompt token ids;
    each stored page whose ``(parent hash, page tokens)`` continues a registered request's
-   matched chain extends that request's cached prefix (also when the blocks were already cached
-   by another request at registration time). Matching looks up ``(parent, tokens)`` pairs, so
-   it costs O(1) per stored page whatever the number of registered requests.
+   matched chain extends its cached prefix (also when another request cached the blocks
+   first). O(1) per stored page, whatever the number of registered requests.
 
-A request is *cached* once its whole chain is present: for a session-echoed store, when the
-store arrives; for token matching, when every whole page of the registered tokens is matched
-(until then it is *matching*: a partial match on blocks of other requests, which may come and
-go before the request itself is served without evicting it). A cached request is *attached*
-to the deepest block of its chain.
+A request is *cached* once its whole chain is present (until then, by token matching, it is
+*matching*), and *attached* to the deepest block of its chain. Eviction rule
+(:meth:`RequestAttribution.blocks_removed`): a cached request is evicted as soon as any block of
+its chain leaves the cache (the engine's prefix match stops at the first missing block); a
+cleared rank evicts every request attached there. A request's tail (question, output tokens) is
+its deepest part: register only the shared part's tokens if the tail should not count.
 
-Eviction rule (:meth:`RequestAttribution.blocks_removed`): a cached request is evicted as soon
-as any block of its chain leaves the cache, i.e. when its attached block or an ancestor of it
-is removed. Engines evict least-recently-used *leaves* first (SGLang's radix cache; vLLM frees
-a chain tail-first), so in practice the first block of a request to go is its deepest, and the
-rule reads "evict when the deepest cached block is removed". Taking any block, not only the
-deepest, covers the cases where an inner block goes first (vLLM can free an inner block whose
-children stay): the engine's prefix match stops at the first missing block, so the request's
-prefix is no longer fully cached either way. A cleared rank evicts every request attached
-there. Note that a request's tail (question, output tokens) is its deepest part: register only
-the tokens of the shared part (system prompt and context blocks) if the tail should not count;
-session-echoed chains include whatever the engine stored.
-
-Namespaces: a request is registered in its tenant's and adapter's namespace
-(:class:`~contextpilot_integrations.sync.block_mirror.Namespace`: its ``cache_salt``, its LoRA
-name) and matches only pages stored in that namespace, from that namespace's root: a salted
-tenant's chain never counts as another's cache, whatever tokens they share.
-
-Data-parallel ranks are attributed separately; a registered request matches on every rank (it
-is not known which rank serves it), so a cached request is evicted when its chain breaks on any
-rank that holds it: conservative (less believed reuse), never wrong reuse.
-
-The attribution reads the blocks from a :class:`~contextpilot_integrations.sync.block_mirror.
-BlockMirror` and is told by :class:`~contextpilot_integrations.sync.cache_mirror.CacheMirror`
-what each event changed there; it never calls ``on_evict`` itself (the evicted rids are
-returned). Tracked requests are bounded (:class:`~contextpilot_integrations.core.lru.LRU`).
-Not thread-safe by itself: the ``CacheMirror`` lock is held around every call.
+A request is registered in its namespace (its ``cache_salt`` and LoRA name,
+:class:`~contextpilot_integrations.sync.block_namespaces.Namespace`) and matches only pages
+stored there. Data-parallel ranks are attributed separately and a request matches on every rank,
+so it is evicted when its chain breaks on any rank that holds it. The evicted rids are returned,
+never passed to ``on_evict`` here; tracked requests are bounded (an LRU). Not thread-safe by
+itself: the ``CacheMirror`` lock is held around every call.
 """
 
 from __future__ import annotations

@@ -1,39 +1,28 @@
 """A subscriber to an engine's KV-cache event stream (SGLang and vLLM ``--kv-events-config``).
 
 Protocol (SGLang ``ZmqEventPublisher`` in ``sglang/srt/disaggregation/kv_events.py``, the same
-in vLLM ``vllm/distributed/kv_events.py``; ``shared/notes/engine-kv-events.md``): a PUB socket
+in vLLM ``vllm/distributed/kv_events.py``; docs/DESIGN.md, "SGLang KV events"): a PUB socket
 per data-parallel rank, the port offset by the rank (``inproc`` endpoints get a ``_dp<rank>``
 suffix). Each message has three frames: topic, sequence number (8 bytes, big-endian, counting
 from 0 per publisher process), msgpack batch. An optional ROUTER replay socket per rank
 returns buffered batches (:mod:`~contextpilot_integrations.sync.replay_client`).
 
-:class:`KVEventSubscriber` owns the thread and the sockets: a SUB socket and a socket monitor
-per rank, polled together. Each message goes to the rank's
-:class:`~contextpilot_integrations.sync.rank_stream.RankStream`, which applies the sequence
-rules (gap repair by replay, restart detection, resync, idle probes: see
-:mod:`~contextpilot_integrations.sync.rank_stream`) and hands batches back in order, to be
-decoded (:mod:`~contextpilot_integrations.sync.kv_events`) and passed to ``on_batch``.
+:class:`KVEventSubscriber` owns the thread and the sockets (a SUB socket and a socket monitor
+per rank, polled together). Each message goes to the rank's
+:class:`~contextpilot_integrations.sync.rank_stream.RankStream` (the sequence rules), which
+hands batches back in order, to be decoded (:mod:`~contextpilot_integrations.sync.kv_events`)
+and passed to ``on_batch``; ``on_batch`` and ``on_resync`` run on the subscriber's thread.
 
-Malformed messages (wrong frame count, bad sequence frame, undecodable payload) are logged,
-counted and skipped; their sequence number, when readable, still counts as received. A bad
-event inside a good batch is skipped by the decoder, its batch-mates applied. Frames larger
-than :data:`~contextpilot_integrations.sync.kv_events.MAX_PAYLOAD_BYTES` are refused by the
-sockets themselves (ZMQ's ``MAXMSGSIZE``: the peer is disconnected, then reconnects). A
-handler exception is logged and counted; the stream goes on (DESIGN.md invariant 5).
-
-The thread never dies of an error: any unexpected exception closes the sockets, is counted
-(``thread_restarts``) and logged (the first with its traceback at warning level, later ones at
-debug), and the thread opens new sockets after a pause (0.1 s, doubling to 5 s while it keeps
-failing, back to 0.1 s after a minute without failure) and goes on from the sequence state it
-had: the replay repairs what was missed, ``connected`` follows the new sockets. Only
-:meth:`KVEventSubscriber.stop` ends it.
-
-Nothing here needs an asyncio event loop: events are decoded and applied, and ``on_batch`` /
-``on_resync`` run, on the subscriber's own thread.
-
-Connecting before the engine binds is fine: ZMQ connects in the background and retries.
-Note that ZMQ PUB/SUB drops messages published before a subscription reaches the publisher;
-the first-message rule repairs that from the replay socket.
+Errors: a malformed message (wrong frame count, bad sequence frame, undecodable payload) is
+logged, counted and skipped; a frame over
+:data:`~contextpilot_integrations.sync.kv_events.MAX_PAYLOAD_BYTES` is refused by the socket
+(ZMQ's ``MAXMSGSIZE``: the peer is disconnected, then reconnects); a handler exception is logged
+and counted (docs/DESIGN.md, "Never break a request"). Any unexpected exception closes the
+sockets, is counted (``thread_restarts``) and logged, and the thread opens new sockets after a
+pause (0.1 s, doubling to 5 s while it keeps failing) and goes on from its sequence state: only
+:meth:`KVEventSubscriber.stop` ends it. Connecting before the engine binds is fine (ZMQ
+retries); messages published before a subscription reaches the publisher are repaired from the
+replay socket by the first-message rule.
 """
 
 from __future__ import annotations

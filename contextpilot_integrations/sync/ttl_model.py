@@ -2,15 +2,15 @@
 
 Hosted APIs cache a prompt prefix for a while after its last use and say nothing when it goes:
 
-- OpenAI, "Prompt caching" guide: prompts of 1,024 tokens or more are cached (hits in 128-token
+- OpenAI, "Prompt caching" guide: prompts from a minimum length are cached (hits in 128-token
   steps); with ``prompt_cache_retention="in_memory"`` (the default) cached prefixes stay active
   after 5 to 10 minutes of inactivity, at most an hour; ``"24h"`` keeps them longer, up to a
   day, without a stated lower bound.
 - Anthropic, "Prompt caching" docs: the cache has a 5-minute lifetime (1 hour with
   ``"ttl": "1h"``), refreshed at no cost each time the cached content is read; the prefix up
-  to a breakpoint must hold a minimum per model (1,024 tokens for Claude Sonnet 4.x and Opus
-  4/4.1, 2,048 for Haiku 3/3.5, 4,096 for Opus 4.5-4.7 and Haiku 4.5:
-  :func:`contextpilot_integrations.hosted_cache.anthropic_min_cacheable_tokens`).
+  to a breakpoint must hold a minimum per model.
+
+The minimums are :mod:`contextpilot_integrations.llm_call.provider_minimums`.
 
 So a request is modelled as cached from its last use until ``ttl_s`` later; a request whose
 prompt is below ``min_cached_tokens`` is never cached and is evicted at once. A read reported
@@ -30,6 +30,10 @@ import time
 from collections.abc import Callable
 
 from contextpilot_integrations.core.lru import LRU
+from contextpilot_integrations.llm_call.provider_minimums import (
+    OPENAI_MIN_CACHED_TOKENS,
+    anthropic_min_cacheable_tokens,
+)
 from contextpilot_integrations.sync.cache_state_source import (
     EvictCallback,
     SentRequest,
@@ -88,8 +92,9 @@ class TTLModel:
     @classmethod
     def openai(cls, on_evict: EvictCallback | None = None, **kwargs: object) -> TTLModel:
         """OpenAI prompt caching: 5 minutes (the short end of 5-10, for either retention),
-        1,024-token minimum."""
-        return cls(300.0, on_evict, **{"min_cached_tokens": 1024, **kwargs})  # type: ignore[arg-type]
+        :data:`~contextpilot_integrations.llm_call.provider_minimums.OPENAI_MIN_CACHED_TOKENS`."""
+        minimum = OPENAI_MIN_CACHED_TOKENS
+        return cls(300.0, on_evict, **{"min_cached_tokens": minimum, **kwargs})  # type: ignore[arg-type]
 
     @classmethod
     def anthropic(
@@ -101,10 +106,8 @@ class TTLModel:
         **kwargs: object,
     ) -> TTLModel:
         """Anthropic prompt caching: 5 minutes (1 hour with ``one_hour``), refreshed by reads;
-        the minimum cacheable length of ``model`` (1,024 tokens when unknown or ``None``;
+        the minimum cacheable length of ``model`` (``anthropic_min_cacheable_tokens``;
         ``min_cached_tokens=`` overrides it)."""
-        from contextpilot_integrations.anthropic_breakpoints import anthropic_min_cacheable_tokens
-
         ttl = 3600.0 if one_hour else 300.0
         minimum = anthropic_min_cacheable_tokens(model)
         return cls(ttl, on_evict, **{"min_cached_tokens": minimum, **kwargs})  # type: ignore[arg-type]

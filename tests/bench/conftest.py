@@ -1,33 +1,18 @@
-"""Fixtures for the benchmark tests: the real data directory (tests that need it skip when it is
-absent, for example in a clone without ../shared/data) and a small OpenAI-compatible server."""
+"""Fixtures for the benchmark tests: a small OpenAI-compatible server (the real data directory,
+``data_dir``, comes from ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Response
 from fastapi import Request as FastAPIRequest
 from fastapi.responses import JSONResponse, StreamingResponse
-
-from contextpilot_integrations.bench.workloads import resolve_data_dir
-
-
-@pytest.fixture(scope="session")
-def data_dir() -> Path:
-    try:
-        return resolve_data_dir()
-    except FileNotFoundError as exc:
-        pytest.skip(f"real data not available: {exc}")
-
+from support.asgi_server import serve_in_thread
 
 # --- a small real OpenAI-compatible HTTP server ------------------------------------------------
 #
@@ -108,22 +93,5 @@ def _make_engine_app(state: EngineServerState) -> FastAPI:
 def engine_server() -> Iterator[tuple[str, EngineServerState]]:
     """A running server on 127.0.0.1 (an ephemeral port): ``(base url, its state)``."""
     state = EngineServerState()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(_make_engine_app(state), log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("test engine server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", state
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with serve_in_thread(_make_engine_app(state)) as url:
+        yield url, state

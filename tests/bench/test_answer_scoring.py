@@ -7,8 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from contextpilot_integrations.bench.answer_scoring import (
+from contextpilot_bench.answer_scoring import (
     bootstrap_interval,
     bootstrap_statistic,
     is_label_only,
@@ -18,7 +17,7 @@ from contextpilot_integrations.bench.answer_scoring import (
     score_answer,
     score_methods,
 )
-from contextpilot_integrations.bench.workloads import load_workload
+from contextpilot_bench.workloads import load_workload
 
 
 def test_normalisation_is_squads() -> None:

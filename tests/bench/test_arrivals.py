@@ -7,13 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from contextpilot_integrations.bench.arrivals import (
+from contextpilot_bench.arrivals import (
     arrivals_for,
     poisson_arrivals,
     replay_arrivals,
 )
-from contextpilot_integrations.bench.workloads import Document, Request, Workload, load_workload
+from contextpilot_bench.workloads import Document, Request, Workload, load_workload
 
 
 def test_poisson_is_seeded_and_reproducible() -> None:

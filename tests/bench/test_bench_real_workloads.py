@@ -5,16 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from contextpilot_integrations.bench.engine import EmbeddedEngine
-from contextpilot_integrations.bench.methods import (
+from contextpilot_bench.engine import EmbeddedEngine
+from contextpilot_bench.methods import (
     METHODS,
     prepare_workload,
     resolve_cache_tokens,
     run_methods,
 )
-from contextpilot_integrations.bench.report import summarize
-from contextpilot_integrations.bench.workloads import load_workload
+from contextpilot_bench.report import summarize
+from contextpilot_bench.workloads import load_workload
+
 from contextpilot_integrations.core.blocks import ApproxTokenCounter
 
 SLICE = {"multihop-rag": 250, "locomo": 400, "mtrag": 400}

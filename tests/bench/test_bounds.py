@@ -12,26 +12,27 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from contextpilot_integrations.bench.bounds import (
-    OrderingProblem,
-    cached_tokens,
-    connected_slices,
+from contextpilot_bench.bounds import (
     offline_bounds,
-    optimal_orders,
-    ordering_problem,
-    orders_of_plans,
     prefix_intersection_bound,
     spanning_forest_bound,
     two_level_lp_bound,
 )
-from contextpilot_integrations.bench.engine import EmbeddedEngine
-from contextpilot_integrations.bench.methods import PreparedWorkload, run_method
-from contextpilot_integrations.bench.workloads import Document, Request, Workload
+from contextpilot_bench.engine import EmbeddedEngine
+from contextpilot_bench.methods import PreparedWorkload, run_method
+from contextpilot_bench.optimal_orders import connected_slices, optimal_orders
+from contextpilot_bench.ordering_problem import (
+    OrderingProblem,
+    cached_tokens,
+    ordering_problem,
+    orders_of_plans,
+)
+from contextpilot_bench.workloads import Document, Request, Workload
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from contextpilot_integrations.core.blocks import ApproxTokenCounter
-from contextpilot_integrations.core.clustering import order_batch
+from contextpilot_integrations.core.ordering.clustering import order_batch
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import PlanRequest
@@ -145,7 +146,7 @@ def test_bounds_are_never_below_the_optimum(problem: OrderingProblem) -> None:
     assert bounds.tighter >= best
     # The LP counts the first two levels whole: never looser than the prefix bound.
     assert bounds.two_level_lp <= bounds.prefix_intersection
-    # The spanning forest is never above today's bound.
+    # The spanning forest is never above the best-pair bound.
     assert bounds.spanning_forest <= _pairwise_bound(problem)
     # Fewer exactly-ordered units only loosen the prefix bound.
     assert prefix_intersection_bound(problem, exact_units=1) >= bounds.prefix_intersection
@@ -231,8 +232,8 @@ def test_problem_of_a_workload_and_the_library_within_it() -> None:
 
 
 def test_bounds_on_a_real_workload(data_dir) -> None:
-    from contextpilot_integrations.bench.methods import prepare_workload, upper_bound_records
-    from contextpilot_integrations.bench.workloads import load_workload
+    from contextpilot_bench.methods import prepare_workload, upper_bound_records
+    from contextpilot_bench.workloads import load_workload
 
     prepared = prepare_workload(
         load_workload("multihop-rag", data_dir).head(80), 10, counter=ApproxTokenCounter()

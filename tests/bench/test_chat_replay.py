@@ -3,7 +3,7 @@ a broken prefix was the template's (the earlier prompt) or the answer's (its re-
 
 from __future__ import annotations
 
-from contextpilot_integrations.bench.chat_replay import ChatTurn, reuse_summary
+from contextpilot_bench.chat_replay_report import ChatTurn, reuse_summary
 
 
 def _turn(

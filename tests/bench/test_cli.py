@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from contextpilot_integrations.bench.cli import main
+from contextpilot_bench.cli import main
 
 
 def test_offline_run_prints_table_and_writes_json_and_plot(
@@ -28,7 +27,7 @@ def test_offline_run_prints_table_and_writes_json_and_plot(
     document = json.loads(out.read_text())
     assert document["run"]["mode"] == "offline" and document["run"]["k"] == 10
     rows = {r["method"]: r for r in document["summary"]}
-    assert set(rows) == {"baseline", "contextpilot", "upper-bound"}
+    assert set(rows) == {"baseline", "contextpilot", "upper-bound", "clairvoyant-arrival"}
     assert rows["contextpilot"]["hit_ratio"] > rows["baseline"]["hit_ratio"]
     assert rows["upper-bound"]["vs_upper_bound"] == 1.0
     records = document["methods"]["contextpilot"]["records"]
@@ -46,6 +45,22 @@ def test_default_plot_path_and_online_mode(
     assert (tmp_path / "results" / "mtrag-online.png").is_file()
 
 
+@pytest.mark.parametrize("cache", ["unlimited", "0.05"])
+def test_online_run_prints_its_share_of_the_clairvoyant_order(
+    data_dir: Path, tmp_path: Path, cache: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "online.json"
+    args = ["--data-dir", str(data_dir), "--limit", "60", "--mode", "online", "--no-plot"]
+    assert main([*args, "--cache-tokens", cache, "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["summary"]}
+    online, clairvoyant = rows["contextpilot"], rows["clairvoyant-arrival"]
+    share = online["hit_ratio"] / clairvoyant["hit_ratio"]
+    assert online["vs_clairvoyant_arrival"] == pytest.approx(share)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "vs clairvoyant" in x)
+    assert f"({clairvoyant['hit_ratio']:.4f}, the offline plan" in line
+    assert "mode online" in line and f"contextpilot {share:.4f}" in line
+
+
 def test_engine_url_runs_methods_on_a_real_http_engine(
     data_dir: Path, tmp_path: Path, engine_server, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -55,10 +70,10 @@ def test_engine_url_runs_methods_on_a_real_http_engine(
     assert main([*args, "--out", str(out)]) == 0
     assert "TTFT mean s" in capsys.readouterr().out
     # Each real method starts on a flushed cache; every request went out once per method.
-    assert state.flushes == 2
-    assert len(state.bodies) == 80
+    assert state.flushes == 3  # baseline, contextpilot, clairvoyant-arrival
+    assert len(state.bodies) == 120
     rids = [b["rid"] for b in state.bodies]
-    assert len(set(rids)) == 80 and all(b["max_tokens"] == 1 for b in state.bodies)
+    assert len(set(rids)) == 120 and all(b["max_tokens"] == 1 for b in state.bodies)
     rows = {r["method"]: r for r in json.loads(out.read_text())["summary"]}
     assert rows["contextpilot"]["hit_ratio"] > rows["baseline"]["hit_ratio"]
     assert rows["contextpilot"]["ttft_p50_s"] > 0
@@ -90,7 +105,7 @@ def test_missing_data_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_module_entry_point(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "contextpilot_integrations.bench", "--help"],
+        [sys.executable, "-m", "contextpilot_bench", "--help"],
         capture_output=True,
         text=True,
         check=True,
@@ -124,7 +139,7 @@ def test_window_zero_gives_the_online_figures(
     assert rows["baseline"] == online["baseline"]
     window_records = document["methods"]["window 0 ms"]["records"]
     assert window_records == document["methods"]["contextpilot"]["records"]
-    # The offline reference is today's offline figure.
+    # The offline reference is the offline run's figure.
     _, offline = _window_run(data_dir, tmp_path, workload, "--mode", "offline")
     assert rows["contextpilot offline"]["hit_ratio"] == offline["contextpilot"]["hit_ratio"]
 
@@ -224,7 +239,8 @@ def test_windows_run_on_a_real_http_engine(data_dir: Path, tmp_path: Path, engin
     args = ["--data-dir", str(data_dir), "--limit", "30", "--engine-url", url, "--no-plot"]
     windows = ["--mode", "online", "--arrival", "poisson", "--rate", "1600", "--window-ms", "0,10"]
     assert main([*args, *windows, "--out", str(out)]) == 0
-    # baseline, online, offline reference, two windows: five engines, each on a flushed cache.
-    assert state.flushes == 5 and len(state.bodies) == 150
+    # baseline, online, clairvoyant-arrival, offline reference, two windows: six engines, each
+    # on a flushed cache.
+    assert state.flushes == 6 and len(state.bodies) == 180
     rows = {r["method"]: r for r in json.loads(out.read_text())["summary"]}
     assert rows["window 0 ms"]["hit_ratio"] == rows["contextpilot"]["hit_ratio"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 import pytest
+from contextpilot_bench.engine_client import EngineClient, EngineError, OpenAIEngine
 
-from contextpilot_integrations.bench.engine_client import EngineClient, EngineError, OpenAIEngine
 from contextpilot_integrations.core.rendering import PromptLayout
 
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from contextpilot_integrations.bench.engine_intervals import (
+from contextpilot_bench.engine_intervals import (
     engine_interval_lines,
     engine_intervals,
 )
-from contextpilot_integrations.bench.methods import MethodResult, RequestRecord
+from contextpilot_bench.methods import MethodResult, RequestRecord
 
 
 def _result(method: str, rows: list[tuple[int, int, int | None, float | None]]) -> MethodResult:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from contextpilot_integrations.bench.cli import main
-from contextpilot_integrations.bench.hosted_cache_model import (
+from contextpilot_bench.cli import main
+from contextpilot_bench.hosted_cache_model import (
     AnthropicCacheModel,
     OpenAICacheModel,
     TooManyBreakpoints,

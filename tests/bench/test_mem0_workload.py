@@ -12,16 +12,16 @@ os.environ.setdefault("MEM0_TELEMETRY", "False")
 os.environ.setdefault("MEM0_DIR", tempfile.mkdtemp(prefix="contextpilot-mem0-bench-tests-"))
 
 import pytest  # noqa: E402
-from langchain_core.embeddings import DeterministicFakeEmbedding  # noqa: E402
-
-from contextpilot_integrations.bench.cli import main  # noqa: E402
-from contextpilot_integrations.bench.mem0_workload import (  # noqa: E402
+from contextpilot_bench.cli import main  # noqa: E402
+from contextpilot_bench.mem0_workload import (  # noqa: E402
     MANIFEST_NAME,
     mem0_user_ids,
     open_mem0_store,
     prepare_mem0_workload,
 )
-from contextpilot_integrations.bench.workloads import Document, Request, Workload  # noqa: E402
+from contextpilot_bench.workloads import Document, Request, Workload  # noqa: E402
+from langchain_core.embeddings import DeterministicFakeEmbedding  # noqa: E402
+
 from contextpilot_integrations.core.blocks import ApproxTokenCounter  # noqa: E402
 
 FAKE = {"embeddings": DeterministicFakeEmbedding(size=32), "embedding_dims": 32}
@@ -62,7 +62,7 @@ def test_a_kept_store_is_reused_and_a_changed_scope_stored_again(
 ) -> None:
     counter = ApproxTokenCounter()
     first = prepare_mem0_workload(_workload(), 3, counter=counter, store_dir=tmp_path, **FAKE)
-    caplog.set_level("INFO", logger="contextpilot_integrations.bench.mem0_workload")
+    caplog.set_level("INFO", logger="contextpilot_bench.mem0_workload")
     again = prepare_mem0_workload(_workload(), 3, counter=counter, store_dir=tmp_path, **FAKE)
     assert again.retrieved == first.retrieved
     assert "stored 0 memories" in caplog.text and "0 searches top-3" in caplog.text
@@ -121,7 +121,8 @@ def test_cli_on_locomo_with_mem0(
     assert "Mem0 search top-20, mode online" in printed
     run = json.loads(out.read_text())
     assert run["run"]["retriever"] == "mem0"
-    assert [row["method"] for row in run["summary"]] == ["baseline", "contextpilot", "upper-bound"]
+    methods = [row["method"] for row in run["summary"]]
+    assert methods == ["baseline", "contextpilot", "upper-bound", "clairvoyant-arrival"]
     manifest = json.loads((tmp_path / "store" / MANIFEST_NAME).read_text())
     assert manifest["scopes"].keys() == {"conv-26"}
     assert len(manifest["searches"]["conv-26 20"]) == 10

@@ -4,11 +4,8 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from contextpilot_integrations.bench.engine import EmbeddedEngine, Served
-from contextpilot_integrations.bench.methods import (
+from contextpilot_bench.engine import EmbeddedEngine, Served
+from contextpilot_bench.methods import (
     PreparedWorkload,
     parse_cache_tokens,
     resolve_cache_tokens,
@@ -16,10 +13,14 @@ from contextpilot_integrations.bench.methods import (
     run_methods,
     upper_bound_records,
 )
-from contextpilot_integrations.bench.workloads import Document, Request, Workload
+from contextpilot_bench.workloads import Document, Request, Workload
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenizerCounter
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.core.request import PlanRequest
 
 COUNTER = ApproxTokenCounter()
 LAYOUT = PromptLayout()
@@ -168,6 +169,63 @@ def test_offline_sends_in_schedule_order_and_every_request_once() -> None:
     )
     assert [r.request_index for r in baseline.records] == list(range(5))
     assert result.cached_tokens > baseline.cached_tokens
+
+
+class _RecordingEngine(EmbeddedEngine):
+    """The embedded model that keeps every prompt it served, in send order."""
+
+    def __init__(self, capacity_tokens: int | None) -> None:
+        super().__init__(capacity_tokens, counter=COUNTER)
+        self.sent: list[tuple[str, tuple[str, ...]]] = []
+
+    def serve(self, rid: str, segments) -> Served:  # type: ignore[no-untyped-def]
+        self.sent.append((rid, tuple(segments)))
+        return super().serve(rid, segments)
+
+
+@pytest.mark.parametrize("capacity", [None, 300])
+def test_clairvoyant_arrival_sends_the_offline_plans_in_arrival_order(
+    capacity: int | None,
+) -> None:
+    lists = [[0, 1, 2], [3, 4], [2, 1, 0], [4, 3, 6], [0, 2, 1], [6, 5], [1, 2, 7]]
+    prepared = _prepared(lists)
+    engines: list[_RecordingEngine] = []
+
+    def factory() -> _RecordingEngine:
+        engines.append(_RecordingEngine(capacity))
+        return engines[-1]
+
+    baseline, clairvoyant, offline = (
+        run_method(method, prepared, mode=mode, engine_factory=factory)
+        for method, mode in (
+            ("baseline", "online"),
+            ("clairvoyant-arrival", "online"),
+            ("contextpilot", "offline"),
+        )
+    )
+    # the baseline's request order ...
+    order = [r.request_index for r in clairvoyant.records]
+    assert order == [r.request_index for r in baseline.records] == list(range(len(lists)))
+    assert [rid for rid, _ in engines[1].sent] == [f"clairvoyant-arrival-r{i}" for i in order]
+    # ... each request with the offline plan's block order (the offline mode's own prompt)
+    offline_prompt = {
+        r.request_index: sent for r, (_, sent) in zip(offline.records, engines[2].sent)
+    }
+    assert [sent for _, sent in engines[1].sent] == [offline_prompt[i] for i in order]
+    with ContextPilot(layout=LAYOUT, token_counter=COUNTER) as pilot:
+        batch = pilot.plan_batch(
+            [
+                PlanRequest(r.query, prepared.block_texts(i), f"x{i}")
+                for i, r in enumerate(prepared.workload.requests)
+            ]
+        )
+    assert [sent for _, sent in engines[1].sent] == [plan.segments for plan in batch.plans]
+    assert [r.request_index for r in offline.records] != order  # the offline run reschedules
+    assert clairvoyant.method == "clairvoyant-arrival" and clairvoyant.cache is not None
+    assert clairvoyant.cached_tokens == clairvoyant.cache.cached_tokens
+    # the mode does not change it: it is the offline plan in either
+    again = run_method("clairvoyant-arrival", prepared, mode="offline", engine_factory=factory)
+    assert engines[3].sent == engines[1].sent and again.records == clairvoyant.records
 
 
 def test_run_methods_validation() -> None:

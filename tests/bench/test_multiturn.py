@@ -9,26 +9,23 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from contextpilot_integrations.bench.cli import main
-from contextpilot_integrations.bench.engine import EmbeddedEngine
-from contextpilot_integrations.bench.multiturn import (
-    MULTITURN_METHODS,
+from contextpilot_bench.cli import main
+from contextpilot_bench.engine import EmbeddedEngine
+from contextpilot_bench.multiturn import MULTITURN_METHODS, ReplayedTurn, replay, run_multiturn
+from contextpilot_bench.multiturn_report import summarize_multiturn
+from contextpilot_bench.prepared_conversations import (
     PreparedConversations,
-    ReplayedTurn,
     ReplayTurn,
-    interleave,
+    interleave_turns,
     prepare_conversations,
-    replay,
-    run_multiturn,
 )
-from contextpilot_integrations.bench.multiturn_report import summarize_multiturn
-from contextpilot_integrations.bench.workloads import (
+from contextpilot_bench.workloads import (
     Document,
     Request,
     Workload,
     load_workload,
 )
+
 from contextpilot_integrations.core.blocks import ApproxTokenCounter
 from contextpilot_integrations.core.plan import PlacementStatus
 
@@ -144,9 +141,8 @@ def test_prompts_are_prefix_stable_in_tokens(
     prepared: PreparedConversations, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     # A byte-level BPE tokenizer (GPT-2 pre-tokenizer) trained by the engines package.
+    from contextpilot_bench.testbed.model_dir import prepare_model_dir
     from tokenizers import Tokenizer
-
-    from contextpilot_integrations.engines.model_dir import prepare_model_dir
 
     model_dir = prepare_model_dir(tmp_path_factory.mktemp("model"), seed=0)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -288,14 +284,28 @@ def _turns(conversation: str, count: int) -> list[ReplayTurn]:
 
 def test_interleave_round_robin_refills_slots() -> None:
     a, b, c = _turns("a", 3), _turns("b", 1), _turns("c", 2)
-    order = [t.request_id for t in interleave([a, b, c], 2)]
+    order = [t.request_id for t in interleave_turns([a, b, c], 2)]
     assert order == ["a1", "b1", "a2", "c1", "a3", "c2"]
-    assert [t.request_id for t in interleave([a, b, c], 1)] == ["a1", "a2", "a3", "b1", "c1", "c2"]
-    assert [t.request_id for t in interleave([a, b, c], 32)] == ["a1", "b1", "c1", "a2", "c2", "a3"]
+    assert [t.request_id for t in interleave_turns([a, b, c], 1)] == [
+        "a1",
+        "a2",
+        "a3",
+        "b1",
+        "c1",
+        "c2",
+    ]
+    assert [t.request_id for t in interleave_turns([a, b, c], 32)] == [
+        "a1",
+        "b1",
+        "c1",
+        "a2",
+        "c2",
+        "a3",
+    ]
     with pytest.raises(ValueError, match="sessions must be >= 1, got 0"):
-        interleave([a], 0)
+        interleave_turns([a], 0)
     with pytest.raises(TypeError, match="sessions must be an int"):
-        interleave([a], 2.0)  # type: ignore[arg-type]
+        interleave_turns([a], 2.0)  # type: ignore[arg-type]
 
 
 def test_bad_input_is_named() -> None:

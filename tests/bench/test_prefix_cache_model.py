@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+from contextpilot_bench.prefix_cache_model import PrefixCacheModel
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from contextpilot_integrations.bench.prefix_cache_model import PrefixCacheModel
 
 
 @dataclass

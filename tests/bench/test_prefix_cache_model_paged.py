@@ -3,17 +3,16 @@
 ``BlockPoolReference`` re-implements the rules read from vLLM 0.32's ``v1/core/block_pool.py``
 and ``kv_cache_manager.py`` directly (a free queue of block ids, full blocks cached under their
 token chain), with none of the model's radix-tree machinery; the property test drives both with
-the same request streams. ``tests/engines/test_vllm_e2e.py`` checks the model against the real
+the same request streams. ``tests/testbed/test_vllm_e2e.py`` checks the model against the real
 engine.
 """
 
 from __future__ import annotations
 
 import pytest
+from contextpilot_bench.prefix_cache_model import PrefixCacheModel
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from contextpilot_integrations.bench.prefix_cache_model import PrefixCacheModel
 
 
 class BlockPoolReference:

@@ -9,11 +9,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-
-from contextpilot_integrations.bench.engine import EmbeddedEngine, Served
-from contextpilot_integrations.bench.engine_report import EngineRequest
-from contextpilot_integrations.bench.methods import METHODS, PreparedWorkload
-from contextpilot_integrations.bench.real_model import (
+from contextpilot_bench.engine import EmbeddedEngine, Served
+from contextpilot_bench.engine_report import EngineRequest
+from contextpilot_bench.methods import METHODS, PreparedWorkload
+from contextpilot_bench.real_model import (
     ALL_SCORED_METHODS,
     SCORED_METHODS,
     SCORED_SYSTEM_PROMPT,
@@ -27,8 +26,9 @@ from contextpilot_integrations.bench.real_model import (
     scores_answers,
     shuffled_workload,
 )
-from contextpilot_integrations.bench.report import format_table, summarize
-from contextpilot_integrations.bench.workloads import Document, Request, Workload
+from contextpilot_bench.report import format_table, summarize
+from contextpilot_bench.workloads import Document, Request, Workload
+
 from contextpilot_integrations.core.blocks import ApproxTokenCounter
 
 COUNTER = ApproxTokenCounter()

@@ -6,31 +6,31 @@ import json
 from pathlib import Path
 
 import pytest
-
-from contextpilot_integrations.bench.cli import main
-from contextpilot_integrations.bench.engine import EmbeddedEngine
-from contextpilot_integrations.bench.gateway_policies import (
+from contextpilot_bench.cli import main
+from contextpilot_bench.engine import EmbeddedEngine
+from contextpilot_bench.gateway_policies import (
     CacheAware,
     GatewayRequest,
     InFlight,
     PrefixHash,
     RoundRobin,
 )
-from contextpilot_integrations.bench.methods import (
+from contextpilot_bench.methods import (
     PreparedWorkload,
     prepare_workload,
     resolve_cache_tokens,
     run_method,
 )
-from contextpilot_integrations.bench.replica_model import (
+from contextpilot_bench.replica_model import (
     ONE_REPLICA,
     REPLICA_METHODS,
     Fleet,
     gateway_request,
     parse_replica_counts,
-    run_replica_method,
+    run_embedded_replica_method,
 )
-from contextpilot_integrations.bench.workloads import load_workload
+from contextpilot_bench.workloads import load_workload
+
 from contextpilot_integrations.core.blocks import ApproxTokenCounter
 
 COUNTER = ApproxTokenCounter()
@@ -138,7 +138,7 @@ def test_every_method_sends_each_request_once_and_its_figures_add_up(
     capacity = resolve_cache_tokens(0.5, prepared.unique_block_tokens)
     n = len(prepared.retrieved)
     for method in REPLICA_METHODS:
-        run = run_replica_method(method, prepared, 3, capacity, counter=COUNTER, mode=mode)
+        run = run_embedded_replica_method(method, prepared, 3, capacity, counter=COUNTER, mode=mode)
         assert sorted(r.request_index for r in run.result.records) == list(range(n))
         assert sum(run.requests_per_replica) == n
         assert sum(run.prompt_tokens_per_replica) == run.result.prompt_tokens
@@ -164,17 +164,19 @@ def test_one_replica_equals_the_single_engine_benchmark(prepared: PreparedWorklo
     baseline = run_method("baseline", prepared, mode="online", engine_factory=engine)
     pilot = run_method("contextpilot", prepared, mode="online", engine_factory=engine)
     for method in REPLICA_METHODS[:3]:
-        run = run_replica_method(method, prepared, 1, capacity, counter=COUNTER)
+        run = run_embedded_replica_method(method, prepared, 1, capacity, counter=COUNTER)
         assert run.result.cached_tokens == baseline.cached_tokens
-    reference = run_replica_method(ONE_REPLICA, prepared, 1, capacity, counter=COUNTER)
-    routing = run_replica_method("contextpilot routing", prepared, 1, capacity, counter=COUNTER)
+    reference = run_embedded_replica_method(ONE_REPLICA, prepared, 1, capacity, counter=COUNTER)
+    routing = run_embedded_replica_method(
+        "contextpilot routing", prepared, 1, capacity, counter=COUNTER
+    )
     assert reference.result.cached_tokens == pilot.cached_tokens == routing.result.cached_tokens
 
 
 def test_routing_beats_the_baseline_on_many_replicas(prepared: PreparedWorkload) -> None:
     capacity = resolve_cache_tokens(1.0, prepared.unique_block_tokens)
     runs = {
-        m: run_replica_method(m, prepared, 4, capacity, counter=COUNTER)
+        m: run_embedded_replica_method(m, prepared, 4, capacity, counter=COUNTER)
         for m in ("baseline cache_aware", "contextpilot routing")
     }
     assert runs["contextpilot routing"].hit_ratio > 2 * runs["baseline cache_aware"].hit_ratio

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from contextpilot_integrations.bench.arrivals import Arrivals
-from contextpilot_integrations.bench.methods import MethodResult, RequestRecord
-from contextpilot_integrations.bench.report import (
+from contextpilot_bench.arrivals import Arrivals
+from contextpilot_bench.methods import MethodResult, RequestRecord
+from contextpilot_bench.report import (
     WINDOW_COLUMNS,
+    clairvoyant_check,
     format_table,
     plot_results,
     plot_window_tradeoff,
@@ -20,8 +20,9 @@ from contextpilot_integrations.bench.report import (
     summarize_windows,
     write_json,
 )
-from contextpilot_integrations.bench.window_runner import WindowResult, window_method
-from contextpilot_integrations.core.planning_window import WindowPolicy
+from contextpilot_bench.window_runner import WindowResult, window_method
+
+from contextpilot_integrations.core.window.window_policy import WindowPolicy
 
 
 def _result(
@@ -89,6 +90,33 @@ def test_prefill_check_names_every_method_above_the_baseline() -> None:
         "prefill tokens vs baseline: none above (contextpilot +0.0%, window 10 ms -20.0%)"
     ]
     assert "n/a" in prefill_check(rows[1:])[0]
+
+
+def test_the_clairvoyant_share_is_online_over_clairvoyant() -> None:
+    results = [
+        _result("baseline", [(100, 10), (100, 10)]),
+        _result("contextpilot", [(110, 33), (110, 33)]),
+        _result("clairvoyant-arrival", [(110, 44), (110, 44)]),
+        _result("upper-bound", [(100, 80), (100, 80)]),
+    ]
+    rows = summarize(results)
+    by_name = {r["method"]: r for r in rows}
+    online = by_name["contextpilot"]
+    assert online["vs_clairvoyant_arrival"] == pytest.approx(0.3 / 0.4)
+    assert by_name["clairvoyant-arrival"]["vs_clairvoyant_arrival"] == pytest.approx(1.0)
+    # the other figures are those of a run without it
+    without = {r["method"]: r for r in summarize([results[0], results[1], results[3]])}
+    assert {k: v for k, v in online.items() if k != "vs_clairvoyant_arrival"} == without[
+        "contextpilot"
+    ]
+    assert "vs_clairvoyant_arrival" not in without["contextpilot"]
+    assert clairvoyant_check(rows, "online") == [
+        "hit ratio vs clairvoyant-arrival (0.4000, the offline plan sent in arrival order; "
+        "mode online): contextpilot 0.7500; its prefill tokens vs baseline -26.7%"
+    ]
+    assert clairvoyant_check(summarize([results[0], results[1]]), "online") == []
+    # a reference, not a planner: the prefill line does not judge it
+    assert prefill_check(rows) == ["prefill tokens vs baseline: none above (contextpilot -14.4%)"]
 
 
 def test_prefill_check_compares_within_a_group() -> None:

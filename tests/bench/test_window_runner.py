@@ -7,19 +7,19 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from contextpilot_bench import window_runner
+from contextpilot_bench.arrivals import Arrivals, poisson_arrivals
+from contextpilot_bench.engine import EmbeddedEngine, Engine, Served
+from contextpilot_bench.methods import PreparedWorkload, run_method
+from contextpilot_bench.window_runner import run_window, window_method
+from contextpilot_bench.workloads import Document, Request, Workload
 
-from contextpilot_integrations.bench import window_runner
-from contextpilot_integrations.bench.arrivals import Arrivals, poisson_arrivals
-from contextpilot_integrations.bench.engine import EmbeddedEngine, Engine, Served
-from contextpilot_integrations.bench.methods import PreparedWorkload, run_method
-from contextpilot_integrations.bench.window_runner import run_window, window_method
-from contextpilot_integrations.bench.workloads import Document, Request, Workload
 from contextpilot_integrations.core.blocks import ApproxTokenCounter
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import BatchPlan, Plan
-from contextpilot_integrations.core.planning_window import WindowPolicy
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import PlanRequest, Scope
+from contextpilot_integrations.core.window.window_policy import WindowPolicy
 
 COUNTER = ApproxTokenCounter()
 

@@ -1,4 +1,4 @@
-"""Workload loaders on the real data files (counts from shared/data/README.md)."""
+"""Workload loaders on the real data files (the counts are the files' own)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from contextpilot_integrations.bench.workloads import (
+from contextpilot_bench.workloads import (
     Document,
     Request,
     Workload,

@@ -1,4 +1,4 @@
-"""A cancelled or timed-out async plan records no turn (found by a new-user trial): the worker
+"""A cancelled or timed-out async plan records no turn (the app never received it): the worker
 thread cannot be stopped, so its turn is committed only once the coroutine has the plan; and a
 planning window refuses an endless length."""
 

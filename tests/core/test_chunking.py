@@ -13,7 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations.core.blocks import block_id
-from contextpilot_integrations.core.chunking import ContentChunker, SubBlock
+from contextpilot_integrations.core.conversations.chunking import ContentChunker, SubBlock
 
 SMALL = ContentChunker(modulus=4, min_bytes=32, max_bytes=128)
 
@@ -172,7 +172,7 @@ def test_same_cuts_in_another_process_with_another_hash_seed() -> None:
     text = "\n".join(f"row {i} of a table with some content" for i in range(300))
     here = [s.sub_block_id for s in SMALL.split(text)]
     code = (
-        "from contextpilot_integrations.core.chunking import ContentChunker\n"
+        "from contextpilot_integrations.core.conversations.chunking import ContentChunker\n"
         "c = ContentChunker(modulus=4, min_bytes=32, max_bytes=128)\n"
         "t = '\\n'.join(f'row {i} of a table with some content' for i in range(300))\n"
         "print([s.sub_block_id for s in c.split(t)])\n"

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextpilot_integrations.core.context_index import ContextIndex
+from contextpilot_integrations.core.index.context_index import ContextIndex
 
 contexts_strategy = st.lists(
     st.lists(st.integers(0, 12), min_size=1, max_size=6, unique=True), min_size=1, max_size=25

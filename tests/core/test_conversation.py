@@ -6,12 +6,8 @@ import threading
 
 import pytest
 
-from contextpilot_integrations.core.conversation import (
-    ConversationStore,
-    Location,
-    TurnVisibility,
-)
-from contextpilot_integrations.core.request import MAX_TURN
+from contextpilot_integrations.core.conversations.conversation import ConversationStore
+from contextpilot_integrations.core.conversations.turns import MAX_TURN, Location, TurnVisibility
 
 
 class FakeClock:

@@ -11,13 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations.core.blocks import block_id
-from contextpilot_integrations.core.chunking import ContentChunker
-from contextpilot_integrations.core.conversation import ConversationStore, TurnVisibility
-from contextpilot_integrations.core.dedup import (
-    Deduplicator,
-    DedupPlan,
-    HintWording,
-)
+from contextpilot_integrations.core.conversations.chunking import ContentChunker
+from contextpilot_integrations.core.conversations.conversation import ConversationStore
+from contextpilot_integrations.core.conversations.dedup import Deduplicator, DedupPlan
+from contextpilot_integrations.core.conversations.turns import TurnVisibility
+from contextpilot_integrations.core.hint_wording import HintWording
 from contextpilot_integrations.core.rendering import PromptLayout
 
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextpilot_integrations.core.distance import (
+from contextpilot_integrations.core.ordering.distance import (
     context_distance,
     pairwise_distances,
     shared_pairs,

@@ -1,9 +1,9 @@
 """The worked examples of the ContextPilot paper (sections 4.1-4.3)."""
 
-from contextpilot_integrations.core.clustering import order_batch
-from contextpilot_integrations.core.context_index import ContextIndex
-from contextpilot_integrations.core.distance import context_distance
-from contextpilot_integrations.core.scheduling import schedule_by_first_step
+from contextpilot_integrations.core.index.context_index import ContextIndex
+from contextpilot_integrations.core.ordering.clustering import order_batch
+from contextpilot_integrations.core.ordering.distance import context_distance
+from contextpilot_integrations.core.ordering.scheduling import schedule_by_first_step
 
 
 def _build(contexts, method="cluster"):

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from contextpilot_integrations import (
     ContextPilot,
+    OrderingConfig,
     PlacementStatus,
     Planner,
     PlanRequest,
@@ -73,7 +74,7 @@ def test_the_pilot_meets_the_planner_contract():
 
 
 def test_shared_blocks_form_a_byte_identical_prefix_and_annotation_comes_after():
-    pilot = ContextPilot(reorder="always")
+    pilot = ContextPilot(ordering=OrderingConfig(reorder="always"))
     first = pilot.plan("q1", ["alpha text", "beta text", "gamma text"])
     second = pilot.plan("q2", ["delta text", "gamma text", "alpha text"])
     shared = {"alpha text", "gamma text"}
@@ -150,7 +151,9 @@ def test_tens_of_thousands_of_blocks_in_one_request():
 
 
 def test_reorder_and_messages():
-    pilot = ContextPilot(layout=PromptLayout(system_prompt="SYS"), reorder="always")
+    pilot = ContextPilot(
+        layout=PromptLayout(system_prompt="SYS"), ordering=OrderingConfig(reorder="always")
+    )
     pilot.plan("q", ["b1", "b2"])
     plan = pilot.plan("q", ["b0", "b2", "b1"])
     docs = ["D0", "D2", "D1"]
@@ -250,7 +253,7 @@ def test_batch_takes_turns_and_visibility_per_request():
 
 
 def test_unencodable_text_and_context_tail():
-    pilot = ContextPilot(reorder="always")
+    pilot = ContextPilot(ordering=OrderingConfig(reorder="always"))
     with pytest.raises(ValueError, match=r"blocks\[1\] cannot be encoded as UTF-8"):
         pilot.plan("q", ["fine", "bad \ud800"])
     pilot.plan("warm", ["b text"])
@@ -393,7 +396,7 @@ def test_check_planner_refuses_sync_only_and_async_in_sync_clothes():
 
 
 def test_a_request_is_reordered_only_when_the_reuse_it_expects_pays_for_the_annotation():
-    pilot = ContextPilot()  # reorder="cost-aware"
+    pilot = ContextPilot()  # OrderingConfig(reorder="cost-aware")
     tiny = ["alpha text", "beta text"]
     pilot.plan("q1", tiny)
     kept = pilot.plan("q2", ["delta text", *tiny])  # 5 tokens to gain, ~20 to annotate
@@ -407,11 +410,11 @@ def test_a_request_is_reordered_only_when_the_reuse_it_expects_pays_for_the_anno
     same = pilot.plan("q5", [*long, "another own text"])
     assert same.order == [0, 1, 2] and not same.annotation_labels
     with pytest.raises(ValueError, match="reorder must be"):
-        ContextPilot(reorder="never")
+        OrderingConfig(reorder="never")  # type: ignore[arg-type]
 
 
 def test_the_shared_prefix_is_where_another_indexed_request_parts_ways():
-    pilot = ContextPilot(reorder="always")
+    pilot = ContextPilot(ordering=OrderingConfig(reorder="always"))
     a, b, c = (f"passage {x}: " + "words " * 40 for x in "abc")
     first = pilot.plan("q1", [a, b])
     assert (first.shared_prefix_blocks, first.shared_prefix_tokens) == (0, 0)  # alone

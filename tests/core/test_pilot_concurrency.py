@@ -1,6 +1,6 @@
 """Threads planning, batching, evicting and snapshotting one pilot at once: no exception, no lost
-or phantom turn (issue 12, finding 3: a batch read a request's path after an eviction had
-removed it, a KeyError after its turns were recorded)."""
+or phantom turn (a batch that read a request's path after an eviction removed it would raise
+KeyError after its turns were recorded)."""
 
 from __future__ import annotations
 

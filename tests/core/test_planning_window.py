@@ -11,7 +11,8 @@ import pytest
 
 from contextpilot_integrations import ContextPilot, PlanRequest, RidConflictError, Scope
 from contextpilot_integrations.core.planner_protocol import check_planner
-from contextpilot_integrations.core.planning_window import PlanningWindow, WindowPolicy, _Member
+from contextpilot_integrations.core.window.planning_window import PlanningWindow, _Member
+from contextpilot_integrations.core.window.window_policy import WindowPolicy
 
 SHARED = [f"shared passage {i}: " + "common words " * 30 for i in range(3)]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from contextpilot_integrations.core.alignment import align
-from contextpilot_integrations.core.popularity import CooccurrenceMemory, PopularityMemory
+from contextpilot_integrations.core.ordering.alignment import align
+from contextpilot_integrations.core.ordering.popularity import CooccurrenceMemory, PopularityMemory
 
 
 def test_scores_decay_by_half_life_and_survive_rebasing() -> None:

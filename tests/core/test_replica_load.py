@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextpilot_integrations.core.replica_load import (
+from contextpilot_integrations.core.replicas.replica_load import (
     BatchItem,
     LoadBoard,
     batch_items,
@@ -15,7 +15,7 @@ from contextpilot_integrations.core.replica_load import (
     partition_batch,
     pick_replica,
 )
-from contextpilot_integrations.core.route_keys import RouteKeys
+from contextpilot_integrations.core.replicas.route_keys import RouteKeys
 
 
 class Clock:

@@ -1,5 +1,5 @@
 """No wrong hint, no lost or phantom turn, through TTL expiry, LRU eviction, restarts (with a
-fresh, a stale or no snapshot) and client fallbacks (DESIGN.md invariant 9).
+fresh, a stale or no snapshot) and client fallbacks (docs/DESIGN.md, "Sure hints").
 
 A model application keeps every conversation's prompt history as the model sees it: each turn
 under its header, each shown block under its label. It resends the whole history (or the last
@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextpilot_integrations import ContextPilot, PlacementStatus, Scope, TurnVisibility
-from contextpilot_integrations.core.conversation import ConversationStore
-from contextpilot_integrations.core.dedup import Deduplicator
+from contextpilot_integrations.core.conversations.conversation import ConversationStore
+from contextpilot_integrations.core.conversations.dedup import Deduplicator
 
 TTL_S = 100.0
 POOL = [f"passage {i}: " + " ".join(f"w{i}-{j}" for j in range(60)) for i in range(12)]

@@ -2,7 +2,7 @@
 same planning window: a cancelled first caller (it opened the window) leaves the window to the
 others, a timeout while the window's batch is planned reaches its own caller only, and the plan
 a cancelled caller never received is undone. Threads and coroutines (on one or several event
-loops) mixed; a random stress run through ``benchmarks/bench_window_cancellation.py``."""
+loops) mixed; a random stress run through ``benchmarks/micro/bench_window_cancellation.py``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 
 from contextpilot_integrations import ContextPilot, Plan, PlanningWindow, Scope
 
-BENCHMARK = Path(__file__).parents[2] / "benchmarks" / "bench_window_cancellation.py"
+BENCHMARK = Path(__file__).parents[2] / "benchmarks" / "micro" / "bench_window_cancellation.py"
 WINDOW_THREADS = "contextpilot-planning-window"  # the prefix of the window's thread names
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,17 +15,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-
-from contextpilot_integrations.bench.hosted_cache_model import (
+from contextpilot_bench.hosted_cache_model import (
     AnthropicCacheModel,
     OpenAICacheModel,
     TooManyBreakpoints,
 )
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from support.asgi_server import serve_in_thread
+
 from contextpilot_integrations.core.blocks import ApproxTokenCounter, block_id
-from contextpilot_integrations.hosted_cache import anthropic_min_cacheable_tokens
+from contextpilot_integrations.llm_call.provider_minimums import anthropic_min_cacheable_tokens
 
 COUNTER = ApproxTokenCounter()
 
@@ -140,21 +139,5 @@ def hosted_app(state: HostedState) -> FastAPI:
 def hosted_server() -> Iterator[tuple[str, HostedState]]:
     """The running server: ``(base url without /v1, its state)``."""
     state = HostedState()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(hosted_app(state), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("test hosted server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", state
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with serve_in_thread(hosted_app(state)) as url:
+        yield url, state

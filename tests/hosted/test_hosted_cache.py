@@ -8,22 +8,24 @@ from hypothesis import strategies as st
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.core.request import Scope
-from contextpilot_integrations.engine_fields import (
+from contextpilot_integrations.llm_call.anthropic_breakpoints import (
+    ANTHROPIC_MAX_BREAKPOINTS,
+    AnthropicCachePolicy,
+    anthropic_prompt,
+)
+from contextpilot_integrations.llm_call.cache_prefix import CachePrefix
+from contextpilot_integrations.llm_call.engine_fields import (
     CacheUsageTracker,
     Usage,
     engine_body_fields,
     read_usage,
 )
-from contextpilot_integrations.hosted_cache import (
-    ANTHROPIC_MAX_BREAKPOINTS,
-    AnthropicCachePolicy,
-    CachePrefix,
-    anthropic_min_cacheable_tokens,
-    anthropic_prompt,
-    create_message,
+from contextpilot_integrations.llm_call.hosted_cache import create_message
+from contextpilot_integrations.llm_call.openai_cache_key import (
     openai_cache_fields,
     prompt_cache_key,
 )
+from contextpilot_integrations.llm_call.provider_minimums import anthropic_min_cacheable_tokens
 from contextpilot_integrations.sync.configuration import build_cache_state_source
 from contextpilot_integrations.sync.ttl_model import TTLModel
 

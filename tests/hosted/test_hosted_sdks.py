@@ -21,18 +21,11 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.schema import NodeWithScore, TextNode
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.engine_fields import CacheUsageTracker, create_chat_completion
-from contextpilot_integrations.hosted_cache import (
-    ANTHROPIC_MAX_BREAKPOINTS,
-    CachePrefix,
-    create_message,
-    prompt_cache_key,
-)
 from contextpilot_integrations.langchain import (
     CONTEXTPILOT_PROMPT,
     ContextPilotRetriever,
     format_documents,
-    with_request_id,
+    with_plan_fields,
 )
 from contextpilot_integrations.llama_index import (
     ContextPilotAnthropic,
@@ -41,6 +34,14 @@ from contextpilot_integrations.llama_index import (
     text_qa_template,
 )
 from contextpilot_integrations.llama_index.request_ids import arm_plan
+from contextpilot_integrations.llm_call.anthropic_breakpoints import ANTHROPIC_MAX_BREAKPOINTS
+from contextpilot_integrations.llm_call.cache_prefix import CachePrefix
+from contextpilot_integrations.llm_call.engine_fields import (
+    CacheUsageTracker,
+    create_chat_completion,
+)
+from contextpilot_integrations.llm_call.hosted_cache import create_message
+from contextpilot_integrations.llm_call.openai_cache_key import prompt_cache_key
 
 # Eight documents of about 400 tokens each (by the approximate counter, 4 bytes a token).
 DOCS = [
@@ -173,7 +174,7 @@ def test_langchain_chat_anthropic_one_line(hosted_server):
             "question": RunnablePassthrough(),
         }
         | CONTEXTPILOT_PROMPT
-        | with_request_id(llm, engine="anthropic", tracker=tracker)
+        | with_plan_fields(llm, engine="anthropic", tracker=tracker)
     )
     for question in REQUESTS:
         assert chain.invoke(question).content == "answer [Doc 1]"
@@ -198,7 +199,9 @@ def test_langchain_chat_openai_one_line(hosted_server):
             "question": RunnablePassthrough(),
         }
         | CONTEXTPILOT_PROMPT
-        | with_request_id(llm, engine="openai", prompt_cache_retention="in_memory", tracker=tracker)
+        | with_plan_fields(
+            llm, engine="openai", prompt_cache_retention="in_memory", tracker=tracker
+        )
     )
     keys = set()
     for question in REQUESTS:
@@ -338,7 +341,7 @@ def test_langchain_bind_tools_markers_count(hosted_server):
             "question": RunnablePassthrough(),
         }
         | CONTEXTPILOT_PROMPT
-        | with_request_id(llm.bind_tools(tools), engine="anthropic")
+        | with_plan_fields(llm.bind_tools(tools), engine="anthropic")
     )
     placed = []
     for question in REQUESTS:
@@ -347,7 +350,7 @@ def test_langchain_bind_tools_markers_count(hosted_server):
         assert len(marks(body)) <= ANTHROPIC_MAX_BREAKPOINTS
         placed.append([m for m in marks(body) if m[0] != "tools"])
     assert placed[1] == [("message 0", 2)]  # the one slot left: after the shared prefix
-    four = with_request_id(llm.bind_tools([*tools, marked_tool("t3")]), engine="anthropic")
+    four = with_plan_fields(llm.bind_tools([*tools, marked_tool("t3")]), engine="anthropic")
     prompt = CONTEXTPILOT_PROMPT.invoke(
         {"context": format_documents.invoke(pilot_documents(pilot)), "question": "question B"}
     )

@@ -11,8 +11,8 @@ from langchain_core.documents import Document
 from langchain_support import Bm25sRetriever, ListRetriever, RecordingPilot
 
 from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY
 from contextpilot_integrations.langchain import ContextPilotRetriever
-from contextpilot_integrations.placement_metadata import METADATA_KEY
 
 THREADS = 8
 TURNS = 6

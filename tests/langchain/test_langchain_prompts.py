@@ -7,6 +7,8 @@ import logging
 import pickle
 
 import pytest
+from contextpilot_bench.testbed.chat_template import render_chat, tokenize_prompt
+from contextpilot_bench.testbed.model_dir import prepare_model_dir
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.runnables import RunnablePassthrough
@@ -14,8 +16,7 @@ from langchain_support import Bm25sRetriever, ListRetriever, RecordingPilot
 from tokenizers import Tokenizer
 
 from contextpilot_integrations import ContextPilot, PromptLayout
-from contextpilot_integrations.engines.chat_template import render_chat, tokenize_prompt
-from contextpilot_integrations.engines.model_dir import prepare_model_dir
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY
 from contextpilot_integrations.langchain import (
     CONTEXTPILOT_PROMPT,
     ContextPilotPromptValue,
@@ -26,7 +27,6 @@ from contextpilot_integrations.langchain import (
     format_documents,
     render_context,
 )
-from contextpilot_integrations.placement_metadata import METADATA_KEY
 
 ANNOTATION = "Read the documents in this priority order"
 

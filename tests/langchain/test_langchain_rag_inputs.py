@@ -10,13 +10,13 @@ from langchain_core.runnables import RunnableParallel, RunnablePassthrough
 from langchain_support import Bm25sRetriever, ListRetriever, RecordingPilot, RunRecorder
 
 from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY
 from contextpilot_integrations.langchain import (
     ContextPilotRetriever,
     RAGInputs,
     RenderedContext,
     format_documents,
 )
-from contextpilot_integrations.placement_metadata import METADATA_KEY
 
 
 def test_invoke_matches_the_usual_map(topic_documents):

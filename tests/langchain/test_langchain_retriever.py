@@ -21,8 +21,8 @@ from contextpilot_integrations import (
     TurnVisibility,
     block_id,
 )
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY, PLACEMENT_KEYS
 from contextpilot_integrations.langchain import ContextPilotRetriever, format_documents
-from contextpilot_integrations.placement_metadata import METADATA_KEY, PLACEMENT_KEYS
 
 
 def entry(doc: Document) -> dict:

@@ -9,13 +9,13 @@ import asyncio
 
 from langchain_support import Bm25sRetriever, ListRetriever, RecordingPilot
 
+from contextpilot_integrations.client.client import ContextPilotClient
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY
 from contextpilot_integrations.langchain import (
     CONTEXTPILOT_PROMPT,
     ContextPilotRetriever,
     RAGInputs,
 )
-from contextpilot_integrations.placement_metadata import METADATA_KEY
-from contextpilot_integrations.service.client import ContextPilotClient
 
 
 def entry(doc) -> dict:
@@ -46,7 +46,7 @@ def test_two_app_processes_share_one_index_through_the_service(
 def test_async_paths_await_the_clients_async_twins(
     service_url, multihop_documents, multihop_questions
 ):
-    # The bug of issue 11: an async client passed the type check and nothing awaited it.
+    # An async client must pass the planner check only with async twins that are awaited.
     base = Bm25sRetriever(documents=multihop_documents, k=5)
     client = ContextPilotClient(service_url)
     retriever = ContextPilotRetriever(base_retriever=base, pilot=client)

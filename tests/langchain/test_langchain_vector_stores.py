@@ -10,15 +10,15 @@ The reuse check replays the same questions through the embedded prefix-cache mod
 from __future__ import annotations
 
 import pytest
+from contextpilot_bench.engine import EmbeddedEngine
 from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_qdrant import QdrantVectorStore
 from langchain_support import RecordingPilot
 
 from contextpilot_integrations import ApproxTokenCounter, PromptLayout, block_id
-from contextpilot_integrations.bench.engine import EmbeddedEngine
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY
 from contextpilot_integrations.langchain import ContextPilotRetriever
-from contextpilot_integrations.placement_metadata import METADATA_KEY
 
 pytestmark = pytest.mark.slow  # loads MiniLM and embeds 80 articles (~10-40 s on two cores)
 

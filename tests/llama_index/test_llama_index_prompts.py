@@ -1,5 +1,5 @@
 """The prompts LlamaIndex actually sends, formatted by the real response synthesizer: the
-DESIGN.md layout, byte-identical over shared nodes, exact plan text, and the fallbacks."""
+prompt layout, byte-identical over shared nodes, exact plan text, and the fallbacks."""
 
 from __future__ import annotations
 

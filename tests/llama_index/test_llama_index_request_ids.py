@@ -13,7 +13,6 @@ from llama_index.core import get_response_synthesizer
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.query_engine import RetrieverQueryEngine
 
-from contextpilot_integrations.engine_fields import engine_body_fields
 from contextpilot_integrations.llama_index import (
     ContextPilotNodePostprocessor,
     ContextPilotOpenAILike,
@@ -27,6 +26,7 @@ from contextpilot_integrations.llama_index.request_ids import (
     pending_request,
     take_request,
 )
+from contextpilot_integrations.llm_call.engine_fields import engine_body_fields
 
 
 class Stopped(Exception):

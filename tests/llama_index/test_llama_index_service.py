@@ -10,14 +10,14 @@ from llama_index.core import get_response_synthesizer
 from llama_index.core.chat_engine import CondensePlusContextChatEngine
 from llama_index.core.llms import MockLLM
 
+from contextpilot_integrations.client.client import ContextPilotClient
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY
 from contextpilot_integrations.core.plan import PlacementStatus
 from contextpilot_integrations.llama_index import (
     ContextPilotNodePostprocessor,
     chat_context_template,
     text_qa_template,
 )
-from contextpilot_integrations.placement_metadata import METADATA_KEY
-from contextpilot_integrations.service.client import ContextPilotClient
 
 
 def test_two_clients_share_one_index_sync_and_async(

@@ -1,8 +1,8 @@
 """A real engine (vLLM's CPU build, random weights) behind ``ContextPilotOpenAILike``: the plan's
 rid reaches the engine (it names the response and the engine's KV-cache events carry it as the
 session id), and a second query sharing the nodes hits the engine's prefix cache. The pilot is
-the one-line change with engine sync, ``ContextPilot(cache_sync=server.cache_sync)``: its own
-engine link attributes the engine's cached blocks to the plan rids.
+the one-line change with engine sync, ``ContextPilot(engine=EngineLink(server.cache_sync))``:
+its own engine link attributes the engine's cached blocks to the plan rids.
 
 Needs ``.venv-vllm`` (``scripts/setup-vllm-env.sh``); skipped without it. Marked ``vllm``.
 """
@@ -14,17 +14,18 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from contextpilot_bench.testbed.locations import find_vllm_python
+from contextpilot_bench.testbed.model_dir import prepare_model_dir
+from contextpilot_bench.testbed.vllm_server import VllmCpuServer
 from llama_index.core.query_engine import RetrieverQueryEngine
 
 from contextpilot_integrations import ContextPilot
-from contextpilot_integrations.engines.locations import find_vllm_python
-from contextpilot_integrations.engines.model_dir import prepare_model_dir
-from contextpilot_integrations.engines.vllm_server import VllmCpuServer
 from contextpilot_integrations.llama_index import (
     ContextPilotNodePostprocessor,
     ContextPilotOpenAILike,
     text_qa_template,
 )
+from contextpilot_integrations.sync.engine_link import EngineLink
 from contextpilot_integrations.sync.kv_events import BlockStored, KVEventDecoder
 
 BLOCK_SIZE = 32
@@ -65,7 +66,7 @@ def test_rid_reaches_vllm_and_shared_nodes_hit_its_prefix_cache(
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SUBSCRIBE, server.kv_events_topic.encode())
     socket.connect(server.kv_events_endpoint)
-    pilot = ContextPilot(cache_sync=server.cache_sync)
+    pilot = ContextPilot(engine=EngineLink(server.cache_sync))
     time.sleep(0.5)  # ZMQ slow joiner (this socket and the pilot's subscriber)
     try:
         llm = ContextPilotOpenAILike(

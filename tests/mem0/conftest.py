@@ -1,5 +1,6 @@
 """Fixtures for the Mem0 adapter: real Mem0 memories on local Qdrant, offline (Mem0's
-environment is set by ``tests/conftest.py`` before anything imports ``mem0``)."""
+environment is set by ``tests/conftest.py`` before anything imports ``mem0``; the real data
+directory, ``data_dir``, comes from there too)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from hashed_embeddings import DIMENSIONS, HashedWordEmbeddings
 from langchain_core.embeddings import Embeddings
 from mem0 import AsyncMemory, Memory
 
-from contextpilot_integrations.bench.workloads import resolve_data_dir  # noqa: E402
-from contextpilot_integrations.mem0.local_config import local_mem0_config  # noqa: E402
+from contextpilot_integrations.mem0.local_config import local_mem0_config
 
 
 def fast_config(directory: Path, embeddings: Embeddings | None = None) -> dict[str, Any]:
@@ -45,12 +45,3 @@ def mem0_async_memory(tmp_path: Path) -> Iterator[AsyncMemory]:
     memory = AsyncMemory.from_config(fast_config(tmp_path / "async"))
     yield memory
     memory.close()
-
-
-@pytest.fixture(scope="session")
-def data_dir() -> Path:
-    """The real datasets (tests that need them skip when they are absent)."""
-    try:
-        return resolve_data_dir()
-    except FileNotFoundError as exc:
-        pytest.skip(f"real data not available: {exc}")

@@ -26,7 +26,7 @@ def _run(*args: str) -> tuple[str, float]:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    match = re.search(r"shared with the previous call: (\d+) of (\d+) system-message", done.stdout)
+    match = re.search(r"shared with the previous call: (\d+) of (\d+) memory-context", done.stdout)
     assert match, done.stdout[-3000:]
     return done.stdout, int(match[1]) / int(match[2])
 

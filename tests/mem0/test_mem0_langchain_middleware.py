@@ -1,4 +1,6 @@
-"""Mem0MemoryMiddleware in a real LangChain agent (create_agent) with a fake chat model."""
+"""Mem0MemoryMiddleware in a real LangChain agent (create_agent) with a fake chat model: the
+memory context goes in front of the user message that opens the turn, the system message stays
+the agent's own."""
 
 from __future__ import annotations
 
@@ -12,13 +14,16 @@ from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from mem0 import Memory
 
-from contextpilot_integrations.engine_fields import REQUEST_ID_FIELDS
+from contextpilot_integrations.llm_call.engine_fields import REQUEST_ID_FIELDS
 from contextpilot_integrations.mem0 import (
     MEMORY_LAYOUT,
     AsyncContextPilotMemory,
     ContextPilotMemory,
 )
-from contextpilot_integrations.mem0.langchain_middleware import Mem0MemoryMiddleware
+from contextpilot_integrations.mem0.langchain_middleware import (
+    MEMORY_CHARS_KEY,
+    Mem0MemoryMiddleware,
+)
 from contextpilot_integrations.mem0.layout import plain_memory_context
 
 FACTS = [
@@ -48,8 +53,8 @@ def _agent(middleware: Mem0MemoryMiddleware, answers: int = 4) -> Any:
     return create_agent(model, system_prompt=SYSTEM, middleware=[middleware])
 
 
-def _ask(agent: Any, question: str, recorder: PromptRecorder, **context: str) -> None:
-    agent.invoke(
+def _ask(agent: Any, question: str, recorder: PromptRecorder, **context: str) -> dict[str, Any]:
+    return agent.invoke(
         {"messages": [{"role": "user", "content": question}]},
         context=context or None,
         config={"callbacks": [recorder]},
@@ -65,14 +70,18 @@ def test_plain_memory_gets_mem0_order(mem0_memory: Memory) -> None:
     _store(mem0_memory)
     recorder = PromptRecorder()
     agent = _agent(Mem0MemoryMiddleware(mem0_memory, search_kwargs=SEARCH, engine="any"))
-    _ask(agent, "What does Alice drink?", recorder, user_id="alice")
+    state = _ask(agent, "What does Alice drink?", recorder, user_id="alice")
     expected = mem0_memory.search("What does Alice drink?", filters={"user_id": "alice"}, **SEARCH)
     ((messages, params),) = recorder.calls
     assert "extra_body" not in params  # a plain memory makes no plan: no rid to send
     assert [type(m) for m in messages] == [SystemMessage, HumanMessage]
-    texts = [r["memory"] for r in expected["results"]]
-    assert messages[0].content == f"{SYSTEM}\n\n{plain_memory_context(texts)}"
-    assert messages[1].content == "What does Alice drink?"
+    context = plain_memory_context([r["memory"] for r in expected["results"]])
+    assert messages[0].content == SYSTEM
+    assert messages[1].content == f"{context}What does Alice drink?"
+    # The state keeps the message the model saw (same id), marked with the context's length.
+    asked = state["messages"][0]
+    assert asked.content == messages[1].content and asked.id == messages[1].id
+    assert asked.additional_kwargs[MEMORY_CHARS_KEY] == len(context)
 
 
 def test_wrapping_the_memory_aligns_and_annotates(mem0_memory: Memory) -> None:
@@ -85,19 +94,19 @@ def test_wrapping_the_memory_aligns_and_annotates(mem0_memory: Memory) -> None:
     (first, first_params), (second, second_params) = recorder.calls
     for messages in (first, second):
         assert [type(m) for m in messages] == [SystemMessage, HumanMessage]
-        assert messages[0].content.startswith(f"{SYSTEM}\n\n{MEMORY_LAYOUT.system_prompt}\n")
+        assert messages[0].content == SYSTEM
+        assert messages[1].content.startswith(f"{MEMORY_LAYOUT.system_prompt}\n")
+    contexts = [m[1].content[: m[1].additional_kwargs[MEMORY_CHARS_KEY]] for m in (first, second)]
+    assert first[1].content == f"{contexts[0]}What does Alice drink?"
     # The first call shows Mem0's order (no annotation needed); the second starts with the
     # first call's system prompt and memories, in that order, and annotates Mem0's order.
-    assert first[0].content.endswith("-----\n")
-    assert second[0].content.startswith(first[0].content)
-    assert "Most relevant memories first: [Memory" in second[0].content
+    assert contexts[0].endswith("-----\n")
+    assert contexts[1].startswith(contexts[0])
+    assert "Most relevant memories first: [Memory" in contexts[1]
     raw = mem0_memory.search(
         "Where does Alice live with her cat?", filters={"user_id": "alice"}, **SEARCH
     )
-    assert (
-        second[0].content
-        != f"{SYSTEM}\n\n{plain_memory_context([r['memory'] for r in raw['results']])}"
-    )
+    assert contexts[1] != plain_memory_context([r["memory"] for r in raw["results"]])
     # Each call sent its own plan's rid, in every engine's body field.
     rids = [params["extra_body"]["rid"] for _, params in recorder.calls]
     assert len(set(rids)) == 2 and all(r.startswith("cp-") for r in rids)
@@ -123,8 +132,9 @@ def test_scope_comes_from_filters_or_context(mem0_memory: Memory) -> None:
         user_id="bob",
     )
     for messages, _ in recorder.calls:
-        assert "Bob collects stamps." in messages[0].content
-        assert not any(fact in messages[0].content for fact in FACTS)
+        assert messages[0].content == SYSTEM
+        assert "Bob collects stamps." in messages[-1].content
+        assert not any(fact in messages[-1].content for fact in FACTS)
     with pytest.raises(ValueError, match="no memory scope"):
         _ask(_agent(Mem0MemoryMiddleware(memory)), "Hobbies?", recorder)
 
@@ -132,10 +142,11 @@ def test_scope_comes_from_filters_or_context(mem0_memory: Memory) -> None:
 def test_no_memory_leaves_the_request_unchanged(mem0_memory: Memory) -> None:
     recorder = PromptRecorder()
     agent = _agent(Mem0MemoryMiddleware(ContextPilotMemory(mem0_memory), search_kwargs=SEARCH))
-    _ask(agent, "Hello?", recorder, user_id="nobody")
+    state = _ask(agent, "Hello?", recorder, user_id="nobody")
     ((messages, _),) = recorder.calls
     assert messages[0].content == SYSTEM
-    assert len(messages) == 2
+    assert len(messages) == 2 and messages[1].content == "Hello?"
+    assert MEMORY_CHARS_KEY not in state["messages"][0].additional_kwargs
 
 
 def test_mem0_errors_reach_the_caller(mem0_memory: Memory) -> None:
@@ -162,8 +173,10 @@ def test_async_agent_with_async_memory(mem0_async_memory: Any) -> None:
 
     asyncio.run(scenario())
     ((messages, _),) = recorder.calls
+    assert messages[0].content == SYSTEM
     for text in FACTS:
-        assert f"\n{text}\n-----\n" in messages[0].content
+        assert f"\n{text}\n-----\n" in messages[1].content
+    assert messages[1].content.endswith("-----\nWhat does Alice drink?")
     with pytest.raises(TypeError, match="asynchronous"):
         _ask(agent, "What does Alice drink?", recorder, user_id="alice")
 

@@ -12,8 +12,9 @@ from langchain_core.embeddings import DeterministicFakeEmbedding
 from mem0 import AsyncMemory, Memory
 
 from contextpilot_integrations.core.blocks import block_id
-from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.conversations.turns import TurnVisibility
 from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY, PLACEMENT_KEYS
 from contextpilot_integrations.core.request import RidConflictError
 from contextpilot_integrations.mem0 import (
     MEMORY_LAYOUT,
@@ -23,7 +24,6 @@ from contextpilot_integrations.mem0 import (
     plan_search_results,
     scope_from_filters,
 )
-from contextpilot_integrations.placement_metadata import METADATA_KEY, PLACEMENT_KEYS
 
 ALL = {"top_k": 100, "threshold": 0.0}  # every memory of the scope, best first
 

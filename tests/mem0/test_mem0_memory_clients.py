@@ -1,13 +1,13 @@
-"""The Mem0 wrapper over every answer shape Mem0's clients return (issue 12, finding 8).
+"""The Mem0 wrapper over every answer shape Mem0's clients return.
 
 - ``mem0.Memory`` / ``mem0.AsyncMemory`` (mem0ai 2.2): ``{"results": [...]}``.
-- Graph memory (earlier mem0ai releases with a ``graph_store``, ``enable_graph``):
+- Graph memory (mem0ai with a ``graph_store``, ``enable_graph``):
   ``{"results": [...], "relations": [...]}``. mem0ai 2.2 has no graph store, so the stand-in is
   a real ``Memory`` whose answer gets the graph search's ``relations`` list (``source`` /
   ``relationship`` / ``destination`` dicts).
 - A bare list of results: the platform ``MemoryClient`` / ``AsyncMemoryClient`` (the API
-  reference's search response, which mem0's own proxy reads as a list) and older releases'
-  v1.0 output format (the stand-in: a real ``Memory`` answering with its ``"results"`` list).
+  reference's search response, which mem0's own proxy reads as a list) and Mem0's v1.0 output
+  format (the stand-in: a real ``Memory`` answering with its ``"results"`` list).
 - A client that ignores ``top_k`` (a real ``Memory`` that always asks its store for 1,000).
 
 The platform clients are mem0's own classes and their own ``search``; only the HTTP transport is
@@ -30,6 +30,7 @@ import pytest
 from mem0 import AsyncMemory, AsyncMemoryClient, Memory, MemoryClient
 
 from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.placement_metadata import METADATA_KEY, PLACEMENT_KEYS
 from contextpilot_integrations.mem0 import (
     MEMORY_LAYOUT,
     AsyncContextPilotMemory,
@@ -40,7 +41,6 @@ from contextpilot_integrations.mem0 import (
 )
 from contextpilot_integrations.mem0.context import asearch_memory_context, search_memory_context
 from contextpilot_integrations.mem0.layout import plain_memory_context
-from contextpilot_integrations.placement_metadata import METADATA_KEY, PLACEMENT_KEYS
 
 ALL = {"top_k": 100, "threshold": 0.0}  # every memory of the scope, best first
 ALICE = {"user_id": "alice"}

@@ -1,41 +1,31 @@
-"""notebooks/mem0_memory.ipynb executes headless (nbclient) on real LoCoMo data and plots."""
+"""notebooks/mem0_memory.ipynb executes headless (nbclient, a kernel on this interpreter:
+``support.notebooks``) on real LoCoMo data and plots."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import nbformat
 import pytest
-from jupyter_client.kernelspec import NATIVE_KERNEL_NAME
-from nbclient import NotebookClient
-
-NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "mem0_memory.ipynb"
+from support.notebooks import execute_notebook, read_notebook
 
 
 @pytest.mark.slow
-def test_notebook_executes_and_plots(data_dir: Path, tmp_path: Path) -> None:
-    notebook = nbformat.read(NOTEBOOK, as_version=4)
-    env = {
-        "CONTEXTPILOT_DATA_DIR": str(data_dir),
-        "CONTEXTPILOT_MEM0_STORE": str(tmp_path / "store"),
-        "CONTEXTPILOT_NOTEBOOK_QUESTIONS": "30",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the kernel inherits this process's environment
-    try:
-        NotebookClient(
-            notebook,
-            timeout=300,
-            kernel_name=NATIVE_KERNEL_NAME,  # ipykernel of this interpreter (the .venv)
-            resources={"metadata": {"path": str(tmp_path)}},
-        ).execute()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+def test_notebook_executes_and_plots(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    notebook = read_notebook("mem0_memory.ipynb")
+    execute_notebook(
+        notebook,
+        kernel_dir=tmp_path / "jupyter",
+        cwd=tmp_path,
+        timeout_s=300,
+        env={
+            "CONTEXTPILOT_DATA_DIR": str(data_dir),
+            "CONTEXTPILOT_MEM0_STORE": str(tmp_path / "store"),
+            "CONTEXTPILOT_NOTEBOOK_QUESTIONS": "30",
+        },
+        monkeypatch=monkeypatch,
+    )
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.core.conversations.turns import TurnVisibility
 from contextpilot_integrations.core.request import Scope
 from contextpilot_integrations.mem0.scope import scope_from_filters
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import time
 
-from contextpilot_integrations.core.routing import ReplicaRouter
+from contextpilot_integrations.core.replicas.routing import ReplicaRouter
+from contextpilot_integrations.sync.engine_link import EngineLink
 from contextpilot_integrations.sync.event_publisher import KVEventPublisher
 from contextpilot_integrations.sync.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
@@ -37,7 +38,7 @@ def router_over(endpoints, names=("a", "b"), grace_s: float = 5.0, **kwargs) -> 
         }
         replicas.append({"name": name, "base_url": f"http://{name}/v1", "cache_sync": sync})
     kwargs.setdefault("load", "recent-requests")
-    return ReplicaRouter(replicas, **kwargs)
+    return ReplicaRouter(replicas, link_factory=EngineLink, **kwargs)
 
 
 def indexed(router: ReplicaRouter, name: str) -> int:

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextpilot_integrations import PlanRequest, Scope
+from contextpilot_integrations import OrderingConfig, PlanRequest, Scope
 from contextpilot_integrations.core.planner_protocol import check_planner
-from contextpilot_integrations.core.replica_load import eligible
+from contextpilot_integrations.core.replicas.replica_load import eligible
+from contextpilot_integrations.core.replicas.routing import ReplicaRouter
+from contextpilot_integrations.core.replicas.routing_config import ReplicaSpec, RouterConfig
 from contextpilot_integrations.core.request import RidConflictError
-from contextpilot_integrations.core.routing import ReplicaRouter
-from contextpilot_integrations.core.routing_config import ReplicaSpec, RouterConfig
 
 
 def doc(name: str, words: int = 60) -> str:
@@ -202,5 +202,77 @@ def test_the_configuration_names_what_is_wrong() -> None:
     for config, message in cases:
         with pytest.raises(ValueError, match=message):
             RouterConfig.from_mapping(config)
+    from contextpilot_integrations.sync.engine_link import EngineLink
+
     with pytest.raises(ValueError, match="endpoint"):
-        ReplicaRouter([{"name": "a", "cache_sync": {"kind": "kv-events"}}])
+        ReplicaRouter([{"name": "a", "cache_sync": {"kind": "kv-events"}}], link_factory=EngineLink)
+    with pytest.raises(ValueError, match="replica 'a' has cache_sync: give the router link_fa"):
+        ReplicaRouter([{"name": "a", "cache_sync": {"kind": "capacity", "capacity_tokens": 9}}])
+
+
+def test_every_replica_pilot_takes_the_routers_ordering() -> None:
+    ordering = OrderingConfig(reorder="always", rest_order="retriever")
+    router = ReplicaRouter([{"name": "a"}, {"name": "b"}], ordering=ordering, annotate=False)
+    for replica in router._fleet.replicas.values():
+        assert replica.pilot.ordering is ordering and replica.pilot.annotate is False
+
+
+class FakeLink:
+    """An engine link as the core sees it (EngineLinkProtocol), recording what it is told."""
+
+    def __init__(self, settings: dict) -> None:
+        self.settings = settings
+        self.callbacks: tuple | None = None
+        self.calls: list[str] = []
+
+    @property
+    def bound(self) -> bool:
+        return self.callbacks is not None
+
+    def bind(self, on_evict, *, on_session=None, on_health=None) -> FakeLink:
+        self.callbacks = (on_evict, on_session, on_health)
+        return self
+
+    def start(self) -> FakeLink:
+        self.calls.append("start")
+        return self
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+    def record(self, plans) -> None:
+        self.calls.extend(f"record {plan.rid}" for plan in plans)
+
+    def touch(self, rid: str) -> None:
+        self.calls.append(f"touch {rid}")
+
+    def forget(self, rid: str) -> None:
+        self.calls.append(f"forget {rid}")
+
+    def reset(self) -> list[str]:
+        return []
+
+    def stats(self) -> dict:
+        return {"fake": True}
+
+
+def test_the_link_factory_builds_binds_starts_and_stops_each_replicas_link() -> None:
+    links: list[FakeLink] = []
+
+    def factory(settings: dict) -> FakeLink:
+        links.append(FakeLink(settings))
+        return links[-1]
+
+    replicas = [{"name": "a", "cache_sync": {"kind": "capacity", "capacity_tokens": 9}}]
+    with ReplicaRouter([*replicas, {"name": "b"}], link_factory=factory, mode="direct") as router:
+        (link,) = links
+        assert link.settings == {"kind": "capacity", "capacity_tokens": 9}
+        assert link.bound and link.calls == ["start"]
+        plan = router.plan("q", [D1], rid="r1")
+        assert plan.replica == "a" and link.calls == ["start", "record r1"]
+        on_evict, _, on_health = link.callbacks  # type: ignore[misc]
+        assert on_evict("r1") and router.stats()["replicas"]["a"]["index"]["requests"] == 0
+        on_health(False)
+        assert router.stats()["replicas"]["a"]["up"] is False
+        assert router.stats()["replicas"]["a"]["sync"] == {"fake": True}
+    assert link.calls[-1] == "stop"

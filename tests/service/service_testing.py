@@ -150,7 +150,7 @@ _HINT = re.compile(r"(\[Doc \d+\]) (?:of turn (\d+)|in this message)")
 def check_hints(plan: Plan, received: dict[int, Plan]) -> None:
     """Every hint of ``plan`` names a place the app's prompts really show: a block of a turn
     the app received (``received``: turn number -> its plan), or of this prompt, holding the
-    same text under that label (DESIGN.md invariant 9)."""
+    same text under that label (docs/DESIGN.md, "Sure hints")."""
     for placement in plan.placements:
         if placement.status is not PlacementStatus.REPLACED:
             continue

@@ -1,5 +1,5 @@
 """``contextpilot-server`` whose evictions never return: a stand-in for a call stuck in the
-engine link (issue 12, finding 1: a mirror walk that looped for ever under the mirror lock).
+engine link (such as a mirror walk looping for ever under the mirror lock).
 Run by ``test_event_loop.py`` through ``server_factory(..., launcher=...)``."""
 
 from __future__ import annotations

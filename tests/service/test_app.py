@@ -11,10 +11,12 @@ import pytest
 from fastapi.testclient import TestClient
 from service_testing import blocks_of, saved_requests
 
+from contextpilot_integrations.core.conversations.turns import MAX_TURN
 from contextpilot_integrations.core.rendering import PromptLayout
-from contextpilot_integrations.core.request import MAX_TURN, PlanRequest
+from contextpilot_integrations.core.request import PlanRequest
 from contextpilot_integrations.service.app import create_app
-from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
+from contextpilot_integrations.service.index_service import IndexService
+from contextpilot_integrations.service.service_config import ServiceConfig
 
 
 @pytest.fixture

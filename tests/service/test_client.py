@@ -15,7 +15,18 @@ import httpx
 import pytest
 from service_testing import blocks_of, free_port
 
-from contextpilot_integrations.core.conversation import TurnVisibility
+from contextpilot_integrations.client.client import ContextPilotClient
+from contextpilot_integrations.client.errors import ServiceUnavailableError
+from contextpilot_integrations.client.schemas import (
+    BatchPlanResponse,
+    DedupFiguresModel,
+    LayoutModel,
+    PlacementModel,
+    PlanRequestModel,
+    PlanResponse,
+    ScopeModel,
+)
+from contextpilot_integrations.core.conversations.turns import TurnVisibility
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import (
     BatchPlan,
@@ -27,16 +38,6 @@ from contextpilot_integrations.core.plan import (
 from contextpilot_integrations.core.planner_protocol import Planner
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import PlanRequest, RidConflictError, Scope
-from contextpilot_integrations.service.client import ContextPilotClient, ServiceUnavailableError
-from contextpilot_integrations.service.schemas import (
-    BatchPlanResponse,
-    DedupFiguresModel,
-    LayoutModel,
-    PlacementModel,
-    PlanRequestModel,
-    PlanResponse,
-    ScopeModel,
-)
 
 SCOPE_A = Scope(conversation_id="c", tenant="a")
 
@@ -157,8 +158,8 @@ def test_async_twins_equal_the_blocking_calls_across_event_loops(server_factory)
 
 @pytest.mark.asyncio
 async def test_the_client_is_a_planner_whose_async_twins_are_awaited(shared_server) -> None:  # type: ignore[no-untyped-def]
-    # The first bug of issue 11: an async client passed the sync protocol's check and its
-    # plan returned a coroutine nothing awaited. Now one class has both twins.
+    # An async client must not pass the sync protocol's check with a plan that returns a
+    # coroutine nothing awaits: one class has both twins.
     async with ContextPilotClient(shared_server.base_url, fallback=False) as client:
         assert isinstance(client, Planner)
         for name in ("aplan", "aplan_batch", "aevict", "arecord_usage", "astats", "ahealth"):
@@ -278,7 +279,7 @@ def test_api_key_is_required_when_set(server_factory) -> None:  # type: ignore[n
 def test_service_down_plans_locally_warns_once_and_recovers(server_factory, caplog) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
     client = ContextPilotClient(f"http://127.0.0.1:{port}", retry_interval_s=0.0)
-    with caplog.at_level(logging.WARNING, logger="contextpilot_integrations.service.client"):
+    with caplog.at_level(logging.WARNING, logger="contextpilot_integrations.client.client"):
         plans = [client.plan(f"q{i}", blocks_of(i)) for i in range(3)]
         batch = client.plan_batch([PlanRequest("x", blocks_of(1)), PlanRequest("y", blocks_of(2))])
         plans.append(asyncio.run(client.aplan("async", blocks_of(4))))  # the local aplan

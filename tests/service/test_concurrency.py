@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from service_testing import blocks_of
 
+from contextpilot_integrations.client.client import ContextPilotClient
 from contextpilot_integrations.core.request import PlanRequest, RidConflictError, Scope
-from contextpilot_integrations.service.client import ContextPilotClient
 
 
 def _lossless(plan, count: int) -> bool:  # type: ignore[no-untyped-def]

@@ -1,5 +1,5 @@
 """The engine request-id fields on OpenAI-client calls and the cached-token usage read back
-(:mod:`contextpilot_integrations.engine_fields`).
+(:mod:`contextpilot_integrations.llm_call.engine_fields`).
 
 The calls go through the real ``openai`` client to a small OpenAI-compatible HTTP server
 started here (uvicorn on 127.0.0.1) that records each body and reports ``cached_tokens`` as the
@@ -24,8 +24,9 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from service_testing import blocks_of, free_port
 
+from contextpilot_integrations.client.client import ContextPilotClient
 from contextpilot_integrations.core.pilot import ContextPilot
-from contextpilot_integrations.engine_fields import (
+from contextpilot_integrations.llm_call.engine_fields import (
     REQUEST_ID_FIELDS,
     CacheUsageTracker,
     Usage,
@@ -35,7 +36,6 @@ from contextpilot_integrations.engine_fields import (
     read_usage,
     with_engine_fields,
 )
-from contextpilot_integrations.service.client import ContextPilotClient
 
 
 def _engine_app(bodies: list[dict[str, Any]]) -> FastAPI:
@@ -111,7 +111,7 @@ def test_request_id_fields_per_engine() -> None:
         engine_body_fields(object())  # type: ignore[arg-type]
 
 
-def test_with_request_ids_merges_without_mutating() -> None:
+def test_with_engine_fields_merges_without_mutating() -> None:
     kwargs = {"model": "m", "extra_body": {"top_k": 5, "rid": "old"}}
     merged = with_engine_fields(kwargs, "new", "sglang")
     assert merged == {"model": "m", "extra_body": {"top_k": 5, "rid": "new", "session_id": "new"}}

@@ -15,8 +15,8 @@ import time
 import httpx
 from service_testing import blocks_of, free_port, wait_for
 
+from contextpilot_integrations.client.client import ContextPilotClient
 from contextpilot_integrations.core.request import PlanRequest
-from contextpilot_integrations.service.client import ContextPilotClient
 from contextpilot_integrations.sync.event_publisher import KVEventPublisher
 from contextpilot_integrations.sync.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
@@ -157,7 +157,7 @@ def _free_port_pair() -> int:
 
 
 def test_a_rank_that_never_publishes_does_not_keep_resync_pending(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    # Issue 12, finding 5: the service reports what the engine link decides (sync/).
+    # The service reports what the engine link decides (sync/).
     snapshot = tmp_path / "index.json"
     pub_base, replay_base = _free_port_pair(), _free_port_pair()
     pub, replay = f"tcp://127.0.0.1:{pub_base}", f"tcp://127.0.0.1:{replay_base}"

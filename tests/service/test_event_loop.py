@@ -1,4 +1,4 @@
-"""No event-driven work on the event loop (issue 12, finding 1): a call stuck in the engine
+"""No event-driven work on the event loop: a call stuck in the engine
 link holds a worker thread, never the server; ``/health`` and plans go on, and SIGTERM still
 stops the server and saves the snapshot within a bounded time."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 from service_testing import blocks_of, free_port, saved_requests, wait_for
 
-from contextpilot_integrations.service.client import ContextPilotClient
+from contextpilot_integrations.client.client import ContextPilotClient
 from contextpilot_integrations.sync.event_publisher import KVEventPublisher
 from contextpilot_integrations.sync.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
@@ -69,7 +69,7 @@ def test_a_hostile_event_stream_never_stops_the_server(server_factory) -> None: 
         with ContextPilotClient(server.base_url, fallback=False) as client:
             plan = client.plan("q", blocks_of(1), rid="victim")
             # A block naming itself as parent, two naming each other, then their removal: the
-            # mirror walk of finding 1 looped for ever under the mirror lock.
+            # mirror walk must not loop for ever under the mirror lock.
             engine.publish(
                 KVEventBatch(
                     ts=time.time(),

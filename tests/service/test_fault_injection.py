@@ -1,11 +1,10 @@
-"""Fault injection (issue 12): threads planning, batching, evicting and snapshotting one
+"""Fault injection: threads planning, batching, evicting and snapshotting one
 IndexService at once (zero exceptions, no hint to a turn not handed out), and fuzzed plus
 concurrent requests against a real server while a hostile KV-event stream runs (zero hangs,
 zero server errors).
 
 The request counts of the second test are small in CI; ``CONTEXTPILOT_FAULT_REQUESTS=10000``
-runs the issue's full 10,000 + 10,000 (as ``benchmarks/bench_service_faults.py`` does by
-default).
+runs 10,000 + 10,000 (as ``benchmarks/micro/bench_service_faults.py`` does by default).
 """
 
 from __future__ import annotations
@@ -23,10 +22,11 @@ from service_testing import check_hints
 
 from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.core.request import PlanRequest, Scope
-from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
+from contextpilot_integrations.service.index_service import IndexService
+from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.service.tenants import TenantKeys
 
-BENCHMARK = Path(__file__).parents[2] / "benchmarks" / "bench_service_faults.py"
+BENCHMARK = Path(__file__).parents[2] / "benchmarks" / "micro" / "bench_service_faults.py"
 TENANTS = {"alice": TenantKeys(("alice-key",)), "bob": TenantKeys(("bob-key",))}
 
 

@@ -20,7 +20,7 @@ from schemathesis import GenerationMode
 
 from contextpilot_integrations.core.request import PlanRequest, Scope
 from contextpilot_integrations.service.app import create_app
-from contextpilot_integrations.service.index_service import ServiceConfig
+from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.service.tenants import TenantKeys
 
 API_KEY = "fuzz-secret-of-alice"

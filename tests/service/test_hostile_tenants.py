@@ -1,4 +1,4 @@
-"""A hostile tenant against a real server (issue 12, finding 5): two tenants with keys, bob
+"""A hostile tenant against a real server: two tenants with keys, bob
 trying every endpoint against alice's state, and a differential check that nothing he does
 changes anything alice sees.
 
@@ -24,9 +24,10 @@ import httpx
 import pytest
 from service_testing import blocks_of, free_port, wait_for
 
+from contextpilot_integrations.client.schemas import BatchPlanResponse, PlanResponse
 from contextpilot_integrations.core.request import PlanRequest, Scope
-from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
-from contextpilot_integrations.service.schemas import BatchPlanResponse, PlanResponse
+from contextpilot_integrations.service.index_service import IndexService
+from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.service.tenants import read_key_file
 from contextpilot_integrations.sync.event_publisher import KVEventPublisher
 from contextpilot_integrations.sync.kv_events import BlockRemoved, BlockStored, KVEventBatch
@@ -38,6 +39,7 @@ ENDPOINTS = [
     ("POST", "/v1/evict", {"rid": "r"}),
     ("POST", "/v1/conversations/forget", {"conversation_id": "c"}),
     ("POST", "/v1/usage", {"rid": "r", "prompt_tokens": 1, "cached_tokens": 0}),
+    ("GET", "/v1/usage", None),
     ("POST", "/v1/snapshot", {}),
     ("GET", "/v1/layout", None),
     ("GET", "/v1/stats", None),
@@ -153,7 +155,7 @@ def _request(body: dict[str, Any]) -> PlanRequest:
 
 
 def _own_stats(stats: dict[str, Any]) -> dict[str, Any]:
-    return {key: stats[key] for key in ("index", "conversations", "usage")}
+    return {key: stats[key] for key in ("index", "conversations", "usage", "totals")}
 
 
 def test_a_hostile_tenant_reaches_nothing_of_another(server_factory, key_file) -> None:  # type: ignore[no-untyped-def]
@@ -189,6 +191,7 @@ def test_a_hostile_tenant_reaches_nothing_of_another(server_factory, key_file) -
             effects += (status, answer) != _in_process(twin, tenant, call)
         server_stats = _http(url, tenant, ("GET", "/v1/stats", None))[1]
         effects += _own_stats(server_stats) != _own_stats(twin.stats(caller=tenant))
+        effects += _http(url, tenant, ("GET", "/v1/usage", None))[1] != twin.usage(caller=tenant)
     print(f"cross-tenant effects: {effects}")
     assert effects == 0
 

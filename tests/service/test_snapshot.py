@@ -10,9 +10,10 @@ import time
 import pytest
 from service_testing import blocks_of, check_hints, saved_requests, wait_for
 
+from contextpilot_integrations.client.client import ContextPilotClient
 from contextpilot_integrations.core.request import Scope
-from contextpilot_integrations.service.client import ContextPilotClient
-from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
+from contextpilot_integrations.service.index_service import IndexService
+from contextpilot_integrations.service.service_config import ServiceConfig
 
 
 def _plan(base_url: str, count: int, prefix: str = "s") -> list[str]:

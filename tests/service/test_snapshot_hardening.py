@@ -1,4 +1,4 @@
-"""The snapshot file as hostile input and as a crash-safe write (issue 12, finding 6), in
+"""The snapshot file as hostile input and as a crash-safe write, in
 process: validated on load (a bad file is set aside, counted, and the service starts empty),
 atomic and fsynced writes, temporary files cleaned, a symlinked path followed, the whole pilot
 state in it (conversations too: checkpoint or final), and plans that never wait for a save.
@@ -17,7 +17,8 @@ from service_testing import blocks_of, saved_requests
 
 from contextpilot_integrations.core.request import PlanRequest, Scope
 from contextpilot_integrations.service import snapshot as snapshot_module
-from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
+from contextpilot_integrations.service.index_service import IndexService
+from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.service.snapshot import write_snapshot
 from contextpilot_integrations.service.tenants import TenantKeys
 

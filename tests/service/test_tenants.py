@@ -1,4 +1,4 @@
-"""Tenants from credentials (issue 12, finding 5), in process: key files and the environment,
+"""Tenants from credentials, in process: key files and the environment,
 what each tenant gets (rid tag, cache_salt), the isolation modes, and a request's tenant taken
 from its key, never from its body."""
 
@@ -13,10 +13,11 @@ from fastapi.testclient import TestClient
 from service_testing import blocks_of
 
 from contextpilot_integrations.core.request import PlanRequest, Scope
-from contextpilot_integrations.engine_fields import engine_body_fields
+from contextpilot_integrations.llm_call.engine_fields import engine_body_fields
 from contextpilot_integrations.service.app import create_app
-from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
+from contextpilot_integrations.service.index_service import IndexService
 from contextpilot_integrations.service.server import build_parser, config_from_args
+from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.service.tenants import (
     Tenancy,
     TenantKeys,
@@ -55,9 +56,9 @@ def test_a_key_file_and_the_environment_map_keys_to_tenants(tmp_path: Path) -> N
         "carol",
         None,
     ]
-    # The legacy single key is the tenant "".
-    legacy = config_from_args(build_parser().parse_args([]), {"CONTEXTPILOT_API_KEY": "old"})
-    assert legacy.tenancy.mode == "single" and legacy.tenancy.tenant_of("old") == ""
+    # The one key shared by everyone is the tenant "".
+    shared = config_from_args(build_parser().parse_args([]), {"CONTEXTPILOT_API_KEY": "old"})
+    assert shared.tenancy.mode == "single" and shared.tenancy.tenant_of("old") == ""
     assert config_from_args(build_parser().parse_args([]), {}).tenancy.mode == "open"
 
 

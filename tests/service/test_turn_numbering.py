@@ -1,4 +1,4 @@
-"""Turn numbers across service restarts (issue 12, finding 4): the service's boot id on every
+"""Turn numbers across service restarts: the service's boot id on every
 answer, and a client that keeps the app's numbering when a service restarted without its
 snapshot (or with a lost one) numbers a conversation afresh. No turn number is given twice and
 no hint is ambiguous across a restart, with the fallback's rules (local plans never hint; a
@@ -25,14 +25,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from service_testing import free_port
 
+from contextpilot_integrations.client.client import ContextPilotClient
+from contextpilot_integrations.client.conversations import ConversationMemory
+from contextpilot_integrations.client.schemas import BOOT_HEADER
+from contextpilot_integrations.core.conversations.turns import MAX_TURN
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import PlacementStatus, Plan
-from contextpilot_integrations.core.request import MAX_TURN, PlanRequest, Scope
+from contextpilot_integrations.core.request import PlanRequest, Scope
 from contextpilot_integrations.service.app import create_app
-from contextpilot_integrations.service.client import ContextPilotClient
-from contextpilot_integrations.service.client_conversations import ConversationMemory
-from contextpilot_integrations.service.index_service import IndexService, ServiceConfig
-from contextpilot_integrations.service.schemas import BOOT_HEADER
+from contextpilot_integrations.service.index_service import IndexService
+from contextpilot_integrations.service.service_config import ServiceConfig
 
 PASSAGES = [f"passage {i}: " + " ".join(f"w{i}-{j}" for j in range(40)) for i in range(8)]
 POINTER = re.compile(r"(\[Doc \d+\]) (?:of turn (\d+)|in this message)")

@@ -15,17 +15,17 @@ import signal
 import httpx
 import openai
 import pytest
+from contextpilot_bench.testbed.locations import find_vllm_python
+from contextpilot_bench.testbed.model_dir import prepare_model_dir
+from contextpilot_bench.testbed.vllm_server import VllmCpuServer
 from service_testing import wait_for
 
-from contextpilot_integrations.engine_fields import (
+from contextpilot_integrations.client.client import ContextPilotClient
+from contextpilot_integrations.llm_call.engine_fields import (
     CacheUsageTracker,
     create_chat_completion,
     read_usage,
 )
-from contextpilot_integrations.engines.locations import find_vllm_python
-from contextpilot_integrations.engines.model_dir import prepare_model_dir
-from contextpilot_integrations.engines.vllm_server import VllmCpuServer
-from contextpilot_integrations.service.client import ContextPilotClient
 
 pytestmark = [
     pytest.mark.vllm,

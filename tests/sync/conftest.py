@@ -103,7 +103,7 @@ class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Provides empty ``torchvision`` modules so that SGLang imports on a CPU-only machine.
 
     PyPI's torchvision is a CUDA build that fails beside CPU torch ("operator torchvision::nms
-    does not exist") and installing it swaps in CUDA torch (shared/notes/engine-kv-events.md);
+    does not exist") and installing it swaps in CUDA torch (docs/DESIGN.md, "SGLang KV events");
     SGLang imports it at module load only for multimodal models, which these tests never use.
     Every attribute is a placeholder class; calling one raises RuntimeError.
     """

@@ -9,13 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextpilot_integrations.sync.block_mirror import (
-    BlockMirror,
-    pack_tokens,
-    packed_page,
-    page_tokens,
-)
+from contextpilot_integrations.sync.block_mirror import BlockMirror
 from contextpilot_integrations.sync.kv_events import BlockStored
+from contextpilot_integrations.sync.page_tokens import pack_tokens, packed_page, page_tokens
 
 
 def key(*tokens: object) -> bytes | tuple:
@@ -93,7 +89,7 @@ def run_with_timeout(call, timeout_s: float = 5.0):  # type: ignore[no-untyped-d
 
 
 def test_a_block_naming_itself_as_parent_is_refused() -> None:
-    # Issue 12, finding 1: the removal's walk of descendants looped forever on this store.
+    # The removal's walk of descendants would loop forever on this store: it is refused.
     mirror = mirror_with(BlockStored([1], None, [1, 1], block_size=2))
     with pytest.raises(ValueError, match="own block"):
         mirror.store(0, BlockStored([7], 7, [7, 7], block_size=2))
@@ -132,7 +128,7 @@ def test_the_walk_is_cycle_safe_even_on_links_made_behind_its_back() -> None:
 
 
 def test_descendants_without_tokens_are_found_by_a_removal() -> None:
-    # The known gap: a block stored without usable token ids was not reached by the walk.
+    # A block stored without usable token ids is reached by the walk all the same.
     mirror = mirror_with(
         BlockStored([1, 2], None, [1, 1, 2, 2], block_size=2),
         BlockStored([3], 2, [3], block_size=2),  # token ids that do not split: no tokens

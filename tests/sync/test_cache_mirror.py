@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextpilot_integrations.core.context_index import ContextIndex
+from contextpilot_integrations.core.index.context_index import ContextIndex
 from contextpilot_integrations.sync.cache_mirror import CacheMirror
 from contextpilot_integrations.sync.kv_events import (
     AllBlocksCleared,
@@ -348,7 +348,7 @@ def test_a_store_of_no_blocks_attaches_nothing() -> None:
 
 
 def test_a_bad_item_is_skipped_and_the_rest_of_its_batch_applied() -> None:
-    # Issue 12, finding 2: one bad event dropped its batch-mates (a valid removal included).
+    # One bad event must not drop its batch-mates (a valid removal among them).
     recorder = Recorder()
     mirror = CacheMirror(recorder)
     mirror.apply_events(0, [stored([1], session="a"), stored([2], session="b")])
@@ -381,9 +381,9 @@ def run_with_timeout(call, timeout_s: float = 5.0):  # type: ignore[no-untyped-d
 
 @pytest.mark.parametrize("length", [1, 2, 3, 100])
 def test_cyclic_parents_then_a_removal_return_at_once(length: int) -> None:
-    # Issue 12, finding 1: a block whose parent is itself (length 1), or blocks naming each
-    # other as parents, then a BlockRemoved: the walk of dependents looped forever holding
-    # the mirror's lock (/v1/stats hung, the server needed SIGKILL).
+    # A block whose parent is itself (length 1), or blocks naming each other as parents, then
+    # a BlockRemoved: a walk of dependents that followed the cycle would loop forever holding
+    # the mirror's lock (/v1/stats would hang, the server would need SIGKILL).
     recorder = Recorder()
     mirror = CacheMirror(recorder)
     cycle = [stored([h], parent=h % length + 1, session=f"s{h}") for h in range(1, length + 1)]
@@ -400,7 +400,8 @@ def test_cyclic_parents_then_a_removal_return_at_once(length: int) -> None:
 
 
 def test_unsigned_and_signed_forms_of_a_hash_are_one_block() -> None:
-    # Issue 12, finding 2: a block stored as an unsigned int was not removed by its signed twin.
+    # Engines send a 64-bit hash signed or unsigned: a block stored as an unsigned int must be
+    # removed by its signed twin.
     recorder = Recorder()
     mirror = CacheMirror(recorder)
     unsigned, signed = 2**64 - 5, -5
@@ -420,8 +421,8 @@ def test_unsigned_and_signed_forms_of_a_hash_are_one_block() -> None:
 
 
 def test_a_session_block_without_tokens_is_evicted_with_its_ancestor() -> None:
-    # The gap the previous helper reported: the walk of a removed block's descendants went
-    # through the token index only, so a block stored without usable token ids was missed.
+    # A removed block's descendants are walked by parent links, not the token index alone: a
+    # block stored without usable token ids is reached too.
     recorder = Recorder()
     mirror = CacheMirror(recorder)
     mirror.apply_events(0, [stored([1, 2], session="prefix")])
@@ -432,8 +433,8 @@ def test_a_session_block_without_tokens_is_evicted_with_its_ancestor() -> None:
 
 
 def test_the_block_bound_evicts_the_requests_of_dropped_blocks() -> None:
-    # Issue 12, finding 2: the mirror had no bound of its own (about 1.3 GB per million
-    # blocks). Beyond max_blocks the least recently stored leaf goes, as a removal would.
+    # The mirror has a bound of its own (docs/DESIGN.md, "Bounded"): beyond max_blocks the
+    # least recently stored leaf goes, as a removal would.
     recorder = Recorder()
     mirror = CacheMirror(recorder, max_blocks=4)
     mirror.apply_events(0, [stored([1], session="root")])  # a shared prefix

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from contextpilot_integrations.core.context_index import ContextIndex
+from contextpilot_integrations.core.index.context_index import ContextIndex
 from contextpilot_integrations.sync.cache_state_source import CacheStateSource, SentRequest
 from contextpilot_integrations.sync.capacity_model import CapacityModel
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from contextpilot_integrations.core.context_index import ContextIndex
+from contextpilot_integrations.core.index.context_index import ContextIndex
 from contextpilot_integrations.sync.cache_state_source import CacheStateSource, SentRequest
 from contextpilot_integrations.sync.capacity_model import CapacityModel
 from contextpilot_integrations.sync.configuration import CacheSyncConfig, build_cache_state_source

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from contextpilot_integrations.core.context_index import ContextIndex
+from contextpilot_integrations.core.index.context_index import ContextIndex
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.sync.cache_state_source import SentRequest
@@ -60,7 +60,8 @@ def test_capacity_lru_evictions_reach_on_evict_with_their_cause() -> None:
     planner = Planner()
     first = planner.plan("a", "alpha " * 40)
     budget = 2 * tokens_of(first) + 5  # room for two requests of this size, not three
-    with EngineLink({"kind": "capacity", "capacity_tokens": budget}, planner.index.evict) as link:
+    link = EngineLink({"kind": "capacity", "capacity_tokens": budget}).bind(planner.index.evict)
+    with link:
         assert isinstance(link.source, CapacityModel) and link.engine_connected is None
         link.record([first])
         link.record([planner.plan("b", "beta " * 40)])
@@ -84,7 +85,7 @@ def test_capacity_resync_records_the_restored_requests_oldest_first() -> None:
     for rid in ("old", "mid", "new"):
         index.insert(rid, [1])
     restored = [("old", ((1, 60),)), ("mid", ((2, 60),)), ("new", ((3, 60),))]
-    with EngineLink({"kind": "capacity", "capacity_tokens": 150}, index.evict) as link:
+    with EngineLink({"kind": "capacity", "capacity_tokens": 150}).bind(index.evict) as link:
         link.resync(restored, downtime_s=10_000.0)  # no time in a capacity model
         assert held(link) == ["mid", "new"]
         assert index.rids() == ["mid", "new"]
@@ -92,13 +93,51 @@ def test_capacity_resync_records_the_restored_requests_oldest_first() -> None:
         assert not link.resync_pending
 
 
-def test_the_pilots_cache_sync_is_this_link() -> None:
-    with ContextPilot(cache_sync={"kind": "capacity", "capacity_tokens": 100}) as pilot:
-        assert isinstance(pilot.engine, EngineLink)
+def ttl_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "ttl-model-expiry"]
+
+
+def test_a_pilot_binds_starts_and_stops_an_unbound_link() -> None:
+    link = EngineLink({"kind": "capacity", "capacity_tokens": 100})
+    assert not link.bound
+    with ContextPilot(engine=link) as pilot:
+        assert pilot.engine is link and link.bound
         pilot.plan("q1", ["one " * 60], rid="first")
         pilot.plan("q2", ["two " * 60], rid="second")
         assert pilot.index.rids() == ["second"]
         assert pilot.stats()["sync"]["evictions"] == {"capacity": 1}
+    ttl = EngineLink({"kind": "ttl", "ttl_s": 60})
+    with ContextPilot(engine=ttl):
+        assert ttl_threads() == ["ttl-model-expiry"]
+    assert ttl_threads() == []
+
+
+def test_a_link_its_owner_bound_is_only_recorded_with() -> None:
+    evicted: list[str] = []
+
+    def owner(rid: str) -> bool:
+        evicted.append(rid)
+        return True
+
+    with EngineLink({"kind": "ttl", "ttl_s": 60, "min_cached_tokens": 0}).bind(owner) as link:
+        with ContextPilot(engine=link) as first, ContextPilot(engine=link) as second:
+            first.plan("q1", ["one " * 60], rid="a")
+            second.plan("q2", ["two " * 60], rid="b")
+            assert held(link) == ["a", "b"]
+        assert ttl_threads() == ["ttl-model-expiry"]  # the pilots did not stop it
+    assert ttl_threads() == []
+    with pytest.raises(ValueError, match="bound already"):
+        link.bind(owner)
+
+
+def test_a_pilots_engine_must_be_a_link() -> None:
+    with pytest.raises(TypeError, match=r"engine must be an engine link.*'kv-events'"):
+        ContextPilot(engine={"kind": "kv-events"})  # type: ignore[arg-type]
+
+
+def test_the_configuration_must_be_a_mapping() -> None:
+    with pytest.raises(ValueError, match=r"cache_sync must be a mapping.*'kv-events'"):
+        EngineLink("kv-events")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +146,7 @@ def test_the_pilots_cache_sync_is_this_link() -> None:
 
 
 def ttl_link(index: ContextIndex, ttl_s: float) -> EngineLink:
-    return EngineLink({"kind": "ttl", "ttl_s": ttl_s, "min_cached_tokens": 0}, index.evict)
+    return EngineLink({"kind": "ttl", "ttl_s": ttl_s, "min_cached_tokens": 0}).bind(index.evict)
 
 
 def test_ttl_expiry_reaches_on_evict_and_a_hit_refreshes() -> None:
@@ -155,7 +194,7 @@ def test_ttl_resync_after_downtime_at_or_above_ttl_evicts_every_restored_request
 
 def kv_link(pub_ep: str, replay_ep: str | None, index: ContextIndex, **settings) -> EngineLink:
     config = {"kind": "kv-events", "endpoint": pub_ep, "replay_endpoint": replay_ep, **settings}
-    return EngineLink(config, index.evict)
+    return EngineLink(config).bind(index.evict)
 
 
 def test_kv_events_stored_and_removed_evict_the_right_rid(endpoints, wait_for) -> None:
@@ -219,9 +258,9 @@ def test_kv_events_resync_is_pending_until_the_stream_is_joined(endpoints, wait_
 def test_a_rank_that_never_publishes_does_not_keep_the_resync_pending(
     free_port_range, wait_for
 ) -> None:
-    # Issue 12, finding 5: after a restore, a data-parallel rank that never publishes kept
-    # the service resync_pending for good. After the grace the resync finishes with the
-    # ranks that joined: what none of them holds is evicted, and a failure is counted.
+    # After a restore, a data-parallel rank that never publishes must not keep the service
+    # resync_pending for good. After the grace the resync finishes with the ranks that
+    # joined: what none of them holds is evicted, and a failure is counted.
     base = free_port_range(4)
     pub_ep, replay_ep = f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 2}"
     index = ContextIndex(max_requests=None)
@@ -302,7 +341,7 @@ class FailingSource:
 
 def test_a_source_that_raises_is_counted_and_logged_once_never_raised(caplog) -> None:
     planner = Planner()
-    link = EngineLink({"kind": "capacity", "capacity_tokens": 1_000}, planner.index.evict)
+    link = EngineLink({"kind": "capacity", "capacity_tokens": 1_000}).bind(planner.index.evict)
     link.source = FailingSource()
     caplog.set_level(logging.DEBUG, logger="contextpilot_integrations.sync.engine_link")
     link.start()
@@ -331,7 +370,7 @@ def test_an_on_evict_that_raises_is_counted_not_raised() -> None:
         calls.append(rid)
         raise RuntimeError("index unavailable")
 
-    with EngineLink({"kind": "capacity", "capacity_tokens": 100}, broken_index) as link:
+    with EngineLink({"kind": "capacity", "capacity_tokens": 100}).bind(broken_index) as link:
         link.source.record(SentRequest("a", ((1, 80),)))
         link.source.record(SentRequest("b", ((2, 80),)))  # evicts a through the link
         link.resync([("c", ((3, 80),))], downtime_s=0.0)  # evicts b
@@ -356,8 +395,6 @@ def test_start_and_stop_are_idempotent(endpoints) -> None:
 
 def test_bad_configuration_names_the_field() -> None:
     with pytest.raises(ValueError, match="capacity_tokens"):
-        EngineLink({"kind": "capacity"}, lambda rid: True)
+        EngineLink({"kind": "capacity"})
     with pytest.raises(ValueError, match="engine_grace_s"):
-        EngineLink(
-            {"kind": "kv-events", "endpoint": "tcp://127.0.0.1:1", "engine_grace_s": 0}, bool
-        )
+        EngineLink({"kind": "kv-events", "endpoint": "tcp://127.0.0.1:1", "engine_grace_s": 0})

@@ -30,9 +30,9 @@ def replay_from(endpoint: str, start: int) -> list[list[bytes]]:
 
 
 def test_raw_frames_of_any_sequence_type_are_sent_as_they_are() -> None:
-    # A tuple of three frames used to be taken for a queued (seq, payload, drop) message: it was
-    # kept for replay with seq b"" and never sent, and the next replay request killed the
-    # publisher's thread (bytes >= int).
+    # A tuple of three frames must not be taken for a queued (seq, payload, drop) message: it
+    # would be kept for replay with seq b"" and never sent, and the next replay request would
+    # kill the publisher's thread (bytes >= int).
     context: zmq.Context = zmq.Context.instance()
     with KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as publisher:
         sub = context.socket(zmq.SUB)

@@ -9,8 +9,7 @@ shape, sequence numbers that jump (2^64 - 1, far ahead, back to 0), a frame over
 limit. A plain reference model applies the valid events only. Checks: the subscriber keeps
 applying valid events, the mirror equals the model (blocks, parents, evicted rids in order),
 no resync or restart is caused, nothing hangs (every wait has a timeout), the mirror's size
-stays within its bound. Issue 12 ("Trust at the seams"), finding 2 and the event-path part of
-"What to build".
+stays within its bound (docs/DESIGN.md, "Bounded").
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextpilot_integrations.sync.block_mirror import Namespace, event_namespace
+from contextpilot_integrations.sync.block_namespaces import Namespace, event_namespace
 from contextpilot_integrations.sync.cache_mirror import CacheMirror
 from contextpilot_integrations.sync.engine_link import EngineLink
 from contextpilot_integrations.sync.event_publisher import KVEventPublisher
@@ -111,7 +111,7 @@ def test_extra_keys_decode_and_reach_the_mirror_over_zmq(tmp_path) -> None:
     assert msgspec.structs.asdict(decoded.events[0])["lora_name"] is None
 
     endpoint = f"ipc://{tmp_path}/events.ipc"
-    link = EngineLink({"kind": "kv-events", "endpoint": endpoint}, on_evict=lambda rid: True)
+    link = EngineLink({"kind": "kv-events", "endpoint": endpoint}).bind(lambda rid: True)
     with KVEventPublisher(endpoint) as engine, link:
         link.register_tokens("salted", [7, 8], cache_salt="s9")
         link.register_tokens("unsalted", [7, 8])

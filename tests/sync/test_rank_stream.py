@@ -152,7 +152,7 @@ def in_order(receiver: Receiver, *seqs: int) -> None:
 
 @pytest.mark.parametrize("replay_up", [True, False], ids=["replay", "no-replay"])
 def test_one_garbage_frame_with_seq_2_64_minus_1_causes_no_resync(replay_up: bool) -> None:
-    # Issue 12, finding 2: one such frame caused two resyncs that evicted everything.
+    # One such frame must not cause a resync (two resyncs would evict everything).
     replay = Replay(payloads(*range(6)))
     receiver = Receiver(replay if replay_up else None)
     in_order(receiver, 0, 1, 2)

@@ -42,7 +42,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
 )
 from sglang.srt.mem_cache.utils import hash_str_to_int64  # noqa: E402
 
-from contextpilot_integrations.core.context_index import ContextIndex  # noqa: E402
+from contextpilot_integrations.core.index.context_index import ContextIndex  # noqa: E402
 from contextpilot_integrations.sync.cache_mirror import CacheMirror  # noqa: E402
 from contextpilot_integrations.sync.kv_events import (  # noqa: E402
     BlockStored,

@@ -354,8 +354,8 @@ def test_restarting_the_subscriber_catches_up_from_the_same_publisher(endpoints,
 
 
 def test_the_thread_restarts_itself_after_an_unexpected_error(endpoints, wait_for, caplog) -> None:
-    # Issue 12, finding 2: an error the loop did not expect (there, a RecursionError from the
-    # decoder) ended the thread for good: /health said disconnected, evictions stopped.
+    # An error the loop does not expect (a RecursionError from the decoder, say) must not end
+    # the thread for good: /health would say disconnected and evictions would stop.
     pub_ep, replay_ep = endpoints()
     mirror = CacheMirror()
     subscriber = KVEventSubscriber(pub_ep, replay_ep, on_batch=mirror.apply_batch)

@@ -1,0 +1,230 @@
+"""``contextpilot-bench --engine vllm-cpu --replicas N --router smg|direct``: N real vLLM CPU
+replicas behind the real Shepherd Model Gateway, the methods of
+:mod:`~contextpilot_bench.vllm_replica_methods` on one workload.
+
+1. The workload is retrieved (BM25 top-k) and counted with the model's tokenizer, as the
+   single-engine run does (:mod:`~contextpilot_bench.vllm_setup`); random weights.
+2. The total KV cache is ``--engine-kv-tokens`` (tokens, or a fraction of the workload's unique
+   block tokens) in whole blocks; each replica gets 1/N of it, raised where that is less than
+   one request of ``max_model_len`` tokens (the report says so: then the fleet holds more than
+   the total asked).
+3. N servers start (:class:`~contextpilot_bench.vllm_replica_fleet.VllmCpuFleet`),
+   are warmed up, and each method runs on emptied caches behind a gateway of its own
+   (``smg launch`` on loopback, :mod:`~contextpilot_bench.smg_gateway`;
+   ``scripts/setup-smg-env.sh``).
+4. The table: engine hit ratio in total and per replica, requests and prompt tokens per replica
+   with max/min, TTFT p50/p90, and the same stream on one paged model of the fleet's total KV
+   (:mod:`~contextpilot_bench.vllm_replica_report`); the targets; ``--out``
+   writes it all as JSON, per request included.
+
+Everything started is stopped on exit, on errors, on Ctrl-C and SIGTERM (each server's and each
+gateway's process group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from contextpilot_bench.kv_cache_size import max_model_len_for, size_kv_cache
+from contextpilot_bench.methods import prepare_workload
+from contextpilot_bench.report import format_table
+from contextpilot_bench.vllm_replica_methods import methods_for, run_vllm_replica_method
+from contextpilot_bench.vllm_replica_report import (
+    VLLM_REPLICA_COLUMNS,
+    vllm_replica_rows,
+    vllm_replica_target_lines,
+)
+from contextpilot_bench.workloads import load_workload
+
+__all__ = ["replica_blocks", "run_vllm_replicas"]
+
+
+def replica_blocks(total_blocks: int, replicas: int, minimum_blocks: int) -> tuple[int, bool]:
+    """Usable KV blocks of each of ``replicas`` sharing ``total_blocks``: the ceiling of the
+    share, raised to ``minimum_blocks`` (one request of ``max_model_len``). Returns
+    ``(blocks, raised)``."""
+    share = math.ceil(total_blocks / replicas)
+    return max(share, minimum_blocks), share < minimum_blocks
+
+
+def _check(args: argparse.Namespace) -> int:
+    """The replica count, after refusing options that do not apply.
+
+    Raises:
+        ValueError: more than one ``--replicas`` value, fewer than 2, or an option of another
+            engine or workload.
+    """
+    counts = list(args.replicas)
+    if len(counts) != 1 or counts[0] < 2:
+        raise ValueError(
+            f"--engine vllm-cpu --replicas takes one count >= 2 (real servers), got {counts}"
+        )
+    if getattr(args, "engine_model", "random") != "random":
+        raise ValueError("--replicas with --engine vllm-cpu runs the random-weights model only")
+    if args.engine_url or args.cache_tokens is not None:
+        raise ValueError("--replicas with --engine vllm-cpu: drop --engine-url/--cache-tokens")
+    if args.mode == "online" or args.arrival is not None:
+        raise ValueError("--replicas with --engine vllm-cpu plans the workload as one batch")
+    if args.block_size <= 0 or args.block_size % 32:
+        raise ValueError(f"--block-size must be a positive multiple of 32, got {args.block_size}")
+    return counts[0]
+
+
+def run_vllm_replicas(args: argparse.Namespace) -> int:
+    """Run the replicas benchmark (module docstring); returns the exit code (0).
+
+    Raises:
+        ValueError, FileNotFoundError: bad options, no vLLM Python or no ``smg``.
+        EngineError: a replica or the gateway failed a request.
+    """
+    from tokenizers import Tokenizer
+
+    from contextpilot_bench.testbed.chat_template import tokenize_prompt
+    from contextpilot_bench.testbed.locations import require_smg, require_vllm_python
+    from contextpilot_bench.testbed.model_dir import ensure_model_dir
+    from contextpilot_bench.vllm_replica_fleet import VllmCpuFleet
+    from contextpilot_integrations.core.blocks import TokenizerCounter
+
+    if args.block_size is None:
+        args.block_size = 32
+    count = _check(args)
+    methods = methods_for(args.router or "smg", args.methods)
+    python = require_vllm_python(args.engine_python)
+    smg = str(require_smg(getattr(args, "smg_binary", None)))
+    model_dir = ensure_model_dir(args.engine_model_dir)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    started = time.perf_counter()
+    workload = load_workload(args.workload, args.data_dir).head(args.limit)
+    prepared = prepare_workload(workload, args.k, counter=TokenizerCounter(tokenizer))
+    max_model_len, longest = max_model_len_for(
+        prepared,
+        lambda messages: tokenize_prompt(tokenizer, messages),
+        args.block_size,
+        int(config["max_position_embeddings"]),
+    )
+    max_model_len = args.engine_max_model_len or max_model_len
+    total = size_kv_cache(
+        args.engine_kv_tokens, prepared.unique_block_tokens, args.block_size, max_model_len
+    )
+    if total.usable_blocks is None:
+        raise ValueError("--replicas with --engine vllm-cpu needs a sized --engine-kv-tokens")
+    minimum = -(-max_model_len // args.block_size)
+    per_replica, raised = replica_blocks(total.usable_blocks, count, minimum)
+    fleet_tokens = per_replica * args.block_size * count
+    run: dict[str, Any] = {
+        "workload": workload.name,
+        "requests": len(workload.requests),
+        "k": args.k,
+        "engine": "vllm-cpu",
+        "replicas": count,
+        "router": args.router or "smg",
+        "methods": methods,
+        "model_dir": str(model_dir),
+        "block_size": args.block_size,
+        "max_model_len": max_model_len,
+        "longest_prompt_tokens": longest,
+        "kv_total": {**asdict(total), "num_gpu_blocks": total.num_gpu_blocks},
+        "replica_usable_blocks": per_replica,
+        "replica_raised_to_one_request": raised,
+        "fleet_kv_tokens": fleet_tokens,
+        "cores": os.cpu_count(),
+        "load_average_start": os.getloadavg(),
+    }
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    with VllmCpuFleet(
+        model_dir,
+        count,
+        block_size=args.block_size,
+        num_gpu_blocks=per_replica + 1,
+        max_model_len=max_model_len,
+        vllm_python=python,
+        startup_timeout=args.engine_startup_timeout,
+    ) as fleet:
+        run["startup_seconds"] = round(time.perf_counter() - started, 3)
+        print(
+            f"{count} vLLM CPU replicas ready ({', '.join(fleet.urls)}), "
+            f"{per_replica} KV blocks each",
+            file=sys.stderr,
+            flush=True,
+        )
+        warm = [
+            prepared.layout.render_messages(prepared.block_texts(i), r.query)
+            for i, r in enumerate(prepared.workload.requests[:2])
+        ]
+        run["warm_up_seconds"] = round(fleet.warm_up(warm), 3)
+        runs = []
+        for method in methods:
+            tick = _progress(method, len(workload.requests)) if progress else None
+            runs.append(
+                run_vllm_replica_method(method, prepared, fleet, smg_binary=smg, progress=tick)
+            )
+            done = runs[-1]
+            prompt = sum(r.prompt_tokens for r in done.requests)
+            cached = sum(r.cached_tokens for r in done.requests)
+            print(
+                f"{chr(10) if progress else ''}{method}: engine hit "
+                f"{cached / max(prompt, 1):.4f} in {done.seconds:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    run["seconds"] = round(time.perf_counter() - started, 3)
+    run["load_average_end"] = os.getloadavg()
+    rows = vllm_replica_rows(runs, total_capacity_tokens=fleet_tokens, block_size=args.block_size)
+    note = " (raised to hold one request: the fleet holds more than asked)" if raised else ""
+    print(
+        f"workload {workload.name}: {len(workload.requests):,} requests, BM25 top-{args.k}, "
+        "offline (one batch)"
+    )
+    print(
+        f"engine: {count} x vLLM CPU ({config['num_hidden_layers']}-layer/"
+        f"{config['hidden_size']} Llama, random weights), block size {args.block_size}, "
+        f"{per_replica} KV blocks each{note}; total asked: {total.describe()}; "
+        f"max_model_len {max_model_len:,}; gateway smg (scripts/setup-smg-env.sh)"
+    )
+    print()
+    print(format_table(rows, VLLM_REPLICA_COLUMNS))
+    print()
+    targets = vllm_replica_target_lines(rows)
+    for line in targets:
+        print(line)
+    print(
+        f"one-replica model: the method's token stream on one paged prefix-cache model of "
+        f"{fleet_tokens:,} tokens (the fleet's total KV); {run['seconds']:.0f} s in all"
+    )
+    if args.out:
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        per_request = {
+            r.method: [{k: v for k, v in asdict(x).items() if k != "token_ids"} for x in r.requests]
+            for r in runs
+        }
+        workers = {r.method: {n: asdict(w) for n, w in r.workers.items()} for r in runs}
+        payload = {
+            "run": run,
+            "rows": rows,
+            "targets": targets,
+            "workers": workers,
+            "requests": per_request,
+        }
+        path.write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
+        print(f"wrote {path}")
+    return 0
+
+
+def _progress(method: str, total: int) -> Any:
+    done = [0]
+
+    def tick() -> None:
+        done[0] += 1
+        print(f"\r{method}: {done[0]}/{total}", end="", file=sys.stderr, flush=True)
+
+    return tick

@@ -1,0 +1,240 @@
+"""The radix tree under the context index: its nodes, the surgery that keeps it compressed, and
+the read-only walks over it.
+
+A node holds a run of block ids (its edge) and the tokens of each; the path from the root to a
+node is a prefix every context below it starts with; a node records the request ids (``rid``)
+whose context ends there. The tree is kept compressed: a node with no blocks never exists, and
+a node with one child and no request of its own is merged into that child (:meth:`IndexTree.
+prune`). Node ids start at 1 and are never reused, not even after :meth:`IndexTree.clear`.
+
+:class:`~contextpilot_integrations.core.index.context_index.ContextIndex` owns one tree and keys
+requests to its nodes; it holds its lock around every call here (nothing here is thread-safe
+by itself).
+
+Public API: :class:`IndexNode`, :class:`IndexTree`, :func:`path_of`, :func:`common_prefix`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+
+__all__ = ["IndexNode", "IndexTree", "common_prefix", "path_of"]
+
+
+class IndexNode:
+    """One node: its id, edge blocks and their tokens, parent (None: the root), children by
+    first block, the rids ending here, and its access count and last access time."""
+
+    __slots__ = (
+        "access_count",
+        "blocks",
+        "children",
+        "last_access",
+        "node_id",
+        "parent",
+        "rids",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        blocks: tuple[int, ...],
+        tokens: tuple[int, ...],
+        parent: IndexNode | None,
+    ) -> None:
+        self.node_id = node_id
+        self.blocks = blocks
+        self.tokens = tokens
+        self.parent = parent
+        self.children: dict[int, IndexNode] = {}
+        self.rids: set[str] = set()
+        self.access_count = 0
+        self.last_access = 0.0
+
+
+class IndexTree:
+    """The nodes of one index: ``root`` (id 0, no blocks), ``nodes`` by id (root included) and
+    ``tokens``, the edge tokens of every node (what the prefix cache would hold)."""
+
+    __slots__ = ("_node_ids", "nodes", "root", "tokens")
+
+    def __init__(self) -> None:
+        self._node_ids = itertools.count(1)
+        self.root = IndexNode(0, (), (), None)
+        self.nodes: dict[int, IndexNode] = {0: self.root}
+        self.tokens = 0
+
+    # ------------------------------------------------------------------ Public API: surgery
+    def clear(self) -> None:
+        """Drop every node but a new root; later node ids go on from the last one."""
+        self.root = IndexNode(0, (), (), None)
+        self.nodes = {0: self.root}
+        self.tokens = 0
+
+    def add_leaf(
+        self, blocks: tuple[int, ...], tokens: tuple[int, ...], parent: IndexNode
+    ) -> IndexNode:
+        """A new node with edge ``blocks`` under ``parent`` (whose children must not already
+        start with ``blocks[0]``)."""
+        node = IndexNode(next(self._node_ids), blocks, tokens, parent)
+        parent.children[blocks[0]] = node
+        self.nodes[node.node_id] = node
+        self.tokens += sum(tokens)
+        return node
+
+    def split(self, child: IndexNode, at: int) -> IndexNode:
+        """Give ``child.blocks[:at]`` its own node between ``child`` and its parent; returns
+        that node (it inherits ``child``'s access count and time)."""
+        parent = child.parent
+        assert parent is not None and 0 < at < len(child.blocks)
+        head = IndexNode(next(self._node_ids), child.blocks[:at], child.tokens[:at], parent)
+        head.access_count = child.access_count
+        head.last_access = child.last_access
+        parent.children[head.blocks[0]] = head
+        self.nodes[head.node_id] = head
+        child.blocks = child.blocks[at:]
+        child.tokens = child.tokens[at:]
+        child.parent = head
+        head.children[child.blocks[0]] = child
+        return head
+
+    def prune(self, node: IndexNode) -> IndexNode | None:
+        """Remove ``node`` and then its ancestors while they hold no request and no child;
+        merge the first one kept into its only child when it holds no request (``O(height)``).
+
+        Returns:
+            The node the merge kept, which now ends the merged child's rids (the caller
+            repoints them), or None when nothing was merged.
+        """
+        while node is not self.root and not node.rids and not node.children:
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.blocks[0]]
+            del self.nodes[node.node_id]
+            self.tokens -= sum(node.tokens)
+            node = parent
+        if node is not self.root and not node.rids and len(node.children) == 1:
+            self._merge_with_child(node)
+            return node
+        return None
+
+    # ------------------------------------------------------------------ Public API: walks
+    def best_prefix(
+        self, blocks: Sequence[int], weight: Mapping[int, int], budget: int
+    ) -> tuple[int, list[int], list[int], bool]:
+        """The search of :meth:`ContextIndex.search
+        <contextpilot_integrations.core.index.context_index.ContextIndex.search>` (at most
+        ``budget`` nodes expanded; ``weight``: block -> tokens of the request's ``blocks``).
+
+        Returns:
+            ``(tokens matched, prefix block ids, path of node ids, whether the match ends
+            inside an edge)``. Read-only.
+        """
+        best: tuple[tuple[int, bool, float, int], list[int], list[int], bool] = (
+            (0, False, 0.0, 0),
+            [],
+            [],
+            False,
+        )
+        # Stack entries: node, matched prefix, path of node ids, tokens gained so far.
+        stack: list[tuple[IndexNode, list[int], list[int], int]] = [(self.root, [], [], 0)]
+        while stack and budget > 0:
+            node, prefix, path, gained = stack.pop()
+            budget -= 1
+            in_prefix = set(prefix)
+            children = node.children
+            if len(children) <= len(blocks) - len(prefix):
+                candidates = [c for b, c in children.items() if b in weight and b not in in_prefix]
+            else:
+                candidates = [children[b] for b in blocks if b in children and b not in in_prefix]
+            for child in candidates:
+                length = 0
+                gain = gained
+                for edge_block in child.blocks:
+                    w = weight.get(edge_block)
+                    if w is None or edge_block in in_prefix:
+                        break
+                    length += 1
+                    gain += w
+                full = length == len(child.blocks)
+                key = (gain, full, child.last_access, -child.node_id)
+                if key > best[0]:
+                    best = (
+                        key,
+                        prefix + list(child.blocks[:length]),
+                        path + [child.node_id],
+                        not full,
+                    )
+                if full and child.children:
+                    stack.append((child, prefix + list(child.blocks), path + [child.node_id], gain))
+        return best[0][0], best[1], best[2], best[3]
+
+    def prefix_in_order(self, blocks: Sequence[int], tokens: Sequence[int]) -> tuple[int, int]:
+        """``(blocks, tokens)`` of the longest prefix of ``blocks``, in exactly this order, that
+        the tree holds (``tokens``: per block, same length). ``O(len(blocks))``, read-only."""
+        node, gained, i = self.root, 0, 0
+        while i < len(blocks):
+            child = node.children.get(blocks[i])
+            if child is None:
+                break
+            for edge_block in child.blocks:
+                if i >= len(blocks) or blocks[i] != edge_block:
+                    return i, gained
+                gained += tokens[i]
+                i += 1
+            node = child
+        return i, gained
+
+    @staticmethod
+    def shared_prefix(node: IndexNode) -> tuple[int, int]:
+        """``(blocks, tokens)`` of the longest prefix of the context ending at ``node`` that
+        another context also starts with.
+
+        In the compressed tree the node is shared when another request ends there or goes on
+        below it; otherwise its parent is the deepest shared node (a node with fewer than two
+        branches and no request of its own does not exist). ``O(height)``.
+        """
+        current: IndexNode | None = node
+        if current is not None and len(current.rids) < 2 and not current.children:
+            current = current.parent
+        blocks = tokens = 0
+        while current is not None and current.parent is not None:
+            blocks += len(current.blocks)
+            tokens += sum(current.tokens)
+            current = current.parent
+        return blocks, tokens
+
+    # ------------------------------------------------------------------ internals
+    def _merge_with_child(self, node: IndexNode) -> None:
+        """Fold ``node``'s only child into it, keeping the compressed-tree invariant."""
+        (child,) = node.children.values()
+        node.blocks += child.blocks
+        node.tokens += child.tokens
+        node.children = child.children
+        for grandchild in node.children.values():
+            grandchild.parent = node
+        node.rids = child.rids
+        node.access_count = max(node.access_count, child.access_count)
+        node.last_access = max(node.last_access, child.last_access)
+        del self.nodes[child.node_id]
+
+
+def common_prefix(edge: tuple[int, ...], seq: tuple[int, ...], start: int) -> int:
+    """How many leading blocks of ``edge`` equal ``seq[start:]``'s."""
+    limit = min(len(edge), len(seq) - start)
+    n = 0
+    while n < limit and edge[n] == seq[start + n]:
+        n += 1
+    return n
+
+
+def path_of(node: IndexNode) -> tuple[int, ...]:
+    """Node ids from the root's child down to ``node``."""
+    path: list[int] = []
+    current: IndexNode | None = node
+    while current is not None and current.parent is not None:
+        path.append(current.node_id)
+        current = current.parent
+    return tuple(reversed(path))

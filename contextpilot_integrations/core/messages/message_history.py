@@ -1,0 +1,149 @@
+"""What each conversation was sent, message by message, so that its history goes out again
+byte for byte (docs/DESIGN.md, "Byte-stable history").
+
+Per ``(tenant, conversation_id)`` the memory holds, for each message sent, a fingerprint of the
+message the app gave, a fingerprint of the message sent in its place, the sent message itself
+and the placements made for it. A later call's messages are matched against it from the start:
+as long as each given message has the fingerprint of what the app gave (or of what was sent:
+an app that keeps the sent messages), the sent message is replayed. The first message that does
+not match is the divergence: from there on everything is new and the records from there are
+dropped. A conversation the memory does not hold (never seen, evicted, forgotten) replays
+nothing: nothing is ever read from text that might not be there.
+
+Bounded (docs/DESIGN.md, "Bounded"): an :class:`~contextpilot_integrations.core.lru.LRU` of at
+most ``max_conversations`` conversations, each holding its first ``max_messages`` messages (the
+later ones are planned anew on every call, which gives the same messages as long as the
+earlier ones are the same: planning is deterministic). Not thread-safe by itself: the planner
+holds its lock around each call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from contextpilot_integrations.core.lru import LRU
+from contextpilot_integrations.core.messages.message_plan import ResultPlacement
+from contextpilot_integrations.core.messages.message_shapes import copy_message
+
+__all__ = [
+    "ConversationKey",
+    "MessageHistory",
+    "Replay",
+    "SentMessage",
+    "fingerprint",
+    "sent_record",
+]
+
+ConversationKey = tuple[str, str]
+"""``(tenant, conversation_id)``."""
+
+
+def fingerprint(message: Any) -> bytes | None:
+    """BLAKE2b-128 of the message's canonical JSON (sorted keys, no spaces, UTF-8);
+    ``None`` for a message JSON cannot render (it never matches anything)."""
+    try:
+        canonical = json.dumps(
+            message, sort_keys=True, ensure_ascii=False, separators=(",", ":")
+        ).encode("utf-8", "surrogatepass")
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return hashlib.blake2b(canonical, digest_size=16).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class SentMessage:
+    """One message as it was sent.
+
+    Attributes:
+        given: fingerprint of the message the app gave.
+        sent_fingerprint: fingerprint of ``sent``.
+        sent: the message sent in its place (a private copy, never handed out).
+        placements: the placements made for its tool results.
+    """
+
+    given: bytes | None
+    sent_fingerprint: bytes | None
+    sent: dict[str, Any]
+    placements: tuple[ResultPlacement, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """The remembered prefix of one call's messages.
+
+    Attributes:
+        sent: the records of the leading messages that match, in order.
+        diverged_at: the first index where the given messages stop extending the remembered
+            ones; ``None`` when they extend all of them (or nothing is remembered).
+    """
+
+    sent: tuple[SentMessage, ...]
+    diverged_at: int | None
+
+
+class MessageHistory:
+    """The sent messages of the recent conversations.
+
+    Raises:
+        ValueError: ``max_conversations`` or ``max_messages`` not a positive int.
+    """
+
+    __slots__ = ("_conversations", "max_messages")
+
+    def __init__(self, max_conversations: int, max_messages: int) -> None:
+        for name, bound in (
+            ("max_conversations", max_conversations),
+            ("max_messages", max_messages),
+        ):
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+                raise ValueError(f"{name} must be a positive int, got {bound!r}")
+        self.max_messages = max_messages
+        self._conversations: LRU[ConversationKey, tuple[SentMessage, ...]] = LRU(max_conversations)
+
+    def replay(self, key: ConversationKey | None, given: Sequence[bytes | None]) -> Replay:
+        """Match the fingerprints ``given`` of a call's messages against the conversation."""
+        if key is None:
+            return Replay((), None)
+        records = self._conversations.get(key, ())
+        n = 0
+        limit = min(len(records), len(given))
+        while n < limit:
+            fp = given[n]
+            record = records[n]
+            if fp is None or (fp != record.given and fp != record.sent_fingerprint):
+                break
+            n += 1
+        return Replay(records[:n], n if n < len(records) else None)
+
+    def record(self, key: ConversationKey | None, sent: Sequence[SentMessage]) -> None:
+        """Remember ``sent`` (every message of the call, in order) as the conversation's
+        history, keeping its first ``max_messages``."""
+        if key is None:
+            return
+        self._conversations.put(key, tuple(sent[: self.max_messages]))
+
+    def forget(self, key: ConversationKey) -> bool:
+        """Drop a conversation; False when it was not held."""
+        return self._conversations.pop(key) is not None
+
+    def __len__(self) -> int:
+        return len(self._conversations)
+
+
+def sent_record(
+    given: bytes | None, message: dict[str, Any], placements: tuple[ResultPlacement, ...]
+) -> SentMessage:
+    """The record of ``message`` sent for a given message of fingerprint ``given``; its
+    placements are kept marked ``replayed``, as every later call reports them."""
+    unchanged = not any(p.status == "pointer" for p in placements)
+    sent = given if unchanged else fingerprint(message)
+    return SentMessage(
+        given,
+        sent,
+        copy_message(message),
+        tuple(replace(p, replayed=True) for p in placements),
+    )

@@ -1,0 +1,474 @@
+"""Planning over chat messages: the messages to send for one LLM call of an agent conversation.
+
+An agent's prompt is its whole history: system prompt, user turns, the model's tool calls and
+the tools' results, sent again on every call. Two things make that cheap or expensive. The
+engine's (or the hosted API's) prefix cache reuses the KV of the longest byte-identical prefix,
+so every earlier message must go out exactly as it went out before. And tools repeat
+themselves: the same search run twice, the same documents returned by two searches. The
+planner sends repeated tool output once and a short pointer to it afterwards, under the rules
+below (docs/DESIGN.md, "Byte-stable history", "Sure hints", "Lossless", "Isolation").
+
+Shapes (:mod:`.message_shapes`): OpenAI chat messages (``api="openai"``) and Anthropic messages
+(``api="anthropic"``, the system prompt passed separately as ``system``). A bad shape raises a
+ValueError naming the field path and the value (``messages[3].content``); content the planner
+does not read (images, unknown part and block types) passes through untouched.
+
+Rules:
+
+1. Byte-stable history. Earlier messages go out exactly as they went out before. Per
+   ``(scope.tenant, scope.conversation_id)`` the planner remembers, for each message sent, a
+   fingerprint of what the app gave and the exact message sent in its place
+   (:mod:`.message_history`). A call whose messages extend what was sent replays the sent
+   messages for that prefix. Where the app's history stops being an extension (an edited,
+   summarised or trimmed message, a message removed), everything from the first divergence on
+   is new and the records from there are dropped. A conversation the memory does not hold
+   (never seen, evicted, forgotten) replays nothing. Without a scope or a conversation id
+   there is no memory at all: nothing crosses conversations or tenants.
+2. Only new messages change, and only their tool results (OpenAI ``"tool"`` messages,
+   Anthropic ``tool_result`` blocks). The model's own messages (assistant text and tool
+   calls), user and system messages are never rewritten.
+3. Same result. A new tool result whose text equals, after stripping surrounding whitespace,
+   an earlier tool result that stands verbatim in the messages being sent is replaced by a
+   pointer naming the earlier call by its tool's name and arguments as that call states them
+   (``[Same result as the earlier call search({"query": "..."}) above.]``), where that saves at
+   least ``min_tokens_saved``.
+4. Same document. Inside a new multi-document tool result (:mod:`.documents`: the library's
+   own ``[Doc 1]`` blocks, a JSON list of objects with a text field, ``<document>`` tags, or
+   ``[1]``/``1.`` blocks), a document whose text stands verbatim in an earlier tool result of
+   the messages being sent is replaced, in place, by a pointer naming that earlier call and the
+   document's label in its result (``[Same as document [Doc 2] in the result of the earlier
+   call search(...) above.]``), or the whole earlier result when the document is all of it.
+   Only where the label is written in the earlier result and names one document, and the
+   replacement saves at least ``min_tokens_saved``; every other byte of the result stays as it
+   is.
+5. Unsure means kept. A pointer is made only when the earlier call it names reads one way: if
+   another earlier call with the same name and arguments returned something else, the result
+   or document is kept in full. "Earlier" is an earlier position of the same request (an
+   earlier message, or an earlier block of the same Anthropic message).
+6. Sure hints. Every pointer is checked on the final messages before they are returned
+   (:func:`.pointers.check_pointer`): the text it stands for is verbatim in the earlier result
+   it names, in the same request, and the named call is there. A pointer that fails is undone
+   (the original text restored). The check reads the messages being returned, never memory.
+7. Nothing is lost. The plan has a placement for every tool result and every detected document
+   (:class:`.message_plan.ResultPlacement`): kept (and why), or replaced by a pointer to which
+   earlier message, block and document, with the exact text replaced, the pointer's offset in
+   the sent text and the tokens saved.
+8. Deterministic, bounded, proportional. The same messages and the same memory give the same
+   plan; memory is an LRU of ``max_conversations`` conversations of at most ``max_messages``
+   messages each; one call reads each message a bounded number of times (looking up earlier
+   copies by exact text).
+
+The input list and its dicts are never changed; the returned messages are new dicts. One lock
+makes a planner safe to share between threads; calls are synchronous.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenCounter
+from contextpilot_integrations.core.messages.documents import (
+    Document,
+    DocumentLayout,
+    find_documents,
+    span_text,
+)
+from contextpilot_integrations.core.messages.message_history import (
+    MessageHistory,
+    fingerprint,
+    sent_record,
+)
+from contextpilot_integrations.core.messages.message_plan import MessagePlan, ResultPlacement
+from contextpilot_integrations.core.messages.message_shapes import (
+    Api,
+    check_api,
+    copy_message,
+    validate_messages,
+    validate_system,
+    with_result_text,
+)
+from contextpilot_integrations.core.messages.pointers import (
+    RequestView,
+    check_pointer,
+    document_pointer,
+    names_one_result,
+    result_pointer,
+)
+from contextpilot_integrations.core.request import Scope
+
+__all__ = ["MessagePlanner"]
+
+_MAX_CANDIDATES = 8
+"""Earlier copies of one text tried as a pointer's target (bounds the work per result)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Edit:
+    """A document span of a result to replace by ``pointer`` (already encoded for its layout);
+    ``placement`` is complete but for its offset."""
+
+    start: int
+    end: int
+    layout: DocumentLayout
+    pointer: str
+    placement: ResultPlacement
+
+
+class MessagePlanner:
+    """Plans the messages of agent conversations (see the module docstring for the rules).
+
+    Args:
+        token_counter: counts the tokens a pointer saves; default
+            :class:`~contextpilot_integrations.core.blocks.ApproxTokenCounter`.
+        min_tokens_saved: least tokens a pointer must save to be made (``int >= 0``).
+        max_conversations: most conversations remembered (``int >= 1``).
+        max_messages: most messages remembered per conversation (``int >= 1``).
+
+    Raises:
+        ValueError: a bound that is not an int of the allowed range, or a counter without a
+            ``count`` method.
+    """
+
+    def __init__(
+        self,
+        token_counter: TokenCounter | None = None,
+        min_tokens_saved: int = 16,
+        max_conversations: int = 10_000,
+        max_messages: int = 4_096,
+    ) -> None:
+        if token_counter is not None and not callable(getattr(token_counter, "count", None)):
+            raise ValueError(
+                f"token_counter must have a count(text) -> int method, got {token_counter!r:.80}"
+            )
+        if (
+            isinstance(min_tokens_saved, bool)
+            or not isinstance(min_tokens_saved, int)
+            or min_tokens_saved < 0
+        ):
+            raise ValueError(f"min_tokens_saved must be an int >= 0, got {min_tokens_saved!r}")
+        self.token_counter: TokenCounter = token_counter or ApproxTokenCounter()
+        self.min_tokens_saved = min_tokens_saved
+        self._history = MessageHistory(max_conversations, max_messages)
+        self._lock = threading.Lock()
+
+    def plan(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        scope: Scope | None = None,
+        api: Api = "openai",
+        system: Any = None,
+    ) -> MessagePlan:
+        """The messages to send for ``messages`` of the conversation ``scope``.
+
+        Args:
+            messages: the conversation's messages as the app has them, shape ``api``.
+            scope: the conversation (``scope.conversation_id``) and tenant; ``None`` or no
+                conversation id: nothing is remembered or replayed.
+            api: ``"openai"`` or ``"anthropic"``.
+            system: Anthropic's system prompt (a str or a list of text blocks); returned as is.
+
+        Raises:
+            ValueError: a bad shape (the message names the field path and the value), an
+                unknown ``api``, or a ``scope`` that is not a Scope.
+        """
+        shape = check_api(api)
+        validate_messages(messages, shape)
+        validate_system(system, shape)
+        if scope is not None and not isinstance(scope, Scope):
+            raise ValueError(f"scope must be a Scope or None, got {type(scope).__name__}")
+        key = None if scope is None else scope.conversation
+        given = [fingerprint(message) for message in messages]
+        with self._lock:
+            replay = self._history.replay(key, given)
+            n = len(replay.sent)
+            out: list[dict[str, Any]] = [copy_message(r.sent) for r in replay.sent]
+            out.extend(copy_message(message) for message in messages[n:])
+            placed = self._place(out, shape, n)
+            by_message: dict[int, list[ResultPlacement]] = {}
+            for placement in placed:
+                by_message.setdefault(placement.message, []).append(placement)
+            records = list(replay.sent)
+            records.extend(
+                sent_record(given[i], out[i], tuple(by_message.get(i, ())))
+                for i in range(n, len(out))
+            )
+            self._history.record(key, records)
+        placements = [p for r in replay.sent for p in r.placements]
+        placements.extend(placed)
+        return MessagePlan(
+            messages=out,
+            system=copy_message(system),
+            api=shape,
+            replayed=n,
+            diverged_at=replay.diverged_at,
+            placements=tuple(placements),
+            tokens_removed=sum(p.tokens_saved for p in placements),
+        )
+
+    def forget(self, scope: Scope) -> bool:
+        """Drop the memory of ``scope``'s conversation; False when none was held."""
+        key = scope.conversation if isinstance(scope, Scope) else None
+        if key is None:
+            return False
+        with self._lock:
+            return self._history.forget(key)
+
+    @property
+    def conversations(self) -> int:
+        """How many conversations are remembered."""
+        with self._lock:
+            return len(self._history)
+
+    # ------------------------------------------------------------------ one call
+    def _place(self, out: list[dict[str, Any]], api: Api, n: int) -> list[ResultPlacement]:
+        """Rewrite the new tool results of ``out`` (messages ``n`` on) in place; their
+        placements, in order."""
+        view = RequestView(out, api)
+        texts: list[str | None] = [r.text for r in view.results]
+        given = list(texts)
+        whole: dict[str, list[int]] = {}  # stripped text -> results holding it whole
+        documents: dict[str, list[tuple[int, Document | None]]] = {}  # text -> where it stands
+        by_signature: dict[str, list[int]] = {}  # call signature -> results of such calls
+        slots: dict[int, list[ResultPlacement]] = {}
+        edits: dict[int, list[_Edit]] = {}
+        for k, result in enumerate(view.results):
+            replaced_whole = False
+            if result.message >= n:
+                placement, found = self._place_result(
+                    k, view, texts, whole, documents, by_signature
+                )
+                slots[k] = [placement]
+                if placement.status == "pointer":
+                    replaced_whole = True
+                    texts[k] = placement.pointer
+                elif found:
+                    edits[k] = found
+                    texts[k] = self._render(k, given, edits, slots)
+                if texts[k] != given[k]:
+                    out[result.message] = with_result_text(
+                        out[result.message], result, texts[k] or ""
+                    )
+            signature = view.signature(k)
+            if signature is None:
+                continue
+            by_signature.setdefault(signature, []).append(k)
+            text = texts[k]
+            if text is None or replaced_whole or not text.strip():
+                continue
+            whole.setdefault(text.strip(), []).append(k)
+            documents.setdefault(text.strip(), []).append((k, None))
+            for document in find_documents(text):
+                if document.label is not None:
+                    documents.setdefault(document.key, []).append((k, document))
+        self._verify(out, api, view, given, texts, slots, edits)
+        return [p for k in sorted(slots) for p in slots[k]]
+
+    def _place_result(
+        self,
+        k: int,
+        view: RequestView,
+        texts: list[str | None],
+        whole: dict[str, list[int]],
+        documents: dict[str, list[tuple[int, Document | None]]],
+        by_signature: dict[str, list[int]],
+    ) -> tuple[ResultPlacement, list[_Edit]]:
+        """The whole-result placement of new result ``k`` and, when it is kept, the edits of
+        its documents (their placements included)."""
+        result = view.results[k]
+        text = texts[k]
+        base = ResultPlacement(
+            message=result.message,
+            block=result.block,
+            call_id=result.call_id,
+            document=None,
+            label=None,
+            status="kept",
+            replayed=False,
+            reason="not plain text",
+        )
+        if text is None:
+            return base, []
+        reason = "no earlier copy"
+        count = self.token_counter.count
+        for t in whole.get(text.strip(), ())[:_MAX_CANDIDATES]:
+            call = view.signature(t)
+            target = texts[t]
+            assert call is not None and target is not None  # only such results are indexed
+            if not names_one_result(call, target, _others(by_signature[call], t, texts)):
+                reason = "ambiguous call"
+                continue
+            pointer = result_pointer(call)
+            saved = count(text) - count(pointer)
+            if saved < self.min_tokens_saved:
+                reason = "saves too little"
+                continue
+            target_result = view.results[t]
+            return replace(
+                base,
+                status="pointer",
+                reason="same result",
+                target_message=target_result.message,
+                target_block=target_result.block,
+                target_call=call,
+                original=text,
+                pointer=pointer,
+                offset=0,
+                tokens_saved=saved,
+            ), []
+        found: list[_Edit] = []
+        for document in find_documents(text):
+            found.append(
+                self._place_document(base, document, text, view, texts, documents, by_signature)
+            )
+        return replace(base, reason=reason), found
+
+    def _place_document(
+        self,
+        base: ResultPlacement,
+        document: Document,
+        text: str,
+        view: RequestView,
+        texts: list[str | None],
+        documents: dict[str, list[tuple[int, Document | None]]],
+        by_signature: dict[str, list[int]],
+    ) -> _Edit:
+        """The edit for one document of a new result (``pointer`` empty: kept)."""
+        reason = "no earlier copy"
+        original = text[document.start : document.end]
+        count = self.token_counter.count
+        for t, earlier in documents.get(document.key, ())[:_MAX_CANDIDATES]:
+            call = view.signature(t)
+            target = texts[t]
+            assert call is not None and target is not None  # only such results are indexed
+            if original not in target:
+                reason = "not verbatim"
+                continue
+            if not names_one_result(call, target, _others(by_signature[call], t, texts)):
+                reason = "ambiguous call"
+                continue
+            label = None if earlier is None else earlier.label
+            pointer = span_text(document.layout, document_pointer(call, label))
+            saved = count(original) - count(pointer)
+            if saved < self.min_tokens_saved:
+                reason = "saves too little"
+                continue
+            target_result = view.results[t]
+            placement = replace(
+                base,
+                document=document.index,
+                label=document.label,
+                status="pointer",
+                reason="same document",
+                target_message=target_result.message,
+                target_block=target_result.block,
+                target_document=None if earlier is None else earlier.index,
+                target_label=label,
+                target_call=call,
+                original=original,
+                pointer=pointer,
+                tokens_saved=saved,
+            )
+            return _Edit(document.start, document.end, document.layout, pointer, placement)
+        kept = replace(base, document=document.index, label=document.label, reason=reason)
+        return _Edit(document.start, document.end, document.layout, "", kept)
+
+    @staticmethod
+    def _render(
+        k: int,
+        given: list[str | None],
+        edits: dict[int, list[_Edit]],
+        slots: dict[int, list[ResultPlacement]],
+    ) -> str:
+        """Result ``k``'s given text with its document pointers in place; sets the placements
+        (whole result first, then each document with its pointer's offset) in ``slots[k]``."""
+        text = given[k]
+        assert text is not None  # only plain-text results have documents
+        parts: list[str] = []
+        placed = [slots[k][0]]
+        position = 0  # in the given text
+        length = 0  # of the sent text so far
+        for edit in edits[k]:
+            if not edit.pointer:
+                placed.append(edit.placement)
+                continue
+            parts.append(text[position : edit.start])
+            length += edit.start - position
+            placed.append(replace(edit.placement, offset=length))
+            parts.append(edit.pointer)
+            length += len(edit.pointer)
+            position = edit.end
+        parts.append(text[position:])
+        rendered = "".join(parts)
+        if any(e.layout == "json" and e.pointer for e in edits[k]):
+            try:
+                json.loads(rendered)
+            except ValueError:
+                slots[k] = [slots[k][0]] + [_unverified(e.placement) for e in edits[k]]
+                return text
+        slots[k] = placed
+        return rendered
+
+    def _verify(
+        self,
+        out: list[dict[str, Any]],
+        api: Api,
+        view: RequestView,
+        given: list[str | None],
+        texts: list[str | None],
+        slots: dict[int, list[ResultPlacement]],
+        edits: dict[int, list[_Edit]],
+    ) -> None:
+        """Check every new pointer on ``out`` and undo those that fail, until all hold
+        (undoing only restores given text, so this ends after at most one round per
+        pointer)."""
+        while True:
+            final = RequestView(out, api)
+            failed: set[tuple[int, int | None]] = set()  # (result, document)
+            for k, placed in slots.items():
+                for placement in placed:
+                    if placement.status == "pointer" and not check_pointer(final, placement):
+                        failed.add((k, placement.document))
+            if not failed:
+                return
+            for k, document in sorted(failed, key=lambda f: (f[0], -1 if f[1] is None else f[1])):
+                result = view.results[k]
+                if document is None:
+                    slots[k] = [_unverified(slots[k][0])]
+                    texts[k] = given[k]
+                else:
+                    edits[k] = [
+                        replace(e, pointer="", placement=_unverified(e.placement))
+                        if e.placement.document == document
+                        else e
+                        for e in edits[k]
+                    ]
+                    texts[k] = self._render(k, given, edits, slots)
+                out[result.message] = with_result_text(out[result.message], result, texts[k] or "")
+
+
+def _others(results: list[int], target: int, texts: list[str | None]) -> list[str | None]:
+    """The texts of ``results`` other than ``target``."""
+    return [texts[u] for u in results if u != target]
+
+
+def _unverified(placement: ResultPlacement) -> ResultPlacement:
+    """``placement`` undone: kept, because its pointer failed the check."""
+    return replace(
+        placement,
+        status="kept",
+        reason="not verified",
+        target_message=None,
+        target_block=None,
+        target_document=None,
+        target_label=None,
+        target_call=None,
+        original=None,
+        pointer=None,
+        offset=None,
+        tokens_saved=0,
+    )

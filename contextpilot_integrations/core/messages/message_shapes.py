@@ -1,0 +1,335 @@
+"""Chat message shapes: their validation, and the tool calls and tool results inside them.
+
+Two wire shapes are read (``api``):
+
+- ``"openai"``: a list of ``{"role": "system" | "developer" | "user" | "assistant" | "tool",
+  "content": str | list of parts}``; a part is ``{"type": "text", "text": str}`` or any other
+  typed part (images, audio, files), which passes through untouched. An assistant message may
+  carry ``"tool_calls": [{"id", "type": "function", "function": {"name", "arguments": str}}]``
+  (``content`` may then be ``None`` or absent); a ``"tool"`` message answers one call through
+  ``"tool_call_id"``.
+- ``"anthropic"``: a list of ``{"role": "user" | "assistant", "content": str | list of blocks}``
+  with blocks ``{"type": "text", "text"}``, ``{"type": "tool_use", "id", "name", "input": dict}``
+  (assistant) and ``{"type": "tool_result", "tool_use_id", "content": str | list of blocks}``
+  (user); other block types pass through untouched. The system prompt is separate (``system``:
+  a str or a list of text blocks).
+
+A tool result's *text* is its content when that is a str, or the text of its only part when it
+is a list of exactly one text part; any other content (images, several parts, text that UTF-8
+cannot encode) has no text: it is never rewritten and never pointed at.
+
+Messages are plain JSON-like values (dicts, lists, str, numbers); :func:`copy_message` copies
+the containers and shares the immutable leaves, so a returned message never aliases the caller's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "API_NAMES",
+    "Api",
+    "ToolCall",
+    "ToolResult",
+    "check_api",
+    "copy_message",
+    "find_tool_calls",
+    "find_tool_results",
+    "validate_messages",
+    "validate_system",
+    "with_result_text",
+]
+
+Api = Literal["openai", "anthropic"]
+API_NAMES: tuple[Api, ...] = ("openai", "anthropic")
+
+_OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")
+_ANTHROPIC_ROLES = ("user", "assistant")
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One tool call the model made.
+
+    Attributes:
+        message: index of the assistant message holding it.
+        slot: its index in ``tool_calls`` (OpenAI) or in ``content`` (Anthropic).
+        call_id: the call's id (``tool_calls[k].id`` / ``tool_use.id``).
+        signature: the tool's name and arguments as the call states them, ``name(arguments)``:
+            OpenAI's ``arguments`` string as given; Anthropic's ``input`` as JSON
+            (``json.dumps(input, ensure_ascii=False)``, the API's own serialisation).
+    """
+
+    message: int
+    slot: int
+    call_id: str
+    signature: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """One tool result.
+
+    Attributes:
+        message: index of the message holding it (OpenAI ``"tool"`` message; Anthropic user
+            message).
+        block: index of the ``tool_result`` block in ``content`` (Anthropic); ``None`` (OpenAI).
+        call_id: the call it answers (``tool_call_id`` / ``tool_use_id``).
+        text: its text (see the module docstring); ``None``: not plain text, left alone.
+    """
+
+    message: int
+    block: int | None
+    call_id: str
+    text: str | None
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """Order within the request: ``(message, block)``, ``block`` -1 for OpenAI."""
+        return self.message, -1 if self.block is None else self.block
+
+
+def check_api(api: object) -> Api:
+    """``api`` if it names a known shape.
+
+    Raises:
+        ValueError: another value (named with the allowed ones).
+    """
+    if api not in API_NAMES:
+        raise ValueError(f"api must be one of {', '.join(map(repr, API_NAMES))}, got {api!r:.80}")
+    return api  # type: ignore[return-value]
+
+
+def copy_message(value: Any) -> Any:
+    """A copy of a JSON-like value: dicts and lists copied, other values shared."""
+    kind = type(value)
+    if kind is str:
+        return value
+    if kind is dict or isinstance(value, Mapping):
+        return {key: copy_message(item) for key, item in value.items()}
+    if kind is list or isinstance(value, tuple):
+        return [copy_message(item) for item in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------- validation
+def validate_messages(messages: object, api: Api) -> Sequence[Mapping[str, Any]]:
+    """Check a message list of shape ``api`` and return it.
+
+    Raises:
+        ValueError: a bad shape; the message names the field path (``messages[3].content``)
+            and the value.
+    """
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages must be a list of messages, got {_show(messages)}")
+    for i, message in enumerate(messages):
+        path = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise ValueError(f"{path} must be a message dict, got {_show(message)}")
+        role = message.get("role")
+        if api == "openai":
+            _check_openai(path, role, message)
+        else:
+            _check_anthropic(path, role, message)
+    return messages
+
+
+def validate_system(system: object, api: Api) -> None:
+    """Check Anthropic's separate system prompt (``None``, a str or a list of text blocks).
+
+    Raises:
+        ValueError: a bad shape, or a ``system`` with ``api="openai"`` (its system prompt is a
+            message).
+    """
+    if system is None:
+        return
+    if api == "openai":
+        raise ValueError(
+            "system is only for api='anthropic'; an OpenAI system prompt is a message with "
+            f"role 'system', got system={_show(system)}"
+        )
+    if isinstance(system, str):
+        return
+    _check_parts("system", system)
+
+
+def _check_openai(path: str, role: object, message: Mapping[str, Any]) -> None:
+    if role not in _OPENAI_ROLES:
+        raise ValueError(
+            f"{path}.role must be one of {', '.join(map(repr, _OPENAI_ROLES))}, got {_show(role)}"
+        )
+    content = message.get("content")
+    if "content" not in message or content is None:
+        if role != "assistant":
+            raise ValueError(f"{path}.content is missing (a str or a list of parts)")
+    elif not isinstance(content, str):
+        _check_parts(f"{path}.content", content)
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise ValueError(f"{path}.tool_call_id must be a non-empty str, got {_show(call_id)}")
+    calls = message.get("tool_calls")
+    if calls is None:
+        return
+    if role != "assistant":
+        raise ValueError(f"{path}.tool_calls is only for role 'assistant', got role {role!r}")
+    if isinstance(calls, str | bytes) or not isinstance(calls, Sequence):
+        raise ValueError(f"{path}.tool_calls must be a list, got {_show(calls)}")
+    for k, call in enumerate(calls):
+        where = f"{path}.tool_calls[{k}]"
+        if not isinstance(call, Mapping):
+            raise ValueError(f"{where} must be a dict, got {_show(call)}")
+        for name in ("id", "type"):
+            if not isinstance(call.get(name), str):
+                raise ValueError(f"{where}.{name} must be a str, got {_show(call.get(name))}")
+        if call["type"] != "function":
+            continue  # other call types (custom tools) pass through
+        function = call.get("function")
+        if not isinstance(function, Mapping):
+            raise ValueError(f"{where}.function must be a dict, got {_show(function)}")
+        for name in ("name", "arguments"):
+            if not isinstance(function.get(name), str):
+                raise ValueError(
+                    f"{where}.function.{name} must be a str, got {_show(function.get(name))}"
+                )
+
+
+def _check_anthropic(path: str, role: object, message: Mapping[str, Any]) -> None:
+    if role not in _ANTHROPIC_ROLES:
+        raise ValueError(
+            f"{path}.role must be one of {', '.join(map(repr, _ANTHROPIC_ROLES))}, got "
+            f"{_show(role)} (the system prompt is passed as system=)"
+        )
+    if "content" not in message:
+        raise ValueError(f"{path}.content is missing (a str or a list of blocks)")
+    content = message["content"]
+    if isinstance(content, str):
+        return
+    _check_parts(f"{path}.content", content)
+    for j, block in enumerate(content):
+        where = f"{path}.content[{j}]"
+        kind = block["type"]
+        if kind == "tool_use":
+            for name in ("id", "name"):
+                if not isinstance(block.get(name), str):
+                    raise ValueError(f"{where}.{name} must be a str, got {_show(block.get(name))}")
+            if not isinstance(block.get("input"), Mapping):
+                raise ValueError(f"{where}.input must be a dict, got {_show(block.get('input'))}")
+        elif kind == "tool_result":
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ValueError(
+                    f"{where}.tool_use_id must be a non-empty str, got {_show(call_id)}"
+                )
+            inner = block.get("content")
+            if inner is not None and not isinstance(inner, str):
+                _check_parts(f"{where}.content", inner)
+
+
+def _check_parts(path: str, parts: object) -> None:
+    """A list of typed parts or blocks; text ones need a str ``text``."""
+    if isinstance(parts, str | bytes) or not isinstance(parts, Sequence):
+        raise ValueError(f"{path} must be a str or a list of parts, got {_show(parts)}")
+    for j, part in enumerate(parts):
+        if not isinstance(part, Mapping):
+            raise ValueError(f"{path}[{j}] must be a dict, got {_show(part)}")
+        if not isinstance(part.get("type"), str):
+            raise ValueError(f"{path}[{j}].type must be a str, got {_show(part.get('type'))}")
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise ValueError(f"{path}[{j}].text must be a str, got {_show(part.get('text'))}")
+
+
+def _show(value: object) -> str:
+    return f"{type(value).__name__}: {value!r:.80}"
+
+
+# ---------------------------------------------------------------------------------- extraction
+def find_tool_calls(messages: Sequence[Mapping[str, Any]], api: Api) -> list[ToolCall]:
+    """The tool calls of the assistant messages, in order (calls with an unknown type skipped)."""
+    calls: list[ToolCall] = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        if api == "openai":
+            for k, call in enumerate(message.get("tool_calls") or ()):
+                if call.get("type") == "function":
+                    function = call["function"]
+                    signature = f"{function['name']}({function['arguments']})"
+                    calls.append(ToolCall(i, k, call["id"], signature))
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            continue
+        for k, block in enumerate(content or ()):
+            if block.get("type") == "tool_use":
+                try:
+                    arguments = json.dumps(block["input"], ensure_ascii=False)
+                except (TypeError, ValueError):
+                    continue  # an input JSON cannot render cannot be named
+                calls.append(ToolCall(i, k, block["id"], f"{block['name']}({arguments})"))
+    return calls
+
+
+def find_tool_results(messages: Sequence[Mapping[str, Any]], api: Api) -> list[ToolResult]:
+    """The tool results, in order of position."""
+    results: list[ToolResult] = []
+    for i, message in enumerate(messages):
+        if api == "openai":
+            if message.get("role") == "tool":
+                text = _plain_text(message.get("content"))
+                results.append(ToolResult(i, None, message["tool_call_id"], text))
+            continue
+        content = message.get("content")
+        if message.get("role") != "user" or isinstance(content, str):
+            continue
+        for j, block in enumerate(content or ()):
+            if block.get("type") == "tool_result":
+                text = _plain_text(block.get("content"))
+                results.append(ToolResult(i, j, block["tool_use_id"], text))
+    return results
+
+
+def _plain_text(content: object) -> str | None:
+    text: object = None
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list) and len(content) == 1:
+        part = content[0]
+        if isinstance(part, Mapping) and part.get("type") == "text":
+            text = part.get("text")
+    if not isinstance(text, str):
+        return None
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+    return text
+
+
+def with_result_text(message: Message, result: ToolResult, text: str) -> Message:
+    """A copy of ``message`` (which holds ``result``) with the result's text set to ``text``;
+    the content keeps its shape (a str stays a str, a one-part list stays one part)."""
+    copied = dict(message)
+    if result.block is None:
+        copied["content"] = _set_text(copied.get("content"), text)
+        return copied
+    blocks = list(copied["content"])
+    block = dict(blocks[result.block])
+    block["content"] = _set_text(block.get("content"), text)
+    blocks[result.block] = block
+    copied["content"] = blocks
+    return copied
+
+
+def _set_text(content: Any, text: str) -> Any:
+    if isinstance(content, str):
+        return text
+    part = dict(content[0])
+    part["text"] = text
+    return [part]

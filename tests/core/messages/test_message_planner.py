@@ -1,0 +1,483 @@
+"""Planning over messages, rule by rule, in both shapes (the rules: message_planner's docstring)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from typing import Any
+
+import pytest
+
+from contextpilot_integrations.core.messages import MessagePlanner, message_planner
+from contextpilot_integrations.core.messages.pointers import RequestView, check_pointer
+from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.core.request import Scope
+
+LONG = "The KV cache keeps the keys and values of every token already seen. " * 6
+OTHER = "Prefix caching reuses the KV of the longest byte-identical prefix. " * 6
+THIRD = "A radix tree indexes the cached prefixes of all running requests. " * 6
+SCOPE = Scope(conversation_id="conv", tenant="acme")
+
+
+def call(call_id: str, name: str = "search", **arguments: Any) -> dict[str, Any]:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments)},
+    }
+
+
+def assistant(*calls: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "assistant", "content": None, "tool_calls": list(calls)}
+
+
+def tool(call_id: str, content: Any) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+def history(first: str, second: str) -> list[dict[str, Any]]:
+    return [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "What is a KV cache?"},
+        assistant(call("c1", query="kv cache")),
+        tool("c1", first),
+        assistant(call("c2", query="kv caching")),
+        tool("c2", second),
+    ]
+
+
+# ------------------------------------------------------------------ same result
+def test_a_repeated_result_becomes_a_pointer_naming_the_earlier_call() -> None:
+    messages = history(LONG, "\n" + LONG + "  ")
+    plan = MessagePlanner().plan(messages)
+    assert plan.messages[:5] == messages[:5]
+    assert plan.messages[5]["content"] == (
+        '[Same result as the earlier call search({"query": "kv cache"}) above.]'
+    )
+    pointer = plan.placements[-1]
+    assert pointer.status == "pointer" and pointer.reason == "same result"
+    assert (pointer.message, pointer.target_message, pointer.target_call) == (
+        5,
+        3,
+        'search({"query": "kv cache"})',
+    )
+    assert pointer.original == messages[5]["content"] and pointer.tokens_saved > 16
+    assert plan.tokens_removed == pointer.tokens_saved
+
+
+def test_a_pointer_that_saves_too_little_is_not_made() -> None:
+    short = (
+        "Output that repeats, but is only a little longer than the pointer that could replace it."
+    )
+    plan = MessagePlanner().plan(history(short, short))
+    assert plan.messages[5]["content"] == short
+    assert plan.placements[-1].reason == "saves too little"
+    assert MessagePlanner(min_tokens_saved=0).plan(history(short, short)).pointers
+
+
+def test_a_call_that_read_two_ways_is_not_named() -> None:
+    messages = history(LONG, OTHER)
+    messages[4] = assistant(call("c2", query="kv cache"))  # same call, another result
+    messages += [assistant(call("c3", query="x")), tool("c3", LONG)]
+    plan = MessagePlanner().plan(messages)
+    assert plan.messages[7]["content"] == LONG
+    assert plan.placements[-1].reason == "ambiguous call"
+
+
+def test_the_same_call_twice_with_the_same_result_is_not_ambiguous() -> None:
+    messages = history(LONG, LONG)
+    messages[4] = assistant(call("c2", query="kv cache"))
+    messages += [assistant(call("c3", query="kv cache")), tool("c3", LONG)]
+    plan = MessagePlanner().plan(messages)
+    assert [p.status for p in plan.placements] == ["kept", "pointer", "pointer"]
+
+
+def test_only_tool_results_are_rewritten_and_only_tool_results_are_pointed_at() -> None:
+    messages = [
+        {"role": "user", "content": LONG},
+        assistant(call("c1", query="q")),
+        tool("c1", LONG),  # equals a user message: not a tool result, not a target
+        {"role": "assistant", "content": LONG},  # the model's own text is never rewritten
+        {"role": "user", "content": LONG},
+    ]
+    plan = MessagePlanner().plan(messages)
+    assert plan.messages == messages and not plan.pointers
+
+
+def test_a_result_without_its_call_is_never_a_target() -> None:
+    messages = [tool("orphan", LONG), assistant(call("c1", query="q")), tool("c1", LONG)]
+    plan = MessagePlanner().plan(messages)
+    assert plan.messages == messages and not plan.pointers
+
+
+def test_parallel_calls_point_at_an_earlier_result_of_the_same_turn() -> None:
+    messages = [
+        {"role": "user", "content": "go"},
+        assistant(call("a", query="one"), call("b", query="two")),
+        tool("a", LONG),
+        tool("b", LONG),
+    ]
+    plan = MessagePlanner().plan(messages)
+    assert plan.messages[3]["content"].startswith(
+        '[Same result as the earlier call search({"query": "one"})'
+    )
+
+
+# ------------------------------------------------------------------ anthropic
+def anthropic_history(first: Any, second: Any) -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": "What is a KV cache?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Searching."},
+                {"type": "tool_use", "id": "t1", "name": "search", "input": {"query": "kv"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t1", "content": first}],
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": "t2", "name": "search", "input": {"query": "ké"}}
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "t2", "content": second},
+                {"type": "text", "text": "Please answer."},
+            ],
+        },
+    ]
+
+
+def test_anthropic_tool_results_keep_their_shape() -> None:
+    messages = anthropic_history(LONG, [{"type": "text", "text": LONG}])
+    plan = MessagePlanner().plan(messages, api="anthropic", system="Be brief.")
+    assert plan.system == "Be brief."
+    block = plan.messages[4]["content"][0]
+    assert block["content"] == [
+        {"type": "text", "text": '[Same result as the earlier call search({"query": "kv"}) above.]'}
+    ]
+    assert plan.messages[4]["content"][1] == messages[4]["content"][1]
+    assert plan.messages[:4] == messages[:4]
+    pointer = plan.pointers[0]
+    assert (pointer.message, pointer.block, pointer.target_message, pointer.target_block) == (
+        4,
+        0,
+        2,
+        0,
+    )
+
+
+def test_anthropic_input_is_named_as_json() -> None:
+    messages = anthropic_history(LONG, LONG)
+    messages += [
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t3", "name": "fetch", "input": {"q": 1}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t3", "content": OTHER}],
+        },
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t4", "name": "fetch", "input": {"q": 2}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t4", "content": OTHER}],
+        },
+    ]
+    plan = MessagePlanner().plan(messages, api="anthropic")
+    assert plan.messages[8]["content"][0]["content"] == (
+        '[Same result as the earlier call fetch({"q": 1}) above.]'
+    )
+
+
+# ------------------------------------------------------------------ documents
+def numbered(*docs: str) -> str:
+    return "Results:\n\n" + "\n\n".join(f"[{n}] {d}" for n, d in enumerate(docs, 1)) + "\n"
+
+
+def test_a_repeated_numbered_document_is_replaced_in_place() -> None:
+    first, second = numbered(LONG, OTHER), numbered(THIRD, OTHER.strip())
+    plan = MessagePlanner().plan(history(first, second))
+    sent = plan.messages[5]["content"]
+    pointer = (
+        '[Same as document [2] in the result of the earlier call search({"query": "kv cache"})'
+        " above.]"
+    )
+    assert sent == second.replace(OTHER.strip(), pointer)
+    placement = [p for p in plan.pointers if p.document is not None][0]
+    assert (placement.document, placement.label, placement.target_document) == (1, "[2]", 1)
+    assert sent[placement.offset :].startswith(placement.pointer)
+    kept = [p for p in plan.placements if p.message == 5 and p.status == "kept"]
+    assert {p.document for p in kept} == {None, 0}  # the result itself and its first document
+
+
+def test_a_repeated_tagged_document_is_replaced_in_place() -> None:
+    def tagged(*docs: str) -> str:
+        return "".join(
+            f'<document index="{n}" source="s{n}">\n{d}\n</document>\n' for n, d in enumerate(docs)
+        )
+
+    plan = MessagePlanner().plan(history(tagged(LONG, OTHER), tagged(OTHER, THIRD)))
+    sent = plan.messages[5]["content"]
+    assert sent.startswith('<document index="0" source="s0">\n[Same as document index="1" in the')
+    assert sent.endswith(f"{THIRD}\n</document>\n")
+
+
+def test_a_repeated_json_document_is_replaced_and_the_result_stays_json() -> None:
+    first = json.dumps({"results": [{"id": "d1", "text": LONG}, {"id": "d2", "text": OTHER}]})
+    second = json.dumps([{"id": "d9", "text": THIRD}, {"id": "d2", "text": OTHER, "score": 0.5}])
+    plan = MessagePlanner().plan(history(first, second))
+    sent = json.loads(plan.messages[5]["content"])
+    assert sent[0] == {"id": "d9", "text": THIRD}
+    assert sent[1]["text"] == (
+        '[Same as document "id": "d2" in the result of the earlier call '
+        'search({"query": "kv cache"}) above.]'
+    )
+    assert sent[1]["score"] == 0.5
+
+
+def rendered(*docs: str, order: tuple[int, ...] = ()) -> str:
+    """Documents as the library's renderer lays them out (``[Doc n]`` blocks, then the tail)."""
+    layout = PromptLayout()
+    blocks = "".join(layout.render_block(i, d) for i, d in enumerate(docs))
+    return blocks + layout.context_tail(annotation_labels=[layout.label(i) for i in order])
+
+
+def test_a_repeated_rendered_document_is_replaced_in_place_and_named_by_its_label() -> None:
+    first = rendered(LONG, OTHER, order=(1, 0))
+    second = rendered(THIRD, OTHER, LONG, order=(2, 0, 1))
+    plan = MessagePlanner().plan(history(first, second))
+    sent = plan.messages[5]["content"]
+    call = 'search({"query": "kv cache"})'
+    expected = second.replace(
+        OTHER.strip(), f"[Same as document [Doc 2] in the result of the earlier call {call} above.]"
+    ).replace(
+        LONG.strip(), f"[Same as document [Doc 1] in the result of the earlier call {call} above.]"
+    )
+    assert sent == expected  # every other byte: labels, separators, the order annotation
+    assert sent.endswith(
+        "-----\nRead the documents in this priority order: [Doc 3] > [Doc 1] > [Doc 2].\n"
+    )
+    placed = sorted(
+        (p.document, p.label, p.target_document, p.target_label, p.reason)
+        for p in plan.placements
+        if p.message == 5 and p.document is not None
+    )
+    assert placed == [
+        (0, "[Doc 1]", None, None, "no earlier copy"),
+        (1, "[Doc 2]", 1, "[Doc 2]", "same document"),
+        (2, "[Doc 3]", 0, "[Doc 1]", "same document"),
+    ]
+    for pointer in plan.pointers:
+        assert sent[pointer.offset :].startswith(pointer.pointer)
+
+
+def test_a_rendered_result_whose_text_holds_a_label_line_is_not_split() -> None:
+    nested = f"{LONG}\n[Doc 2]\nnot a label"
+    plan = MessagePlanner().plan(history(rendered(OTHER, THIRD), rendered(nested, THIRD)))
+    assert plan.messages[5]["content"] == rendered(nested, THIRD)
+    assert not plan.pointers
+
+
+def test_a_json_document_without_a_label_is_not_pointed_at() -> None:
+    first = json.dumps([{"text": LONG}, {"text": OTHER}])
+    second = json.dumps([{"text": THIRD}, {"text": OTHER}])
+    plan = MessagePlanner().plan(history(first, second))
+    assert plan.messages[5]["content"] == second
+    assert [p.reason for p in plan.placements if p.message == 5 and p.document == 1] == [
+        "no earlier copy"
+    ]
+
+
+def test_a_document_equal_to_a_whole_earlier_result_names_that_result() -> None:
+    plan = MessagePlanner().plan(history(OTHER, numbered(THIRD, OTHER)))
+    assert "[2] [Same as the result of the earlier call search(" in plan.messages[5]["content"]
+    assert plan.pointers[0].target_label is None
+
+
+def test_a_document_whose_label_repeats_in_the_earlier_result_is_kept() -> None:
+    first = numbered(LONG, OTHER) + "\n[2] is cited twice\n"
+    plan = MessagePlanner().plan(history(first, numbered(THIRD, OTHER)))
+    assert not plan.pointers
+
+
+# ------------------------------------------------------------------ byte-stable history
+def test_an_extended_history_is_replayed_byte_for_byte() -> None:
+    planner = MessagePlanner()
+    messages = history(LONG, LONG)
+    first = planner.plan(messages, scope=SCOPE)
+    later = messages + [{"role": "user", "content": "and then?"}]
+    second = planner.plan(later, scope=SCOPE)
+    assert (second.replayed, second.diverged_at) == (6, None)
+    assert json.dumps(second.messages[:6]) == json.dumps(first.messages)
+    assert [p.replayed for p in second.placements] == [True, True]
+    assert second.tokens_removed == first.tokens_removed
+
+
+def test_an_app_that_sends_back_what_was_sent_is_replayed() -> None:
+    planner = MessagePlanner()
+    first = planner.plan(history(LONG, LONG), scope=SCOPE)
+    second = planner.plan(first.messages + [{"role": "user", "content": "more"}], scope=SCOPE)
+    assert second.replayed == 6 and second.messages[:6] == first.messages
+
+
+def test_an_edited_message_diverges_and_its_pointers_go() -> None:
+    planner = MessagePlanner()
+    messages = history(LONG, LONG)
+    assert planner.plan(messages, scope=SCOPE).pointers
+    edited = copy.deepcopy(messages)
+    edited[3]["content"] = "summarised: " + LONG[:40]
+    plan = planner.plan(edited, scope=SCOPE)
+    assert (plan.replayed, plan.diverged_at) == (3, 3)
+    assert plan.messages == edited and not plan.pointers  # no pointer to the text edited away
+
+
+def test_a_trimmed_or_shortened_history_diverges() -> None:
+    planner = MessagePlanner()
+    messages = history(LONG, OTHER)
+    planner.plan(messages, scope=SCOPE)
+    trimmed = planner.plan([messages[0]] + messages[2:], scope=SCOPE)
+    assert (trimmed.replayed, trimmed.diverged_at) == (1, 1)
+    shorter = planner.plan(messages[:4], scope=SCOPE)  # against the trimmed history now
+    assert (shorter.replayed, shorter.diverged_at) == (1, 1)
+    planner.plan(messages, scope=SCOPE)
+    retried = planner.plan(messages[:4], scope=SCOPE)
+    assert (retried.replayed, retried.diverged_at) == (4, 4)
+
+
+def test_no_scope_means_no_memory() -> None:
+    planner = MessagePlanner()
+    messages = history(LONG, LONG)
+    for scope in (None, Scope(tenant="acme")):
+        planner.plan(messages, scope=scope)
+        plan = planner.plan(messages, scope=scope)
+        assert (plan.replayed, plan.diverged_at) == (0, None)
+    assert planner.conversations == 0
+
+
+def test_tenants_and_conversations_do_not_share_memory() -> None:
+    planner = MessagePlanner()
+    messages = history(LONG, LONG)
+    planner.plan(messages, scope=SCOPE)
+    for scope in (Scope(conversation_id="conv", tenant="other"), Scope(conversation_id="c2")):
+        assert planner.plan(messages, scope=scope).replayed == 0
+    assert planner.plan(messages, scope=SCOPE).replayed == 6
+
+
+def test_forget_and_eviction_replay_nothing() -> None:
+    planner = MessagePlanner(max_conversations=1)
+    messages = history(LONG, LONG)
+    planner.plan(messages, scope=SCOPE)
+    assert planner.forget(SCOPE) and not planner.forget(SCOPE)
+    assert planner.plan(messages, scope=SCOPE).replayed == 0
+    planner.plan(messages, scope=Scope(conversation_id="other"))  # evicts SCOPE's
+    assert planner.plan(messages, scope=SCOPE).replayed == 0
+
+
+def test_messages_past_the_cap_are_planned_again_the_same_way() -> None:
+    planner = MessagePlanner(max_messages=4)
+    messages = history(LONG, LONG)
+    first = planner.plan(messages, scope=SCOPE)
+    second = planner.plan(messages, scope=SCOPE)
+    assert second.replayed == 4 and second.messages == first.messages
+
+
+# ------------------------------------------------------------------ sure hints
+def test_a_pointer_that_fails_its_check_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(message_planner, "check_pointer", lambda view, placement: False)
+    messages = history(numbered(LONG, OTHER), LONG)
+    messages += [assistant(call("c3", query="z")), tool("c3", numbered(THIRD, OTHER))]
+    plan = MessagePlanner().plan(messages)
+    assert plan.messages == messages and not plan.pointers and plan.tokens_removed == 0
+    assert {p.reason for p in plan.placements if p.message in (5, 7)} >= {"not verified"}
+
+
+def test_the_check_reads_the_messages_it_is_given() -> None:
+    plan = MessagePlanner().plan(history(LONG, LONG))
+    pointer = plan.pointers[0]
+    assert check_pointer(RequestView(plan.messages, "openai"), pointer)
+    moved = copy.deepcopy(plan.messages)
+    moved[3]["content"] = LONG[:-5]
+    assert not check_pointer(RequestView(moved, "openai"), pointer)
+    renamed = copy.deepcopy(plan.messages)
+    renamed[2]["tool_calls"][0]["function"]["arguments"] = '{"query": "other"}'
+    assert not check_pointer(RequestView(renamed, "openai"), pointer)
+
+
+# ------------------------------------------------------------------ the rest
+def test_the_input_is_never_changed() -> None:
+    messages = history(numbered(LONG, OTHER), numbered(OTHER, LONG))
+    before = copy.deepcopy(messages)
+    plan = MessagePlanner().plan(messages, scope=SCOPE)
+    assert messages == before
+    plan.messages[5]["content"] = "changed by the caller"
+    assert MessagePlanner().plan(messages).messages[5]["content"] != "changed by the caller"
+
+
+def test_odd_but_valid_content_passes_through() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "look"}, image]},
+        assistant(call("c1", query="q")),
+        tool("c1", [image]),
+        tool("c1", [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]),
+        tool("c1", "lone \ud800 surrogate " + LONG),
+        {"role": "developer", "content": "be terse", "name": "x", "extra": {"k": [1]}},
+    ]
+    plan = MessagePlanner().plan(messages, scope=SCOPE)
+    assert plan.messages == messages
+    assert [p.reason for p in plan.placements] == ["not plain text"] * 3
+
+
+def test_same_inputs_give_the_same_plan() -> None:
+    messages = history(numbered(LONG, OTHER), numbered(THIRD, LONG))
+    assert MessagePlanner().plan(messages, scope=SCOPE) == MessagePlanner().plan(
+        messages, scope=SCOPE
+    )
+
+
+def test_concurrent_calls_of_many_conversations() -> None:
+    planner = MessagePlanner()
+    messages = history(numbered(LONG, OTHER), numbered(THIRD, LONG))
+    expected = MessagePlanner().plan(messages).messages
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            for turn in range(20):
+                scope = Scope(conversation_id=f"c{n}")
+                plan = planner.plan(messages, scope=scope)
+                assert plan.messages == expected and plan.replayed == (6 if turn else 0)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and planner.conversations == 8
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"min_tokens_saved": -1}, "min_tokens_saved"),
+        ({"max_conversations": 0}, "max_conversations"),
+        ({"max_messages": True}, "max_messages"),
+        ({"token_counter": object()}, "token_counter"),
+    ],
+)
+def test_settings_are_checked(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        MessagePlanner(**kwargs)
