@@ -31,6 +31,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from contextpilot_integrations.core.conversations.turns import next_turn
 from contextpilot_integrations.core.lru import LRU
 from contextpilot_integrations.core.plan import PlacementStatus, Plan
 from contextpilot_integrations.core.request import PlanRequest
@@ -118,7 +119,11 @@ class ConversationMemory:
     # ------------------------------------------------------------------ Public API: numbering
     def to_send(self, request: PlanRequest) -> PlanRequest:
         """``request`` as it goes to the service: with the next turn number when the client
-        numbers its conversation and the caller gave none (else unchanged)."""
+        numbers its conversation and the caller gave none (else unchanged).
+
+        Raises:
+            ValueError: the remembered turn is the largest turn number (``next_turn``).
+        """
         key = request.scope.conversation
         if key is None or request.scope.turn is not None:
             return request
@@ -126,7 +131,7 @@ class ConversationMemory:
             memory = self._turns.peek(key)
         if memory is None or not memory.client_numbered:
             return request
-        scope = dataclasses.replace(request.scope, turn=memory.turn + 1)
+        scope = dataclasses.replace(request.scope, turn=next_turn(key[1], memory.turn))
         return dataclasses.replace(request, scope=scope)
 
     def received(
@@ -136,6 +141,11 @@ class ConversationMemory:
         its start ``boot``: remember the turn, and say what to return (module docstring).
 
         Mutates: the conversation's :class:`TurnMemory`; the counters.
+
+        Raises:
+            ValueError: the service numbered afresh and the remembered turn is the largest
+                turn number (``next_turn``); what the service recorded is settled before the
+                conversation's next call.
         """
         key = request.scope.conversation
         if key is None:
@@ -155,7 +165,12 @@ class ConversationMemory:
                 self._turns.put(key, TurnMemory(boot, given))
                 return Received(plan)
             # Numbered afresh (or not at all): the app's next number is the remembered one + 1.
-            turn = memory.turn + 1
+            try:
+                turn = next_turn(key[1], memory.turn)
+            except ValueError:  # none is left: what the service recorded is settled later
+                for settle in (("conversation", *key), ("rid", plan.rid)):
+                    self._counters["unsettled_dropped"] += len(self._unsettled.put(settle, None))
+                raise
             self._turns.put(key, TurnMemory(boot, turn, client_numbered=True))
             forget: tuple[SettleKey, ...] = (("conversation", *key),)
             if points_back(plan):

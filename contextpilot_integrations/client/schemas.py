@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from contextpilot_integrations.core.conversations.turns import TurnVisibility
+from contextpilot_integrations.core.conversations.turns import MAX_TURN, TurnVisibility
 from contextpilot_integrations.core.plan import (
     BatchPlan,
     DedupFigures,
@@ -40,7 +40,6 @@ from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import (
     MAX_BLOCKS_PER_REQUEST,
     MAX_ID_CHARS,
-    MAX_TURN,
     PlanRequest,
     Scope,
 )

@@ -18,12 +18,11 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from contextpilot_integrations.core.conversations.turns import TurnVisibility
+from contextpilot_integrations.core.conversations.turns import MAX_TURN, TurnVisibility
 
 __all__ = [
     "MAX_BLOCKS_PER_REQUEST",
     "MAX_ID_CHARS",
-    "MAX_TURN",
     "NO_SCOPE",
     "PlanRequest",
     "RidConflictError",
@@ -38,9 +37,6 @@ MAX_BLOCKS_PER_REQUEST = 100_000
 
 MAX_ID_CHARS = 512
 """Longest rid, conversation id or tenant, in characters."""
-
-MAX_TURN = 2**31 - 1
-"""Largest turn number."""
 
 
 class RidConflictError(ValueError):

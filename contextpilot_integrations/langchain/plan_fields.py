@@ -137,14 +137,14 @@ class PlanFieldsChatModel(RunnableSerializable[Any, Any]):
     # ------------------------------------------------------------------ one call
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         result = self.bound.invoke(
-            self.call_input(input), config, **self.call_kwargs(input, kwargs)
+            self.call_input(input, kwargs), config, **self.call_kwargs(input, kwargs)
         )
         self._record(input, result)
         return result
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         result = await self.bound.ainvoke(
-            self.call_input(input), config, **self.call_kwargs(input, kwargs)
+            self.call_input(input, kwargs), config, **self.call_kwargs(input, kwargs)
         )
         if self.tracker is not None:
             await asyncio.to_thread(self._record, input, result)
@@ -154,21 +154,28 @@ class PlanFieldsChatModel(RunnableSerializable[Any, Any]):
         self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
     ) -> Iterator[Any]:
         yield from self.bound.stream(
-            self.call_input(input), config, **self.call_kwargs(input, kwargs)
+            self.call_input(input, kwargs), config, **self.call_kwargs(input, kwargs)
         )
 
     async def astream(
         self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
     ) -> AsyncIterator[Any]:
         async for chunk in self.bound.astream(
-            self.call_input(input), config, **self.call_kwargs(input, kwargs)
+            self.call_input(input, kwargs), config, **self.call_kwargs(input, kwargs)
         ):
             yield chunk
 
-    def call_input(self, input: Any) -> Any:
+    def call_input(self, input: Any, kwargs: Mapping[str, Any] | None = None) -> Any:
         """The model's input: ``input`` itself, or for ``engine="anthropic"`` its messages as
         content blocks with the plan's ``cache_control`` breakpoints (a prompt value whose
-        messages are not plain system / human / AI text goes unchanged)."""
+        messages are not plain system / human / AI text goes unchanged). The ``tools`` the
+        call sends (the call's ``kwargs``, else a binding's: ``bind_tools``) count against the
+        limit by the ``cache_control`` markers they carry.
+
+        Raises:
+            ValueError: more ``cache_control`` markers on the tools and in the messages than
+                the policy allows.
+        """
         if self.engine != "anthropic" or not isinstance(input, ContextPilotPromptValue):
             return input
         roles = {"system": "system", "human": "user", "ai": "assistant"}
@@ -176,11 +183,13 @@ class PlanFieldsChatModel(RunnableSerializable[Any, Any]):
         if any(m.type not in roles or not isinstance(m.content, (str, list)) for m in messages):
             return input
         policy = self.cache_policy or AnthropicCachePolicy(model=_model_name(self.bound))
+        tools = (kwargs or {}).get("tools", _bound_tools(self.bound))
         prompt = anthropic_prompt(
             [{"role": roles[m.type], "content": m.content} for m in messages],
             input.cache_prefix,
             policy,
             self.token_counter,
+            tools=[_tool_definition(tool) for tool in tools or ()],
         )
         has_system = bool(messages) and messages[0].type == "system"
         out: list[BaseMessage] = []
@@ -429,6 +438,37 @@ def _model_name(runnable: Runnable[Any, Any]) -> str | None:
         if isinstance(value, str):
             return value
     return None
+
+
+def _bound_tools(runnable: Runnable[Any, Any]) -> Sequence[Any]:
+    """The ``tools`` a binding sends (``bind_tools``): the outermost binding's that names them
+    (its keywords override those of the bindings inside it), wrappers followed as in
+    :func:`_bound_mapping`; none without one."""
+    for _ in range(32):
+        if isinstance(runnable, RunnableBindingBase):
+            if "tools" in runnable.kwargs:
+                return list(runnable.kwargs["tools"] or ())
+            runnable = runnable.bound
+        elif isinstance(runnable, RunnableSequence):
+            runnable = runnable.first
+        elif isinstance(runnable, RunnableWithFallbacks):
+            runnable = runnable.runnable
+        else:
+            break
+    return []
+
+
+def _tool_definition(tool: Any) -> Any:
+    """A tool as ``tool_breakpoints`` reads it: a definition as is; a LangChain tool by its
+    ``extras``, where ``ChatAnthropic`` takes its ``cache_control`` (or its whole built-in
+    definition) from."""
+    extras = getattr(tool, "extras", None)
+    if isinstance(tool, Mapping) or not isinstance(extras, Mapping):
+        return tool
+    built_in = extras.get("provider_tool_definition")
+    if isinstance(built_in, Mapping):
+        return built_in
+    return {"cache_control": extras.get("cache_control")}
 
 
 def _bound_mapping(runnable: Runnable[Any, Any], name: str) -> dict[str, Any]:

@@ -94,10 +94,19 @@ class ContextPilotAnthropic(Anthropic):
         return "ContextPilotAnthropic"
 
     def cache_prompt(
-        self, messages: Sequence[ChatMessage], taken: PendingRequest | None
+        self,
+        messages: Sequence[ChatMessage],
+        taken: PendingRequest | None,
+        tools: Sequence[Any] = (),
     ) -> AnthropicPrompt | None:
         """The messages in Anthropic's block form with the plan's breakpoints; ``None`` when
-        no plan was taken or a message is not plain text of the system, user or assistant."""
+        no plan was taken or a message is not plain text of the system, user or assistant.
+        The ``cache_control`` markers on ``tools`` (what the call sends) count against the
+        limit.
+
+        Raises:
+            ValueError: more markers on the tools and in the messages than the policy allows.
+        """
         plan = taken.plan if taken is not None else None
         if plan is None:
             return None
@@ -109,6 +118,7 @@ class ContextPilotAnthropic(Anthropic):
             CachePrefix.of(plan),
             policy,
             self.token_counter,
+            tools=tools,
         )
 
     # --- entry points: take the armed plan once, then delegate -----------------------------
@@ -135,7 +145,7 @@ class ContextPilotAnthropic(Anthropic):
         self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
     ) -> tuple[PendingRequest | None, Sequence[ChatMessage], dict[str, Any]]:
         taken = take_pending("\n".join(m.content or "" for m in messages if _plain_text(m)))
-        prompt = self.cache_prompt(messages, taken)
+        prompt = self.cache_prompt(messages, taken, self._sent_tools(kwargs))
         if prompt is None:
             return taken, messages, kwargs
         out: list[ChatMessage] = []
@@ -159,6 +169,12 @@ class ContextPilotAnthropic(Anthropic):
             extra = {**self.additional_kwargs.get("extra_body", {}), **kwargs.get("extra_body", {})}
             kwargs = {**kwargs, "extra_body": {**extra, "system": prompt.system}}
         return taken, out, kwargs
+
+    def _sent_tools(self, kwargs: dict[str, Any]) -> list[Any]:
+        """The tools the call sends, as ``Anthropic`` merges them: its ``tools`` field, then
+        the call's (``chat_with_tools``), else those of ``additional_kwargs``."""
+        given = kwargs["tools"] if "tools" in kwargs else self.additional_kwargs.get("tools")
+        return [*(self.tools or ()), *(given or ())]
 
     def _record(self, taken: PendingRequest | None, response: Any) -> Any:
         if self.usage_tracker is not None and taken is not None:

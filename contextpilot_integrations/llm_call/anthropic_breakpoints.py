@@ -3,7 +3,8 @@
 Anthropic ("Prompt caching", platform.claude.com/docs/en/build-with-claude/prompt-caching):
 
 - a prefix is cached only up to an explicit ``cache_control`` breakpoint on a content block
-  (system, tools or messages), at most **4** per request (a fifth is refused with HTTP 400);
+  (system, tools or messages), at most **4** per request, those on tools included (a fifth
+  is refused with HTTP 400);
 - the prefix up to a breakpoint must hold a **minimum cacheable length**, per model (below it
   the request succeeds uncached, silently: :mod:`.provider_minimums`, configurable);
 - a read looks for cached prefixes at the content-block boundaries up to about **20** blocks
@@ -21,7 +22,7 @@ allowed, none whose prefix is below the model's minimum. Every rendered block is
 block, so the block structure of a shared prefix is the same in every request.
 
 Public API: :func:`anthropic_prompt`, :class:`AnthropicPrompt`, :class:`Breakpoint`,
-:class:`AnthropicCachePolicy`, :data:`ANTHROPIC_MAX_BREAKPOINTS`,
+:class:`AnthropicCachePolicy`, :func:`tool_breakpoints`, :data:`ANTHROPIC_MAX_BREAKPOINTS`,
 :data:`ANTHROPIC_LOOKBACK_BLOCKS`.
 """
 
@@ -42,6 +43,7 @@ __all__ = [
     "AnthropicPrompt",
     "Breakpoint",
     "anthropic_prompt",
+    "tool_breakpoints",
 ]
 
 ANTHROPIC_MAX_BREAKPOINTS = 4
@@ -62,7 +64,8 @@ class AnthropicCachePolicy:
         min_tokens: the minimum cacheable prefix in tokens (``None``: by ``model``).
         ttl: ``"5m"`` (default) or ``"1h"``, the breakpoints' cache lifetime.
         max_breakpoints: at most this many (the provider allows
-            :data:`ANTHROPIC_MAX_BREAKPOINTS`; breakpoints already in the messages count).
+            :data:`ANTHROPIC_MAX_BREAKPOINTS`; breakpoints already in the messages or on the
+            tools count).
         system: a breakpoint after the system prompt.
         shared_prefix: a breakpoint after the plan's shared prefix.
         history: a breakpoint where earlier turns end (messages before the plan's, or text
@@ -134,7 +137,8 @@ class AnthropicPrompt:
 
     Attributes:
         system: the system prompt as text blocks (``None``: no system message).
-        messages: ``{"role", "content": [blocks]}`` dicts, system excluded.
+        messages: ``{"role", "content": [blocks]}`` dicts, system excluded; a message given
+            with the content ``""`` keeps it (an empty block list is invalid at Anthropic).
         breakpoints: the breakpoints placed, in prompt order.
         found_plan: whether the plan's blocks were found in the messages (otherwise only
             system and history breakpoints could be placed).
@@ -159,6 +163,8 @@ def anthropic_prompt(
     prefix: CachePrefix | None,
     policy: AnthropicCachePolicy | None = None,
     token_counter: TokenCounter | None = None,
+    *,
+    tools: Sequence[Any] | None = (),
 ) -> AnthropicPrompt:
     """Turn chat messages into Anthropic's content-block form with breakpoints from the plan.
 
@@ -174,18 +180,24 @@ def anthropic_prompt(
         token_counter: counts prefix tokens for the minimum length (default
             :class:`~contextpilot_integrations.core.blocks.ApproxTokenCounter`; give the
             planner's counter, or a tokenizer close to the model's).
+        tools: the request's ``tools=`` (Anthropic's tool definitions, as sent): a tool
+            carrying ``cache_control`` is a breakpoint of the request too, and counts against
+            the limit like the markers in the messages. Not changed; their tokens are not
+            counted towards the minimum (a breakpoint is then placed only where the messages
+            alone reach it).
 
     Returns:
         An :class:`AnthropicPrompt`; the text it sends is the messages' text, unchanged.
 
     Raises:
         ValueError: a system message after the first message, or more breakpoints in the
-            given content than the policy allows.
+            given tools and content than the policy allows.
     """
     policy = policy or AnthropicCachePolicy()
     counter = token_counter or _DEFAULT_COUNTER
     system: list[dict[str, Any]] | None = None
     out: list[dict[str, Any]] = []
+    empty: list[int] = []  # messages given as "": sent so (Anthropic refuses an empty list)
     for i, message in enumerate(messages):
         role = message.get("role")
         content = message.get("content")
@@ -196,15 +208,18 @@ def anthropic_prompt(
             system = blocks
         else:
             out.append({"role": role, "content": blocks})
-    existing = sum(
+            if content == "":
+                empty.append(len(out) - 1)
+    on_tools = tool_breakpoints(tools)
+    existing = on_tools + sum(
         1
         for b in [*(system or []), *(b for m in out for b in m["content"])]
         if "cache_control" in b
     )
     if existing > policy.max_breakpoints:
         raise ValueError(
-            f"the messages already carry {existing} cache_control breakpoints, more than "
-            f"max_breakpoints={policy.max_breakpoints}"
+            f"the messages and tools already carry {existing} cache_control breakpoints "
+            f"({on_tools} on tools), more than max_breakpoints={policy.max_breakpoints}"
         )
     found = _split_plan_blocks(out, system, prefix)
     # Every content block in prompt order: (message index, block index, tokens).
@@ -228,7 +243,21 @@ def anthropic_prompt(
         block = _block_at(system, out, positions[at])
         block["cache_control"] = dict(policy.cache_control)
         placed.append(Breakpoint(m, b, cumulative[at], reason))
+    for m in empty:  # no block, so no breakpoint, stands in it
+        out[m]["content"] = ""
     return AnthropicPrompt(system, out, tuple(placed), found is not None, existing)
+
+
+def tool_breakpoints(tools: Sequence[Any] | None) -> int:
+    """How many of ``tools`` (Anthropic tool definitions: mappings, or objects with the same
+    attributes) carry a ``cache_control`` breakpoint."""
+    count = 0
+    for tool in tools or ():
+        marker = tool.get("cache_control") if isinstance(tool, Mapping) else None
+        if marker is None and not isinstance(tool, Mapping):
+            marker = getattr(tool, "cache_control", None)
+        count += marker is not None
+    return count
 
 
 _DEFAULT_COUNTER = ApproxTokenCounter()

@@ -68,12 +68,23 @@ def create_message(
             the plan's user message (their end is the ``history`` breakpoint).
         token_counter: counts prefix tokens (default the approximate counter).
         tracker: where the usage goes (None: not recorded).
-        kwargs: the other arguments of ``create`` (``model``, ``max_tokens``, ...).
+        kwargs: the other arguments of ``create`` (``model``, ``max_tokens``, ``tools``, ...).
+            A ``system`` of the app's own (a str or text blocks) goes first, then the plan's
+            system prompt, in one system prompt: the app's instructions, then how to use the
+            documents, both before the documents, so both stay in the cached prefix; with no
+            system prompt in the plan it is sent alone. ``tools`` are sent as given, and the
+            ``cache_control`` markers on them count against the breakpoint limit, as do
+            those in ``system`` and ``history``.
 
     Returns:
         The response (a stream is returned as is and not recorded).
+
+    Raises:
+        ValueError: more ``cache_control`` markers in ``tools``, ``system`` and ``history``
+            than the policy's ``max_breakpoints``.
+        TypeError: a ``system`` that is neither a str nor a list of text blocks.
     """
-    prompt = _plan_prompt(plan, policy, history, token_counter, kwargs.get("model"))
+    prompt = _plan_prompt(plan, policy, history, token_counter, kwargs)
     response = client.messages.create(**prompt.kwargs(), **kwargs)
     if tracker is not None and not kwargs.get("stream"):
         tracker.record(plan, response)
@@ -93,7 +104,7 @@ async def acreate_message(
     """:func:`create_message` for an ``anthropic.AsyncAnthropic`` client."""
     import asyncio
 
-    prompt = _plan_prompt(plan, policy, history, token_counter, kwargs.get("model"))
+    prompt = _plan_prompt(plan, policy, history, token_counter, kwargs)
     response = await client.messages.create(**prompt.kwargs(), **kwargs)
     if tracker is not None and not kwargs.get("stream"):
         await asyncio.to_thread(tracker.record, plan, response)
@@ -106,12 +117,36 @@ def _plan_prompt(
     policy: AnthropicCachePolicy | None,
     history: Sequence[Mapping[str, Any]],
     token_counter: TokenCounter | None,
-    model: Any,
+    kwargs: dict[str, Any],
 ) -> AnthropicPrompt:
+    """The prompt for ``create``; takes the app's ``system`` out of ``kwargs`` (merged into
+    the prompt's, :func:`create_message`)."""
     if policy is None:
+        model = kwargs.get("model")
         policy = AnthropicCachePolicy(model=model if isinstance(model, str) else None)
-    messages = list(plan.messages)
+    messages: list[Mapping[str, Any]] = list(plan.messages)
     system, user = (
         (messages[:1], messages[1:]) if messages[0]["role"] == "system" else ([], messages)
     )
-    return anthropic_prompt([*system, *history, *user], CachePrefix.of(plan), policy, token_counter)
+    own = kwargs.pop("system", None)
+    if own is not None:
+        blocks = _system_blocks(own)
+        for message in system:
+            blocks += _system_blocks(message["content"])
+        system = [{"role": "system", "content": blocks}]
+    return anthropic_prompt(
+        [*system, *history, *user],
+        CachePrefix.of(plan),
+        policy,
+        token_counter,
+        tools=kwargs.get("tools"),
+    )
+
+
+def _system_blocks(content: Any) -> list[Any]:
+    """A system prompt (a str or a list of text blocks) as a list of blocks."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if content else []
+    if isinstance(content, Sequence):
+        return list(content)
+    raise TypeError(f"system must be a str or a list of text blocks, got {type(content).__name__}")

@@ -114,7 +114,8 @@ class ServiceSnapshots:
 
     # ------------------------------------------------------------------ Public API: save
     def save(self, partitions: Partitions, *, cache_model: str, final: bool) -> bool:
-        """Save every pilot's state now; False when it failed (counted, logged). A checkpoint
+        """Save every pilot's state now; False when it failed (counted, logged: a checkpoint
+        as a sync failure, the final save always at error level, with the path). A checkpoint
         asked for while a save runs shares the next one.
 
         Args:
@@ -206,7 +207,17 @@ class ServiceSnapshots:
         except (OSError, TypeError, ValueError) as exc:
             with self._figures_lock:
                 self._figures["save_failures"] += 1
-            self._failure("snapshot", f"cannot save snapshot {str(self.path)!r}: {exc}")
+            if final:
+                # Nothing retries after it, and the failure counter (which logs only the first
+                # of its kind, say of a full disk's checkpoints) is read by no one any more.
+                logger.error(
+                    "cannot save the final snapshot %s: %s; the next start restores the last "
+                    "snapshot saved there, if any",
+                    self.path,
+                    exc,
+                )
+            else:
+                self._failure("snapshot", f"cannot save snapshot {str(self.path)!r}: {exc}")
             return False
         with self._figures_lock:
             self._figures["saves"] += 1

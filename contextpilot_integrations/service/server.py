@@ -21,7 +21,11 @@ Keys: ``--api-keys FILE`` (a JSON key file) and/or the environment variable
 ``CONTEXTPILOT_API_KEYS`` map keys to tenants (:mod:`.tenants`; each tenant gets its own index
 unless ``--share-prefixes-across-tenants``); one key shared by everyone comes
 from ``--api-key`` or, better (a command line is visible to other users),
-``CONTEXTPILOT_API_KEY``, and is the tenant ``""``. One process holds the index: uvicorn runs
+``CONTEXTPILOT_API_KEY``, and is the tenant ``""``. A key source that is given but holds no
+key (a key file naming no tenant, an empty variable or ``--api-key ""``) is refused at start,
+naming it: the server would otherwise trust every request. With no key source at all the
+service runs without authentication; ``--no-auth`` says so explicitly (logged at warning level,
+and refused beside a key source). One process holds the index: uvicorn runs
 one worker, and many app processes share it through
 :class:`~contextpilot_integrations.client.client.ContextPilotClient`. SIGTERM or Ctrl-C stops
 it gracefully: in-flight requests get ``--shutdown-timeout`` seconds to finish, then planning
@@ -47,6 +51,8 @@ from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.service.app import create_app
 from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.service.tenants import TenantKeys, parse_key_list, read_key_file
+
+logger = logging.getLogger("contextpilot_integrations.service.server")  # also as __main__
 
 API_KEY_ENV = "CONTEXTPILOT_API_KEY"
 API_KEYS_ENV = "CONTEXTPILOT_API_KEYS"
@@ -164,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"one shared secret, the tenant '' (default: ${API_KEY_ENV}; no key at all: no auth)",
     )
     serving.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="run without authentication (every request trusted; logged as a warning); "
+        "refused with any key option or variable",
+    )
+    serving.add_argument(
         "--window-ms",
         type=float,
         default=0.0,
@@ -234,14 +246,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Servi
             layout = PromptLayout(**json.loads(args.layout.read_text(encoding="utf-8")))
         except (OSError, ValueError, TypeError) as exc:
             raise ValueError(f"--layout {str(args.layout)!r}: {exc}") from exc
-    api_key = args.api_key or environ.get(API_KEY_ENV) or None
-    tenants: dict[str, TenantKeys] = {}
-    if args.api_keys is not None:
-        tenants.update(read_key_file(args.api_keys))
-    for name, listed in parse_key_list(environ.get(API_KEYS_ENV, "")).items():
-        known = tenants.get(name)
-        keys = (*(known.keys if known else ()), *listed.keys)
-        tenants[name] = TenantKeys(tuple(dict.fromkeys(keys)), known.cache_salt if known else None)
+    api_key, tenants = _keys(args, environ)
     return ServiceConfig(
         cache_sync=cache_sync,
         snapshot_path=args.snapshot,
@@ -255,6 +260,78 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Servi
         shutdown_timeout_s=args.shutdown_timeout,
         window_ms=args.window_ms,
     )
+
+
+def _keys(
+    args: argparse.Namespace, environ: dict[str, str]
+) -> tuple[str | None, dict[str, TenantKeys]]:
+    """The shared key and the tenants' keys of every key source given.
+
+    A source given without a key would leave the service open, so it is refused, named;
+    ``--no-auth`` beside any key source is refused too (which one is meant?).
+
+    Raises:
+        ValueError: a key source without a key, an invalid one, or ``--no-auth`` with one.
+    """
+    given = [
+        name
+        for name, present in (
+            ("--api-keys", args.api_keys is not None),
+            ("--api-key", args.api_key is not None),
+            (f"${API_KEYS_ENV}", API_KEYS_ENV in environ),
+            (f"${API_KEY_ENV}", API_KEY_ENV in environ),
+        )
+        if present
+    ]
+    if args.no_auth:
+        if given:
+            raise ValueError(
+                f"--no-auth runs without authentication, but keys are given by "
+                f"{', '.join(given)}: drop one or the other"
+            )
+        logger.warning(
+            "--no-auth: authentication is off; every request is trusted and scope.tenant is "
+            "a label, not a security boundary"
+        )
+        return None, {}
+    api_key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV)
+    if api_key is not None:
+        source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+        if not api_key:
+            raise ValueError(
+                f"{source} is set but empty, so no request could be checked{_OPEN_HINT}"
+            )
+        try:
+            TenantKeys((api_key,))
+        except ValueError:
+            raise ValueError(
+                f"{source} must be printable ASCII characters without whitespace (the key "
+                "travels in an HTTP header as Bearer <key>)"
+            ) from None
+    tenants: dict[str, TenantKeys] = {}
+    if args.api_keys is not None:
+        tenants.update(read_key_file(args.api_keys))
+        if not tenants:
+            raise ValueError(
+                f"key file {str(args.api_keys)!r} names no tenant, so no request could be "
+                f"checked{_OPEN_HINT}"
+            )
+    if API_KEYS_ENV in environ:
+        listed_tenants = parse_key_list(environ[API_KEYS_ENV])
+        if not listed_tenants:
+            raise ValueError(
+                f"${API_KEYS_ENV} is set but lists no name=key entry, so no request could be "
+                f"checked{_OPEN_HINT}"
+            )
+        for name, listed in listed_tenants.items():
+            known = tenants.get(name)
+            keys = (*(known.keys if known else ()), *listed.keys)
+            salt = known.cache_salt if known else None
+            tenants[name] = TenantKeys(tuple(dict.fromkeys(keys)), salt)
+    return api_key, tenants
+
+
+_OPEN_HINT = " (to run without authentication, pass --no-auth and no key option or variable)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

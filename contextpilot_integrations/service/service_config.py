@@ -41,7 +41,8 @@ class ServiceConfig:
             request but ``/health`` must present a key as ``Authorization: Bearer <key>``
             once any key is set.
         tenants: tenant name -> its keys and optional ``cache_salt`` (:mod:`.tenants`); None:
-            none (with ``api_key`` neither: no authentication).
+            none (with ``api_key`` neither: no authentication). An empty mapping is refused:
+            keys were meant to be checked, and none would be.
         share_prefixes_across_tenants: one index for all tenants instead of one per tenant;
             opens the side channel described in :mod:`.tenants`.
         max_body_bytes: largest request body accepted (413 above).
@@ -92,6 +93,11 @@ class ServiceConfig:
             raise ValueError(f"window_ms must be >= 0, got {self.window_ms!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty str or None, got ''")
+        if self.tenants is not None and not self.tenants:
+            raise ValueError(
+                "tenants must name at least one tenant, or be None for no authentication; "
+                "got an empty mapping"
+            )
         for name in ("max_body_bytes", "max_batch_threads", "max_call_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,7 @@ RID_TAG_CHARS = 12
 _RID_TAG = re.compile(rf"[0-9a-f]{{{RID_TAG_CHARS}}}")
 _SALT_CHARS = 32
 _KEY_FILE_FIELDS = {"keys", "cache_salt"}
+_KEY_CHARS = re.compile(r"[!-~]+")  # printable ASCII, no whitespace
 
 
 class TenantMismatchError(ValueError):
@@ -89,7 +91,9 @@ class TenantKeys:
     """One tenant's credentials.
 
     Attributes:
-        keys: its API keys (non-empty strs; the first one derives its secrets).
+        keys: its API keys (non-empty strs of printable ASCII without whitespace, ``!`` to
+            ``~``: an HTTP header carries them, and a client could not send another; the
+            first one derives its secrets).
         cache_salt: the engine ``cache_salt`` for its requests; ``None``: derived from the
             first key.
     """
@@ -103,11 +107,11 @@ class TenantKeys:
         object.__setattr__(self, "keys", tuple(self.keys))
         if not self.keys:
             raise ValueError("keys must not be empty")
-        for key in self.keys:
-            if not isinstance(key, str) or not key or key != key.strip() or not key.isprintable():
+        for position, key in enumerate(self.keys):
+            if not isinstance(key, str) or not key or not _KEY_CHARS.fullmatch(key):
                 raise ValueError(
-                    "every key must be a non-empty str of printable characters without "
-                    "surrounding whitespace"
+                    f"keys[{position}] must be a non-empty str of printable ASCII characters "
+                    "without whitespace (it travels in an HTTP header as Bearer <key>)"
                 )
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not self.cache_salt
@@ -118,13 +122,16 @@ class TenantKeys:
 def read_key_file(path: str | os.PathLike[str]) -> dict[str, TenantKeys]:
     """The tenants of a key file (format in the module docstring).
 
+    A name given twice in one object (JSON keeps the last) is refused: a tenant named twice
+    would silently lose the first entry's keys.
+
     Raises:
         ValueError: the file cannot be read or is not in the format (the message names the
-            file and what is wrong; never a key).
+            file and what is wrong, and the tenant; never a key).
     """
     where = f"key file {str(path)!r}"
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(Path(path).read_text(encoding="utf-8"), object_pairs_hook=_NamedTwice)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ValueError(f"{where}: cannot be read as JSON ({type(exc).__name__}: {exc})") from None
     _warn_if_readable_by_others(Path(path))
@@ -134,11 +141,20 @@ def read_key_file(path: str | os.PathLike[str]) -> dict[str, TenantKeys]:
         or not isinstance(data["tenants"], dict)
     ):
         raise ValueError(f'{where}: must be {{"tenants": {{"<name>": {{"keys": [...]}}}}}}')
+    if _twice(data):
+        raise ValueError(f"{where}: the field {_twice(data)[0]!r:.80} is given twice")
+    for name in _twice(data["tenants"]):
+        _check_name(name, where)
+        raise ValueError(f"{where}: tenant {name!r} is named twice (give it one entry)")
     tenants: dict[str, TenantKeys] = {}
     for name, entry in data["tenants"].items():
         _check_name(name, where)
         if not isinstance(entry, dict) or "keys" not in entry:
             raise ValueError(f"{where}: tenants[{name!r}] must be an object with a keys list")
+        if _twice(entry):
+            raise ValueError(
+                f"{where}: tenants[{name!r}] gives the field {_twice(entry)[0]!r:.80} twice"
+            )
         unknown = set(entry) - _KEY_FILE_FIELDS
         if unknown:
             raise ValueError(f"{where}: tenants[{name!r}] has unknown fields {sorted(unknown)}")
@@ -151,11 +167,26 @@ def read_key_file(path: str | os.PathLike[str]) -> dict[str, TenantKeys]:
     return tenants
 
 
+class _NamedTwice(dict[str, object]):
+    """A JSON object that remembers the names it was given more than once (``twice``)."""
+
+    def __init__(self, pairs: list[tuple[str, object]]) -> None:
+        super().__init__(pairs)
+        counts = Counter(name for name, _ in pairs)
+        self.twice = [name for name, count in counts.items() if count > 1]
+
+
+def _twice(value: object) -> list[str]:
+    """The names a JSON object read by :func:`read_key_file` was given more than once."""
+    return list(getattr(value, "twice", ()))
+
+
 def parse_key_list(text: str, *, source: str = "CONTEXTPILOT_API_KEYS") -> dict[str, TenantKeys]:
     """``"alice=key1,bob=key2,alice=key3"`` -> the tenants (a tenant may repeat).
 
     Raises:
-        ValueError: an entry that is not ``name=key`` (named by its position, never the key).
+        ValueError: an entry that is not ``name=key`` (named by its position, never the key),
+            or a key that is not printable ASCII without whitespace (named by its tenant).
     """
     keys: dict[str, list[str]] = {}
     for position, item in enumerate(text.split(",")):
@@ -168,10 +199,13 @@ def parse_key_list(text: str, *, source: str = "CONTEXTPILOT_API_KEYS") -> dict[
             raise ValueError(f"{source}: entry {position} must be name=key")
         _check_name(name, source)
         keys.setdefault(name, []).append(key)
-    try:
-        return {name: TenantKeys(tuple(listed)) for name, listed in keys.items()}
-    except ValueError as exc:
-        raise ValueError(f"{source}: {exc}") from None
+    tenants: dict[str, TenantKeys] = {}
+    for name, listed in keys.items():
+        try:
+            tenants[name] = TenantKeys(tuple(listed))
+        except ValueError as exc:
+            raise ValueError(f"{source}: tenant {name!r}: {exc}") from None
+    return tenants
 
 
 class Tenancy:

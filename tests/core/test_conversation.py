@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from contextpilot_integrations.core.conversations.conversation import ConversationStore
-from contextpilot_integrations.core.conversations.turns import Location, TurnVisibility
+from contextpilot_integrations.core.conversations.turns import MAX_TURN, Location, TurnVisibility
 
 
 class FakeClock:
@@ -373,3 +373,17 @@ def test_tombstone_overflow_makes_the_store_amnesic() -> None:
     assert store.stats()["amnesic"] is False
     _record(store, "c", None, [1])  # b buried, a's tombstone forgotten
     assert store.stats()["amnesic"] is True
+
+
+def test_the_largest_turn_number_is_accepted_and_numbering_past_it_is_refused_clearly() -> None:
+    store = ConversationStore()
+    assert _record(store, "long chat", MAX_TURN, [1]) == MAX_TURN  # the app's own number
+    with pytest.raises(ValueError) as refused:
+        _record(store, "long chat", None, [2])
+    message = str(refused.value)
+    assert "conversation 'long chat' is at turn 2147483647" in message and "scope.turn" in message
+    assert str(MAX_TURN + 1) not in message  # never a number the app did not send
+    assert _record(store, "long chat", 7, [2]) == 7  # the app's own number goes on from there
+    assert _record(store, "long chat", None, [3]) == 8
+    with pytest.raises(ValueError, match=r"turn must be in 0\.\.2147483647, got 2147483648"):
+        _record(store, "c", MAX_TURN + 1, [1])

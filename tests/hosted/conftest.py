@@ -6,6 +6,7 @@ head and ``prompt_cache_key``), in the providers' own response shapes."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -49,8 +50,10 @@ def _blocks(content: Any) -> list[dict[str, Any]]:
 
 
 def anthropic_units(body: dict[str, Any]) -> tuple[list[tuple[int, int]], list[int]]:
-    """The body's content blocks as ``(unit, tokens)`` and the indices carrying cache_control."""
-    blocks = _blocks(body.get("system") or []) if body.get("system") else []
+    """The body's tools and content blocks, in the provider's prefix order (tools, system,
+    messages), as ``(unit, tokens)`` and the indices carrying cache_control."""
+    tools = [{"text": json.dumps(t, sort_keys=True), **t} for t in body.get("tools") or []]
+    blocks = [*tools, *(_blocks(body.get("system") or []) if body.get("system") else [])]
     for message in body["messages"]:
         blocks += _blocks(message["content"])
     units = [(block_id(b.get("text", "")), COUNTER.count(b.get("text", ""))) for b in blocks]

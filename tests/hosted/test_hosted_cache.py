@@ -20,6 +20,7 @@ from contextpilot_integrations.llm_call.engine_fields import (
     engine_body_fields,
     read_usage,
 )
+from contextpilot_integrations.llm_call.hosted_cache import create_message
 from contextpilot_integrations.llm_call.openai_cache_key import (
     openai_cache_fields,
     prompt_cache_key,
@@ -273,3 +274,131 @@ def test_ttl_presets_take_the_model_minimum():
     assert model.expire() == []
     clock[0] = 560.0
     assert model.expire() == ["r"]
+
+
+# ---------------------------------------------------------------------- tools, system, history
+MARK = {"cache_control": {"type": "ephemeral"}}
+
+
+class RecordingClient:
+    """Stands in for ``anthropic.Anthropic``: records what ``messages.create`` is given."""
+
+    def __init__(self) -> None:
+        self.messages = self
+        self.sent: list[dict] = []
+
+    def create(self, **kwargs):  # type: ignore[no-untyped-def]
+        self.sent.append(kwargs)
+        return {"usage": {"input_tokens": 1}}
+
+
+def markers_sent(kwargs: dict) -> int:
+    """Every cache_control of a ``messages.create`` call: tools, system and messages."""
+    blocks = [*kwargs.get("tools", ())]
+    if isinstance(kwargs.get("system"), list):
+        blocks += kwargs["system"]
+    for message in kwargs["messages"]:
+        if isinstance(message["content"], list):
+            blocks += message["content"]
+    return sum("cache_control" in block for block in blocks)
+
+
+def tool(name: str, marked: bool = False) -> dict:
+    schema = {"type": "object"}
+    return {"name": name, "description": "d", "input_schema": schema, **(MARK if marked else {})}
+
+
+def planned_turn() -> tuple[object, list[dict]]:
+    """A conversation's second turn sharing its first documents with another request: the
+    policy wants system, history, shared-prefix (and within it) and documents breakpoints."""
+    pilot = ContextPilot()
+    pilot.plan("other", [doc(0), doc(1), doc(2), doc(7)])
+    first = pilot.plan("a", [doc(5), doc(6)], scope=Scope("chat"))
+    plan = pilot.plan("b", [doc(0), doc(1), doc(2), doc(3)], scope=Scope("chat"))
+    history = [first.messages[1], {"role": "assistant", "content": "answer " * 400}]
+    return plan, history
+
+
+def test_markers_on_tools_count_against_the_limit():
+    plan, history = planned_turn()
+    client = RecordingClient()
+    marked_history = [{**history[0], "content": [{"type": "text", "text": "x" * 40, **MARK}]}]
+    create_message(
+        client,
+        plan,
+        model="claude-sonnet-4-6",
+        max_tokens=8,
+        history=[*marked_history, history[1]],
+        tools=[tool("search", marked=True)],
+    )
+    assert markers_sent(client.sent[-1]) == ANTHROPIC_MAX_BREAKPOINTS  # one tool, one app's, two
+    assert client.sent[-1]["tools"] == [tool("search", marked=True)]  # sent as given
+    tools = [tool(f"t{i}", marked=True) for i in range(4)]
+    with pytest.raises(ValueError, match=r"already carry 5 cache_control .*\(4 on tools\)"):
+        create_message(client, plan, model="m", max_tokens=8, history=marked_history, tools=tools)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    tools=st.lists(st.booleans(), max_size=5),
+    system=st.lists(st.booleans(), max_size=3),
+    history=st.lists(st.lists(st.booleans(), min_size=1, max_size=3), max_size=4),
+    minimum=st.sampled_from([0, 1024, 4096]),
+)
+def test_never_more_than_four_counting_tools_system_and_history(tools, system, history, minimum):
+    """The app's own markers at random on its tools, system blocks and history blocks: the
+    request never carries more than four in all, and never fewer than the app's."""
+    plan, _ = planned_turn()
+    own_tools = [tool(f"t{i}", marked) for i, marked in enumerate(tools)]
+    own_system = [{"type": "text", "text": "s" * 400, **(MARK if m else {})} for m in system]
+    own_history = [
+        {
+            "role": "user" if i % 2 == 0 else "assistant",
+            "content": [{"type": "text", "text": "h" * 800, **(MARK if m else {})} for m in turn],
+        }
+        for i, turn in enumerate(history)
+    ]
+    own = sum(tools) + sum(system) + sum(sum(turn) for turn in history)
+    client = RecordingClient()
+    call = dict(
+        policy=AnthropicCachePolicy(min_tokens=minimum),
+        history=own_history,
+        tools=own_tools,
+        model="claude-sonnet-4-6",
+        max_tokens=8,
+        **({"system": own_system} if own_system else {}),
+    )
+    if own > ANTHROPIC_MAX_BREAKPOINTS:
+        with pytest.raises(ValueError, match="cache_control breakpoints"):
+            create_message(client, plan, **call)
+        return
+    create_message(client, plan, **call)
+    sent = client.sent[-1]
+    assert own <= markers_sent(sent) <= ANTHROPIC_MAX_BREAKPOINTS
+    if own_system:  # the app's system text first, then the plan's system prompt
+        assert [b["text"] for b in sent["system"]][: len(own_system)] == ["s" * 400] * len(system)
+        assert sent["system"][-1]["text"] == plan.messages[0]["content"]
+
+
+def test_an_empty_history_message_stays_an_empty_string():
+    plan, history = planned_turn()
+    client = RecordingClient()
+    empty = {"role": "assistant", "content": ""}
+    create_message(client, plan, model="m", max_tokens=8, history=[history[0], empty])
+    assert client.sent[-1]["messages"][1] == empty  # never [], which Anthropic refuses
+    prompt = anthropic_prompt(
+        [{"role": "user", "content": ""}, {"role": "user", "content": "q"}],
+        None,
+    )
+    assert prompt.messages[0]["content"] == ""
+
+
+def test_the_apps_system_goes_before_the_plans_system_prompt():
+    plan, _ = planned_turn()
+    client = RecordingClient()
+    create_message(client, plan, model="m", max_tokens=8, system="You are a pirate.")
+    system = client.sent[-1]["system"]
+    assert [b["text"] for b in system] == ["You are a pirate.", plan.messages[0]["content"]]
+    assert not any("pirate" in str(m["content"]) for m in client.sent[-1]["messages"])
+    with pytest.raises(TypeError, match="system must be a str or a list of text blocks"):
+        create_message(client, plan, model="m", max_tokens=8, system=3)

@@ -62,7 +62,7 @@ def texts(question: str) -> list[str]:
 
 def marks(body: dict[str, Any]) -> list[tuple[str, int]]:
     """``(where, block index)`` of every cache_control in an Anthropic body."""
-    out = []
+    out = [("tools", i) for i, t in enumerate(body.get("tools") or []) if "cache_control" in t]
     system = body.get("system")
     if isinstance(system, list):
         out += [("system", i) for i, b in enumerate(system) if "cache_control" in b]
@@ -289,3 +289,120 @@ def test_more_than_four_breakpoints_is_refused_by_the_server(hosted_server):
         client.messages.create(
             model="claude-sonnet-4-6", max_tokens=8, messages=[{"role": "user", "content": content}]
         )
+
+
+# ---------------------------------------------------------------------- markers on tools
+MARK = {"cache_control": {"type": "ephemeral"}}
+
+
+def marked_tool(name: str) -> dict[str, Any]:
+    """An Anthropic tool definition carrying a breakpoint."""
+    schema = {"type": "object", "properties": {"q": {"type": "string"}}}
+    return {"name": name, "description": f"Tool {name}.", "input_schema": schema, **MARK}
+
+
+def planned_requests(pilot: ContextPilot) -> list[Any]:
+    return [pilot.plan(question, texts(question)) for question in REQUESTS]
+
+
+def test_anthropic_sdk_counts_tools_and_merges_the_apps_system(hosted_server):
+    url, state = hosted_server
+    client = anthropic.Anthropic(base_url=url, api_key="test", max_retries=0)
+    tools = [marked_tool("search"), marked_tool("lookup"), marked_tool("fetch")]
+    history = [
+        {"role": "user", "content": [{"type": "text", "text": DOCS[7], **MARK}]},
+        {"role": "assistant", "content": "noted"},
+    ]
+    for plan in planned_requests(ContextPilot()):
+        create_message(
+            client,
+            plan,
+            model="claude-sonnet-4-6",
+            max_tokens=16,
+            history=history,
+            tools=tools,
+            system="You answer in one line.",
+        )
+        body = state.last("messages")
+        assert len(marks(body)) == ANTHROPIC_MAX_BREAKPOINTS  # three tools and the app's one
+        assert [b["text"] for b in body["system"]][0] == "You answer in one line."
+        assert body["system"][-1]["text"] == plan.messages[0]["content"]
+
+
+def test_langchain_bind_tools_markers_count(hosted_server):
+    url, state = hosted_server
+    pilot = ContextPilot()
+    llm = ChatAnthropic(model="claude-sonnet-4-6", base_url=url, api_key="test", max_retries=0)
+    tools = [marked_tool(f"t{i}") for i in range(3)]
+    chain = (
+        {
+            "context": ContextPilotRetriever(base_retriever=FixedRetriever(), pilot=pilot)
+            | format_documents,
+            "question": RunnablePassthrough(),
+        }
+        | CONTEXTPILOT_PROMPT
+        | with_plan_fields(llm.bind_tools(tools), engine="anthropic")
+    )
+    placed = []
+    for question in REQUESTS:
+        chain.invoke(question)
+        body = state.last("messages")
+        assert len(marks(body)) <= ANTHROPIC_MAX_BREAKPOINTS
+        placed.append([m for m in marks(body) if m[0] != "tools"])
+    assert placed[1] == [("message 0", 2)]  # the one slot left: after the shared prefix
+    four = with_plan_fields(llm.bind_tools([*tools, marked_tool("t3")]), engine="anthropic")
+    prompt = CONTEXTPILOT_PROMPT.invoke(
+        {"context": format_documents.invoke(pilot_documents(pilot)), "question": "question B"}
+    )
+    four.invoke(prompt)
+    assert marks(state.last("messages")) == [("tools", i) for i in range(4)]  # none added
+
+
+def pilot_documents(pilot: ContextPilot) -> list[Document]:
+    retriever = ContextPilotRetriever(base_retriever=FixedRetriever(), pilot=pilot)
+    return retriever.invoke("question B")
+
+
+def test_llama_index_anthropic_tools_markers_count(hosted_server):
+    url, state = hosted_server
+    pilot = ContextPilot()
+    tools = [marked_tool(f"t{i}") for i in range(3)]
+    llm = ContextPilotAnthropic(
+        model="claude-sonnet-4-6", base_url=url, api_key="test", tools=tools
+    )
+    for question in REQUESTS:
+        plan = pilot.plan(question, texts(question))
+        arm_plan(plan)
+        system = plan.layout.system_segment() + plan.context
+        llm.chat(
+            [
+                ChatMessage(role=MessageRole.SYSTEM, content=system),
+                ChatMessage(role=MessageRole.USER, content=question),
+            ]
+        )
+        body = state.last("messages")
+        assert len(marks(body)) <= ANTHROPIC_MAX_BREAKPOINTS
+        expected = [] if question == "question A" else [("system", 3)]
+        assert [m for m in marks(body) if m[0] != "tools"] == expected
+    llm.tools = [*tools, marked_tool("t3")]
+    plan = pilot.plan("question B", texts("question B"))
+    arm_plan(plan)
+    llm.chat(
+        [
+            ChatMessage(
+                role=MessageRole.SYSTEM, content=plan.layout.system_segment() + plan.context
+            ),
+            ChatMessage(role=MessageRole.USER, content="question B"),
+        ]
+    )
+    assert marks(state.last("messages")) == [("tools", i) for i in range(4)]
+
+
+def test_an_empty_message_is_never_sent_as_an_empty_list(hosted_server):
+    url, state = hosted_server
+    client = anthropic.Anthropic(base_url=url, api_key="test", max_retries=0)
+    pilot = ContextPilot()
+    plan = pilot.plan("question A", texts("question A"))
+    history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": ""}]
+    create_message(client, plan, model="claude-sonnet-4-6", max_tokens=8, history=history)
+    assert state.last("messages")["messages"][1]["content"] == ""

@@ -11,8 +11,9 @@ import pytest
 from fastapi.testclient import TestClient
 from service_testing import blocks_of, saved_requests
 
+from contextpilot_integrations.core.conversations.turns import MAX_TURN
 from contextpilot_integrations.core.rendering import PromptLayout
-from contextpilot_integrations.core.request import MAX_TURN, PlanRequest
+from contextpilot_integrations.core.request import PlanRequest
 from contextpilot_integrations.service.app import create_app
 from contextpilot_integrations.service.index_service import IndexService
 from contextpilot_integrations.service.service_config import ServiceConfig
@@ -241,6 +242,21 @@ def test_health_layout_and_snapshot_endpoints(client, tmp_path) -> None:  # type
     assert plan["segments"][0] == "Custom system prompt.\n"
     assert client.post("/v1/snapshot").json() == {"saved": True}
     assert [entry["rid"] for entry in saved_requests(tmp_path / "index.json")] == [plan["rid"]]
+
+
+def test_after_the_largest_turn_an_unnumbered_turn_is_refused_naming_what_was_sent(client) -> None:  # type: ignore[no-untyped-def]
+    scope = {"conversation_id": "long chat", "turn": MAX_TURN}
+    assert (
+        client.post("/v1/plan", json={"query": "q", "blocks": ["a"], "scope": scope}).json()[
+            "scope"
+        ]["turn"]
+        == MAX_TURN
+    )
+    body = {"query": "q", "blocks": ["b"], "scope": {"conversation_id": "long chat"}}
+    refused = client.post("/v1/plan", json=body)
+    assert refused.status_code == 422
+    message = refused.json()["message"]
+    assert "'long chat' is at turn 2147483647" in message and str(MAX_TURN + 1) not in message
 
 
 def test_a_batch_with_some_rids_gets_new_ones_for_the_rest(client) -> None:  # type: ignore[no-untyped-def]

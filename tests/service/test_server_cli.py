@@ -1,14 +1,23 @@
 """The ``contextpilot-server`` command line: options wired to the service configuration, and
-inconsistent options refused with a message naming them."""
+inconsistent options refused with a message naming them; a key source that holds no key stops
+the server rather than leave it open."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
+from service_testing import free_port
 
+from contextpilot_integrations.service import server as server_module
 from contextpilot_integrations.service.server import build_parser, config_from_args, main
+from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.sync.configuration import CacheSyncConfig
 
 
@@ -92,3 +101,77 @@ def test_inconsistent_options_exit_with_a_message(argv, words, capsys) -> None: 
         main(argv)
     assert exited.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def _empty_key_file(tmp_path: Path) -> Path:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"tenants": {}}))
+    path.chmod(0o600)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "words"),
+    [
+        ([], {"CONTEXTPILOT_API_KEY": ""}, "$CONTEXTPILOT_API_KEY is set but empty"),
+        ([], {"CONTEXTPILOT_API_KEY": " k "}, "$CONTEXTPILOT_API_KEY must be printable ASCII"),
+        ([], {"CONTEXTPILOT_API_KEYS": ""}, "$CONTEXTPILOT_API_KEYS is set but lists no"),
+        ([], {"CONTEXTPILOT_API_KEYS": " , "}, "$CONTEXTPILOT_API_KEYS is set but lists no"),
+        (["--api-key", ""], {}, "--api-key is set but empty"),
+        (["--no-auth", "--api-key", "k"], {}, "keys are given by --api-key"),
+        (["--no-auth"], {"CONTEXTPILOT_API_KEYS": "a=k"}, "keys are given by $CONTEXTPILOT"),
+    ],
+)
+def test_a_key_source_without_a_key_is_refused_naming_it(  # type: ignore[no-untyped-def]
+    argv, environ, words, capsys, monkeypatch
+) -> None:
+    monkeypatch.delenv("CONTEXTPILOT_API_KEY", raising=False)
+    monkeypatch.delenv("CONTEXTPILOT_API_KEYS", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+
+    def started(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(server_module.uvicorn, "run", started)
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert words in err and " k " not in err
+    assert "--no-auth" in err or "printable ASCII" in err  # how to run open on purpose
+
+
+def test_a_key_file_naming_no_tenant_stops_the_real_server(tmp_path: Path) -> None:
+    path = _empty_key_file(tmp_path)
+    port = free_port()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("CONTEXTPILOT_API_KEY")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "contextpilot_integrations.service.server"]
+        + ["--port", str(port), "--api-keys", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=environ,
+    )
+    try:
+        output, _ = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # it started: anyone's key would do
+        made_up = {"Authorization": "Bearer made-up"}
+        status = httpx.get(f"http://127.0.0.1:{port}/v1/stats", headers=made_up).status_code
+        process.kill()
+        process.communicate()
+        pytest.fail(f"the server started with an empty key file; a made-up key got {status}")
+    assert process.returncode == 2
+    assert f"key file {str(path)!r} names no tenant" in output.decode()
+
+
+def test_no_auth_runs_open_on_purpose_and_says_so(server_factory, caplog) -> None:  # type: ignore[no-untyped-def]
+    server = server_factory("--no-auth")
+    assert httpx.get(f"{server.base_url}/v1/stats").status_code == 200
+    log = server.log()
+    assert "WARNING" in log and "--no-auth: authentication is off" in log
+    with caplog.at_level(logging.WARNING):
+        config = _config(["--no-auth"])
+    assert config.tenancy.mode == "open" and "authentication is off" in caplog.text
+    with pytest.raises(ValueError, match="tenants must name at least one tenant"):
+        ServiceConfig(tenants={})  # an embedder's empty key set is not "no authentication"

@@ -61,6 +61,26 @@ def test_a_hard_kill_keeps_the_last_periodic_snapshot(server_factory, tmp_path) 
     assert _stats(second.base_url)["requests"] == 6
 
 
+def test_a_final_save_that_fails_on_sigterm_is_logged_as_an_error(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    folder = tmp_path / "state"
+    folder.mkdir()
+    snapshot = folder / "index.json"
+    server = server_factory("--snapshot", str(snapshot), "--snapshot-interval", "0.1")
+    _plan(server.base_url, 3)
+    wait_for(lambda: snapshot.exists(), what="a first checkpoint")
+    # The folder goes (as a full disk would fail every write): checkpoints fail first, and
+    # the sync failure counter logs only the first of them.
+    folder.rename(tmp_path / "state.gone")
+    folder.write_text("not a folder any more")
+    wait_for(lambda: "cannot save snapshot" in server.log(), what="a failed checkpoint")
+    time.sleep(0.3)
+    server.stop(signal.SIGTERM)
+    errors = [line for line in server.log().splitlines() if " ERROR " in line]
+    assert any(
+        "cannot save the final snapshot" in line and str(snapshot) in line for line in errors
+    ), server.log()[-3000:]
+
+
 def test_an_unreadable_snapshot_is_set_aside_and_counted(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
     snapshot = tmp_path / "index.json"
     snapshot.write_text("{not json")

@@ -273,7 +273,7 @@ def test_a_rotated_key_keeps_the_restored_rids_routed(tmp_path: Path) -> None:
     old = first.plan(PlanRequest("q", blocks_of(1), "r"), caller="alice").rid
     first.start()
     first.stop()
-    rotated = {"alice": TenantKeys(("a new alice key",)), "bob": TENANTS["bob"]}
+    rotated = {"alice": TenantKeys(("a-new-alice-key",)), "bob": TENANTS["bob"]}
     again = _service(path, tenants=rotated, cache_sync={"kind": "capacity", "capacity_tokens": 10})
     assert old in again.pilot_of("alice").index
     assert again._engine_evicted(old) is True  # the engine's eviction reaches alice's index

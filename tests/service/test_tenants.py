@@ -70,7 +70,21 @@ def test_a_key_file_and_the_environment_map_keys_to_tenants(tmp_path: Path) -> N
         ({"alice": {"keys": ["k"]}}, '{"tenants"'),
         ({"tenants": {"alice": {"keys": "k"}}}, "keys must be a list"),
         ({"tenants": {"alice": {"keys": []}}}, "keys must not be empty"),
-        ({"tenants": {"alice": {"keys": [" k"]}}}, "without surrounding whitespace"),
+        ({"tenants": {"alice": {"keys": [" k"]}}}, "tenants['alice']: keys[0] must be"),
+        # A key goes in an HTTP header: printable ASCII without whitespace only.
+        ({"tenants": {"alice": {"keys": ["k1", "clé-secrète"]}}}, "keys[1] must be"),
+        ({"tenants": {"alice": {"keys": ["two words"]}}}, "printable ASCII characters without"),
+        ({"tenants": {"alice": {"keys": ["tab\tkey"]}}}, "printable ASCII characters without"),
+        # JSON keeps the last of two equal names: the first entry's keys would stop working.
+        (
+            '{"tenants": {"alice": {"keys": ["first-key"]}, "alice": {"keys": ["second-key"]}}}',
+            "tenant 'alice' is named twice",
+        ),
+        (
+            '{"tenants": {"alice": {"keys": ["first-key"], "keys": ["second-key"]}}}',
+            "tenants['alice'] gives the field 'keys' twice",
+        ),
+        ('{"tenants": {}, "tenants": {"alice": {"keys": ["k"]}}}', "field 'tenants' is given"),
         ({"tenants": {"alice": {"keys": ["k"], "colour": 1}}}, "unknown fields ['colour']"),
         ({"tenants": {"": {"keys": ["k"]}}}, "tenant name must be a str of 1.."),
         ({"tenants": {"alice": {"keys": ["k"], "cache_salt": ""}}}, "cache_salt"),
@@ -83,6 +97,8 @@ def test_a_bad_key_file_is_refused_naming_the_fault_never_a_key(
         read_key_file(_key_file(tmp_path, content))
     assert words in str(raised.value)
     assert "keys.json" in str(raised.value)
+    for secret in ("clé-secrète", "two words", "first-key", "second-key"):
+        assert secret not in str(raised.value)  # never a key
 
 
 def test_the_environment_list_and_the_tenancy_refuse_ambiguous_keys() -> None:
@@ -92,6 +108,9 @@ def test_the_environment_list_and_the_tenancy_refuse_ambiguous_keys() -> None:
     }
     with pytest.raises(ValueError, match="entry 1 must be name=key"):
         parse_key_list("alice=a1,bob")
+    with pytest.raises(ValueError, match=r"tenant 'bob': keys\[0\] must be .* ASCII") as raised:
+        parse_key_list("alice=a1,bob=böb-key")
+    assert "böb-key" not in str(raised.value)
     with pytest.raises(ValueError, match="also a key of tenant 'alice'"):
         Tenancy({"alice": TenantKeys(("same",)), "bob": TenantKeys(("same",))})
     with pytest.raises(ValueError, match="the same cache_salt"):
@@ -118,7 +137,7 @@ def test_salts_and_rid_tags_are_secret_stable_and_distinct() -> None:
     assert tenancy.cache_salt("alice") != tenancy.cache_salt("bob")
     assert tenancy.rid_tag("alice") != tenancy.rid_tag("bob")
     # Derived from the key (not guessable from the name): another key, another salt and tag.
-    other = Tenancy({"alice": TenantKeys(("another key",)), "bob": TENANTS["bob"]})
+    other = Tenancy({"alice": TenantKeys(("another-key",)), "bob": TENANTS["bob"]})
     assert other.cache_salt("alice") != tenancy.cache_salt("alice")
     assert other.rid_tag("alice") != tenancy.rid_tag("alice")
     # A key file's cache_salt is used as given, and survives key rotation (the tag too).

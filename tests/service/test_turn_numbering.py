@@ -28,6 +28,7 @@ from service_testing import free_port
 from contextpilot_integrations.client.client import ContextPilotClient
 from contextpilot_integrations.client.conversations import ConversationMemory
 from contextpilot_integrations.client.schemas import BOOT_HEADER
+from contextpilot_integrations.core.conversations.turns import MAX_TURN
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import PlacementStatus, Plan
 from contextpilot_integrations.core.request import PlanRequest, Scope
@@ -142,6 +143,31 @@ def test_the_numbering_rules_one_by_one() -> None:
     assert counts["renumbered"] == 2 and counts["renumber_refused"] == 1
     assert memory.counts()["conversations"] == 2  # the LRU bound: "c" is forgotten
     assert memory.to_send(request) == request
+
+
+def test_the_clients_numbering_stops_at_the_largest_turn_with_a_clear_error() -> None:
+    memory = ConversationMemory()
+    pilot = ContextPilot()
+    top = PlanRequest("q", [PASSAGES[0]], scope=Scope("c", turn=MAX_TURN))
+    plan = pilot.plan("q", [PASSAGES[0]], scope=top.scope)
+    memory.received(top, top, plan, "a")
+    unnumbered = PlanRequest("q", [PASSAGES[1]], scope=Scope("c"))
+    restarted = pilot.plan("q", [PASSAGES[1]], scope=Scope("fresh"))  # numbered 1 afresh
+    restarted = dataclasses.replace(restarted, scope=dataclasses.replace(restarted.scope, turn=1))
+    with pytest.raises(ValueError, match="'c' is at turn 2147483647") as refused:
+        memory.received(unnumbered, unnumbered, restarted, "b")
+    assert str(MAX_TURN + 1) not in str(refused.value)
+    # What the restarted service recorded is undone before the conversation's next call.
+    assert memory.unsettled_among([("conversation", "", "c")]) == [("conversation", "", "c")]
+    # A client that numbers the conversation itself (after a restart) stops there too.
+    numbered = ConversationMemory()
+    below = PlanRequest("q", [PASSAGES[0]], scope=Scope("c", turn=MAX_TURN - 1))
+    numbered.received(below, below, dataclasses.replace(plan, scope=below.scope), "a")
+    renumbered = numbered.received(unnumbered, unnumbered, restarted, "b").plan
+    assert renumbered is not None and renumbered.scope.turn == MAX_TURN
+    with pytest.raises(ValueError, match="'c' is at turn 2147483647") as refused:
+        numbered.to_send(unnumbered)
+    assert str(MAX_TURN + 1) not in str(refused.value)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from contextpilot_integrations.core.conversations.conversation_records import (
     nonnegative_int,
 )
 from contextpilot_integrations.core.conversations.conversation_turn import ConversationTurn
-from contextpilot_integrations.core.conversations.turns import TurnVisibility
+from contextpilot_integrations.core.conversations.turns import MAX_TURN, TurnVisibility, next_turn
 from contextpilot_integrations.core.lru import LRU
 
 __all__ = ["CONVERSATION_SNAPSHOT_VERSION", "ConversationStore"]
@@ -133,13 +133,14 @@ class ConversationStore:
 
         Raises:
             TypeError / ValueError: bad ``tenant``, ``conversation_id``, ``turn`` or
-                ``visibility`` (the message names the field and value).
+                ``visibility`` (the message names the field and value); no ``turn`` while
+                the latest is :data:`MAX_TURN` (:func:`next_turn`).
         """
         key = _conversation_key(tenant, conversation_id)
         if turn is not None:
             _check_int("turn", turn)
-            if turn < 0:
-                raise ValueError(f"turn must be >= 0, got {turn}")
+            if not 0 <= turn <= MAX_TURN:
+                raise ValueError(f"turn must be in 0..{MAX_TURN}, got {turn}")
         if visibility is None:
             visibility = _ALL_TURNS
         elif not isinstance(visibility, TurnVisibility):
@@ -156,7 +157,7 @@ class ConversationStore:
             latest = conversation.latest_turn()
             if turn is None:
                 if conversation.continuous:
-                    turn = 1 if latest is None else latest + 1
+                    turn = next_turn(conversation_id, latest)
                 else:
                     self._counters["unnumbered"] += 1
             else:

@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+MAX_TURN = 2**31 - 1
+"""Largest turn number (also the largest ``scope.turn`` a request may give)."""
+
 __all__ = ["Location", "TurnVisibility"]
 
 
@@ -102,3 +105,26 @@ class TurnVisibility:
 def _check_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r:.80}")
+
+
+def next_turn(conversation_id: str, latest: int | None) -> int:
+    """The number after a conversation's ``latest`` turn (1 when it has none).
+
+    A turn the app numbered :data:`MAX_TURN` (accepted: it is the app's own number) has no
+    next number. Rather than a plan numbered past the range, or an error about a number the
+    app never sent, the next unnumbered turn is refused, naming the conversation and its
+    latest turn; the app gives its own ``scope.turn`` from there (an earlier number replans
+    from that turn) or starts a new conversation.
+
+    Raises:
+        ValueError: ``latest`` is :data:`MAX_TURN`.
+    """
+    if latest is None:
+        return 1
+    if latest >= MAX_TURN:
+        raise ValueError(
+            f"conversation {conversation_id!r:.80} is at turn {latest}, the largest turn "
+            f"number, so its next turn cannot be numbered: give scope.turn (at most "
+            f"{MAX_TURN}; an earlier one replans from there) or start a new conversation"
+        )
+    return latest + 1

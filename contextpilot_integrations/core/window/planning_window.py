@@ -18,14 +18,19 @@ released in its schedule order (a window of one is planned with ``plan``); ``win
 every request at once.
 
 Threads (``plan``) and coroutines (``aplan``) may share one window; a coroutine never blocks its
-event loop. A batch that fails (one bad or conflicting request) is planned again request by
-request, so only the bad request's caller gets the error.
+event loop. A window that stays open waits, and is planned with the planner's ``plan_batch``, in
+a thread of its own that no caller runs: one caller's cancellation or timeout never fails,
+delays or changes another's plan (docs/DESIGN.md, "Callers independent"). A caller that gives up
+while the window is open leaves it; one that gives up while its window is being planned gets its
+``CancelledError`` and has its plan undone (the request evicted, the conversation's records
+forgotten: no later hint points at a turn it never received). A batch that fails (one bad or
+conflicting request) goes back to its callers, each planning its own request, so only the bad
+request's caller gets the error.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -50,58 +55,124 @@ MAX_WINDOW_MS = 60_000.0
 """The longest planning window (one minute): a window is a short wait for requests arriving
 together, and an unbounded one (``inf``) would never close."""
 
+WINDOW_THREAD_NAME = "contextpilot-planning-window"
+"""The name of the thread each window waits and is planned in."""
 
-class _Alone(Exception):
-    """Marks a window of one request, planned with ``plan`` (not a failure)."""
-
-
-_ALONE = _Alone()
+UNDO_THREAD_NAME = "contextpilot-planning-window-undo"
+"""The name of the threads that undo a plan its caller gave up on."""
 
 
 class _Member:
-    """One caller waiting for its plan: a thread (an event) or a coroutine (a future)."""
+    """One caller waiting for its outcome: a thread (an event) or a coroutine (a future).
 
-    __slots__ = ("done", "error", "future", "loop", "on_orphan", "plan", "request")
+    The outcome is its plan, its error, or ``alone``: the caller plans its request itself, with
+    the planner's ``plan`` / ``aplan`` (a window left with one request, or a batch that failed).
+    A caller that gives up once its request was taken for planning (a cancelled coroutine, a
+    thread interrupted while waiting) has the plan it never received undone (``on_orphan``),
+    whether the plan reached it before it gave up or arrives after; so does one whose event
+    loop has closed.
+    """
+
+    __slots__ = (
+        "abandoned",
+        "alone",
+        "done",
+        "error",
+        "future",
+        "lock",
+        "loop",
+        "on_orphan",
+        "plan",
+        "request",
+        "undone",
+        "window",
+    )
 
     def __init__(
         self,
         request: PlanRequest,
+        on_orphan: Callable[[Plan], None],
         loop: asyncio.AbstractEventLoop | None = None,
-        on_orphan: Callable[[Plan], None] | None = None,
     ) -> None:
         self.request = request
         self.loop = loop
         self.on_orphan = on_orphan
-        self.future: asyncio.Future[Plan] | None = loop.create_future() if loop else None
+        # The coroutine's future: its plan, or None for "plan it yourself".
+        self.future: asyncio.Future[Plan | None] | None = loop.create_future() if loop else None
         self.done = threading.Event()
+        self.lock = threading.Lock()  # the outcome arriving against the caller giving up
         self.plan: Plan | None = None
         self.error: BaseException | None = None
+        self.alone = False
+        self.abandoned = False
+        self.undone = False
+        self.window: OpenWindow[_Member] | None = None
 
     def deliver(self, plan: Plan | None, error: BaseException | None) -> None:
-        self.plan, self.error = plan, error
-        self.done.set()
-        if self.loop is not None and self.future is not None:
-            self.loop.call_soon_threadsafe(self._resolve)
+        """Hand the caller its plan or its error (from the window's thread)."""
+        self._settle(plan, error, alone=False)
 
-    def _resolve(self) -> None:
-        assert self.future is not None
-        if self.future.done():
-            if self.future.cancelled() and self.plan is not None and self.on_orphan is not None:
-                # Its coroutine was cancelled: nobody shows this plan, so undo what it recorded.
-                assert self.loop is not None
-                self.loop.run_in_executor(None, self.on_orphan, self.plan)
-            return
-        if self.error is not None:
-            self.future.set_exception(self.error)
-        else:
-            assert self.plan is not None
-            self.future.set_result(self.plan)
+    def hand_back(self) -> None:
+        """Let the caller plan its request itself (from the window's thread)."""
+        self._settle(None, None, alone=True)
+
+    def abandon(self) -> None:
+        """The caller gives up after its request was taken for planning, without taking its
+        outcome: a plan that has reached it is undone now, one still to come when it comes."""
+        with self.lock:
+            self.abandoned = True
+            orphan = self._orphan()
+        if orphan is not None:
+            self._undo(orphan)
 
     def result(self) -> Plan:
+        """A thread caller's plan, once settled (not ``alone``)."""
         if self.error is not None:
             raise self.error
         assert self.plan is not None
         return self.plan
+
+    def _settle(self, plan: Plan | None, error: BaseException | None, *, alone: bool) -> None:
+        with self.lock:
+            self.plan, self.error, self.alone = plan, error, alone
+            self.done.set()
+            orphan = self._orphan() if self.abandoned else None
+        if self.abandoned:
+            if orphan is not None:
+                self._undo(orphan)
+            return
+        if self.loop is None:
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._resolve)
+        except RuntimeError:  # its event loop is closed: nobody awaits this plan any more
+            self.abandon()
+
+    def _resolve(self) -> None:
+        """On the coroutine's event loop: its outcome, unless it was cancelled meanwhile (its
+        ``abandon`` then undoes the plan)."""
+        assert self.future is not None
+        if self.future.done():
+            return
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            self.future.set_result(None if self.alone else self.plan)
+
+    def _orphan(self) -> Plan | None:
+        """The plan to undo, once (the lock is held): one that arrived for a caller that gave
+        up."""
+        if self.undone or not self.done.is_set() or self.alone or self.plan is None:
+            return None
+        self.undone = True
+        return self.plan
+
+    def _undo(self, plan: Plan) -> None:
+        """Undo ``plan`` off the caller's event loop (the undo may be a network call) and off
+        the window's thread (the next callers' plans wait for it)."""
+        threading.Thread(
+            target=self.on_orphan, args=(plan,), name=UNDO_THREAD_NAME, daemon=True
+        ).start()
 
 
 class PlanningWindow:
@@ -177,12 +248,18 @@ class PlanningWindow:
         Raises:
             TypeError / ValueError / RidConflictError: as the planner's ``plan``.
         """
-        member = _Member(PlanRequest(query, blocks, rid, scope or NO_SCOPE))
-        window, leader = self._join(member)
-        if leader:
-            self._lead(window)
-        member.done.wait()
-        return member.result()
+        request = PlanRequest(query, blocks, rid, scope or NO_SCOPE)
+        member = _Member(request, self._undo_orphan)
+        if not self._join(member):
+            try:
+                member.done.wait()
+            except BaseException:  # interrupted while waiting (Ctrl-C): the others go on
+                if not self._withdraw(member):
+                    member.abandon()
+                raise
+            if not member.alone:
+                return member.result()
+        return self.planner.plan(query, blocks, rid=rid, scope=scope)
 
     async def aplan(
         self,
@@ -192,17 +269,26 @@ class PlanningWindow:
         rid: str | None = None,
         scope: Scope | None = None,
     ) -> Plan:
-        """:meth:`plan` for a coroutine: the event loop goes on while the window is open."""
-        member = _Member(
-            PlanRequest(query, blocks, rid, scope or NO_SCOPE),
-            asyncio.get_running_loop(),
-            self._undo_orphan,
-        )
-        window, leader = self._join(member)
-        if leader:
-            await self._alead(window)
-        assert member.future is not None
-        return await member.future
+        """:meth:`plan` for a coroutine: the event loop goes on while the window is open.
+
+        Cancelling it (a task cancelled, ``asyncio.wait_for`` timing out) affects this call
+        alone: its request leaves the window if the window is not planned yet, and a plan made
+        for it meanwhile is undone (the request evicted, its conversation forgotten); every
+        other caller of the window gets its plan all the same.
+        """
+        request = PlanRequest(query, blocks, rid, scope or NO_SCOPE)
+        member = _Member(request, self._undo_orphan, asyncio.get_running_loop())
+        if not self._join(member):
+            assert member.future is not None
+            try:
+                plan = await member.future
+            except asyncio.CancelledError:
+                if not self._withdraw(member):
+                    member.abandon()
+                raise
+            if plan is not None:
+                return plan
+        return await self.planner.aplan(query, blocks, rid=rid, scope=scope)
 
     def plan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
         """The planner's ``plan_batch`` (a batch is already planned jointly)."""
@@ -226,9 +312,11 @@ class PlanningWindow:
         return out
 
     # ------------------------------------------------------------------ internals
-    def _join(self, member: _Member) -> tuple[OpenWindow[_Member], bool]:
-        """Add ``member`` to the open window (closing it first when it cannot join); returns
-        the window and whether this caller leads it (waits, then plans it)."""
+    def _join(self, member: _Member) -> bool:
+        """Add ``member`` to the open window (closing it first when it cannot join), or open a
+        window, with its own thread, for it. True when the caller plans its request itself at
+        once: the window it opened closed at once with it alone (``window_ms=0``,
+        ``max_batch=1``, sparse traffic)."""
         request = member.request
         with self._lock:
             now = self._clock()
@@ -237,20 +325,53 @@ class PlanningWindow:
             if window is not None and not self.policy.admits(window, request):
                 self._close(window)
                 window = None
+            opens = window is None
             if window is None:
                 sparse = self._rate.expected(self.policy.window_s) < 1.0
                 window = OpenWindow(now, sparse=sparse)
                 self._open = window
-                leader = True
-            else:
-                leader = False
             window.add(request, member, track_blocks=self.policy.adaptive)
+            member.window = window
             if len(window.members) >= self.policy.max_batch or self.policy.window_s == 0:
                 self._close(window)
-            return window, leader
+            if not opens:
+                return False
+            if self._remaining(window) is None:  # closed as it opened: no one else is in it
+                window.planning = True
+                self._counts["windows"] += 1
+                self._counts["requests"] += 1
+                return True
+            wakeup = threading.Event()
+            window.wake = wakeup.set
+        thread = threading.Thread(
+            target=self._run, args=(window, wakeup), name=WINDOW_THREAD_NAME, daemon=True
+        )
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to spare: each caller plans its own request
+            with self._lock:
+                self._close(window)
+                window.planning = True
+                members = list(window.members)
+            for waiting in members:
+                waiting.hand_back()
+        return False
+
+    def _withdraw(self, member: _Member) -> bool:
+        """Take a caller that gives up out of its window; True when it was still waiting for
+        the window to be planned (nothing is planned for it then), False once its request was
+        taken for planning."""
+        window = member.window
+        with self._lock:
+            if window is None or window.planning or member not in window.members:
+                return False
+            window.remove(member, member.request)
+            if not window.members:
+                self._close(window)  # nobody left: its thread ends
+            return True
 
     def _close(self, window: OpenWindow[_Member]) -> None:
-        """Close ``window`` (the lock is held) and wake its leader."""
+        """Close ``window`` (the lock is held) and wake its thread."""
         if window.closed:
             return
         window.closed = True
@@ -274,24 +395,54 @@ class PlanningWindow:
             return None
         return left
 
-    def _lead(self, window: OpenWindow[_Member]) -> None:
+    def _run(self, window: OpenWindow[_Member], wakeup: threading.Event) -> None:
+        """The window's thread: wait until the window closes, then plan its requests. No
+        caller runs this, so no caller's cancellation or timeout can stop it."""
+        while True:
+            with self._lock:
+                left = self._remaining(window)
+                if left is None:
+                    window.planning = True  # its members are fixed from here on
+                    members = list(window.members)
+                    break
+            wakeup.wait(left)
+            wakeup.clear()
         try:
-            self._wait_and_plan(window)
-        except BaseException as exc:  # never leave a member waiting for good
-            self._fail_undelivered(window, exc)
-            raise
+            self._plan_members(members)
+        except BaseException as exc:  # never leave a caller waiting for good: it gets the error
+            for member in members:
+                if not member.done.is_set():
+                    member.deliver(None, exc)
 
-    async def _alead(self, window: OpenWindow[_Member]) -> None:
+    def _plan_members(self, members: list[_Member]) -> None:
+        """Plan one closed window's requests as a batch and hand each caller its plan, in the
+        batch's schedule order. A window left with one request (the others gave up), and
+        every request of a batch that failed, go back to their callers to plan alone, so only
+        a bad request's caller gets its error."""
+        if not members:
+            return
+        with self._lock:
+            self._counts["windows"] += 1
+            self._counts["requests"] += len(members)
+        if len(members) == 1:  # exactly what the planner alone does
+            members[0].hand_back()
+            return
         try:
-            await self._await_and_plan(window)
-        except BaseException as exc:
-            self._fail_undelivered(window, exc)
-            raise
+            batch = self.planner.plan_batch([member.request for member in members])
+        except Exception:
+            with self._lock:
+                self._counts["batch_failures"] += 1
+            for member in members:
+                member.hand_back()
+            return
+        for index in batch.schedule:
+            members[index].deliver(batch.plans[index], None)
 
     def _undo_orphan(self, plan: Plan) -> None:
-        """A coroutine was cancelled before its plan arrived (``asyncio.wait_for`` timed out):
-        the planner drops the request and forgets the conversation's records, so no later
-        hint points at a turn the caller never received. Best effort (logged)."""
+        """A caller gave up (a cancelled coroutine, ``asyncio.wait_for`` timed out) after its
+        request was planned: the planner drops the request and forgets the conversation's
+        records, so no later hint points at a turn the caller never received. Best effort
+        (logged)."""
         try:
             self.planner.evict(plan.rid)
             forget = getattr(self.planner, "forget_conversation", None)
@@ -299,103 +450,3 @@ class PlanningWindow:
                 forget(plan.scope.conversation_id, plan.scope.tenant)
         except Exception:
             logger.warning("could not undo the cancelled request %s", plan.rid, exc_info=True)
-
-    @staticmethod
-    def _fail_undelivered(window: OpenWindow[_Member], error: BaseException) -> None:
-        for member in window.members:
-            if not member.done.is_set():
-                member.deliver(None, error)
-
-    def _wait_and_plan(self, window: OpenWindow[_Member]) -> None:
-        wakeup = threading.Event()
-        with self._lock:
-            window.wake = wakeup.set
-        while True:
-            with self._lock:
-                left = self._remaining(window)
-            if left is None:
-                break
-            wakeup.wait(left)
-            wakeup.clear()
-        requests = [member.request for member in window.members]
-        if len(requests) == 1:  # exactly what the planner alone does
-            self._release(window, _ALONE, None, [self._plan_one(requests[0])])
-            return
-        try:
-            outcome: BatchPlan | BaseException = self.planner.plan_batch(requests)
-        except Exception as exc:  # planned again one by one below
-            outcome = exc
-        self._release(window, outcome, lambda request: self._plan_one(request))
-
-    async def _await_and_plan(self, window: OpenWindow[_Member]) -> None:
-        loop = asyncio.get_running_loop()
-        wakeup = asyncio.Event()
-
-        def wake() -> None:
-            loop.call_soon_threadsafe(wakeup.set)
-
-        with self._lock:
-            window.wake = wake
-        while True:
-            with self._lock:
-                left = self._remaining(window)
-            if left is None:
-                break
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wakeup.wait(), left)
-            wakeup.clear()
-        requests = [member.request for member in window.members]
-        if len(requests) == 1:  # exactly what the planner alone does
-            self._release(window, _ALONE, None, [await self._aplan_one(requests[0])])
-            return
-        try:
-            outcome: BatchPlan | BaseException = await self.planner.aplan_batch(requests)
-        except Exception as exc:
-            outcome = exc
-        if isinstance(outcome, BaseException):
-            singles = [await self._aplan_one(m.request) for m in window.members]
-            self._release(window, outcome, None, singles)
-        else:
-            self._release(window, outcome, None)
-
-    def _plan_one(self, request: PlanRequest) -> tuple[Plan | None, BaseException | None]:
-        try:
-            return self.planner.plan(
-                request.query, request.blocks, rid=request.rid, scope=request.scope
-            ), None
-        except Exception as exc:
-            return None, exc
-
-    async def _aplan_one(self, request: PlanRequest) -> tuple[Plan | None, BaseException | None]:
-        try:
-            plan = await self.planner.aplan(
-                request.query, request.blocks, rid=request.rid, scope=request.scope
-            )
-            return plan, None
-        except Exception as exc:
-            return None, exc
-
-    def _release(
-        self,
-        window: OpenWindow[_Member],
-        outcome: BatchPlan | BaseException,
-        plan_one: Callable[[PlanRequest], tuple[Plan | None, BaseException | None]] | None,
-        singles: list[tuple[Plan | None, BaseException | None]] | None = None,
-    ) -> None:
-        """Hand every member its plan, in the batch's schedule order; after a failed batch,
-        each member's own plan (or error)."""
-        members = window.members
-        with self._lock:
-            self._counts["windows"] += 1
-            self._counts["requests"] += len(members)
-            if isinstance(outcome, BaseException) and outcome is not _ALONE:
-                self._counts["batch_failures"] += 1
-        if isinstance(outcome, BaseException):
-            if singles is None:
-                assert plan_one is not None
-                singles = [plan_one(member.request) for member in members]
-            for member, (plan, error) in zip(members, singles):
-                member.deliver(plan, error)
-            return
-        for index in outcome.schedule:
-            members[index].deliver(outcome.plans[index], None)

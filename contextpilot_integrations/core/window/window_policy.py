@@ -132,7 +132,7 @@ class OpenWindow(Generic[MemberT]):
     ``members`` holds one entry per request, whatever its owner waits on: a
     :class:`~.planning_window.PlanningWindow` caller waiting for its plan, or the request itself
     when :meth:`WindowPolicy.group` replays arrivals. ``closed`` and ``wake`` are the live
-    window's (:class:`~.planning_window.PlanningWindow`); the rule reads neither.
+    window's (:class:`~.planning_window.PlanningWindow`), as ``planning``; the rule reads none.
     """
 
     opened: float
@@ -144,7 +144,8 @@ class OpenWindow(Generic[MemberT]):
     blocks: set[int] = field(default_factory=set)
     shares_a_block: bool = False
     closed: bool = False
-    wake: Callable[[], None] | None = None  # wakes the request waiting to close the window
+    planning: bool = False  # its requests were taken for planning: none joins or leaves now
+    wake: Callable[[], None] | None = None  # wakes the thread waiting to close the window
 
     def add(
         self,
@@ -165,3 +166,21 @@ class OpenWindow(Generic[MemberT]):
             ids = {block_id(text) for text in request.blocks if is_block_text(text)}
             self.shares_a_block = not ids.isdisjoint(self.blocks)
             self.blocks |= ids
+
+    def remove(self, member: MemberT, request: PlanRequest) -> None:
+        """Take ``member`` (whose request is ``request``) out again: its caller gave up before
+        the window was planned. Its conversation and rid may join again; the blocks it brought
+        still count as seen (at most they keep the adaptive window open its full length).
+
+        Raises:
+            ValueError: ``member`` is not in the window.
+        """
+        position = next((i for i, held in enumerate(self.members) if held is member), None)
+        if position is None:
+            raise ValueError("the member to remove is not in this window")
+        del self.members[position]
+        del self.indices[position]
+        if request.scope.conversation is not None:
+            self.conversations.discard(request.scope.conversation)
+        if request.rid is not None:
+            self.rids.discard(request.rid)
