@@ -38,8 +38,11 @@ On each model call (``wrap_model_call`` / ``awrap_model_call``) it
      machine holding its prefix; no key without a thread;
    - ``"anthropic"``: a ``cache_control`` breakpoint on the newest stable prefix, the last
      replayed message (it went out before exactly as it goes out on this call, so the prefix
-     it closes is the one the library knows is sent again), when that prefix holds the
-     model's minimum cacheable length and fewer than four breakpoints stand in the request,
+     it closes is the one the library knows is sent again), and one on the last message (the
+     call's new messages are written to the cache now and read by the next call; left to
+     ``AnthropicPromptCachingMiddleware`` when its ``cache_control`` keyword marks the tail),
+     each when its prefix holds the model's minimum cacheable length and fewer than four
+     breakpoints stand in the request,
      counting the app's own markers in the system message and messages, those on tools
      (``BaseTool.extras`` or a tool dict) and a ``cache_control`` call keyword
      (``AnthropicPromptCachingMiddleware``'s, one slot). The marker goes on a copy of that
@@ -233,7 +236,7 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
         try:
             dicts = [_to_openai(message) for message in combined]
             plan = self.planner.plan(dicts, scope=scope, api="openai")
-        except ValueError as error:
+        except (TypeError, ValueError) as error:  # a shape or arguments JSON cannot encode
             logger.warning(
                 "contextpilot: conversation %r sent unplanned: %s", thread, error, exc_info=False
             )
@@ -278,24 +281,35 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
     def _mark_stable_prefix(
         self, request: ModelRequest, sent: list[BaseMessage], plan: MessagePlan
     ) -> list[BaseMessage]:
-        """``sent`` with a ``cache_control`` marker on the last replayed message, when the
-        limits allow one (module docstring)."""
-        last = plan.replayed - 1
-        if last < 0:
-            return sent
+        """``sent`` with ``cache_control`` markers on the last replayed message and on the last
+        message, where the limits allow (module docstring)."""
         policy = self.cache_policy or AnthropicCachePolicy(model=_model_name(request.model) or None)
+        limit = min(policy.max_breakpoints, ANTHROPIC_MAX_BREAKPOINTS)
         used = _markers(sent, request.tools, request.model_settings)
-        if used >= min(policy.max_breakpoints, ANTHROPIC_MAX_BREAKPOINTS):
-            logger.debug("contextpilot: no breakpoint, %d already in the request", used)
-            return sent
         count = self.planner.token_counter.count
-        tokens = sum(count(_text_of(message.content)) for message in sent[: last + 1])
-        if tokens < policy.min_cacheable_tokens:
-            return sent
-        marked = _with_marker(sent[last], policy.cache_control)
-        if marked is None:
-            return sent
-        return [*sent[:last], marked, *sent[last + 1 :]]
+        # The replayed prefix is what the library knows goes out again; the tail is what this
+        # call adds, written now so the next call reads it (unless the app's own caching
+        # middleware already marks the tail through its ``cache_control`` keyword).
+        wanted = [plan.replayed - 1]
+        if not request.model_settings.get("cache_control"):
+            wanted.append(len(sent) - 1)
+        marked_at: set[int] = set()
+        for index in wanted:
+            if index < 0 or index in marked_at:
+                continue
+            if used >= limit:
+                logger.debug("contextpilot: no breakpoint, %d already in the request", used)
+                break
+            tokens = sum(count(_text_of(message.content)) for message in sent[: index + 1])
+            if tokens < policy.min_cacheable_tokens:
+                continue
+            marked = _with_marker(sent[index], policy.cache_control)
+            if marked is None:
+                continue
+            sent = [*sent[:index], marked, *sent[index + 1 :]]
+            marked_at.add(index)
+            used += 1
+        return sent
 
     def _record(self, scope: Scope | None, plan: MessagePlan) -> None:
         pointers = plan.pointers
