@@ -214,7 +214,7 @@ def run_agent_report(args: argparse.Namespace) -> int:
     """Run the agent replays ``args`` choose and print the tables and targets; 0 on success."""
     name = args.workload
     families = _parse_families(args.agents)
-    count = args.agent_sessions or DEFAULT_AGENT_SESSIONS[name]
+    count = DEFAULT_AGENT_SESSIONS[name] if args.agent_sessions is None else args.agent_sessions
     if args.tokenizer:
         from contextpilot_bench.engine_setups import load_tokenizer
 

@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     agents.add_argument(
         "--agent-sessions",
-        type=int,
+        type=_session_count,
         help="the first N sessions (default 8 for agentic-multihop-rag, 4 questions each; 32 "
         "for agentic-mtrag, one conversation each)",
     )
@@ -254,3 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="hosted-openai: passed through; the model keeps the in-memory lifetime",
     )
     return parser
+
+
+def _session_count(text: str) -> int:
+    """``--agent-sessions``: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return value
