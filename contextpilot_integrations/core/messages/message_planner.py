@@ -21,9 +21,13 @@ Rules:
    (:mod:`.message_history`). A call whose messages extend what was sent replays the sent
    messages for that prefix. Where the app's history stops being an extension (an edited,
    summarised or trimmed message, a message removed), everything from the first divergence on
-   is new and the records from there are dropped. A conversation the memory does not hold
-   (never seen, evicted, forgotten) replays nothing. Without a scope or a conversation id
-   there is no memory at all: nothing crosses conversations or tenants.
+   is new and the records from there are dropped. A new message that is a message the
+   conversation was sent with pointers (an app that keeps what was sent, then trims or edits
+   it) is planned from the app's original, which the memory rebuilds from the placements
+   (:meth:`.message_history.MessageHistory.restore`): its pointers may name text the request
+   no longer holds. A conversation the memory does not hold (never seen, evicted, forgotten)
+   replays nothing. Without a scope or a conversation id there is no memory at all: nothing
+   crosses conversations or tenants, and a history given back as sent is the app's own text.
 2. Only new messages change, and only their tool results (OpenAI ``"tool"`` messages,
    Anthropic ``tool_result`` blocks). The model's own messages (assistant text and tool
    calls), user and system messages are never rewritten.
@@ -37,7 +41,8 @@ Rules:
    ``[1]``/``1.`` blocks), a document whose text stands verbatim in an earlier tool result of
    the messages being sent is replaced, in place, by a pointer naming that earlier call and the
    document's label in its result (``[Same as document [Doc 2] in the result of the earlier
-   call search(...) above.]``), or the whole earlier result when the document is all of it.
+   call search(...) above.]``; a JSON document's ``"id": "d7"`` shown as ``id "d7"``), or
+   the whole earlier result when the document is all of it.
    Only where the label is written in the earlier result and names one document, and the
    replacement saves at least ``min_tokens_saved``; every other byte of the result stays as it
    is.
@@ -47,8 +52,10 @@ Rules:
    earlier message, or an earlier block of the same Anthropic message).
 6. Sure hints. Every pointer is checked on the final messages before they are returned
    (:func:`.pointers.check_pointer`): the text it stands for is verbatim in the earlier result
-   it names, in the same request, and the named call is there. A pointer that fails is undone
-   (the original text restored). The check reads the messages being returned, never memory.
+   it names, in the same request, and the named call is there. A new pointer that fails is
+   undone (the original text restored); a replayed one that fails is a divergence at its
+   message, which is then planned anew from the app's original. The check reads the messages
+   being returned, never memory.
 7. Nothing is lost. The plan has a placement for every tool result and every detected document
    (:class:`.message_plan.ResultPlacement`): kept (and why), or replaced by a pointer to which
    earlier message, block and document, with the exact text replaced, the pointer's offset in
@@ -79,6 +86,7 @@ from contextpilot_integrations.core.messages.documents import (
 )
 from contextpilot_integrations.core.messages.message_history import (
     MessageHistory,
+    SentMessage,
     fingerprint,
     sent_record,
 )
@@ -166,15 +174,17 @@ class MessagePlanner:
         """The messages to send for ``messages`` of the conversation ``scope``.
 
         Args:
-            messages: the conversation's messages as the app has them, shape ``api``.
+            messages: the conversation's messages as the app has them, or as they were sent
+                (then perhaps trimmed or edited), shape ``api``.
             scope: the conversation (``scope.conversation_id``) and tenant; ``None`` or no
                 conversation id: nothing is remembered or replayed.
             api: ``"openai"`` or ``"anthropic"``.
             system: Anthropic's system prompt (a str or a list of text blocks); returned as is.
 
         Raises:
-            ValueError: a bad shape (the message names the field path and the value), an
-                unknown ``api``, or a ``scope`` that is not a Scope.
+            ValueError: a bad shape (the message names the field path and the value; a cycle
+                or nesting deeper than :data:`.message_shapes.MAX_DEPTH` included), an unknown
+                ``api``, or a ``scope`` that is not a Scope.
         """
         shape = check_api(api)
         validate_messages(messages, shape)
@@ -185,27 +195,42 @@ class MessagePlanner:
         given = [fingerprint(message) for message in messages]
         with self._lock:
             replay = self._history.replay(key, given)
-            n = len(replay.sent)
-            out: list[dict[str, Any]] = [copy_message(r.sent) for r in replay.sent]
-            out.extend(copy_message(message) for message in messages[n:])
-            placed = self._place(out, shape, n)
+            n, diverged_at = len(replay.sent), replay.diverged_at
+            while True:
+                out: list[dict[str, Any]] = [copy_message(r.sent) for r in replay.sent[:n]]
+                fingerprints = given[:n]
+                as_given: list[bytes | None] = [None] * len(messages)
+                for i in range(n, len(messages)):
+                    original = self._history.restore(key, given[i])
+                    if original is None:
+                        out.append(copy_message(messages[i]))
+                        fingerprints.append(given[i])
+                    else:  # the app gave back what was sent: plan its original anew
+                        out.append(original)
+                        fingerprints.append(fingerprint(original))
+                        as_given[i] = given[i]
+                placed = self._place(out, shape, n)
+                broken = _first_broken(out, shape, replay.sent[:n])
+                if broken is None:
+                    break
+                n = diverged_at = broken  # a divergence: that message and the rest are new
             by_message: dict[int, list[ResultPlacement]] = {}
             for placement in placed:
                 by_message.setdefault(placement.message, []).append(placement)
-            records = list(replay.sent)
+            records = list(replay.sent[:n])
             records.extend(
-                sent_record(given[i], out[i], tuple(by_message.get(i, ())))
+                sent_record(fingerprints[i], out[i], tuple(by_message.get(i, ())), as_given[i])
                 for i in range(n, len(out))
             )
             self._history.record(key, records)
-        placements = [p for r in replay.sent for p in r.placements]
+        placements = [p for r in replay.sent[:n] for p in r.placements]
         placements.extend(placed)
         return MessagePlan(
             messages=out,
             system=copy_message(system),
             api=shape,
             replayed=n,
-            diverged_at=replay.diverged_at,
+            diverged_at=diverged_at,
             placements=tuple(placements),
             tokens_removed=sum(p.tokens_saved for p in placements),
         )
@@ -449,6 +474,21 @@ class MessagePlanner:
                     ]
                     texts[k] = self._render(k, given, edits, slots)
                 out[result.message] = with_result_text(out[result.message], result, texts[k] or "")
+
+
+def _first_broken(
+    out: list[dict[str, Any]], api: Api, replayed: Sequence[SentMessage]
+) -> int | None:
+    """The first replayed message one of whose pointers fails the check on ``out``; ``None``
+    when all hold."""
+    if not any(p.status == "pointer" for r in replayed for p in r.placements):
+        return None
+    view = RequestView(out, api)
+    for i, record in enumerate(replayed):
+        for placement in record.placements:
+            if placement.status == "pointer" and not check_pointer(view, placement):
+                return i
+    return None
 
 
 def _others(results: list[int], target: int, texts: list[str | None]) -> list[str | None]:

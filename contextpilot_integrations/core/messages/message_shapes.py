@@ -20,6 +20,9 @@ cannot encode) has no text: it is never rewritten and never pointed at.
 
 Messages are plain JSON-like values (dicts, lists, str, numbers); :func:`copy_message` copies
 the containers and shares the immutable leaves, so a returned message never aliases the caller's.
+A message is a tree: a container holding itself (a cycle) is a ValueError naming the field
+path, and so is nesting deeper than :data:`MAX_DEPTH` containers (the message dict is depth 1),
+which no chat API takes and which copying and fingerprinting would otherwise recurse through.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, Literal
 
 __all__ = [
     "API_NAMES",
+    "MAX_DEPTH",
     "Api",
     "ToolCall",
     "ToolResult",
@@ -38,6 +42,7 @@ __all__ = [
     "copy_message",
     "find_tool_calls",
     "find_tool_results",
+    "result_text",
     "validate_messages",
     "validate_system",
     "with_result_text",
@@ -45,6 +50,9 @@ __all__ = [
 
 Api = Literal["openai", "anthropic"]
 API_NAMES: tuple[Api, ...] = ("openai", "anthropic")
+
+MAX_DEPTH = 64
+"""Most nested containers (dicts, lists, tuples) in one message or system prompt."""
 
 _OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")
 _ANTHROPIC_ROLES = ("user", "assistant")
@@ -131,6 +139,7 @@ def validate_messages(messages: object, api: Api) -> Sequence[Mapping[str, Any]]
         path = f"messages[{i}]"
         if not isinstance(message, Mapping):
             raise ValueError(f"{path} must be a message dict, got {_show(message)}")
+        _check_tree(path, message)
         role = message.get("role")
         if api == "openai":
             _check_openai(path, role, message)
@@ -155,7 +164,50 @@ def validate_system(system: object, api: Api) -> None:
         )
     if isinstance(system, str):
         return
+    _check_tree("system", system)
     _check_parts("system", system)
+
+
+def _check_tree(path: str, value: object) -> None:
+    """``value`` holds no container inside itself and nests at most :data:`MAX_DEPTH` deep.
+
+    Raises:
+        ValueError: a cycle or a deeper nesting, naming the field path where it shows.
+    """
+    if not isinstance(value, Mapping | list | tuple):
+        return
+    ancestors: set[int] = set()
+    # depth-first with an explicit stack: (path, container, its items, depth); ancestors holds
+    # the ids of the containers on the current path, so a value shared by two fields is fine
+    stack: list[tuple[str, object, Any, int]] = []
+
+    def enter(where: str, container: Any, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise ValueError(
+                f"{where} nests deeper than {MAX_DEPTH} containers (MAX_DEPTH), got a "
+                f"{type(container).__name__} at depth {depth}"
+            )
+        if id(container) in ancestors:
+            raise ValueError(f"{where} is a container it is inside of (a cycle)")
+        ancestors.add(id(container))
+        items = container.items() if isinstance(container, Mapping) else enumerate(container)
+        stack.append((where, container, iter(items), depth))
+
+    enter(path, value, 1)
+    while stack:
+        where, container, items, depth = stack[-1]
+        step = next(items, None)
+        if step is None:
+            stack.pop()
+            ancestors.discard(id(container))
+            continue
+        key, item = step
+        if isinstance(item, Mapping | list | tuple):
+            if isinstance(container, Mapping):
+                field = f"{where}.{key}" if isinstance(key, str) else f"{where}[{key!r}]"
+            else:
+                field = f"{where}[{key}]"
+            enter(field, item, depth + 1)
 
 
 def _check_openai(path: str, role: object, message: Mapping[str, Any]) -> None:
@@ -245,7 +297,10 @@ def _check_parts(path: str, parts: object) -> None:
 
 
 def _show(value: object) -> str:
-    return f"{type(value).__name__}: {value!r:.80}"
+    try:
+        return f"{type(value).__name__}: {value!r:.80}"
+    except RecursionError:  # a value nested too deep for repr
+        return f"{type(value).__name__} nested too deep to show"
 
 
 # ---------------------------------------------------------------------------------- extraction
@@ -292,6 +347,20 @@ def find_tool_results(messages: Sequence[Mapping[str, Any]], api: Api) -> list[T
                 text = _plain_text(block.get("content"))
                 results.append(ToolResult(i, j, block["tool_use_id"], text))
     return results
+
+
+def result_text(message: Mapping[str, Any], block: int | None) -> str | None:
+    """The text of the tool result in ``message`` (at content block ``block``, Anthropic; the
+    message itself, ``None``, OpenAI); ``None``: not plain text, or no such block."""
+    if block is None:
+        return _plain_text(message.get("content"))
+    content = message.get("content")
+    if not isinstance(content, list) or not 0 <= block < len(content):
+        return None
+    inner = content[block]
+    if not isinstance(inner, Mapping) or inner.get("type") != "tool_result":
+        return None
+    return _plain_text(inner.get("content"))
 
 
 def _plain_text(content: object) -> str | None:

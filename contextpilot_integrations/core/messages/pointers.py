@@ -6,6 +6,13 @@ arguments exactly as that call states them::
     [Same result as the earlier call search({"query": "kv cache"}) above.]
     [Same as document [2] in the result of the earlier call search({"query": "kv cache"}) above.]
     [Same as the result of the earlier call fetch({"url": "https://a.example"}) above.]
+    [Same as document id "d7" in the result of the earlier call search({"query": "kv"}) above.]
+
+A document's label is shown as its result writes it (``[Doc 2]``, ``[2]``, ``2.``,
+``index="2"``), except a JSON document's: its label is the literal ``"id": "d7"`` (or
+``"id":7``) as the result writes it, which reads badly inside a sentence, so the pointer shows
+the key and the value, ``id "d7"`` (``id 7``). The check still finds the literal itself in the
+earlier result, so the model finds the document by the key and value it is shown.
 
 docs/DESIGN.md, "Sure hints": a pointer is only as good as the text it points at, so every
 pointer is checked on the final messages of the request that carries it (:func:`check_pointer`),
@@ -19,6 +26,7 @@ ambiguous).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,11 +46,24 @@ __all__ = [
     "document_pointer",
     "names_one_result",
     "result_pointer",
+    "shown_label",
 ]
 
 _SAME_RESULT = "[Same result as the earlier call {call} above.]"
 _SAME_DOCUMENT = "[Same as document {label} in the result of the earlier call {call} above.]"
 _SAME_AS_RESULT = "[Same as the result of the earlier call {call} above.]"
+_JSON_LABEL = re.compile(r'"(\w+)": ?(\S.*)', re.S)
+"""A JSON document's label, ``"key": value`` (:mod:`.documents`; no other layout's label
+starts with a quote)."""
+
+
+def shown_label(label: str) -> str:
+    """How a pointer names the document ``label``: as written, but a JSON label
+    ``"id": "d7"`` as ``id "d7"``."""
+    match = _JSON_LABEL.fullmatch(label)
+    if match is None:
+        return label
+    return f"{match.group(1)} {match.group(2)}"
 
 
 def result_pointer(call: str) -> str:
@@ -55,7 +76,7 @@ def document_pointer(call: str, label: str | None) -> str:
     result, or (``label`` ``None``) as that whole result."""
     if label is None:
         return _SAME_AS_RESULT.format(call=call)
-    return _SAME_DOCUMENT.format(label=label, call=call)
+    return _SAME_DOCUMENT.format(label=shown_label(label), call=call)
 
 
 def names_one_result(call: str, target_text: str, earlier_texts: Sequence[str | None]) -> bool:

@@ -240,7 +240,7 @@ def test_a_repeated_json_document_is_replaced_and_the_result_stays_json() -> Non
     sent = json.loads(plan.messages[5]["content"])
     assert sent[0] == {"id": "d9", "text": THIRD}
     assert sent[1]["text"] == (
-        '[Same as document "id": "d2" in the result of the earlier call '
+        '[Same as document id "d2" in the result of the earlier call '
         'search({"query": "kv cache"}) above.]'
     )
     assert sent[1]["score"] == 0.5
@@ -353,6 +353,97 @@ def test_a_trimmed_or_shortened_history_diverges() -> None:
     planner.plan(messages, scope=SCOPE)
     retried = planner.plan(messages[:4], scope=SCOPE)
     assert (retried.replayed, retried.diverged_at) == (4, 4)
+
+
+POINTER = '[Same result as the earlier call search({"query": "kv cache"}) above.]'
+
+
+def dangling(messages: list[dict[str, Any]], plan: Any) -> list[int]:
+    """The messages holding a pointer text that no checked pointer of ``plan`` accounts for."""
+    view = RequestView(plan.messages, "openai")
+    held = {p.message for p in plan.pointers if check_pointer(view, p)}
+    return [
+        i
+        for i, m in enumerate(plan.messages)
+        if "[Same " in json.dumps(m) and i not in held and "[Same " not in json.dumps(messages[i])
+    ]
+
+
+def test_a_history_given_back_as_sent_then_trimmed_gets_its_originals_back() -> None:
+    planner = MessagePlanner()
+    messages = history(LONG, LONG)
+    sent = planner.plan(messages, scope=SCOPE).messages
+    assert sent[5]["content"] == POINTER
+    # the app keeps what was sent, then trims the call the pointer names
+    trimmed = sent[:2] + sent[4:] + [{"role": "user", "content": "more"}]
+    plan = planner.plan(trimmed, scope=SCOPE)
+    assert (plan.replayed, plan.diverged_at) == (2, 2)
+    assert plan.messages[3] == messages[5]  # the app's original, not a dangling pointer
+    assert not plan.pointers and not any("[Same " in json.dumps(m) for m in plan.messages)
+    # what went out is remembered: sent back again, it replays
+    again = planner.plan(plan.messages + [{"role": "user", "content": "go"}], scope=SCOPE)
+    assert again.replayed == 5 and again.messages[:5] == plan.messages
+
+
+def test_a_history_given_back_as_sent_then_edited_keeps_only_pointers_that_hold() -> None:
+    planner = MessagePlanner()
+    messages = history(LONG, LONG)
+    messages += [assistant(call("c3", query="kv cache")), tool("c3", LONG)]
+    sent = planner.plan(messages, scope=SCOPE).messages
+    assert [m["content"] for m in sent[5::2]] == [POINTER, POINTER]
+    edited = copy.deepcopy(sent)
+    edited[3]["content"] = "summarised"  # the text both pointers stand for is gone
+    plan = planner.plan(edited, scope=SCOPE)
+    assert (plan.replayed, plan.diverged_at) == (3, 3)
+    assert plan.messages[5]["content"] == LONG  # restored, then the first copy standing
+    assert plan.messages[7]["content"] == POINTER.replace("kv cache", "kv caching")
+    assert [p.target_message for p in plan.pointers] == [5]
+    assert dangling(edited, plan) == []
+
+
+def test_a_document_pointer_given_back_as_sent_then_trimmed_is_restored_byte_for_byte() -> None:
+    planner = MessagePlanner()
+    first = json.dumps({"results": [{"id": 1, "text": LONG}, {"id": 2, "text": OTHER}]})
+    second = json.dumps([{"id": 9, "text": THIRD}, {"id": 2, "text": OTHER}], indent=1)
+    sent = planner.plan(history(first, second), scope=SCOPE).messages
+    assert "[Same as document id 2 in the result" in sent[5]["content"]
+    plan = planner.plan(sent[:2] + sent[4:], scope=SCOPE)
+    assert plan.messages[3]["content"] == second and not plan.pointers
+
+
+def test_an_anthropic_history_given_back_as_sent_then_trimmed_gets_its_originals_back() -> None:
+    planner = MessagePlanner()
+    messages = anthropic_history(LONG, [{"type": "text", "text": LONG}])
+    sent = planner.plan(messages, scope=SCOPE, api="anthropic").messages
+    assert "[Same result" in json.dumps(sent[4])
+    plan = planner.plan(sent[:1] + sent[3:], scope=SCOPE, api="anthropic")
+    assert plan.messages == messages[:1] + messages[3:] and not plan.pointers
+
+
+def test_a_replayed_pointer_that_fails_its_check_is_a_divergence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    planner = MessagePlanner()
+    messages = history(LONG, LONG)
+    sent = planner.plan(messages, scope=SCOPE).messages
+    more = [{"role": "user", "content": "more"}]
+    real = message_planner.check_pointer
+    monkeypatch.setattr(
+        message_planner, "check_pointer", lambda view, p: not p.replayed and real(view, p)
+    )
+    plan = planner.plan(sent + more, scope=SCOPE)  # given as sent: the pointer itself
+    assert (plan.replayed, plan.diverged_at) == (5, 5)
+    assert [(p.message, p.replayed) for p in plan.pointers] == [(5, False)]  # made anew
+    monkeypatch.setattr(message_planner, "check_pointer", lambda view, p: False)
+    plan = planner.plan(sent + more, scope=SCOPE)
+    assert (plan.replayed, plan.diverged_at) == (5, 5)
+    assert plan.messages == messages + more  # the app's original, no pointer
+
+
+def test_a_history_given_as_sent_to_a_planner_without_its_memory_is_the_apps_text() -> None:
+    sent = MessagePlanner().plan(history(LONG, LONG), scope=SCOPE).messages
+    plan = MessagePlanner().plan(sent[:2] + sent[4:])
+    assert plan.messages == sent[:2] + sent[4:] and not plan.pointers
 
 
 def test_no_scope_means_no_memory() -> None:

@@ -4,9 +4,11 @@
 Each history is a few conversations of a few tenants, interleaved: turns of tool calls whose
 results repeat whole or share documents (the library's rendered ``[Doc n]`` blocks, numbered,
 tagged, JSON), with edits, trims, summaries, removed messages and apps that send back what was
-sent, between calls. Every plan is checked by
+sent (as it is, or trimmed and edited afterwards, its pointers' targets perhaps gone), between
+calls. Every plan is checked by
 code written here, independent of the planner's own check: every pointer's target text stands
-verbatim earlier in the same request and its named call is there; every earlier message is
+verbatim earlier in the same request and its named call is there, and no pointer text goes out
+that is neither the app's own nor such a pointer (none dangles); every earlier message is
 replayed byte for byte when the history extends what was sent; assistant, user and system
 messages never change; every tool result can be restored from the plan; and a shared planner
 gives each conversation what a planner of its own would.
@@ -224,12 +226,20 @@ def _without_results(message: dict[str, Any], api: str) -> dict[str, Any]:
     return copied
 
 
-def check_plan(messages: list[dict[str, Any]], plan: MessagePlan, api: str) -> None:
+def check_plan(
+    messages: list[dict[str, Any]],
+    plan: MessagePlan,
+    api: str,
+    app: list[dict[str, Any]] | None = None,
+) -> None:
+    """``plan`` for ``messages``, the app's history ``app`` (default: ``messages``) as given,
+    perhaps partly as sent before (with pointers)."""
+    app = messages if app is None else app
     out = plan.messages
-    assert len(out) == len(messages)
-    for given_message, sent in zip(messages, out):
+    assert len(out) == len(messages) == len(app)
+    for given_message, sent in zip(app, out):
         assert _without_results(sent, api) == _without_results(given_message, api)
-    given_units, sent_units = _units(messages, api), _units(out, api)
+    given_units, sent_units = _units(app, api), _units(out, api)
     assert given_units.keys() == sent_units.keys()
     by_unit: dict[tuple[int, int], list[Any]] = {}
     for p in plan.placements:
@@ -266,12 +276,15 @@ def check_plan(messages: list[dict[str, Any]], plan: MessagePlan, api: str) -> N
                 assert p.target_label is None or p.target_label in target
             named = _call_before(out, api, sent_units[there]["id"], p.target_message)
             assert named == p.target_call
-        if sent_text == original:
-            continue  # an app that sends back what was sent: its pointers are replayed
         if any(p.document is None for p in pointers):
             assert restored.strip() == original.strip()
         else:
             assert restored == original
+    # no dangling pointer: every pointer text sent is the app's own or a checked placement
+    said = sum((u["text"] or "").count("[Same ") for u in sent_units.values())
+    own = sum((u["text"] or "").count("[Same ") for u in given_units.values())
+    replaced = sum((p.original or "").count("[Same ") for p in plan.pointers)
+    assert said == own - replaced + len(plan.pointers)
 
 
 def _extends(messages: list[Any], before: tuple[list[Any], list[Any]] | None) -> int:
@@ -295,6 +308,7 @@ def run_history(seed: int, api: Api) -> list[str]:
     keys = [("t1", "c1"), ("t2", "c1"), ("t1", "c2")]
     conversations = {key: Conversation(rng, f"{key[0]}{key[1]}") for key in keys}
     last: dict[tuple[str, str], tuple[list[Any], list[Any]]] = {}
+    as_sent: dict[tuple[str, str], dict[str, Any]] = {}  # app's message (JSON) -> sent
     transcript = []
     for _ in range(rng.randint(3, 9)):
         key = rng.choice(keys)
@@ -302,16 +316,24 @@ def run_history(seed: int, api: Api) -> list[str]:
         if rng.random() < 0.3:
             conversation.change()
         conversation.turn()
-        messages, system = conversation.render(api)
-        if key in last and rng.random() < 0.15:  # an app that keeps what was sent
+        app, system = conversation.render(api)
+        messages = app
+        keeps = rng.random()
+        if key in last and keeps < 0.15:  # an app that keeps what was sent
             _, sent_before = last[key]
             n = _extends(messages, last[key])
             messages = sent_before[:n] + messages[n:]
+        elif keeps < 0.4:  # one that keeps every message as sent, then trims and edits them
+            sent_as = as_sent.get(key, {})
+            messages = [sent_as.get(json.dumps(m, sort_keys=True), m) for m in app]
         snapshot = json.dumps(messages)
         scope = Scope(conversation_id=key[1], tenant=key[0])
         plan = shared.plan(messages, scope=scope, api=api, system=system)
         assert json.dumps(messages) == snapshot  # the input is never changed
-        check_plan(messages, plan, api)
+        check_plan(messages, plan, api, app)
+        as_sent.setdefault(key, {}).update(
+            (json.dumps(m, sort_keys=True), sent) for m, sent in zip(app, plan.messages)
+        )
         alone = own.setdefault(key, MessagePlanner()).plan(
             messages, scope=scope, api=api, system=system
         )

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from contextpilot_integrations.core.messages import MessagePlanner
+from contextpilot_integrations.core.messages.message_shapes import MAX_DEPTH
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
@@ -116,3 +117,63 @@ def test_valid_odd_shapes_are_accepted() -> None:
     system = [{"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}]
     plan = planner.plan(anthropic, api="anthropic", system=system)
     assert plan.messages == anthropic and plan.system == system
+
+
+def test_a_cycle_is_a_value_error_naming_its_path() -> None:
+    part: dict[str, Any] = {"type": "text", "text": "x"}
+    part["self"] = part
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]\.self .*a cycle"):
+        MessagePlanner().plan([{"role": "user", "content": [part]}])
+    message: dict[str, Any] = {"role": "user", "content": "x"}
+    message["me"] = message
+    with pytest.raises(ValueError, match=r"messages\[0\]\.me .*a cycle"):
+        MessagePlanner().plan([message])
+    items: list[Any] = []
+    items.append(items)
+    block = {"type": "tool_use", "id": "t", "name": "f", "input": {"q": items}}
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]\.input\.q\[0\] .*a cycle"):
+        MessagePlanner().plan([{"role": "assistant", "content": [block]}], api="anthropic")
+    system: list[Any] = [{"type": "text", "text": "s"}]
+    system[0]["again"] = system
+    with pytest.raises(ValueError, match=r"system\[0\]\.again .*a cycle"):
+        MessagePlanner().plan([{"role": "user", "content": "x"}], api="anthropic", system=system)
+
+
+def test_a_value_shared_by_two_fields_is_no_cycle() -> None:
+    shared = {"type": "text", "text": "same"}
+    messages = [{"role": "user", "content": [shared, shared]}]
+    assert MessagePlanner().plan(messages).messages == messages
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 5_000])
+def test_nesting_past_max_depth_is_a_value_error(depth: int) -> None:
+    nested: dict[str, Any] = {}
+    inner = nested
+    for _ in range(depth):
+        inner["a"] = {}
+        inner = inner["a"]
+    message = {"role": "user", "content": "x", "extra": nested}
+    with pytest.raises(
+        ValueError, match=rf"messages\[0\]\.extra(\.a)+ nests deeper than {MAX_DEPTH}"
+    ):
+        MessagePlanner().plan([message])
+
+
+def test_nesting_up_to_max_depth_is_accepted() -> None:
+    nested: dict[str, Any] = {}
+    inner = nested
+    for _ in range(MAX_DEPTH - 2):  # the message is depth 1, ``extra`` depth 2
+        inner["a"] = {}
+        inner = inner["a"]
+    message = {"role": "user", "content": "x", "extra": nested}
+    assert MessagePlanner().plan([message]).messages == [message]
+
+
+def test_a_deep_non_message_is_named_without_recursing() -> None:
+    deep: list[Any] = []
+    inner = deep
+    for _ in range(5_000):
+        inner.append([])
+        inner = inner[0]
+    with pytest.raises(ValueError, match=r"messages\[0\] must be a message dict, got list"):
+        MessagePlanner().plan([deep])
