@@ -14,7 +14,9 @@ runs on the event loop. Plans are parsed, planned and encoded in worker threads;
 for one of ``max_batch_threads``; evictions, usage reports, forgets, statistics, metrics and
 saves for one of ``max_call_threads`` (so a call stuck in the engine link, e.g. a hung mirror
 walk, holds one thread, not the server: ``/health`` and plans go on). A request cancelled
-meanwhile (a client gone, a shutdown) abandons its thread instead of waiting for it. The plan
+meanwhile (a client gone, a shutdown) abandons its thread instead of waiting for it. A plan
+takes its in-flight ticket as it arrives (:mod:`.in_flight`), so a forget of its conversation
+sent after it (a client that gave up on it) waits for its turn to be recorded. The plan
 bodies are read raw and validated where the work runs: a large body's JSON parse and
 validation would otherwise hold the event loop as long as the build itself.
 """
@@ -150,28 +152,38 @@ Caller = Annotated["str | None", Depends(caller_tenant)]
 async def plan(request: Request, caller: Caller) -> Response:
     """``PlanRequest`` -> ``PlanResponse`` (``ContextPilot.plan``)."""
     calls = _calls(request)
-    raw = await request.body()
+    in_flight = calls.service.in_flight
+    ticket = in_flight.arrive()  # before the body is read: a forget sent after waits for it
+    try:
+        raw = await request.body()
 
-    def parse_plan_encode() -> Response:
-        core = validate_json(PlanRequestModel, raw).to_core()
-        return json_response(PlanResponse.encode(calls.service.plan(core, caller=caller)))
+        def parse_plan_encode() -> Response:
+            core = validate_json(PlanRequestModel, raw).to_core()
+            plan = calls.service.plan(core, caller=caller, ticket=ticket)
+            return json_response(PlanResponse.encode(plan))
 
-    return await calls.run(parse_plan_encode, "plan")
+        return await calls.run(parse_plan_encode, "plan")
+    finally:
+        in_flight.done_reading(ticket)
 
 
 async def plan_batch(request: Request, caller: Caller) -> Response:
     """``{"requests": [PlanRequest, ...]}`` -> ``BatchPlanResponse``
     (``ContextPilot.plan_batch``)."""
     calls = _calls(request)
-    raw = await request.body()
+    in_flight = calls.service.in_flight
+    ticket = in_flight.arrive()
+    try:
+        raw = await request.body()
 
-    def parse_plan_encode() -> Response:
-        batch = validate_json(PlanBatchRequest, raw).to_core()
-        return json_response(
-            BatchPlanResponse.encode(calls.service.plan_batch(batch, caller=caller))
-        )
+        def parse_plan_encode() -> Response:
+            batch = validate_json(PlanBatchRequest, raw).to_core()
+            plans = calls.service.plan_batch(batch, caller=caller, ticket=ticket)
+            return json_response(BatchPlanResponse.encode(plans))
 
-    return await calls.run(parse_plan_encode, "batch")
+        return await calls.run(parse_plan_encode, "batch")
+    finally:
+        in_flight.done_reading(ticket)
 
 
 async def evict(body: EvictRequest, request: Request, caller: Caller) -> Response:

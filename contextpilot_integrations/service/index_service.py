@@ -42,6 +42,7 @@ from contextpilot_integrations.core.plan import BatchPlan, Plan
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import PlanRequest, check_batch
 from contextpilot_integrations.core.window.planning_window import PlanningWindow
+from contextpilot_integrations.service.in_flight import PlansInFlight
 from contextpilot_integrations.service.metrics import ServiceMetrics
 from contextpilot_integrations.service.partitions import Partition, Partitions, sum_stats
 from contextpilot_integrations.service.persistence import Restored, ServiceSnapshots
@@ -55,6 +56,10 @@ __all__ = ["IndexService", "ServiceClosingError"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+FORGET_WAIT_S = 5.0
+"""Beyond the planning window, the longest a forget waits for the plans of its conversation
+that arrived before it (seconds; :mod:`.in_flight`)."""
 
 
 class ServiceClosingError(RuntimeError):
@@ -74,6 +79,8 @@ class IndexService:
 
     Attributes:
         boot_id: 16 random hex digits, new for every service made (module docstring).
+        in_flight: the plans in flight, which a forget of their conversation waits for (the
+            HTTP layer takes each plan's ticket as its request arrives; :mod:`.in_flight`).
 
     Raises:
         ValueError: an invalid configuration (the message names the field).
@@ -84,6 +91,7 @@ class IndexService:
         self.boot_id = secrets.token_hex(8)
         self.tenancy = self.config.tenancy
         self.metrics = ServiceMetrics(self._service_stats)
+        self.in_flight = PlansInFlight(self.config.window_ms / 1000.0 + FORGET_WAIT_S)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._active = 0  # plans and forgets in flight
@@ -128,9 +136,12 @@ class IndexService:
         """
         return self._partitions.of(caller).pilot
 
-    def plan(self, request: PlanRequest, *, caller: str | None = None) -> Plan:
+    def plan(
+        self, request: PlanRequest, *, caller: str | None = None, ticket: int | None = None
+    ) -> Plan:
         """``ContextPilot.plan`` of one request of ``caller`` (the tenant of its API key;
-        None on a service without keys).
+        None on a service without keys); ``ticket``: the request's :attr:`in_flight` ticket,
+        taken as it arrived (``None``: one is taken now).
 
         Returns:
             The plan; its ``rid`` is the engine-facing rid (the tenant's tag, a dot, the
@@ -146,22 +157,26 @@ class IndexService:
         tenant = self._partitions.of(caller)
         request = tenant.admit(request)
         planner = self._windows.get(tenant.pilot, tenant.pilot)
-        with self._planning():
+        with self.in_flight.planning(_conversations([request]), ticket), self._planning():
             plan = planner.plan(request.query, request.blocks, rid=request.rid, scope=request.scope)
         self.metrics.plans.labels("single").inc()
         return plan
 
     def plan_batch(
-        self, requests: Sequence[PlanRequest], *, caller: str | None = None
+        self,
+        requests: Sequence[PlanRequest],
+        *,
+        caller: str | None = None,
+        ticket: int | None = None,
     ) -> BatchPlan:
-        """``ContextPilot.plan_batch`` of ``caller``'s requests (errors as :meth:`plan`; the
-        batch's own as ``check_batch``)."""
+        """``ContextPilot.plan_batch`` of ``caller``'s requests (``ticket`` and errors as
+        :meth:`plan`; the batch's own as ``check_batch``)."""
         tenant = self._partitions.of(caller)
         batch = [
             tenant.admit(request, f"requests[{i}].")
             for i, request in enumerate(check_batch(requests))
         ]
-        with self._planning():
+        with self.in_flight.planning(_conversations(batch), ticket), self._planning():
             plans = tenant.pilot.plan_batch(batch)
         self.metrics.plans.labels("batch").inc(len(plans.plans))
         return plans
@@ -188,7 +203,11 @@ class IndexService:
         self, tenant: str, conversation_id: str, *, caller: str | None = None
     ) -> bool:
         """Drop a conversation's de-duplication records; False if it was not held. Its turn
-        numbers are kept (a tombstone), so numbering goes on after it.
+        numbers are kept (a tombstone), so numbering goes on after it. It first waits for the
+        plans of the conversation that arrived before it (bounded, :mod:`.in_flight`), so
+        none records a turn after it: a client that gave up on a plan forgets the
+        conversation, and its next plan must not hint at that turn (docs/DESIGN.md, "Sure
+        hints").
 
         Args:
             tenant: the conversation's tenant as the request names it (``""``: the caller's;
@@ -210,6 +229,7 @@ class IndexService:
                 )
             tenant = owner.name
         with self._planning():
+            self.in_flight.wait_before_forget((tenant, conversation_id))
             return owner.pilot.deduplicator.store.forget(tenant, conversation_id)
 
     def record_usage(
@@ -492,6 +512,11 @@ class IndexService:
         assert interval is not None
         while not self._timer_stop.wait(interval):
             self.save_snapshot(final=False)
+
+
+def _conversations(requests: Sequence[PlanRequest]) -> list[tuple[str, str]]:
+    """The conversations (store keys) whose turns ``requests`` record."""
+    return [key for request in requests if (key := request.scope.conversation) is not None]
 
 
 def _within(deadline: float, call: Callable[[], T], what: str) -> T | None:

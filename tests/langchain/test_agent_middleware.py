@@ -553,7 +553,6 @@ def test_a_request_the_planner_refuses_is_sent_unchanged(
     assert "sent unplanned" in caplog.text and "tool_call_id" in caplog.text
 
 
-
 def test_tool_call_arguments_json_cannot_encode_are_sent_unplanned(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -566,6 +565,7 @@ def test_tool_call_arguments_json_cannot_encode_are_sent_unplanned(
         request = ContextPilotMiddleware().prepare(_request(messages))
     assert request.messages == messages and "rid" in request.model_settings["extra_body"]
     assert "sent unplanned" in caplog.text
+
 
 @pytest.mark.parametrize(
     ("arguments", "match"),
