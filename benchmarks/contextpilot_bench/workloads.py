@@ -41,6 +41,7 @@ from typing import Any
 from contextpilot_bench.datasets import fetch_files
 
 __all__ = [
+    "AGENT_WORKLOADS",
     "DATA_DIR_ENV",
     "Document",
     "Request",
@@ -55,6 +56,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DATA_DIR_ENV = "CONTEXTPILOT_DATA_DIR"
+
+AGENT_WORKLOADS = ("agentic-multihop-rag", "agentic-mtrag")
+"""The agent workloads built on these datasets (:mod:`~contextpilot_bench.agent_sessions`);
+named here so the command line lists them without importing the agent frameworks."""
 """Environment variable naming the data directory when ``--data-dir`` is not given."""
 
 

@@ -270,7 +270,7 @@ def test_cli_runs_the_workload_on_the_engine_and_stops_it(
     assert "model hit ratio" in stdout and "median TTFT" in stdout
     document = json.loads(out.read_text())
     reports = {r["method"]: r for r in document["run"]["engine_reports"]}
-    assert set(reports) == {"baseline", "contextpilot"}
+    assert set(reports) == {"baseline", "contextpilot", "clairvoyant-arrival"}
     assert reports["contextpilot"]["index_requests"] is not None
     assert reports["baseline"]["evictions_applied"] is None
     for report in reports.values():
