@@ -76,10 +76,14 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # optional dependencies, imported on first use
-    if name in ("ContextPilotOpenAI", "ContextPilotOpenAILike"):
-        from contextpilot_integrations.llama_index import llms
+    if name == "ContextPilotOpenAI":
+        from contextpilot_integrations.llama_index.llms import ContextPilotOpenAI
 
-        return getattr(llms, name)
+        return ContextPilotOpenAI
+    if name == "ContextPilotOpenAILike":
+        from contextpilot_integrations.llama_index.llms import ContextPilotOpenAILike
+
+        return ContextPilotOpenAILike
     if name == "ContextPilotAnthropic":
         from contextpilot_integrations.llama_index.anthropic import ContextPilotAnthropic
 
