@@ -14,6 +14,7 @@ marks them ``skipped`` and hands them back (docs/DESIGN.md, "Lossless": nothing 
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ MAX_BLOCKS_PER_REQUEST = 100_000
 
 MAX_ID_CHARS = 512
 """Longest rid, conversation id or tenant, in characters."""
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""C0 and C1 control characters, refused in ids."""
 
 
 class RidConflictError(ValueError):
@@ -85,7 +88,8 @@ class Scope:
             )
         if len(self.tenant) > MAX_ID_CHARS:
             raise ValueError(f"scope.tenant is longer than {MAX_ID_CHARS} characters")
-        _check_utf8("scope.tenant", self.tenant)
+        if self.tenant:
+            _check_id("scope.tenant", self.tenant, optional=False)
         if self.turn is not None:
             if isinstance(self.turn, bool) or not isinstance(self.turn, int):
                 raise TypeError(
@@ -209,6 +213,13 @@ def _check_id(name: str, value: object, *, optional: bool) -> None:
         raise ValueError(f"{name} must be a non-empty str (None for none), got ''")
     if len(value) > MAX_ID_CHARS:
         raise ValueError(f"{name} is longer than {MAX_ID_CHARS} characters: {value!r:.80}")
+    # Ids are echoed in logs and HTTP headers, where a CR, LF or NUL would forge lines.
+    bad = _CONTROL.search(value)
+    if bad is not None:
+        raise ValueError(
+            f"{name} must not contain control characters, got {bad.group()!r} at character "
+            f"{bad.start()}: {value!r:.80}"
+        )
     _check_utf8(name, value)
 
 

@@ -34,6 +34,7 @@ from contextpilot_integrations.sync.capacity_model import CapacityModel
 from contextpilot_integrations.sync.kv_event_source import KVEventSource
 from contextpilot_integrations.sync.ttl_model import TTLModel
 
+_ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
 _PROVIDER_TTL_S = {"openai": 300.0, "anthropic": 300.0, "anthropic-1h": 3600.0}
 _PROVIDER_MIN_TOKENS = {"openai": OPENAI_MIN_CACHED_TOKENS}
 
@@ -92,6 +93,14 @@ class CacheSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Raise ValueError naming the field when a setting the kind needs is missing."""
         if self.kind == "kv-events" and not self.endpoint:
             raise ValueError("cache sync kind 'kv-events' needs 'endpoint', got None")
+        for name, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
+            # The ZMQ transports engines publish on; anything else would fail only when the
+            # link starts, with zmq's error naming no setting.
+            if value is not None and not value.startswith(_ZMQ_TRANSPORTS):
+                raise ValueError(
+                    f"{name} must be a ZMQ endpoint (tcp://host:port, ipc://path or "
+                    f"inproc://name), got {value!r:.120}"
+                )
         if self.kind == "capacity" and (self.capacity_tokens is None or self.capacity_tokens <= 0):
             raise ValueError(
                 f"cache sync kind 'capacity' needs 'capacity_tokens' > 0, "

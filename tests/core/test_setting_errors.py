@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from contextpilot_integrations import ContextPilot, OrderingConfig, ReplicaRouter, TurnVisibility
+from contextpilot_integrations.core.request import PlanRequest, Scope
 
 
 @pytest.mark.parametrize("turn", [-1, -(2**40)])
@@ -45,3 +46,14 @@ def test_ordering_is_an_ordering_config() -> None:
         ContextPilot(ordering={"reorder": "always"})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="weight_by_tokens must be a bool"):
         OrderingConfig(weight_by_tokens=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["a\r\nx-forged: 1", "nul\x00", "tab\tid", "del\x7f", "c1\x85"])
+@pytest.mark.parametrize("field", ["rid", "conversation_id", "tenant"])
+def test_ids_with_control_characters_are_refused(field: str, value: str) -> None:
+    with pytest.raises(ValueError, match="must not contain control characters"):
+        if field == "rid":
+            PlanRequest(query="q", blocks=["a block"], rid=value)
+        else:
+            Scope(**{field: value})
+    assert Scope(conversation_id="c-1 ü", tenant="acme/β").conversation == ("acme/β", "c-1 ü")

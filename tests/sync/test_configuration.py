@@ -85,3 +85,16 @@ def test_kv_event_source_follows_the_engine_into_the_index(endpoints, wait_for) 
     finally:
         source.stop()
     assert source.stats()["subscriber"]["malformed"] == 0
+
+
+@pytest.mark.parametrize("field", ["endpoint", "replay_endpoint"])
+@pytest.mark.parametrize("value", ["http://127.0.0.1:5557", "127.0.0.1:5557", "kv-events"])
+def test_an_endpoint_that_is_not_zmq_is_named_at_once(field: str, value: str) -> None:
+    settings = {"kind": "kv-events", "endpoint": "tcp://127.0.0.1:5557", field: value}
+    with pytest.raises(ValueError, match=rf"{field} must be a ZMQ endpoint .*got '{value}'"):
+        CacheSyncConfig.from_mapping(settings)
+
+
+def test_zmq_transports_are_accepted() -> None:
+    for endpoint in ("tcp://127.0.0.1:5557", "ipc:///tmp/kv.ipc", "inproc://kv"):
+        assert CacheSyncConfig.from_mapping({"kind": "kv-events", "endpoint": endpoint})
