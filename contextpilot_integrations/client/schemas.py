@@ -38,6 +38,7 @@ from contextpilot_integrations.core.plan import (
 )
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import (
+    CONTROL_CHARACTERS,
     MAX_BLOCKS_PER_REQUEST,
     MAX_ID_CHARS,
     PlanRequest,
@@ -67,10 +68,15 @@ def _integral_number(value: Any) -> Any:
 TurnNumber = Annotated[int, Field(ge=0, le=MAX_TURN), BeforeValidator(_integral_number)]
 TokenCount = Annotated[int, Field(ge=0, le=2**62), BeforeValidator(_integral_number)]
 
-Identifier = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
-"""A non-empty id (rid, conversation id) of at most ``MAX_ID_CHARS`` characters."""
+_NO_CONTROL_CHARACTERS = f"^[^{CONTROL_CHARACTERS}]*$"
 
-Tenant = Annotated[str, Field(max_length=MAX_ID_CHARS)]
+Identifier = Annotated[
+    str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=_NO_CONTROL_CHARACTERS)
+]
+"""A non-empty id (rid, conversation id) of at most ``MAX_ID_CHARS`` characters, with no
+control characters."""
+
+Tenant = Annotated[str, Field(max_length=MAX_ID_CHARS, pattern=_NO_CONTROL_CHARACTERS)]
 
 
 class _Strict(BaseModel):

@@ -38,8 +38,10 @@ MAX_BLOCKS_PER_REQUEST = 100_000
 
 MAX_ID_CHARS = 512
 """Longest rid, conversation id or tenant, in characters."""
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-"""C0 and C1 control characters, refused in ids."""
+CONTROL_CHARACTERS = r"\x00-\x1f\x7f-\x9f"
+"""The C0 and C1 control characters as a regular-expression character range: refused in ids
+(the service's schema states the same rule as a pattern)."""
+_CONTROL = re.compile(f"[{CONTROL_CHARACTERS}]")
 
 
 class RidConflictError(ValueError):
