@@ -3,7 +3,7 @@
 Each model follows a script, the session's turns (:mod:`~contextpilot_bench.agent_sessions`):
 on a model call the user messages in the prompt say which turn it is (the ``n``-th user message
 is turn ``n``), the tool results after the last one which step, and the model either
-calls the search tool with the next of the turn's queries or gives the turn's fixed answer. So
+makes the next of the turn's tool calls or gives the turn's fixed answer. So
 every agent replaying a session makes the same calls with the same arguments whatever the
 library did to the prompt, and a run is reproducible. Every call records what the model
 received (the messages after every middleware, and the call keywords: tools,
@@ -49,19 +49,15 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 from pydantic import Field
 
-from contextpilot_bench.agent_sessions import AgentTurn
+from contextpilot_bench.agent_sessions import AgentTurn, ToolCall
 
 __all__ = [
-    "SEARCH_TOOL",
     "ReceivedCall",
     "ScriptedAnthropicModel",
     "ScriptedChatModel",
     "ScriptedFunctionLLM",
     "scripted_step",
 ]
-
-SEARCH_TOOL = "search"
-"""The search tool's name, as the scripted models call it."""
 
 
 @dataclass
@@ -74,8 +70,8 @@ class ReceivedCall:
 
 def scripted_step(
     script: Sequence[AgentTurn], user_messages: int, results_since_user: int
-) -> tuple[str, str | None]:
-    """The next step: ``(call id, query)`` for a tool call, or ``(answer, None)``.
+) -> tuple[str, ToolCall | None]:
+    """The next step: ``(call id, call)`` for a tool call, or ``(answer, None)``.
 
     Args:
         script: the session's turns.
@@ -86,19 +82,19 @@ def scripted_step(
         IndexError: more user messages than turns.
     """
     turn = script[user_messages - 1]
-    if results_since_user < len(turn.queries):
+    if results_since_user < len(turn.calls):
         call_id = f"call_{user_messages}_{results_since_user + 1}"
-        return call_id, turn.queries[results_since_user]
+        return call_id, turn.calls[results_since_user]
     return turn.answer, None
 
 
 def _langchain_reply(script: Sequence[AgentTurn], messages: Sequence[BaseMessage]) -> AIMessage:
     users = [i for i, m in enumerate(messages) if isinstance(m, HumanMessage)]
     results = sum(1 for m in messages[users[-1] :] if isinstance(m, ToolMessage))
-    first, query = scripted_step(script, len(users), results)
-    if query is None:
+    first, step = scripted_step(script, len(users), results)
+    if step is None:
         return AIMessage(content=first)
-    call = {"name": SEARCH_TOOL, "args": {"query": query}, "id": first, "type": "tool_call"}
+    call = {"name": step.name, "args": dict(step.arguments), "id": first, "type": "tool_call"}
     return AIMessage(content="", tool_calls=[call])
 
 
@@ -172,11 +168,11 @@ class ScriptedFunctionLLM(FunctionCallingLLM):
         self._calls.append(ReceivedCall(list(messages)))
         users = [i for i, m in enumerate(messages) if m.role == MessageRole.USER]
         results = sum(1 for m in messages[users[-1] :] if m.role == MessageRole.TOOL)
-        first, query = scripted_step(self._script, len(users), results)
-        if query is None:
+        first, step = scripted_step(self._script, len(users), results)
+        if step is None:
             return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=first))
         call = ToolCallBlock(
-            tool_call_id=first, tool_name=SEARCH_TOOL, tool_kwargs={"query": query}
+            tool_call_id=first, tool_name=step.name, tool_kwargs=dict(step.arguments)
         )
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, blocks=[call]))
 

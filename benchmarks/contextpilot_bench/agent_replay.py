@@ -2,15 +2,18 @@
 
 One agent per session (thread id = the session id, ``InMemorySaver`` checkpointer), the
 session's user turns invoked in order; the scripted model (:mod:`~contextpilot_bench.agent_models`)
-calls the search tool twice per turn and answers. The methods differ only in the tool and the
-middleware:
+makes each turn's tool calls and answers. A search session's agent has the search tool, a file
+session's the tools of its own :class:`~contextpilot_bench.agent_workspace.Workspace` copy
+(``StructuredTool`` over its methods, the same in every method). The methods differ only in the
+search tool and the middleware:
 
 ``baseline``
     ``create_retriever_tool`` (the documents' texts joined by blank lines), no middleware.
 ``contextpilot``
     ``retriever_tool`` (labelled documents,
     :mod:`contextpilot_integrations.langchain.retriever_tool`) and ``ContextPilotMiddleware``
-    (``engine="openai-compatible"``, :mod:`contextpilot_integrations.langchain.agent_middleware`).
+    (``engine="openai-compatible"``, :mod:`contextpilot_integrations.langchain.agent_middleware`);
+    a file session keeps the file tools.
 ``anthropic-caching``
     the baseline on ``ChatAnthropic`` with LangChain's ``AnthropicPromptCachingMiddleware``
     (system message, last tool and the message tail marked).
@@ -28,23 +31,27 @@ call id (from the agent's state), for the pointer check.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from langchain.agents import create_agent
 from langchain_anthropic.middleware import AnthropicPromptCachingMiddleware
 from langchain_core.messages import HumanMessage, ToolMessage
-from langchain_core.tools import create_retriever_tool
+from langchain_core.tools import BaseTool, StructuredTool, create_retriever_tool
 from langgraph.checkpoint.memory import InMemorySaver
 
 from contextpilot_bench.agent_accounting import AgentPrompt, langchain_prompt
-from contextpilot_bench.agent_models import (
-    SEARCH_TOOL,
-    ScriptedAnthropicModel,
-    ScriptedChatModel,
+from contextpilot_bench.agent_models import ScriptedAnthropicModel, ScriptedChatModel
+from contextpilot_bench.agent_sessions import SEARCH_TOOL, AgentSession, ScopedBM25Retriever
+from contextpilot_bench.agent_workspace import (
+    EDIT_TOOL,
+    FILE_SYSTEM_PROMPT,
+    FILE_TOOL_DESCRIPTIONS,
+    READ_TOOL,
+    SEARCH_FILES_TOOL,
+    Workspace,
 )
-from contextpilot_bench.agent_sessions import AgentSession, ScopedBM25Retriever
 from contextpilot_bench.retrieval import ScopedBM25
 from contextpilot_integrations.langchain.agent_middleware import (
     AgentEngine,
@@ -88,16 +95,34 @@ class AgentRun:
     originals: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
-def _agent(method: str, session: AgentSession, index: ScopedBM25) -> tuple[Any, Any]:
-    """The agent and its scripted model for one session."""
+def _file_tools(workspace: Workspace) -> list[BaseTool]:
+    """LangChain tools over ``workspace``'s methods (read, edit, search), in that order."""
+    methods: dict[str, Callable[..., str]] = {
+        READ_TOOL: workspace.read_file,
+        EDIT_TOOL: workspace.edit_file,
+        SEARCH_FILES_TOOL: workspace.search_files,
+    }
+    return [
+        StructuredTool.from_function(m, name=n, description=FILE_TOOL_DESCRIPTIONS[n])
+        for n, m in methods.items()
+    ]
+
+
+def _tools(method: str, session: AgentSession, index: ScopedBM25 | None) -> list[BaseTool]:
+    if session.files:
+        return _file_tools(Workspace(session.files))
+    if index is None:
+        raise ValueError(f"session {session.id} searches, so index must be a ScopedBM25")
     retriever = ScopedBM25Retriever(index=index, scope=session.scope)
+    if method.startswith("contextpilot"):
+        return [retriever_tool(retriever, SEARCH_TOOL, SEARCH_DESCRIPTION)]
+    return [create_retriever_tool(retriever, SEARCH_TOOL, SEARCH_DESCRIPTION)]
+
+
+def _agent(method: str, session: AgentSession, index: ScopedBM25 | None) -> tuple[Any, Any]:
+    """The agent and its scripted model for one session."""
     pilot = method.startswith("contextpilot")
     anthropic = method in HOSTED_AGENT_METHODS
-    tool = (
-        retriever_tool(retriever, SEARCH_TOOL, SEARCH_DESCRIPTION)
-        if pilot
-        else create_retriever_tool(retriever, SEARCH_TOOL, SEARCH_DESCRIPTION)
-    )
     model: ScriptedChatModel | ScriptedAnthropicModel
     if anthropic:
         # No request leaves the process: the key is never sent.
@@ -113,19 +138,22 @@ def _agent(method: str, session: AgentSession, index: ScopedBM25) -> tuple[Any, 
         middleware.append(ContextPilotMiddleware(tenant="bench", engine=engine))
     agent = create_agent(
         model,
-        [tool],
-        system_prompt=SYSTEM_PROMPT,
+        _tools(method, session, index),
+        system_prompt=FILE_SYSTEM_PROMPT if session.files else SYSTEM_PROMPT,
         middleware=middleware,
         checkpointer=InMemorySaver(),
     )
     return agent, model
 
 
-def replay_langchain(method: str, sessions: Sequence[AgentSession], index: ScopedBM25) -> AgentRun:
-    """Replay ``sessions`` one after the other with ``method``.
+def replay_langchain(
+    method: str, sessions: Sequence[AgentSession], index: ScopedBM25 | None
+) -> AgentRun:
+    """Replay ``sessions`` one after the other with ``method`` (``index``: the search
+    sessions' retrieval index, ``None`` when every session is a file session).
 
     Raises:
-        ValueError: an unknown ``method``.
+        ValueError: an unknown ``method``, or a search session without ``index``.
     """
     if method not in (*LANGCHAIN_AGENT_METHODS, *HOSTED_AGENT_METHODS):
         raise ValueError(

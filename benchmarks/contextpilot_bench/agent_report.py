@@ -1,5 +1,5 @@
-"""``contextpilot-bench --workload agentic-multihop-rag | agentic-mtrag``: the agent replays'
-tables and targets.
+"""``contextpilot-bench --workload agentic-multihop-rag | agentic-mtrag | agentic-file-edits``:
+the agent replays' tables and targets.
 
 Runs the LangChain methods (:mod:`~contextpilot_bench.agent_replay`), the LlamaIndex ones
 (:mod:`~contextpilot_bench.agent_llamaindex`, skipped with a printed note when they cannot be
@@ -29,6 +29,7 @@ from contextpilot_bench.agent_accounting import (
     prefix_breaks,
     unique_tokens,
 )
+from contextpilot_bench.agent_file_sessions import FILE_WORKLOAD, file_sessions
 from contextpilot_bench.agent_llamaindex import (
     LLAMAINDEX_AGENT_METHODS,
     llamaindex_unavailable,
@@ -58,9 +59,9 @@ __all__ = [
 
 AGENT_FAMILIES = ("langchain", "llamaindex", "hosted-anthropic")
 """``--agents`` values: which replays run."""
-DEFAULT_AGENT_SESSIONS = {"agentic-multihop-rag": 8, "agentic-mtrag": 32}
+DEFAULT_AGENT_SESSIONS = {"agentic-multihop-rag": 8, "agentic-mtrag": 32, FILE_WORKLOAD: 8}
 """``--agent-sessions`` by workload: the first N sessions."""
-PREFILL_TARGETS = {"agentic-multihop-rag": 0.80, "agentic-mtrag": 0.50}
+PREFILL_TARGETS = {"agentic-multihop-rag": 0.80, "agentic-mtrag": 0.50, FILE_WORKLOAD: 0.80}
 """ContextPilot's prefill tokens at most this share of the plain agent's (unlimited cache)."""
 LLAMAINDEX_TARGET = 0.60
 """The LlamaIndex ``FunctionAgent``'s, on agentic MTRAG-UN."""
@@ -221,9 +222,15 @@ def run_agent_report(args: argparse.Namespace) -> int:
         counter: TokenCounter = load_tokenizer(args.tokenizer)
     else:
         counter = ApproxTokenCounter()
-    workload = load_workload(source_workload(name), args.data_dir)
-    sessions = agent_sessions(name, workload, count)
-    index = ScopedBM25(workload)
+    index: ScopedBM25 | None = None
+    if name == FILE_WORKLOAD:
+        sessions = file_sessions(count)
+        shape = "file reads, an edit, a re-read"
+    else:
+        workload = load_workload(source_workload(name), args.data_dir)
+        sessions = agent_sessions(name, workload, count)
+        index = ScopedBM25(workload)
+        shape = f"2 searches (BM25 top-{TOP_K})"
     started = time.perf_counter()
     runs: list[AgentRun] = []
     if "langchain" in families:
@@ -240,8 +247,8 @@ def run_agent_report(args: argparse.Namespace) -> int:
     )
     turns = sum(len(s.turns) for s in sessions)
     print(
-        f"workload {name}: {len(sessions)} sessions, {turns} user turns, 2 searches (BM25 "
-        f"top-{TOP_K}) and an answer per turn; scripted models, {counter!r}; replayed in "
+        f"workload {name}: {len(sessions)} sessions, {turns} user turns, {shape} and an "
+        f"answer per turn; scripted models, {counter!r}; replayed in "
         f"{time.perf_counter() - started:.1f}s"
     )
     totals, per_session = agent_rows(runs, counter) if runs else ([], [])

@@ -1,9 +1,11 @@
 """Agentic RAG sessions built from the shared datasets, and the BM25 retriever their tool runs.
 
-A session is one agent conversation: user turns in order, each answered by an agent that calls
-its search tool twice (the turn's own query, then a follow-up query) and then answers. The
-queries are fixed here, from the data alone, so every agent replaying a session makes the same
-tool calls (the scripted models of :mod:`~contextpilot_bench.agent_models` follow them).
+A session is one agent conversation: user turns in order, each answered by an agent that makes
+the turn's tool calls (:class:`ToolCall`) and then answers. Here each turn calls the search tool
+twice (the turn's own query, then a follow-up query). The calls are fixed from the data alone,
+so every agent replaying a session makes the same tool calls (the scripted models of
+:mod:`~contextpilot_bench.agent_models` follow them); the file-editing sessions are built the
+same way by :mod:`~contextpilot_bench.agent_file_sessions`.
 
 ``agentic-multihop-rag``
     MultiHop-RAG's questions in file order, :data:`MULTIHOP_TURNS` consecutive questions per
@@ -22,7 +24,8 @@ session's scope (:class:`ScopedBM25Retriever`).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from bm25s.stopwords import STOPWORDS_EN
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
@@ -31,24 +34,27 @@ from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict
 
 from contextpilot_bench.retrieval import ScopedBM25
-from contextpilot_bench.workloads import AGENT_WORKLOADS, Document, Request, Workload
+from contextpilot_bench.workloads import Document, Request, Workload
 
 __all__ = [
     "MULTIHOP_TURNS",
+    "SEARCH_TOOL",
     "TOP_K",
     "AgentSession",
     "AgentTurn",
     "ScopedBM25Retriever",
+    "ToolCall",
     "agent_sessions",
     "keyword_query",
     "source_workload",
 ]
 
-"""The ``--workload`` names of the agent replays."""
 MULTIHOP_TURNS = 4
 """User turns per agentic MultiHop-RAG session (consecutive questions)."""
 TOP_K = 5
 """Documents the search tool returns per call."""
+SEARCH_TOOL = "search"
+"""The search tool's name, as the scripted models call it."""
 
 _SOURCES = {"agentic-multihop-rag": "multihop-rag", "agentic-mtrag": "mtrag"}
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'&.-]*[A-Za-z0-9]|[A-Za-z0-9]")
@@ -59,32 +65,50 @@ _STOP = frozenset(STOPWORDS_EN) | {
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One scripted tool call: the tool's name and its keyword arguments (JSON strings)."""
+
+    name: str
+    arguments: Mapping[str, str]
+
+
+@dataclass(frozen=True, slots=True)
 class AgentTurn:
-    """One user turn: the message, the tool queries in call order, and the scripted answer."""
+    """One user turn: the message, the tool calls in call order, and the scripted answer."""
 
     question: str
-    queries: tuple[str, ...]
+    calls: tuple[ToolCall, ...]
     answer: str
 
 
 @dataclass(frozen=True, slots=True)
 class AgentSession:
-    """One agent conversation: its id (the agent's thread id: ``<number>:<conversation id's
-    first 8 characters>``, MultiHop-RAG's ``<number>:questions``), retrieval scope and turns."""
+    """One agent conversation.
+
+    Attributes:
+        id: the agent's thread id (``<number>:<conversation id's first 8 characters>``,
+            MultiHop-RAG's ``<number>:questions``, a file session's ``<number>:files``).
+        scope: the search tool's retrieval scope (empty for a file session).
+        turns: the user turns in order.
+        files: the workspace a file session's tools start from (path to text; empty for a
+            search session): each replay edits its own copy.
+    """
 
     id: str
     scope: str
     turns: tuple[AgentTurn, ...]
+    files: Mapping[str, str] = field(default_factory=dict)
 
 
 def source_workload(name: str) -> str:
-    """The dataset workload an agent workload is built from.
+    """The dataset workload a search agent workload is built from.
 
     Raises:
-        ValueError: ``name`` is not one of :data:`AGENT_WORKLOADS`.
+        ValueError: ``name`` is not an agent workload built on a dataset (one of
+            :data:`~contextpilot_bench.workloads.AGENT_WORKLOADS` but the file workload).
     """
     if name not in _SOURCES:
-        raise ValueError(f"workload must be one of {', '.join(AGENT_WORKLOADS)}, got {name!r}")
+        raise ValueError(f"workload must be one of {', '.join(_SOURCES)}, got {name!r}")
     return _SOURCES[name]
 
 
@@ -110,7 +134,7 @@ def agent_sessions(name: str, workload: Workload, sessions: int | None) -> list[
     """The first ``sessions`` sessions of agent workload ``name`` (all when ``None``).
 
     Args:
-        name: one of :data:`AGENT_WORKLOADS`.
+        name: a search agent workload (:func:`source_workload`).
         workload: its :func:`source_workload`, loaded.
         sessions: how many, ``int >= 1`` or ``None``.
 
@@ -141,9 +165,8 @@ def agent_sessions(name: str, workload: Workload, sessions: int | None) -> list[
                 follow = f"{group[position - 1].query} {request.query}"
             else:
                 follow = keyword_query(request.query)
-            turns.append(
-                AgentTurn(request.query, (request.query, follow), _answer(number, position))
-            )
+            calls = tuple(ToolCall(SEARCH_TOOL, {"query": q}) for q in (request.query, follow))
+            turns.append(AgentTurn(request.query, calls, _answer(number, position)))
         key = str(group[0].conversation_id)[:8] if name == "agentic-mtrag" else "questions"
         out.append(AgentSession(f"{number + 1}:{key}", group[0].scope, tuple(turns)))
     return out

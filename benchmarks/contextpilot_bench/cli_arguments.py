@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         "models count (default 4)",
     )
     agents = parser.add_argument_group(
-        "agent replays (--workload agentic-multihop-rag | agentic-mtrag)"
+        "agent replays (--workload agentic-multihop-rag | agentic-mtrag | agentic-file-edits)"
     )
     agents.add_argument(
         "--agents",
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--agent-sessions",
         type=_session_count,
         help="the first N sessions (default 8 for agentic-multihop-rag, 4 questions each; 32 "
-        "for agentic-mtrag, one conversation each)",
+        "for agentic-mtrag, one conversation each; 8 for agentic-file-edits, 5 turns each)",
     )
     hosted = parser.add_argument_group("hosted APIs (--engine hosted-anthropic | hosted-openai)")
     hosted.add_argument(

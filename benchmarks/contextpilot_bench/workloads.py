@@ -57,8 +57,9 @@ logger = logging.getLogger(__name__)
 
 DATA_DIR_ENV = "CONTEXTPILOT_DATA_DIR"
 
-AGENT_WORKLOADS = ("agentic-multihop-rag", "agentic-mtrag")
-"""The agent workloads built on these datasets (:mod:`~contextpilot_bench.agent_sessions`);
+AGENT_WORKLOADS = ("agentic-multihop-rag", "agentic-mtrag", "agentic-file-edits")
+"""The agent workloads: two built on these datasets (:mod:`~contextpilot_bench.agent_sessions`)
+and one over the package's own source files (:mod:`~contextpilot_bench.agent_file_sessions`);
 named here so the command line lists them without importing the agent frameworks."""
 """Environment variable naming the data directory when ``--data-dir`` is not given."""
 
