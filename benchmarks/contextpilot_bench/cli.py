@@ -67,6 +67,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.block_size = DEFAULT_BLOCK_SIZE if args.engine == VLLM_ENGINE else 1
     try:
         with StopSignals() as stop:
+            if args.warm_start is not None and (
+                args.workload in AGENT_WORKLOADS
+                or args.workload in MULTITURN_WORKLOADS
+                or args.replicas
+                or args.engine in HOSTED_ENGINES
+            ):
+                raise ValueError(
+                    f"--warm-start {args.warm_start} is measured on single-turn workloads with "
+                    f"one embedded or vLLM engine, not --workload {args.workload}"
+                    + (" with --replicas" if args.replicas else "")
+                    + (f" --engine {args.engine}" if args.engine in HOSTED_ENGINES else "")
+                )
             if args.workload in AGENT_WORKLOADS:
                 from contextpilot_bench.agent_report import run_agent_report
 

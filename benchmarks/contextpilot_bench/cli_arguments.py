@@ -118,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, help="with --arrival poisson: the arrival process's seed (default 0)"
     )
     parser.add_argument(
+        "--warm-start",
+        choices=("half",),
+        help="single-turn workloads without --arrival: every method serves the second half of "
+        "the requests (by arrival), and ContextPilot is also run warm-started on the first half "
+        "(learned, not indexed or sent), beside clairvoyant-arrival of the second half",
+    )
+    parser.add_argument(
         "--cache-tokens",
         default=None,
         help="embedded cache capacity: an int is tokens, a decimal (0.05) a fraction of the "

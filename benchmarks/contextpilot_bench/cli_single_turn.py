@@ -25,10 +25,12 @@ from contextpilot_bench.methods import (
     CLAIRVOYANT_ARRIVAL,
     METHODS,
     MethodResult,
+    PreparedWorkload,
     parse_cache_tokens,
     prepare_workload,
     run_method,
     run_methods,
+    run_warm_started,
 )
 from contextpilot_bench.report import (
     WINDOW_COLUMNS,
@@ -68,6 +70,11 @@ def run_single_turn_report(
     workload = load_workload(args.workload, args.data_dir).head(args.limit)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     seed = 0 if args.seed is None else args.seed
+    if args.warm_start is not None and windows:
+        raise ValueError(
+            f"--warm-start {args.warm_start} serves the second half of the requests without "
+            "windows; drop --arrival"
+        )
     # before retrieval: a replay of a workload without request times fails fast
     arrivals = [arrivals_for(args.arrival, workload, rate, seed) for _, rate in windows]
     if args.retriever == "mem0":
@@ -81,6 +88,11 @@ def run_single_turn_report(
         prepared = prepare_workload(workload, args.k, counter=setup.counter, layout=layout)
     if arrivals:  # every method sees the requests in arrival order
         prepared = prepared.reordered(arrivals[0].order)
+    sample: PreparedWorkload | None = None
+    if args.warm_start == "half":
+        sample, prepared = prepared.halves()
+        if not sample.retrieved:
+            raise ValueError("--warm-start half needs at least 2 requests")
 
     run: dict[str, Any] = {
         "workload": workload.name,
@@ -93,6 +105,8 @@ def run_single_turn_report(
         "token_counter": setup.counter_description,
         "unique_block_tokens": prepared.unique_block_tokens,
     }
+    if sample is not None:
+        run.update(warm_start="half", warm_start_requests=len(sample.retrieved))
     if windows:
         policy = windows[0][0]
         run.update(
@@ -117,6 +131,12 @@ def run_single_turn_report(
             block_size=setup.block_size,
             progress=progress,
         )
+        if sample is not None:
+            results.append(
+                run_warm_started(
+                    prepared, sample, mode=args.mode, engine_factory=engines, progress=progress
+                )
+            )
         if windows:
             offline = run_method(
                 "contextpilot", prepared, mode="offline", engine_factory=engines, progress=progress
@@ -135,6 +155,11 @@ def run_single_turn_report(
     run["seconds"] = round(time.perf_counter() - started, 3)
 
     arrival = f", arrivals {args.arrival}" if windows else ""
+    if sample is not None:
+        arrival += (
+            f", served the last {len(prepared.retrieved):,} (warm start learned the first "
+            f"{len(sample.retrieved):,})"
+        )
     print(
         f"workload {workload.name}: {len(workload.requests):,} requests, "
         f"{len(workload.corpus):,} documents, {_RETRIEVERS[args.retriever]} top-{args.k}, "

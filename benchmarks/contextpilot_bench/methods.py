@@ -22,6 +22,11 @@ Methods (each yields one :class:`RequestRecord` per request, through a fresh eng
     order but not the future: the online mode's share of it says what anticipating later
     requests could still gain. Not a bound: the offline build does not maximise the hits of
     the arrival order, and an online order can beat it.
+``contextpilot warm-start`` (``--warm-start half``)
+    Every method serves the second half of the requests (by arrival); this one is ContextPilot
+    whose pilot first learned the first half (:meth:`ContextPilot.warm_start`: the ordering
+    memories only, no request indexed or sent), printed beside ``clairvoyant-arrival`` of the
+    same second half.
 ``upper-bound``
     Not a real schedule: unlimited cache and free order, so each request is credited with the
     largest token overlap (the tokens of the blocks both prompts contain) with any other
@@ -68,6 +73,7 @@ __all__ = [
     "MethodResult",
     "PreparedWorkload",
     "RequestRecord",
+    "WARM_START",
     "engine_link",
     "new_pilot",
     "pilot_link",
@@ -76,6 +82,7 @@ __all__ = [
     "resolve_cache_tokens",
     "run_method",
     "run_methods",
+    "run_warm_started",
     "send",
     "upper_bound_records",
 ]
@@ -83,6 +90,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CLAIRVOYANT_ARRIVAL = "clairvoyant-arrival"
+WARM_START = "contextpilot warm-start"
+"""With ``--warm-start half``: ContextPilot on the second half, warm-started on the first."""
 METHODS = ("baseline", "contextpilot", "upper-bound", CLAIRVOYANT_ARRIVAL)
 MODES = ("offline", "online")
 
@@ -178,6 +187,22 @@ class PreparedWorkload:
         """Sum of the token counts of the distinct retrieved block texts."""
         texts = {d.text for docs in self.retrieved for d in docs}
         return sum(self.counter.count(t) for t in texts)
+
+    def halves(self) -> tuple[PreparedWorkload, PreparedWorkload]:
+        """The first ``n // 2`` requests (in the order held: by arrival once
+        :meth:`reordered`) and the rest, each with its retrieved documents."""
+        half = len(self.retrieved) // 2
+        w = self.workload
+        return tuple(  # type: ignore[return-value]
+            PreparedWorkload(
+                Workload(w.name, w.corpus, w.requests[part]),
+                self.k,
+                self.retrieved[part],
+                self.layout,
+                self.counter,
+            )
+            for part in (slice(0, half), slice(half, None))
+        )
 
     def reordered(self, order: Sequence[int]) -> PreparedWorkload:
         """The same workload with its requests (and their retrieved documents) in ``order``,
@@ -353,6 +378,38 @@ def _run_contextpilot(
                 bar.update()
     engine.sync(pilot)
     return MethodResult("contextpilot", records, plan_seconds=plan_seconds, index=pilot.stats())
+
+
+def run_warm_started(
+    prepared: PreparedWorkload,
+    sample: PreparedWorkload,
+    *,
+    mode: str,
+    engine_factory: Callable[[], Engine],
+    progress: bool = False,
+) -> MethodResult:
+    """ContextPilot (``mode`` as :func:`run_method`) on ``prepared`` through a fresh engine, its
+    pilot first warm-started (:meth:`ContextPilot.warm_start`) on ``sample``'s requests, which
+    are neither indexed nor sent: method :data:`WARM_START`.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    engine = engine_factory()
+    with new_pilot(prepared, engine) as pilot:
+        pilot.warm_start(
+            [
+                PlanRequest(r.query, sample.block_texts(i))
+                for i, r in enumerate(sample.workload.requests)
+            ]
+        )
+        result = _run_contextpilot(prepared, engine, mode, pilot, progress)
+    result.method = WARM_START
+    if isinstance(engine, EmbeddedEngine):
+        result.cache = engine.model.stats()
+    return result
 
 
 def _plan_whole_workload(

@@ -143,6 +143,10 @@ class ContextPilot(ThreadedAsyncTwins):
         )
         # Popular blocks recur across requests: remember (id, tokens) of recent texts.
         self._identify = functools.lru_cache(maxsize=block_cache_size)(self._identify_uncached)
+        # The annotation's cost depends only on how many blocks the prompt shows.
+        self._annotation_tokens = functools.lru_cache(maxsize=1024)(
+            self._annotation_tokens_uncached
+        )
         self._reservations = RidReservations()
         self._usage = UsageCounter()
         self._totals = ConversationTotals(stats_conversations, stats_tenants)
@@ -214,7 +218,7 @@ class ContextPilot(ThreadedAsyncTwins):
         Each request is first matched against what the index already holds; requests that
         matched the same prefix are then ordered together by the offline build, so blocks
         they share form common prefixes. The schedule runs requests sharing a prefix back to
-        back.
+        back, those hitting a prefix the index held before the batch first.
 
         Args:
             requests: the batch (each conversation at most once: its turns are sequential).
@@ -258,8 +262,52 @@ class ContextPilot(ThreadedAsyncTwins):
         if self.engine is not None:
             self.engine.record(plans)
         return BatchPlan(
-            plans=plans, schedule=tuple(schedule(paths, self.ordering.schedule_method))
+            plans=plans,
+            schedule=tuple(
+                schedule(paths, self.ordering.schedule_method, [r.prefix_tokens for r in found])
+            ),
         )
+
+    def warm_start(self, requests: Sequence[PlanRequest]) -> int:
+        """Learn what ordering reads from earlier traffic, without indexing it.
+
+        Each request's distinct blocks feed the popularity and co-occurrence memories
+        (:mod:`.popularity`) as if it had been planned, in the order given (oldest first), so
+        new requests are ordered by what that traffic taught; none is indexed, so no plan
+        counts a past request's prefix as cached (the engine's cache does not hold it). Call it
+        before planning (at start-up); the memories keep only their most recent requests
+        (``OrderingConfig.popularity_memory`` blocks, ``cooccurrence_memory`` requests).
+
+        Args:
+            requests: past requests (``rid`` and ``scope`` are not read; a conversation may
+                appear many times).
+
+        Returns:
+            The requests learned from (those with at least one block).
+
+        Raises:
+            TypeError: ``requests`` is not a sequence of :class:`PlanRequest`, or
+                ``requests[i]`` is not one (the message names it).
+        """
+        if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
+            raise TypeError(
+                "requests must be a sequence of PlanRequest, got "
+                f"{type(requests).__name__}: {requests!r:.80}"
+            )
+        for i, request in enumerate(requests):
+            if not isinstance(request, PlanRequest):
+                raise TypeError(
+                    f"requests[{i}] must be a PlanRequest, got "
+                    f"{type(request).__name__}: {request!r:.80}"
+                )
+        learned = 0
+        for request in requests:
+            ids = distinct_blocks(request.blocks, self._identify).ids
+            if ids:
+                self._history.add(ids)
+                self._cooccurrence.add(ids)
+                learned += 1
+        return learned
 
     def forget_conversation(self, conversation_id: str, tenant: str = "") -> bool:
         """Drop a conversation's de-duplication records (its turn numbers go on: a later turn
@@ -415,8 +463,7 @@ class ContextPilot(ThreadedAsyncTwins):
         if list(order) == blocks.ids:
             return True  # nothing moves: no annotation either way
         _, kept = self.index.prefix_in_order(blocks.ids, blocks.tokens)
-        labels = [self._layout.label(p) for p in range(len(order))]
-        annotation = self.token_counter.count(self._layout.annotation(labels))
+        annotation = self._annotation_tokens(len(order))
         token_of = dict(zip(blocks.ids, blocks.tokens))
         lifetime = len(self.index)  # requests the cache holds: how long a prompt stays to share
         depth = len(found.prefix) + CONDITIONAL_STEPS
@@ -451,6 +498,12 @@ class ContextPilot(ThreadedAsyncTwins):
 
     def _popularity(self, block: int) -> float:
         return self.index.block_popularity(block) + self._history.get(block)
+
+    def _annotation_tokens_uncached(self, blocks: int) -> int:
+        """Tokens of the order annotation of a prompt showing ``blocks`` blocks (its labels are
+        those of positions ``0 .. blocks - 1``, whatever their order)."""
+        labels = [self._layout.label(p) for p in range(blocks)]
+        return self.token_counter.count(self._layout.annotation(labels))
 
     def _identify_uncached(self, text: str) -> tuple[int, int]:
         return block_id(text), max(1, self.token_counter.count(text))

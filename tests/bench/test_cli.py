@@ -156,7 +156,7 @@ def test_window_run_prints_the_windows_and_writes_json_and_the_tradeoff_plot(
     assert "arrivals poisson" in text and "planning windows (adaptive closing, at most 12" in text
     for header in ("req/window", "vs offline", "added p50 ms", "added p99 ms", "target"):
         assert header in text
-    assert "target: hit ratio >= 0.8 of the offline figure" in text
+    assert "target: hit ratio >= 0.6 of the offline figure" in text
     assert "prefill tokens vs baseline: " in text
     assert (tmp_path / "results" / "multihop-rag-window.png").read_bytes()[:4] == b"\x89PNG"
     document = json.loads(out.read_text())

@@ -3,14 +3,20 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+from contextpilot_bench.cli import main
 from contextpilot_bench.engine import EmbeddedEngine, Served
 from contextpilot_bench.methods import (
+    WARM_START,
     PreparedWorkload,
     parse_cache_tokens,
     resolve_cache_tokens,
     run_method,
     run_methods,
+    run_warm_started,
     upper_bound_records,
 )
 from contextpilot_bench.workloads import Document, Request, Workload
@@ -228,6 +234,29 @@ def test_clairvoyant_arrival_sends_the_offline_plans_in_arrival_order(
     assert engines[3].sent == engines[1].sent and again.records == clairvoyant.records
 
 
+def test_warm_start_learns_the_first_half_and_serves_only_the_second() -> None:
+    lists = [[0, 1, 2], [3, 4], [0, 1, 5], [3, 4, 6], [0, 1, 7], [3, 4, 8], [0, 1, 9]]
+    prepared = _prepared(lists)
+    sample, served = prepared.halves()
+    assert [r.id for r in sample.workload.requests] == ["r0", "r1", "r2"]
+    assert [r.id for r in served.workload.requests] == ["r3", "r4", "r5", "r6"]
+    assert served.retrieved == prepared.retrieved[3:] and served.layout is prepared.layout
+    engines: list[_RecordingEngine] = []
+
+    def factory() -> _RecordingEngine:
+        engines.append(_RecordingEngine(None))
+        return engines[-1]
+
+    warm = run_warm_started(served, sample, mode="online", engine_factory=factory)
+    cold = run_method("contextpilot", served, mode="online", engine_factory=factory)
+    assert warm.method == WARM_START and warm.cache is not None
+    # only the second half is sent, and nothing learned counts as indexed
+    assert [rid for rid, _ in engines[0].sent] == [f"contextpilot-r{i}" for i in range(3, 7)]
+    assert warm.index["requests"] == cold.index["requests"] == 4
+    with pytest.raises(ValueError, match="mode must be one of"):
+        run_warm_started(served, sample, mode="sideways", engine_factory=factory)
+
+
 def test_run_methods_validation() -> None:
     prepared = _prepared([[0]])
     factory = lambda: EmbeddedEngine(None, counter=COUNTER)  # noqa: E731
@@ -305,3 +334,41 @@ def test_contextpilot_follows_an_engine_with_cache_sync_through_its_engine_link(
     assert link is not None and not link.source.subscriber.running  # type: ignore[attr-defined]
     baseline = run_method("baseline", prepared, mode=mode, engine_factory=factory)
     assert engines[1].synced == [None] and "sync" not in baseline.index
+
+
+def test_the_warm_start_run_serves_the_second_half_beside_clairvoyant_arrival(
+    data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "warm.json"
+    args = ["--data-dir", str(data_dir), "--workload", "mtrag", "--limit", "80", "--no-plot"]
+    assert main([*args, "--mode", "online", "--warm-start", "half", "--out", str(out)]) == 0
+    document = json.loads(out.read_text())
+    assert document["run"]["warm_start_requests"] == 40
+    rows = {r["method"]: r for r in document["summary"]}
+    assert {r["requests"] for r in rows.values()} == {40}
+    warm = rows[WARM_START]
+    assert warm["vs_clairvoyant_arrival"] == pytest.approx(
+        warm["hit_ratio"] / rows["clairvoyant-arrival"]["hit_ratio"]
+    )
+    text = capsys.readouterr().out
+    assert "served the last 40 (warm start learned the first 40)" in text
+    assert f"{WARM_START} " in next(x for x in text.splitlines() if "vs clairvoyant" in x)
+    windows = ["--arrival", "poisson", "--rate", "1600"]
+    assert main([*args, "--warm-start", "half", "--mode", "online", *windows]) == 2
+    assert "drop --arrival" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--workload", "mtrag-conversations"], "--workload mtrag-conversations"),
+        (["--workload", "mtrag", "--replicas", "2"], "with --replicas"),
+    ],
+)
+def test_warm_start_is_refused_where_it_is_not_measured(
+    data_dir: Path, capsys: pytest.CaptureFixture[str], extra: list[str], named: str
+) -> None:
+    argv = ["--data-dir", str(data_dir), "--limit", "8", "--no-plot", "--warm-start", "half"]
+    assert main([*argv, *extra]) == 2
+    error = capsys.readouterr().err
+    assert "--warm-start half" in error and named in error

@@ -10,10 +10,9 @@ a block likely to be retrieved again sits early and later requests can share a l
 that the most recent requests holding every block placed so far also held
 (:class:`~.popularity.CooccurrenceMemory`), ties and the remainder by popularity; a later
 request shares a prefix only with a request that holds all of it, so this places what the same
-kind of request is likely to hold next (online MultiHop-RAG, unlimited cache: 0.580 -> 0.597 of
-the bound; MTRAG 0.464 -> 0.508). ``benchmarks/bench_ordering.py`` measures the orders in the
-online mode. Either way the original relevance order survives in the order annotation (see
-:mod:`.rendering`).
+kind of request is likely to hold next. ``benchmarks/micro/bench_ordering.py`` measures the
+orders in the online mode. Either way the original relevance order survives in the order
+annotation (see :mod:`.rendering`).
 """
 
 from __future__ import annotations

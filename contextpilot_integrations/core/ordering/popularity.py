@@ -4,8 +4,8 @@ The online rest order (:mod:`.alignment`, ``rest_order="popularity"``) puts bloc
 retrieved again early, so later requests can share a longer prefix. A block's score gains 1
 each time a planned request holds it and halves every ``half_life`` planned requests, so blocks
 that keep being retrieved stay ahead of blocks that were popular once. Measured in
-``benchmarks/bench_ordering.py``: a half-life of 30 requests beat both no memory and unbounded
-counts on MultiHop-RAG and MTRAG online.
+``benchmarks/micro/bench_ordering.py``: a half-life of 30 requests beat both no memory and
+unbounded counts on MultiHop-RAG and MTRAG online.
 """
 
 from __future__ import annotations

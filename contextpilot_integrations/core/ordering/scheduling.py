@@ -9,9 +9,12 @@ root's child down to the node where the request's context ends), so they cost
   (longest first), groups by size (largest first), concatenate. Ties keep input order.
 * :func:`schedule_by_prefix_tree` -- a depth-first walk of the batch's own prefix tree:
   requests are grouped by every level of their path, not only the first, so requests sharing
-  a deeper prefix are adjacent too (at every node, the child with more requests of the batch
-  goes first; a request ending at a node runs before its descendants, whose prompts extend
-  it). ``benchmarks/bench_ordering.py`` measures both; this one is the default.
+  a deeper prefix are adjacent too (at every node, the child holding the longest prefix the
+  index held before the batch goes first, then the child with more requests of the batch; a
+  request ending at a node runs before its descendants, whose prompts extend it). With a cache
+  that holds a few prompts, a request hits a prefix cached before its batch only if it runs
+  before the batch's own prompts push that prefix out. ``benchmarks/micro/bench_ordering.py``
+  measures both; this one is the default.
 """
 
 from __future__ import annotations
@@ -37,30 +40,55 @@ def schedule_by_first_step(paths: Sequence[Sequence[int]]) -> list[int]:
     return out
 
 
-def schedule_by_prefix_tree(paths: Sequence[Sequence[int]]) -> list[int]:
-    """Depth-first order of the batch's prefix tree. Returns indices into ``paths``."""
-    below: Counter[tuple[int, ...]] = Counter()
-    for path in paths:
-        for depth in range(1, len(path) + 1):
-            below[tuple(path[:depth])] += 1
+def schedule_by_prefix_tree(
+    paths: Sequence[Sequence[int]], cached: Sequence[int] | None = None
+) -> list[int]:
+    """Depth-first order of the batch's prefix tree. Returns indices into ``paths``.
 
-    def key(i: int) -> tuple[tuple[int, int], ...]:
+    ``cached``: per request, the tokens of its prefix the index held before the batch (what
+    the engine's cache holds now); at every node the subtree with the most goes first, so
+    those requests run before the batch's own prompts push that prefix out of the cache.
+
+    Raises:
+        ValueError: ``cached`` of another length than ``paths``.
+    """
+    if cached is not None and len(cached) != len(paths):
+        raise ValueError(f"cached has {len(cached)} entries for {len(paths)} paths")
+    below: Counter[tuple[int, ...]] = Counter()
+    held: dict[tuple[int, ...], int] = {}
+    for i, path in enumerate(paths):
+        hit = cached[i] if cached is not None else 0
+        for depth in range(1, len(path) + 1):
+            node = tuple(path[:depth])
+            below[node] += 1
+            held[node] = max(held.get(node, 0), hit)
+
+    def key(i: int) -> tuple[tuple[int, int, int], ...]:
         path = paths[i]
-        # Each level: bigger subtree first, then node id for determinism. A request that ends
-        # at a node sorts before the requests that continue below it (shorter tuple first).
-        return tuple((-below[tuple(path[: d + 1])], path[d]) for d in range(len(path)))
+        # Each level: the subtree holding the longest cached prefix first, then the bigger
+        # one, then node id for determinism. A request that ends at a node sorts before the
+        # requests that continue below it (shorter tuple first).
+        return tuple(
+            (-held[tuple(path[: d + 1])], -below[tuple(path[: d + 1])], path[d])
+            for d in range(len(path))
+        )
 
     return sorted(range(len(paths)), key=key)
 
 
-def schedule(paths: Sequence[Sequence[int]], method: ScheduleMethod = "prefix-tree") -> list[int]:
-    """Dispatch to a scheduler by name.
+def schedule(
+    paths: Sequence[Sequence[int]],
+    method: ScheduleMethod = "prefix-tree",
+    cached: Sequence[int] | None = None,
+) -> list[int]:
+    """Dispatch to a scheduler by name (``cached``: see :func:`schedule_by_prefix_tree`; the
+    paper's Algorithm 5 does not read it).
 
     Raises:
-        ValueError: an unknown ``method``.
+        ValueError: an unknown ``method``, or ``cached`` of another length than ``paths``.
     """
     if method == "prefix-tree":
-        return schedule_by_prefix_tree(paths)
+        return schedule_by_prefix_tree(paths, cached)
     if method == "first-step":
         return schedule_by_first_step(paths)
     raise ValueError(f"schedule method must be 'prefix-tree' or 'first-step', got {method!r}")
