@@ -235,9 +235,9 @@ def dangling_pointers(prompt: AgentPrompt, originals: Mapping[str, str]) -> list
     ``originals`` maps a tool call id to what the tool returned. A pointer is sound when the
     sent text, each pointer replaced by some text, is the tool's output; each pointer's
     replaced text stands verbatim (a whole result: equal up to surrounding whitespace) in an
-    earlier tool result of the same prompt answering a call with the signature it names, with
-    the document label it names; and every earlier result of that signature that is not itself
-    a pointer reads so.
+    earlier tool result of the same prompt answering a call with a signature it names
+    (:func:`_names`), with the document label it names; and every earlier result of such a
+    signature that is not itself a pointer reads so.
 
     Raises:
         KeyError: a tool message whose call id ``originals`` does not have.
@@ -285,7 +285,9 @@ def _check_result(
         replaced = spans[k].strip()
         label, call = match.group("label"), match.group("call")
         candidates = [
-            text for _, signature, text in earlier if signature == call and not _is_pointer(text)
+            text
+            for _, signature, text in earlier
+            if _names(call, signature) and not _is_pointer(text)
         ]
         if not candidates:
             problems.append(f"message {position}: pointer to {call} names no earlier result")
@@ -328,6 +330,12 @@ def _replaced_spans(pieces: tuple[str, ...], original: str) -> tuple[str, ...] |
     pattern = "(.*?)".join(re.escape(piece) for piece in pieces)
     mapped = re.fullmatch(pattern, original, flags=re.DOTALL)
     return None if mapped is None else mapped.groups()
+
+
+def _names(call: str, signature: str) -> bool:
+    """Whether a pointer's ``call`` names ``signature``: the same text, or arguments cut short,
+    ``name(prefix…)``, that ``signature`` starts with (``prefix`` without the ellipsis)."""
+    return signature == call or (call.endswith("\u2026)") and signature.startswith(call[:-2]))
 
 
 def _is_pointer(text: str) -> bool:

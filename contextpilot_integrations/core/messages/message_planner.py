@@ -35,7 +35,10 @@ Rules:
    an earlier tool result that stands verbatim in the messages being sent is replaced by a
    pointer naming the earlier call by its tool's name and arguments as that call states them
    (``[Same result as the earlier call search({"query": "..."}) above.]``), where that saves at
-   least ``min_tokens_saved``.
+   least ``min_tokens_saved``. Long arguments are cut short, ``search({"query": "Who
+   founded…)`` (:func:`.pointers.short_name`): a verbatim prefix that no other signature of a
+   call before the pointer starts with, used where it saves at least :data:`_NAME_SAVING`
+   tokens over the whole arguments.
 4. Same document. Inside a new multi-document tool result (:mod:`.documents`: the library's
    own ``[Doc 1]`` blocks, a JSON list of objects with a text field, ``<document>`` tags, or
    ``[1]``/``1.`` blocks), a document whose text stands verbatim in an earlier tool result of
@@ -47,8 +50,9 @@ Rules:
    replacement saves at least ``min_tokens_saved``; every other byte of the result stays as it
    is.
 5. Unsure means kept. A pointer is made only when the earlier call it names reads one way: if
-   another earlier call with the same name and arguments returned something else, the result
-   or document is kept in full. "Earlier" is an earlier position of the same request (an
+   another earlier call the name stands for (the same name and arguments, or for a short name
+   arguments starting with its prefix) returned something else, the result or document is
+   kept in full. "Earlier" is an earlier position of the same request (an
    earlier message, or an earlier block of the same Anthropic message).
 6. Sure hints. Every pointer is checked on the final messages before they are returned
    (:func:`.pointers.check_pointer`): the text it stands for is verbatim in the earlier result
@@ -73,7 +77,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -103,8 +108,10 @@ from contextpilot_integrations.core.messages.pointers import (
     RequestView,
     check_pointer,
     document_pointer,
+    named_signatures,
     names_one_result,
     result_pointer,
+    short_name,
 )
 from contextpilot_integrations.core.request import Scope
 
@@ -112,6 +119,9 @@ __all__ = ["MessagePlanner"]
 
 _MAX_CANDIDATES = 8
 """Earlier copies of one text tried as a pointer's target (bounds the work per result)."""
+_NAME_SAVING = 4
+"""Least tokens a short name (:func:`.pointers.short_name`) must save over the whole arguments
+to be used: a cut that saves less reads worse for next to nothing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,11 +271,13 @@ class MessagePlanner:
         by_signature: dict[str, list[int]] = {}  # call signature -> results of such calls
         slots: dict[int, list[ResultPlacement]] = {}
         edits: dict[int, list[_Edit]] = {}
+        before = _Signatures(view)
         for k, result in enumerate(view.results):
             replaced_whole = False
             if result.message >= n:
+                before.up_to(result.position)
                 placement, found = self._place_result(
-                    k, view, texts, whole, documents, by_signature
+                    k, view, texts, whole, documents, by_signature, before.sorted
                 )
                 slots[k] = [placement]
                 if placement.status == "pointer":
@@ -301,9 +313,11 @@ class MessagePlanner:
         whole: dict[str, list[int]],
         documents: dict[str, list[tuple[int, Document | None]]],
         by_signature: dict[str, list[int]],
+        before: list[str],
     ) -> tuple[ResultPlacement, list[_Edit]]:
         """The whole-result placement of new result ``k`` and, when it is kept, the edits of
-        its documents (their placements included)."""
+        its documents (their placements included); ``before``: the signatures of the calls
+        standing before result ``k`` (sorted, distinct)."""
         result = view.results[k]
         text = texts[k]
         base = ResultPlacement(
@@ -321,10 +335,11 @@ class MessagePlanner:
         reason = "no earlier copy"
         count = self.token_counter.count
         for t in whole.get(text.strip(), ())[:_MAX_CANDIDATES]:
-            call = view.signature(t)
+            signature = view.signature(t)
             target = texts[t]
-            assert call is not None and target is not None  # only such results are indexed
-            if not names_one_result(call, target, _others(by_signature[call], t, texts)):
+            assert signature is not None and target is not None  # only such results are indexed
+            call = self._name(signature, before, result_pointer)
+            if not names_one_result(call, target, _others(call, before, by_signature, t, texts)):
                 reason = "ambiguous call"
                 continue
             pointer = result_pointer(call)
@@ -348,7 +363,9 @@ class MessagePlanner:
         found: list[_Edit] = []
         for document in find_documents(text):
             found.append(
-                self._place_document(base, document, text, view, texts, documents, by_signature)
+                self._place_document(
+                    base, document, text, view, texts, documents, by_signature, before
+                )
             )
         return replace(base, reason=reason), found
 
@@ -361,23 +378,30 @@ class MessagePlanner:
         texts: list[str | None],
         documents: dict[str, list[tuple[int, Document | None]]],
         by_signature: dict[str, list[int]],
+        before: list[str],
     ) -> _Edit:
-        """The edit for one document of a new result (``pointer`` empty: kept)."""
+        """The edit for one document of a new result (``pointer`` empty: kept); ``before`` as
+        for :meth:`_place_result`."""
         reason = "no earlier copy"
         original = text[document.start : document.end]
         count = self.token_counter.count
         for t, earlier in documents.get(document.key, ())[:_MAX_CANDIDATES]:
-            call = view.signature(t)
+            signature = view.signature(t)
             target = texts[t]
-            assert call is not None and target is not None  # only such results are indexed
+            assert signature is not None and target is not None  # only such results are indexed
             if original not in target:
                 reason = "not verbatim"
                 continue
-            if not names_one_result(call, target, _others(by_signature[call], t, texts)):
+            label = None if earlier is None else earlier.label
+
+            def pointer_for(name: str, label: str | None = label) -> str:
+                return span_text(document.layout, document_pointer(name, label))
+
+            call = self._name(signature, before, pointer_for)
+            if not names_one_result(call, target, _others(call, before, by_signature, t, texts)):
                 reason = "ambiguous call"
                 continue
-            label = None if earlier is None else earlier.label
-            pointer = span_text(document.layout, document_pointer(call, label))
+            pointer = pointer_for(call)
             saved = count(original) - count(pointer)
             if saved < self.min_tokens_saved:
                 reason = "saves too little"
@@ -401,6 +425,18 @@ class MessagePlanner:
             return _Edit(document.start, document.end, document.layout, pointer, placement)
         kept = replace(base, document=document.index, label=document.label, reason=reason)
         return _Edit(document.start, document.end, document.layout, "", kept)
+
+    def _name(self, signature: str, before: list[str], pointer: Callable[[str], str]) -> str:
+        """How a pointer made by ``pointer`` (a name -> the pointer's text) names a call of
+        ``signature``: cut short (:func:`.pointers.short_name`, unique among ``before``) where
+        that saves at least :data:`_NAME_SAVING` tokens, else whole."""
+        short = short_name(signature, before)
+        if short is None:
+            return signature
+        count = self.token_counter.count
+        if count(pointer(short)) + _NAME_SAVING > count(pointer(signature)):
+            return signature
+        return short
 
     @staticmethod
     def _render(
@@ -491,9 +527,44 @@ def _first_broken(
     return None
 
 
-def _others(results: list[int], target: int, texts: list[str | None]) -> list[str | None]:
-    """The texts of ``results`` other than ``target``."""
-    return [texts[u] for u in results if u != target]
+def _others(
+    call: str,
+    before: list[str],
+    by_signature: dict[str, list[int]],
+    target: int,
+    texts: list[str | None],
+) -> list[str | None]:
+    """The texts of the results so far, other than ``target``, answering calls whose signature
+    the name ``call`` stands for (their signatures are among ``before``)."""
+    return [
+        texts[u]
+        for s in named_signatures(call, before)
+        for u in by_signature.get(s, ())
+        if u != target
+    ]
+
+
+class _Signatures:
+    """The signatures of a request's tool calls standing before a position, sorted and distinct,
+    gathered as the position moves on (each call read once)."""
+
+    __slots__ = ("_calls", "_next", "sorted")
+
+    def __init__(self, view: RequestView) -> None:
+        self._calls = view.tool_calls
+        self._next = 0
+        self.sorted: list[str] = []
+
+    def up_to(self, position: tuple[int, int]) -> None:
+        """Take in the calls standing before ``position`` (``(message, block or -1)``)."""
+        while self._next < len(self._calls):
+            call = self._calls[self._next]
+            if (call.message, call.slot) >= position:
+                return
+            at = bisect_left(self.sorted, call.signature)
+            if at == len(self.sorted) or self.sorted[at] != call.signature:
+                self.sorted.insert(at, call.signature)
+            self._next += 1
 
 
 def _unverified(placement: ResultPlacement) -> ResultPlacement:

@@ -8,6 +8,18 @@ arguments exactly as that call states them::
     [Same as the result of the earlier call fetch({"url": "https://a.example"}) above.]
     [Same as document id "d7" in the result of the earlier call search({"query": "kv"}) above.]
 
+Long arguments (a question as the query) make a long name, so a call may be named by its
+arguments cut short, a verbatim prefix of its signature followed by an ellipsis
+(:func:`short_name`)::
+
+    [Same result as the earlier call search({"query": "Who founded the company…) above.]
+
+The prefix keeps at least :data:`MIN_SHOWN` characters of the arguments and ends at a word's
+end, so the model can find the call, and is longer than what the signature shares with any
+other signature of a call standing before the pointer, so it names one call there. The check
+reads a name ending in the ellipsis as standing for every signature that starts with the text
+before it (:func:`named_by`), a whole signature that happens to end so included.
+
 A document's label is shown as its result writes it (``[Doc 2]``, ``[2]``, ``2.``,
 ``index="2"``), except a JSON document's: its label is the literal ``"id": "d7"`` (or
 ``"id":7``) as the result writes it, which reads badly inside a sentence, so the pointer shows
@@ -19,14 +31,15 @@ pointer is checked on the final messages of the request that carries it (:func:`
 never taken from memory: the pointer stands in its result; the result it names stands earlier
 in the same request and holds the replaced text verbatim (for a whole result: the same text up
 to surrounding whitespace), and the document label when one is named; the named call is the
-nearest earlier assistant tool call with that result's call id; and every earlier result of a
-call with the same name and arguments reads the same (else "the earlier call" would be
-ambiguous).
+nearest earlier assistant tool call with that result's call id, and the name stands for its
+signature; and every earlier result of a call whose signature the name stands for reads the
+same (else "the earlier call" would be ambiguous).
 """
 
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,13 +54,26 @@ from contextpilot_integrations.core.messages.message_shapes import (
 )
 
 __all__ = [
+    "ELLIPSIS",
+    "MIN_SHOWN",
     "RequestView",
     "check_pointer",
     "document_pointer",
+    "named_by",
+    "named_signatures",
     "names_one_result",
     "result_pointer",
+    "short_name",
     "shown_label",
 ]
+
+ELLIPSIS = "\u2026"
+"""What ends the arguments a short name cuts (one character, ``…``)."""
+MIN_SHOWN = 32
+"""Least characters of a call's arguments a short name keeps, key and quotes included
+(``{"query": "`` is 11): a few words of a query, enough for the model to find the call by eye,
+whatever the other calls of the request."""
+_CUT = ELLIPSIS + ")"
 
 _SAME_RESULT = "[Same result as the earlier call {call} above.]"
 _SAME_DOCUMENT = "[Same as document {label} in the result of the earlier call {call} above.]"
@@ -79,10 +105,68 @@ def document_pointer(call: str, label: str | None) -> str:
     return _SAME_DOCUMENT.format(label=shown_label(label), call=call)
 
 
+def named_by(name: str, signature: str) -> bool:
+    """Whether the pointer name ``name`` stands for a call of ``signature`` (``name(arguments)``):
+    the same text, or, for a name ending in ``…)``, a signature starting with what precedes
+    that."""
+    if signature == name:
+        return True
+    return name.endswith(_CUT) and signature.startswith(name[: -len(_CUT)])
+
+
+def named_signatures(name: str, signatures: Sequence[str]) -> list[str]:
+    """The signatures of ``signatures`` (sorted, distinct) that ``name`` stands for
+    (:func:`named_by`), in order."""
+    stem = name[: -len(_CUT)] if name.endswith(_CUT) else name
+    found = []
+    for k in range(bisect_left(signatures, stem), len(signatures)):
+        if not signatures[k].startswith(stem):
+            break
+        if named_by(name, signatures[k]):
+            found.append(signatures[k])
+    return found
+
+
+def short_name(signature: str, others: Sequence[str]) -> str | None:
+    """``signature`` (``name(arguments)``) cut short, ``name(prefix…)``, or ``None`` when no cut
+    is shorter than ``signature`` itself.
+
+    The prefix is verbatim and the shortest that keeps :data:`MIN_SHOWN` characters of the
+    arguments, that no signature of ``others`` (sorted, distinct; ``signature`` itself may be
+    among them) starts with, so the name stands for ``signature`` alone among them, and that
+    does not end inside a word (letters and digits). The signature sharing the longest prefix
+    with ``signature`` is a neighbour of it in sorted order, so two comparisons find how long
+    the prefix must be.
+    """
+    opening = signature.find("(")
+    if opening < 0:
+        return None
+    keep = opening + 1 + MIN_SHOWN
+    at = bisect_left(others, signature)
+    for other in others[max(at - 1, 0) : at + 2]:
+        if other != signature:
+            keep = max(keep, _common_length(signature, other) + 1)
+    while keep < len(signature) and signature[keep - 1].isalnum() and signature[keep].isalnum():
+        keep += 1  # never cut inside a word: the model finds the call by whole words
+    if keep + len(_CUT) >= len(signature):
+        return None
+    return signature[:keep] + _CUT
+
+
+def _common_length(a: str, b: str) -> int:
+    """How many leading characters ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def names_one_result(call: str, target_text: str, earlier_texts: Sequence[str | None]) -> bool:
-    """Whether ``call`` names one reading: each text in ``earlier_texts`` (the results of the
-    calls with that signature before the pointer) is the target's up to surrounding whitespace,
-    or a pointer to that same call."""
+    """Whether the name ``call`` names one reading: each text in ``earlier_texts`` (the results
+    of the calls before the pointer whose signature ``call`` stands for) is the target's up to
+    surrounding whitespace, or a pointer naming the same ``call``."""
     want = target_text.strip()
     pointer = result_pointer(call)
     return all(t is not None and (t.strip() == want or t == pointer) for t in earlier_texts)
@@ -90,16 +174,25 @@ def names_one_result(call: str, target_text: str, earlier_texts: Sequence[str | 
 
 class RequestView:
     """The tool calls and tool results of one request's messages, and which call each result
-    answers (the nearest earlier assistant tool call with its id)."""
+    answers (the nearest earlier assistant tool call with its id).
 
-    __slots__ = ("by_position", "by_signature", "calls", "results")
+    Attributes:
+        results: the tool results, in order of position.
+        by_position: result index by position, ``(message, block or -1)``.
+        calls: per result, the call it answers; ``None`` when no earlier call has its id.
+        tool_calls: every tool call, in order of position, answered or not.
+        by_signature: the results answering calls of each signature, in order.
+    """
+
+    __slots__ = ("_signatures", "by_position", "by_signature", "calls", "results", "tool_calls")
 
     def __init__(self, messages: Sequence[Mapping[str, Any]], api: Api) -> None:
         self.results: list[ToolResult] = find_tool_results(messages, api)
         self.by_position = {r.position: k for k, r in enumerate(self.results)}
         self.calls: list[ToolCall | None] = []
+        self.tool_calls: list[ToolCall] = find_tool_calls(messages, api)
         latest: dict[str, ToolCall] = {}
-        pending = iter(find_tool_calls(messages, api))
+        pending = iter(self.tool_calls)
         call = next(pending, None)
         for result in self.results:
             while call is not None and (call.message, call.slot) < result.position:
@@ -110,10 +203,18 @@ class RequestView:
         for k, answered in enumerate(self.calls):
             if answered is not None:
                 self.by_signature.setdefault(answered.signature, []).append(k)
+        self._signatures = sorted(self.by_signature)
 
     def signature(self, k: int) -> str | None:
+        """The signature of the call result ``k`` answers; ``None`` when none."""
         call = self.calls[k]
         return None if call is None else call.signature
+
+    def answering(self, name: str) -> list[int]:
+        """The results answering a call whose signature the pointer name ``name`` stands for
+        (:func:`named_by`), in order."""
+        found = [k for s in named_signatures(name, self._signatures) for k in self.by_signature[s]]
+        return sorted(found)
 
 
 def check_pointer(view: RequestView, placement: ResultPlacement) -> bool:
@@ -136,8 +237,8 @@ def check_pointer(view: RequestView, placement: ResultPlacement) -> bool:
     text, target = view.results[k_here].text, view.results[k_there].text
     if text is None or target is None:
         return False
-    call = placement.target_call
-    if call is None or view.signature(k_there) != call:
+    call, signature = placement.target_call, view.signature(k_there)
+    if call is None or signature is None or not named_by(call, signature):
         return False
     if placement.document is None:
         if text != placement.pointer or placement.pointer != result_pointer(call):
@@ -154,5 +255,5 @@ def check_pointer(view: RequestView, placement: ResultPlacement) -> bool:
             return False
         if placement.target_label is not None and placement.target_label not in target:
             return False
-    earlier = [view.results[k].text for k in view.by_signature[call] if k < k_here and k != k_there]
+    earlier = [view.results[k].text for k in view.answering(call) if k < k_here and k != k_there]
     return names_one_result(call, target, earlier)

@@ -5,12 +5,20 @@ from __future__ import annotations
 import copy
 import json
 import threading
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from contextpilot_integrations.core.messages import MessagePlanner, message_planner
-from contextpilot_integrations.core.messages.pointers import RequestView, check_pointer
+from contextpilot_integrations.core.messages.pointers import (
+    MIN_SHOWN,
+    RequestView,
+    check_pointer,
+    named_by,
+    named_signatures,
+    short_name,
+)
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import Scope
 
@@ -503,6 +511,116 @@ def test_the_check_reads_the_messages_it_is_given() -> None:
     renamed = copy.deepcopy(plan.messages)
     renamed[2]["tool_calls"][0]["function"]["arguments"] = '{"query": "other"}'
     assert not check_pointer(RequestView(renamed, "openai"), pointer)
+
+
+# ------------------------------------------------------------------ short names
+QUESTION = "Who founded the company that makes the engine behind the KV cache of this server?"
+RIVAL = "Who founded the company that makes the radix tree used by this server?"
+
+
+def question_history(*queries: str) -> list[dict[str, Any]]:
+    """A question, a search per query (results LONG, then OTHER for every later query), and a
+    last search of the first query again, returning LONG."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Who founded it?"}]
+    for n, query in enumerate(queries):
+        messages += [assistant(call(f"q{n}", query=query)), tool(f"q{n}", OTHER if n else LONG)]
+    return messages + [assistant(call("again", query=queries[0])), tool("again", LONG)]
+
+
+def test_a_long_call_is_named_by_the_shortest_prefix_of_its_arguments() -> None:
+    messages = question_history(QUESTION, "kv cache")
+    plan = MessagePlanner().plan(messages)
+    name = 'search({"query": "Who founded the company\u2026)'  # MIN_SHOWN, to a word's end
+    assert plan.messages[-1]["content"] == f"[Same result as the earlier call {name} above.]"
+    pointer = plan.pointers[0]
+    assert (pointer.target_message, pointer.target_call) == (2, name)
+    assert json.dumps(QUESTION).startswith(name[len('search({"query": ') : -2])
+    assert MessagePlanner().plan(messages) == plan  # deterministic
+    assert check_pointer(RequestView(plan.messages, "openai"), pointer)
+
+
+def test_a_prefix_shared_with_a_call_of_another_result_is_made_longer() -> None:
+    plan = MessagePlanner().plan(question_history(QUESTION, RIVAL))
+    name = 'search({"query": "Who founded the company that makes the engine\u2026)'
+    assert plan.messages[-1]["content"] == f"[Same result as the earlier call {name} above.]"
+    assert not RIVAL.startswith(name[len('search({"query": "') : -2])
+
+
+def test_a_call_with_no_unique_prefix_shorter_than_itself_is_named_whole() -> None:
+    # The rival's arguments start with all of the question's but its closing brace.
+    messages = question_history(QUESTION)
+    messages[1:1] = [
+        assistant(call("r", query=QUESTION, k=5)),
+        tool("r", OTHER),
+    ]
+    plan = MessagePlanner().plan(messages)
+    whole = f"search({json.dumps({'query': QUESTION})})"
+    assert plan.messages[-1]["content"] == f"[Same result as the earlier call {whole} above.]"
+
+
+def test_a_short_call_is_named_whole_where_a_cut_saves_too_little() -> None:
+    signature = 'search({"query": "kv cache prefix reuse ratio"})'
+    assert short_name(signature, []) is not None  # a cut exists, one character shorter
+    plan = MessagePlanner().plan(question_history("kv cache prefix reuse ratio"))
+    assert plan.pointers[0].target_call == signature
+
+
+def test_a_document_pointer_names_the_call_by_its_prefix_too() -> None:
+    messages = question_history(QUESTION, RIVAL)
+    messages[2] = tool("q0", numbered(LONG, THIRD))
+    messages[-1] = tool("again", numbered(OTHER + " new", THIRD))
+    plan = MessagePlanner().plan(messages)
+    name = 'search({"query": "Who founded the company that makes the engine\u2026)'
+    pointer = f"[2] [Same as document [2] in the result of the earlier call {name} above.]"
+    assert pointer in plan.messages[-1]["content"]
+    final = RequestView(plan.messages, "openai")
+    assert all(check_pointer(final, p) for p in plan.pointers)
+
+
+def test_the_check_refuses_a_prefix_that_names_two_readings() -> None:
+    messages = question_history(QUESTION, "kv cache")
+    plan = MessagePlanner().plan(messages)
+    pointer = plan.pointers[0]
+    assert pointer.target_call is not None and pointer.target_call.endswith("\u2026)")
+    # An earlier call whose arguments start with the same prefix, with another result.
+    added = [assistant(call("r", query=RIVAL)), tool("r", THIRD)]
+    sent = plan.messages[:3] + added + plan.messages[3:]
+    moved = replace(pointer, message=pointer.message + 2)
+    assert not check_pointer(RequestView(sent, "openai"), moved)
+    # The same call with the same result does not make it ambiguous.
+    same = [assistant(call("r", query=RIVAL)), tool("r", LONG)]
+    assert check_pointer(RequestView(plan.messages[:3] + same + plan.messages[3:], "openai"), moved)
+    # A name that stands for another call than the one the result answers fails.
+    other = replace(pointer, target_call='search({"query": "Who founded the firm\u2026)')
+    assert not check_pointer(RequestView(plan.messages, "openai"), other)
+
+
+def test_a_replayed_short_name_holds_when_a_later_call_shares_its_prefix() -> None:
+    planner = MessagePlanner()
+    messages = question_history(QUESTION, "kv cache")
+    first = planner.plan(messages, scope=SCOPE)
+    later = messages + [assistant(call("r", query=RIVAL)), tool("r", THIRD)]
+    second = planner.plan(later, scope=SCOPE)
+    assert second.replayed == len(messages) and second.diverged_at is None
+    assert second.messages[: len(messages)] == first.messages
+
+
+def test_short_names_and_what_they_stand_for() -> None:
+    signature = f"search({json.dumps({'query': QUESTION})})"
+    rival = f"search({json.dumps({'query': RIVAL})})"
+    assert short_name(signature, []) == 'search({"query": "Who founded the company\u2026)'
+    assert short_name(signature, sorted([signature, rival])) == (
+        'search({"query": "Who founded the company that makes the engine\u2026)'
+    )
+    assert short_name('search({"query": "kv"})', []) is None  # not shorter than itself
+    name = short_name(signature, [])
+    assert name is not None and len(name) - len("search(") - 2 >= MIN_SHOWN
+    assert named_by(name, signature) and named_by(name, rival)  # the check reads it so
+    assert not named_by(name, 'search({"query": "Who founded the firm?"})')
+    assert named_by(signature, signature) and not named_by(signature, rival)
+    assert named_signatures(name, sorted([rival, signature, 'fetch({"q": 1})'])) == sorted(
+        [rival, signature]
+    )
 
 
 # ------------------------------------------------------------------ the rest

@@ -7,8 +7,10 @@ tagged, JSON), with edits, trims, summaries, removed messages and apps that send
 sent (as it is, or trimmed and edited afterwards, its pointers' targets perhaps gone), between
 calls. Every plan is checked by
 code written here, independent of the planner's own check: every pointer's target text stands
-verbatim earlier in the same request and its named call is there, and no pointer text goes out
-that is neither the app's own nor such a pointer (none dangles); every earlier message is
+verbatim earlier in the same request and its named call is there, every earlier result of a
+call its name stands for (the same signature, or one starting with a short name's prefix) reads
+the same (none is ambiguous), and no pointer text goes out that is neither the app's own nor
+such a pointer (none dangles); every earlier message is
 replayed byte for byte when the history extends what was sent; assistant, user and system
 messages never change; every tool result can be restored from the plan; and a shared planner
 gives each conversation what a planner of its own would.
@@ -41,7 +43,14 @@ SIGNATURES = [
     ("search", {"query": "prefix", "k": 5}),
     ("fetch", {"url": "https://b.example/y"}),
     ("lookup", {"id": 8}),
+    # Long queries sharing prefixes: named by a prefix, longer where another call shares it,
+    # whole where no prefix is unique (one question is the other's with a tail).
+    ("search", {"query": "Who founded the company that makes the kv cache engine?"}),
+    ("search", {"query": "Who founded the company that makes the radix tree index?"}),
+    ("search", {"query": "Who founded the company that makes the kv cache engine, and when?"}),
+    ("search", {"query": "Who founded the company that makes the radix tree index?", "k": 5}),
 ]
+ELLIPSIS_CUT = "\u2026)"
 
 
 def _result_text(rng: random.Random, earlier: list[str]) -> str:
@@ -215,6 +224,16 @@ def _call_before(messages: list[dict[str, Any]], api: str, call_id: str, before:
     return None
 
 
+def _named(name: str, signature: str | None) -> bool:
+    """Whether a pointer's call ``name`` stands for ``signature``: the same text, or a name cut
+    short, ``name(prefix…)``, whose prefix ``signature`` starts with."""
+    if signature is None:
+        return False
+    if name.endswith(ELLIPSIS_CUT):
+        return signature.startswith(name[: -len(ELLIPSIS_CUT)])
+    return signature == name
+
+
 def _without_results(message: dict[str, Any], api: str) -> dict[str, Any]:
     copied = json.loads(json.dumps(message))
     if api == "openai" and copied["role"] == "tool":
@@ -275,7 +294,15 @@ def check_plan(
                 assert p.original in target
                 assert p.target_label is None or p.target_label in target
             named = _call_before(out, api, sent_units[there]["id"], p.target_message)
-            assert named == p.target_call
+            assert _named(p.target_call, named)
+            # not ambiguous: every earlier result of a call the name stands for reads the same
+            whole_pointer = f"[Same result as the earlier call {p.target_call} above.]"
+            for where, unit in sent_units.items():
+                if where >= position or where == there:
+                    continue
+                if _named(p.target_call, _call_before(out, api, unit["id"], where[0])):
+                    assert unit["text"] is not None
+                    assert unit["text"].strip() == target.strip() or unit["text"] == whole_pointer
         if any(p.document is None for p in pointers):
             assert restored.strip() == original.strip()
         else:
@@ -357,7 +384,7 @@ def test_random_agent_histories(seed: int, api: Api) -> None:
 
 
 def test_thousands_of_seeded_histories_make_pointers_and_replay() -> None:
-    pointers = replayed = 0
+    pointers = replayed = short = long_whole = 0
     for seed in range(700):
         api: Api = "openai" if seed % 2 else "anthropic"
         rng = random.Random(seed)
@@ -373,7 +400,13 @@ def test_thousands_of_seeded_histories_make_pointers_and_replay() -> None:
             check_plan(messages, plan, api)
             pointers += len(plan.pointers)
             replayed += plan.replayed
+            for p in plan.pointers:
+                if (p.target_call or "").endswith(ELLIPSIS_CUT):
+                    short += 1
+                elif "Who founded" in (p.target_call or ""):
+                    long_whole += 1
     assert pointers > 700 and replayed > 1400  # the histories do exercise both rules
+    assert short > 100 and long_whole > 50  # and long names cut short, or whole where no cut is
 
 
 def test_rendered_results_with_overlapping_documents_get_document_pointers() -> None:
