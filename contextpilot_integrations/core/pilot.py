@@ -41,7 +41,7 @@ from contextpilot_integrations.core.request import (
 )
 from contextpilot_integrations.core.request_blocks import RequestBlocks, distinct_blocks
 from contextpilot_integrations.core.rid_reservations import RidReservations
-from contextpilot_integrations.core.usage import ConversationTotals, UsageCounter
+from contextpilot_integrations.core.usage import ConversationTotals, UsageCounter, check_usage
 
 __all__ = ["PILOT_SNAPSHOT_VERSION", "ContextPilot"]
 
@@ -343,6 +343,9 @@ class ContextPilot(ThreadedAsyncTwins):
         written only where a breakpoint stands, and the index is what tells where requests
         share). Requests below the minimum cacheable length are the TTL model's to drop.
 
+        A rid reported before (among the most recent reports, ``core.usage.RIDS_REMEMBERED``)
+        changes nothing: two reporters of one engine call count it once.
+
         Returns:
             Whether ``rid`` is indexed.
 
@@ -350,14 +353,37 @@ class ContextPilot(ThreadedAsyncTwins):
             TypeError / ValueError: figures that are not ints with
                 ``0 <= cached_tokens + cache_write_tokens <= prompt_tokens``.
         """
+        check_usage(prompt_tokens, cached_tokens, cache_write_tokens)
+        if not self._totals.add_usage(rid, prompt_tokens, cached_tokens):
+            return rid in self.index  # reported already: one engine call counts once
         self._usage.add(prompt_tokens, cached_tokens, cache_write_tokens)
-        self._totals.add_usage(rid, prompt_tokens, cached_tokens)
         if cached_tokens > 0 or (cache_write_tokens or 0) > 0:
             indexed = self.index.touch(rid)
             if self.engine is not None:
                 self.engine.touch(rid)
             return indexed
         return rid in self.index
+
+    def count_plan(
+        self,
+        rid: str,
+        scope: Scope,
+        tokens_removed: int,
+        *,
+        blocks_replaced: int = 0,
+        sub_blocks_replaced: int = 0,
+    ) -> None:
+        """Add a plan made outside this pilot for its callers (the service proxy's message
+        plans) to :meth:`totals`, so the usage reported later for ``rid`` adds to ``scope``'s
+        conversation as it does for this pilot's own plans."""
+        self._totals.add_plan(
+            rid,
+            scope.tenant,
+            scope.conversation_id,
+            tokens_removed,
+            blocks_replaced,
+            sub_blocks_replaced,
+        )
 
     def stats(self) -> dict[str, Any]:
         """The index's statistics at the top level (``requests``, ``nodes``, ``tokens``, ...),

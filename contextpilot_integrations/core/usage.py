@@ -23,7 +23,13 @@ from typing import TypeVar
 
 from contextpilot_integrations.core.lru import LRU
 
-__all__ = ["RIDS_REMEMBERED", "TOTAL_FIELDS", "ConversationTotals", "UsageCounter"]
+__all__ = [
+    "RIDS_REMEMBERED",
+    "TOTAL_FIELDS",
+    "ConversationTotals",
+    "UsageCounter",
+    "check_usage",
+]
 
 TOTAL_FIELDS = (
     "plans",
@@ -44,6 +50,31 @@ RIDS_REMEMBERED = 65_536
 usage report for an older rid adds to the overall figures only."""
 
 K = TypeVar("K")
+
+
+def check_usage(
+    prompt_tokens: int, cached_tokens: int, cache_write_tokens: int | None = None
+) -> None:
+    """Check one usage report's figures (``cache_write_tokens``: ``None`` where the provider
+    reports no writes).
+
+    Raises:
+        TypeError / ValueError: figures that are not ints with
+            ``0 <= cached_tokens + cache_write_tokens <= prompt_tokens``.
+    """
+    figures = [("prompt_tokens", prompt_tokens), ("cached_tokens", cached_tokens)]
+    if cache_write_tokens is not None:
+        figures.append(("cache_write_tokens", cache_write_tokens))
+    for name, value in figures:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    written = cache_write_tokens or 0
+    if min(cached_tokens, written) < 0 or cached_tokens + written > prompt_tokens:
+        raise ValueError(
+            f"need 0 <= cached_tokens + cache_write_tokens <= prompt_tokens, got "
+            f"cached_tokens={cached_tokens}, cache_write_tokens={cache_write_tokens}, "
+            f"prompt_tokens={prompt_tokens}"
+        )
 
 
 class UsageCounter:
@@ -69,19 +100,8 @@ class UsageCounter:
             TypeError / ValueError: figures that are not ints with
                 ``0 <= cached_tokens + cache_write_tokens <= prompt_tokens``.
         """
-        figures = [("prompt_tokens", prompt_tokens), ("cached_tokens", cached_tokens)]
-        if cache_write_tokens is not None:
-            figures.append(("cache_write_tokens", cache_write_tokens))
-        for name, value in figures:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+        check_usage(prompt_tokens, cached_tokens, cache_write_tokens)
         written = cache_write_tokens or 0
-        if min(cached_tokens, written) < 0 or cached_tokens + written > prompt_tokens:
-            raise ValueError(
-                f"need 0 <= cached_tokens + cache_write_tokens <= prompt_tokens, got "
-                f"cached_tokens={cached_tokens}, cache_write_tokens={cache_write_tokens}, "
-                f"prompt_tokens={prompt_tokens}"
-            )
         with self._lock:
             self._totals["reports"] += 1
             self._totals["prompt_tokens"] += prompt_tokens
@@ -116,8 +136,9 @@ class ConversationTotals:
     Raises:
         ValueError: a bound that is not a positive int.
 
-    Bounded (docs/DESIGN.md, "Bounded"): the conversations, the tenants and the rids of the
-    last :data:`RIDS_REMEMBERED` plans (to tie a usage report to its conversation) are LRUs.
+    Bounded (docs/DESIGN.md, "Bounded"): the conversations, the tenants, the rids of the last
+    :data:`RIDS_REMEMBERED` plans (to tie a usage report to its conversation) and of as many
+    usage reports (to count each request once) are LRUs.
     """
 
     def __init__(self, max_conversations: int = 1024, max_tenants: int = 1024) -> None:
@@ -129,6 +150,7 @@ class ConversationTotals:
         self._tenants: LRU[str, dict[str, int]] = LRU(max_tenants)
         self._conversations: LRU[tuple[str, str], dict[str, int]] = LRU(max_conversations)
         self._rids: LRU[str, tuple[str, str | None]] = LRU(RIDS_REMEMBERED)
+        self._reported: LRU[str, None] = LRU(RIDS_REMEMBERED)
 
     def add_plan(
         self,
@@ -153,17 +175,27 @@ class ConversationTotals:
                 for key, value in figures.items():
                     entry[key] += value
 
-    def add_usage(self, rid: str, prompt_tokens: int, cached_tokens: int) -> None:
-        """One usage report of ``rid`` (figures checked by :meth:`UsageCounter.add`): added
+    def add_usage(self, rid: str, prompt_tokens: int, cached_tokens: int) -> bool:
+        """One usage report of ``rid`` (figures checked by :func:`check_usage`): added
         overall, and to the tenant and conversation that planned ``rid`` when it is one of
-        the rids remembered."""
+        the rids remembered. A rid reported before (one of the last :data:`RIDS_REMEMBERED`
+        reported) adds nothing: one request is one engine call, and two reporters of the
+        same call (the service's proxy and its client) must not count it twice.
+
+        Returns:
+            Whether the report was added (False: ``rid`` was reported already).
+        """
         with self._lock:
+            if rid in self._reported:
+                return False
+            self._reported.put(rid, None)
             owner = self._rids.get(rid)
             entries = [self._overall] if owner is None else self._entries(*owner)
             for entry in entries:
                 entry["usage_reports"] += 1
                 entry["prompt_tokens"] += prompt_tokens
                 entry["cached_tokens"] += cached_tokens
+        return True
 
     def stats(self) -> dict[str, object]:
         """The overall figures, with ``tenants`` (``{tenant: figures}``) and

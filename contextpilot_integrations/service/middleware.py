@@ -59,12 +59,19 @@ class MeteringMiddleware:
         started = time.perf_counter()
         path = scope["path"]
         endpoint = path if path in self.known_paths else "other"
-        status = [500]
+        status: list[int | None] = [None]
+        disconnected = [False]
 
         async def send_metered(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
+
+        async def receive_watched() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                disconnected[0] = True
+            return message
 
         try:
             declared = _content_length(scope)
@@ -74,9 +81,12 @@ class MeteringMiddleware:
                     f"body: {declared} bytes exceeds the limit of {self.max_body_bytes} bytes",
                 )
                 return
-            await self.app(scope, self._limited(receive), send_metered)
+            await self.app(scope, self._limited(receive_watched), send_metered)
         finally:
-            self.metrics.http_requests.labels(endpoint, str(status[0])).inc()
+            # No answer started: the client went first (499, nginx's "client closed request"),
+            # else the app failed without answering (500).
+            code = status[0] if status[0] is not None else 499 if disconnected[0] else 500
+            self.metrics.http_requests.labels(endpoint, str(code)).inc()
             self.metrics.http_latency.labels(endpoint).observe(time.perf_counter() - started)
 
     def _limited(self, receive: Receive) -> Receive:

@@ -143,3 +143,23 @@ def test_each_plan_logs_one_info_line(caplog: pytest.LogCaptureFixture) -> None:
     assert f"hints=3 pointers=0 tokens_removed={plan.dedup_figures.tokens_saved}" in lines[1]
     assert "conversation=None" in lines[2] and "tokens_removed=0" in lines[2]
     assert not any(block in line for line in lines for block in blocks)
+
+
+def test_a_rid_reported_twice_counts_once() -> None:
+    # Two reporters of one engine call (the service's proxy and its client) count it once;
+    # bad figures are still refused on the repeat.
+    pilot = ContextPilot()
+    scope = Scope(conversation_id="c", tenant="t")
+    plan = pilot.plan("q", _blocks("a"), scope=scope)
+    pilot.record_usage(plan.rid, 100, 40)
+    pilot.record_usage(plan.rid, 100, 40)
+    with pytest.raises(ValueError, match="cached_tokens"):
+        pilot.record_usage(plan.rid, 10, 40)
+    pilot.record_usage("never-planned", 50, 0)
+    pilot.record_usage("never-planned", 50, 0)
+    stats = pilot.stats()
+    assert stats["usage"]["reports"] == 2
+    assert stats["usage"]["prompt_tokens"] == 150
+    conversation = pilot.totals()["conversations"]["t"]["c"]
+    assert conversation["usage_reports"] == 1 and conversation["prompt_tokens"] == 100
+    assert pilot.totals()["usage_reports"] == 2

@@ -219,10 +219,12 @@ def test_read_usage_in_every_form():
 
 def test_record_usage_counts_writes_and_refreshes():
     pilot = ContextPilot()
-    plan = pilot.plan("q", [doc(0), doc(1)])
-    assert pilot.record_usage(plan.rid, 1210, 0, cache_write_tokens=1200)
-    assert pilot.record_usage(plan.rid, 1210, 1200, cache_write_tokens=0)
-    assert pilot.record_usage(plan.rid, 1210, 0, cache_write_tokens=0)  # stays: see docstring
+    # Three calls of one prompt: each its own plan and rid (a rid reported again counts once).
+    plans = [pilot.plan("q", [doc(0), doc(1)]) for _ in range(3)]
+    assert pilot.record_usage(plans[0].rid, 1210, 0, cache_write_tokens=1200)
+    assert pilot.record_usage(plans[1].rid, 1210, 1200, cache_write_tokens=0)
+    assert pilot.record_usage(plans[2].rid, 1210, 0, cache_write_tokens=0)  # stays: docstring
+    plan = plans[0]
     usage = pilot.stats()["usage"]
     assert usage["cache_write_tokens"] == 1200 and usage["cached_tokens"] == 1200
     assert usage["uncached_reports"] == 1 and usage["reports"] == 3
