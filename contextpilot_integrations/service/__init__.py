@@ -11,7 +11,9 @@
 - :mod:`.app`: ``create_app``, the FastAPI app; :mod:`.endpoints`: its handlers and routes;
   :mod:`.errors`: its error bodies; :mod:`.middleware`: request metering, the body limit and
   the boot id header; :mod:`.metrics`: the Prometheus registry;
-- :mod:`.server`: ``contextpilot-server``, the command line.
+- :mod:`.server`: ``contextpilot-server``, the command line;
+- :mod:`.proxy`: the proxy mode (``--upstream URL``), OpenAI's and Anthropic's chat endpoints
+  planned and forwarded.
 
 The wire format and the client are :mod:`contextpilot_integrations.client`. Nothing is
 imported here, so that the package imports without the ``service`` extra.

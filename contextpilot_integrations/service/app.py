@@ -21,6 +21,10 @@ GET      ``/metrics``                  Prometheus text exposition
 GET      ``/health``                   liveness and the engine link (never authenticated)
 =======  ============================  ======================================================
 
+With ``config.proxy`` (the proxy mode, :mod:`.proxy.routes`) the app also serves
+``POST /v1/chat/completions`` and ``POST /v1/messages`` (planned and forwarded to the
+upstream) and passes every other ``/v1/`` path through; the routes above match first.
+
 Errors (:mod:`.errors`): every 4xx/5xx body is an ``ErrorResponse`` whose ``message`` names
 the field and the value; invalid input is a 422 (a rid conflict a 409, a body naming another
 tenant a 403) and never changes the index. Bodies over ``max_body_bytes`` get a 413, and every
@@ -46,6 +50,7 @@ from contextpilot_integrations.service.endpoints import ServiceCalls, add_body_s
 from contextpilot_integrations.service.errors import install_error_handlers
 from contextpilot_integrations.service.index_service import IndexService
 from contextpilot_integrations.service.middleware import BootIdMiddleware, MeteringMiddleware
+from contextpilot_integrations.service.proxy.routes import PROXY_PATHS, Proxy, proxy_router
 from contextpilot_integrations.service.service_config import ServiceConfig
 
 __all__ = ["create_app"]
@@ -86,12 +91,22 @@ def create_app(
     install_error_handlers(app)
     router = api_router(keyed=keyed)
     app.include_router(router)
+    known_paths = frozenset(r.path for r in router.routes if isinstance(r, APIRoute))
+    app.state.proxy = None
+    if service.config.proxy is not None:
+        served: dict[str, frozenset[str]] = {}
+        for route in router.routes:
+            if isinstance(route, APIRoute):
+                served[route.path] = served.get(route.path, frozenset()) | (route.methods or set())
+        app.state.proxy = Proxy(service.config.proxy, service, served)
+        app.include_router(proxy_router())
+        known_paths |= frozenset(PROXY_PATHS)
     add_body_schemas(app)
     app.add_middleware(
         MeteringMiddleware,  # type: ignore[arg-type]
         metrics=service.metrics,
         max_body_bytes=service.config.max_body_bytes,
-        known_paths=frozenset(r.path for r in router.routes if isinstance(r, APIRoute)),
+        known_paths=known_paths,
     )
     app.add_middleware(BootIdMiddleware, boot_id=service.boot_id)  # type: ignore[arg-type]
     return app
@@ -105,6 +120,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        if app.state.proxy is not None:
+            await app.state.proxy.aclose()
         await anyio.to_thread.run_sync(
             service.stop, limiter=anyio.CapacityLimiter(1), abandon_on_cancel=True
         )

@@ -13,6 +13,12 @@ Examples::
     # a hosted API with prompt caching
     contextpilot-server --cache-model ttl --ttl-provider openai
 
+    # the proxy mode: apps point their OpenAI or Anthropic SDK here instead of at the engine
+    contextpilot-server --upstream http://127.0.0.1:8000/v1 --cache-model capacity \\
+        --capacity-tokens 200000
+    OPENAI_API_KEY=... contextpilot-server --upstream https://api.openai.com/v1 \\
+        --upstream-api-key-env OPENAI_API_KEY --cache-model ttl --ttl-provider openai
+
     # tenants: each key belongs to one tenant (format in service/tenants.py)
     contextpilot-server --api-keys /etc/contextpilot/keys.json --snapshot /var/lib/cp/index.json
     CONTEXTPILOT_API_KEYS="alice=<key>,bob=<key>" contextpilot-server
@@ -31,6 +37,15 @@ one worker, and many app processes share it through
 it gracefully: in-flight requests get ``--shutdown-timeout`` seconds to finish, then planning
 stops and the final snapshot is saved, within another ``--shutdown-timeout`` even if a call is
 stuck.
+
+Proxy mode (``--upstream URL``; docs/DESIGN.md, "The proxy"): the same process, tenants,
+snapshot and engine link also serve ``POST /v1/chat/completions`` and ``POST /v1/messages``,
+planned and forwarded to the upstream, and pass every other ``/v1/`` path through. The
+upstream's key comes from ``--upstream-api-key-env NAME`` (the variable's value) or
+``--upstream-api-key-file PATH`` (the file's first line), never from the command line; with
+``--pass-client-key`` each client's own ``Authorization`` / ``x-api-key`` go upstream instead.
+On a service with keys the client's bearer key is its tenant key and is not forwarded (unless
+``--pass-client-key``; a client then gives its tenant key as ``x-contextpilot-api-key``).
 """
 
 from __future__ import annotations
@@ -49,6 +64,7 @@ import uvicorn
 from contextpilot_integrations import __version__
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.service.app import create_app
+from contextpilot_integrations.service.proxy.proxy_config import UPSTREAM_KINDS, ProxyConfig
 from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.service.tenants import TenantKeys, parse_key_list, read_key_file
 
@@ -150,6 +166,45 @@ def build_parser() -> argparse.ArgumentParser:
         help="a JSON file of PromptLayout fields (system_prompt, block_template, ...)",
     )
 
+    proxy = parser.add_argument_group("proxy mode")
+    proxy.add_argument(
+        "--upstream",
+        metavar="URL",
+        help="serve /v1/chat/completions and /v1/messages planned, and pass every other /v1/ "
+        "path through, to this engine or hosted API (its base URL, with or without /v1)",
+    )
+    proxy.add_argument(
+        "--upstream-kind",
+        choices=list(UPSTREAM_KINDS),
+        help="what the upstream takes: engine fields (openai-compatible: SGLang, vLLM, a "
+        "gateway), a prompt_cache_key (openai) or cache_control breakpoints (anthropic); "
+        "default: from the URL (api.openai.com, api.anthropic.com, else openai-compatible)",
+    )
+    proxy.add_argument(
+        "--upstream-api-key-env",
+        metavar="NAME",
+        help="the environment variable holding the upstream's API key",
+    )
+    proxy.add_argument(
+        "--upstream-api-key-file",
+        metavar="PATH",
+        type=Path,
+        help="a file whose first line is the upstream's API key",
+    )
+    proxy.add_argument(
+        "--pass-client-key",
+        action="store_true",
+        help="forward each client's own Authorization / x-api-key upstream instead of the "
+        "proxy's key (with tenant keys, clients then send theirs as x-contextpilot-api-key)",
+    )
+    proxy.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="longest wait for the upstream's next bytes (default 600)",
+    )
+
     serving = parser.add_argument_group("serving")
     serving.add_argument(
         "--api-keys",
@@ -247,6 +302,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Servi
         except (OSError, ValueError, TypeError) as exc:
             raise ValueError(f"--layout {str(args.layout)!r}: {exc}") from exc
     api_key, tenants = _keys(args, environ)
+    proxy = _proxy(args, environ)
     return ServiceConfig(
         cache_sync=cache_sync,
         snapshot_path=args.snapshot,
@@ -259,7 +315,71 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Servi
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
         window_ms=args.window_ms,
+        proxy=proxy,
     )
+
+
+def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | None:
+    """The proxy mode's settings, or ``None`` without ``--upstream``.
+
+    Raises:
+        ValueError: proxy options without ``--upstream``, a key source that is unset, empty
+            or unreadable, two key sources, or a key source beside ``--pass-client-key``.
+    """
+    given = [
+        name
+        for name, present in (
+            ("--upstream-kind", args.upstream_kind is not None),
+            ("--upstream-api-key-env", args.upstream_api_key_env is not None),
+            ("--upstream-api-key-file", args.upstream_api_key_file is not None),
+            ("--pass-client-key", args.pass_client_key),
+        )
+        if present
+    ]
+    if args.upstream is None:
+        if given:
+            raise ValueError(f"{', '.join(given)} need --upstream URL")
+        return None
+    if args.upstream_api_key_env is not None and args.upstream_api_key_file is not None:
+        raise ValueError("give the upstream's key by --upstream-api-key-env or by "
+                         "--upstream-api-key-file, not both")  # fmt: skip
+    key: str | None = None
+    if args.upstream_api_key_env is not None:
+        key = environ.get(args.upstream_api_key_env)
+        if not key:
+            raise ValueError(
+                f"--upstream-api-key-env: the variable ${args.upstream_api_key_env} is unset or "
+                "empty"
+            )
+    elif args.upstream_api_key_file is not None:
+        try:
+            lines = args.upstream_api_key_file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(
+                f"--upstream-api-key-file {str(args.upstream_api_key_file)!r}: cannot be read "
+                f"({type(exc).__name__})"
+            ) from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(
+                f"--upstream-api-key-file {str(args.upstream_api_key_file)!r}: the first line "
+                "is empty"
+            )
+    if key is not None and args.pass_client_key:
+        raise ValueError(
+            "--pass-client-key forwards the clients' keys: drop --upstream-api-key-env / "
+            "--upstream-api-key-file"
+        )
+    try:
+        return ProxyConfig(
+            args.upstream,
+            kind=args.upstream_kind,
+            api_key=key,
+            pass_client_key=args.pass_client_key,
+            read_timeout_s=args.upstream_timeout,
+        )
+    except ValueError as exc:
+        raise ValueError(f"--upstream: {exc}") from None
 
 
 def _keys(

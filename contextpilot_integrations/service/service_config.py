@@ -3,7 +3,7 @@
 What the command line (:mod:`.server`) and embedders give
 :class:`~contextpilot_integrations.service.index_service.IndexService`:
 the engine link, the snapshot file, the index bound, the layout, the tenants and their keys,
-and the limits of the HTTP layer.
+the limits of the HTTP layer, and the proxy mode's upstream.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
 from contextpilot_integrations.service.tenants import Tenancy, TenantKeys
 from contextpilot_integrations.sync.configuration import CacheSyncConfig
 
@@ -55,6 +56,9 @@ class ServiceConfig:
             as run at once: anyio's 40 worker threads); 0 (default): each at once.
         shutdown_timeout_s: longest :meth:`IndexService.stop` waits for in-flight plans, the
             engine link and the final save together.
+        proxy: the proxy mode (:mod:`.proxy`): OpenAI's and Anthropic's chat endpoints
+            planned and forwarded to this upstream, every other ``/v1/`` path passed
+            through; ``None`` (default): the index service alone.
         tenancy: (made from ``api_key``, ``tenants`` and ``share_prefixes_across_tenants``)
             the :class:`~.tenants.Tenancy`: key -> tenant, rid tags, salts, isolation mode.
 
@@ -76,6 +80,7 @@ class ServiceConfig:
     max_call_threads: int = 8
     shutdown_timeout_s: float = 10.0
     window_ms: float = 0.0
+    proxy: ProxyConfig | None = None
     tenancy: Tenancy = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +107,10 @@ class ServiceConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.proxy is not None and not isinstance(self.proxy, ProxyConfig):
+            raise ValueError(
+                f"proxy must be a ProxyConfig or None, got {type(self.proxy).__name__}"
+            )
         if self.cache_sync is not None and not isinstance(self.cache_sync, CacheSyncConfig):
             self.cache_sync = CacheSyncConfig.from_mapping(self.cache_sync)
         tenants: dict[str, TenantKeys] = dict(self.tenants or {})

@@ -1,0 +1,18 @@
+"""The proxy mode of the index service (``contextpilot-server --upstream URL``): OpenAI's
+``POST /v1/chat/completions`` and Anthropic's ``POST /v1/messages`` planned with the agent
+rules and forwarded to an upstream engine or hosted API; every other ``/v1/`` path passed
+through unchanged (docs/DESIGN.md, "The proxy"). One job per module:
+
+- :mod:`.proxy_config`: ``ProxyConfig``, the upstream, its credentials and kind;
+- :mod:`.conversation_key`: which conversation a request belongs to;
+- :mod:`.request_planning`: each tenant's message planner, the body as sent (planned messages,
+  engine fields, cache controls) and what the plan changed;
+- :mod:`.upstream`: the pooled HTTP client to the upstream, URLs and headers;
+- :mod:`.usage_watch`: usage read from an answer's bytes as they pass (JSON or SSE);
+- :mod:`.forwarding`: the answer streamed to the client as it arrives, cancelled when the
+  client goes;
+- :mod:`.api_errors`: error bodies in the OpenAI and Anthropic shapes;
+- :mod:`.routes`: the endpoints.
+
+Nothing is imported here, so that the package imports without the ``service`` extra.
+"""

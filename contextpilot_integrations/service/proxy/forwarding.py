@@ -1,0 +1,281 @@
+"""One request forwarded to the upstream and its answer streamed back as it arrives.
+
+:class:`ForwardedAnswer` is the ASGI answer of a proxied request. It sends the request with
+``client.send(..., stream=True)`` and passes the upstream's status, headers and every chunk of
+its body to the client the moment it arrives (server-sent events included: nothing is
+buffered), while a watcher listens for the client's ``http.disconnect``: a client that goes
+cancels the upstream request (its connection is closed, so the engine stops generating).
+
+Failures (docs/DESIGN.md, "The proxy"): an upstream that cannot be reached or does not answer
+within the connect timeout is a 502 in the API's error shape naming the upstream (504 when it
+accepted the connection but sent nothing within the read timeout); an upstream that fails after
+its answer started has its answer cut short (the connection is closed, so the client's SDK sees
+an incomplete answer, never a silently truncated one). The upstream's own error answers pass
+with their status and body.
+
+A connection the upstream closes before any byte of an answer (a pooled keep-alive connection
+the upstream shut as the request went out: an ASGI server closes one after an unhandled
+exception's 500 without announcing it) is retried once (:data:`RETRIED_ONCE`); a second such
+failure is the 502. Timeouts and refused connections are never retried.
+
+A client that goes before the answer started gets no answer; the request is metered with the
+status :data:`CLIENT_GONE` (nginx's "client closed request"), never as a server error: the
+answer's start goes to the server, which drops it for a closed connection.
+
+After the answer, the usage read from it (:mod:`.usage_watch`) goes to ``on_usage``, off the
+event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import Any
+
+import anyio
+import httpx
+from prometheus_client import Counter
+from starlette.responses import Response
+
+from contextpilot_integrations.llm_call.engine_fields import Usage
+from contextpilot_integrations.service.proxy.api_errors import ErrorApi, error_bytes
+from contextpilot_integrations.service.proxy.upstream import Upstream, answer_headers
+from contextpilot_integrations.service.proxy.usage_watch import UsageWatch
+
+__all__ = ["CLIENT_GONE", "RETRIED_ONCE", "ForwardedAnswer", "ProxyCounters"]
+
+logger = logging.getLogger(__name__)
+
+CLIENT_GONE = 499
+"""The status a request is metered with when its client went before the answer started."""
+
+RETRIED_ONCE = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+"""What ``client.send`` raises for a connection closed before the answer's first byte (a reset
+or an end of stream where the status line was due); the request is sent once more."""
+
+Message = MutableMapping[str, Any]
+
+
+class ProxyCounters:
+    """The proxy's Prometheus counters (on the service's registry).
+
+    - ``contextpilot_proxy_requests_total{endpoint, status}``: answers given, by the path's
+      kind (``chat_completions``, ``messages``, ``pass_through``) and status
+      (:data:`CLIENT_GONE` for a client that went before the answer started);
+    - ``contextpilot_proxy_upstream_failures_total{kind}``: ``unreachable``, ``timeout``,
+      ``broken`` (failed after its answer started), ``cancelled`` (the client went before the
+      answer ended).
+    """
+
+    def __init__(self, registry: Any) -> None:
+        self.requests = Counter(
+            "contextpilot_proxy_requests",
+            "Proxied requests answered, by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=registry,
+        )
+        self.failures = Counter(
+            "contextpilot_proxy_upstream_failures",
+            "Proxied requests the upstream did not answer in full, by kind.",
+            ["kind"],
+            registry=registry,
+        )
+
+
+class ForwardedAnswer(Response):
+    """The answer of one proxied request (an ASGI app; module docstring).
+
+    Args:
+        upstream: the upstream and its pool.
+        method: the HTTP method.
+        path: the proxy's path (``/v1/...``).
+        query: the raw query string.
+        headers: the request headers to send upstream.
+        body: the request body to send.
+        api: the error shape of the client's API.
+        endpoint: the metrics' endpoint label.
+        counters: the proxy's counters.
+        report: headers added to the answer (what the proxy found and changed).
+        on_usage: called with the usage read from a successful answer, in a worker thread
+            (``None``: the answer is not watched).
+    """
+
+    def __init__(
+        self,
+        upstream: Upstream,
+        method: str,
+        path: str,
+        query: bytes,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        *,
+        api: ErrorApi,
+        endpoint: str,
+        counters: ProxyCounters,
+        report: Sequence[tuple[bytes, bytes]] = (),
+        on_usage: Callable[[Usage], None] | None = None,
+    ) -> None:
+        super().__init__(status_code=200)
+        self._upstream = upstream
+        self._request = upstream.client.build_request(
+            method, upstream.url(path, query), headers=headers, content=body
+        )
+        self._api: ErrorApi = api
+        self._endpoint = endpoint
+        self._counters = counters
+        self._report = list(report)
+        self._on_usage = on_usage
+        self._watch: UsageWatch | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        progress = _Progress()
+        gone = False
+        found: Usage | None = None
+
+        async def send_tracked(message: Message) -> None:
+            progress.sent(message)  # before the send: a disconnect during it is no cancel
+            await send(message)
+
+        async with anyio.create_task_group() as group:
+
+            async def until_disconnect() -> None:
+                nonlocal gone
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        # A server reports a disconnect once the client has the whole answer
+                        # too (it closed or reused the connection): no cancel then.
+                        if not progress.whole:
+                            gone = True
+                            self._counters.failures.labels("cancelled").inc()
+                            group.cancel_scope.cancel()
+                        return
+
+            group.start_soon(until_disconnect)
+            try:
+                found = await self._forward(send_tracked)
+            finally:
+                group.cancel_scope.cancel()
+        if gone and not progress.started:
+            await self._client_gone(send)
+        if found is None and gone and self._watch is not None:
+            # The prompt was processed whatever the client did after: a usage already seen
+            # (OpenAI's usage chunk, Anthropic's message_start) is the engine's real figure.
+            found = self._watch.usage()
+        if found is not None and self._on_usage is not None:
+            try:
+                await anyio.to_thread.run_sync(self._on_usage, found)
+            except Exception:
+                logger.exception("recording the upstream's usage failed")
+
+    async def _client_gone(self, send: Any) -> None:
+        """Meter a request whose client went before its answer started (module docstring)."""
+        self._counters.requests.labels(self._endpoint, str(CLIENT_GONE)).inc()
+        try:
+            await send({"type": "http.response.start", "status": CLIENT_GONE, "headers": []})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # a server that raises on a closed connection (ASGI allows it)
+            pass
+
+    async def _forward(self, send: Any) -> Usage | None:
+        """Send the request, stream the answer; the usage read (successful answers only)."""
+        client = self._upstream.client
+        where = self._upstream.config.upstream_url
+        try:
+            try:
+                response = await client.send(self._request, stream=True)
+            except RETRIED_ONCE as exc:
+                logger.info("upstream %s closed the connection unanswered (%s): sent again",
+                            where, _what(exc))  # fmt: skip
+                response = await client.send(self._request, stream=True)
+        except httpx.TimeoutException as exc:
+            connecting = isinstance(exc, httpx.ConnectTimeout)
+            kind, status = ("unreachable", 502) if connecting else ("timeout", 504)
+            self._counters.failures.labels(kind).inc()
+            await self._error(send, status, f"upstream {where} did not answer: {_what(exc)}")
+            return None
+        except httpx.ConnectError as exc:
+            self._counters.failures.labels("unreachable").inc()
+            await self._error(send, 502, f"upstream {where} cannot be reached: {_what(exc)}")
+            return None
+        except httpx.TransportError as exc:
+            self._counters.failures.labels("unreachable").inc()
+            await self._error(send, 502, f"upstream {where} gave no answer: {_what(exc)}")
+            return None
+        try:
+            status = response.status_code
+            watch = (
+                UsageWatch(response.headers.get("content-type", ""))
+                if self._on_usage is not None and 200 <= status < 300
+                else None
+            )
+            self._watch = watch
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": answer_headers(response.headers) + self._report,
+                }
+            )
+            self._counters.requests.labels(self._endpoint, str(status)).inc()
+            try:
+                async for chunk in response.aiter_raw():
+                    if watch is not None:
+                        watch.feed(chunk)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except httpx.TransportError as exc:
+                # The status is sent: end the connection without ending the body, so the
+                # client sees an incomplete answer.
+                self._counters.failures.labels("broken").inc()
+                logger.warning("upstream %s broke off its answer: %s", where, _what(exc))
+                return None
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return watch.usage() if watch is not None else None
+        finally:
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
+
+    async def _error(self, send: Any, status: int, message: str) -> None:
+        body = error_bytes(self._api, status, message)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode("ascii")),
+                    *self._report,
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        self._counters.requests.labels(self._endpoint, str(status)).inc()
+        return None
+
+
+class _Progress:
+    """How far the answer to the client got: ``started`` (its start sent) and ``whole`` (the
+    client holds all of it: the declared ``content-length`` forwarded, or the body's end
+    sent)."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.whole = False
+        self._left: int | None = None
+
+    def sent(self, message: Message) -> None:
+        """Note one ASGI message on its way to the client."""
+        if message["type"] == "http.response.start":
+            self.started = True
+            for name, value in message.get("headers", ()):
+                if name == b"content-length" and value.isdigit():
+                    self._left = int(value)
+        elif message["type"] == "http.response.body":
+            if self._left is not None:
+                self._left -= len(message.get("body", b""))
+                self.whole = self.whole or self._left <= 0
+            self.whole = self.whole or not message.get("more_body", False)
+
+
+def _what(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -1,0 +1,117 @@
+"""The settings of the proxy mode (:class:`ProxyConfig`), checked when made.
+
+The upstream is the engine or hosted API the proxy forwards to. Its credentials come from the
+proxy's configuration (``api_key``), or, with ``pass_client_key``, from each client request
+(its ``Authorization`` and ``x-api-key`` headers forwarded as they are). How they relate to the
+service's tenant keys is in docs/DESIGN.md, "The proxy".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+__all__ = ["UPSTREAM_KINDS", "ProxyConfig", "UpstreamKind", "detect_kind"]
+
+UpstreamKind = Literal["openai-compatible", "openai", "anthropic"]
+UPSTREAM_KINDS: tuple[UpstreamKind, ...] = ("openai-compatible", "openai", "anthropic")
+
+_HOSTED: dict[str, UpstreamKind] = {"api.openai.com": "openai", "api.anthropic.com": "anthropic"}
+
+
+def detect_kind(url: str) -> UpstreamKind:
+    """The kind of upstream ``url`` names: ``"openai"`` for api.openai.com, ``"anthropic"``
+    for api.anthropic.com, else ``"openai-compatible"`` (SGLang, vLLM, a gateway)."""
+    host = (urlsplit(url).hostname or "").lower()
+    return _HOSTED.get(host, "openai-compatible")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Where and how the proxy forwards.
+
+    Attributes:
+        upstream_url: the upstream's base URL, ``http(s)://host[:port][/prefix]``, with or
+            without a trailing ``/v1`` (``/v1/chat/completions`` goes to
+            ``<url>/v1/chat/completions``, or ``<url>/chat/completions`` when the URL ends
+            in ``/v1``).
+        kind: ``"openai-compatible"`` (SGLang, vLLM, a gateway: the engine's rid, session id
+            and ``cache_salt`` fields are added to the body), ``"openai"`` (the hosted API: a
+            ``prompt_cache_key`` per conversation), ``"anthropic"`` (the hosted API:
+            ``cache_control`` breakpoints); ``None``: :func:`detect_kind` of the URL.
+        api_key: the upstream's key, sent as ``Authorization: Bearer`` (``x-api-key`` to an
+            ``"anthropic"`` upstream); ``None``: none.
+        pass_client_key: forward the client's own ``Authorization`` and ``x-api-key`` headers
+            instead of ``api_key``.
+        connect_timeout_s: longest wait to connect to the upstream (a 502 after it).
+        read_timeout_s: longest wait for the upstream's next bytes (``None``: no limit; a
+            model may think for minutes before its first token).
+        max_connections: connections kept to the upstream at most (a pool).
+
+    Raises:
+        ValueError: a URL that is not http(s) with a host, an unknown ``kind``, an empty key,
+            both ``api_key`` and ``pass_client_key``, or a bound out of range.
+    """
+
+    upstream_url: str
+    kind: UpstreamKind | None = None
+    api_key: str | None = None
+    pass_client_key: bool = False
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float | None = 600.0
+    max_connections: int = 512
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.upstream_url) if isinstance(self.upstream_url, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"upstream_url must be an http(s) URL with a host, got {self.upstream_url!r:.200}"
+            )
+        if parts.query or parts.fragment:
+            raise ValueError(
+                f"upstream_url must have no query or fragment, got {self.upstream_url!r:.200}"
+            )
+        object.__setattr__(self, "upstream_url", self.upstream_url.rstrip("/"))
+        if self.kind is None:
+            object.__setattr__(self, "kind", detect_kind(self.upstream_url))
+        elif self.kind not in UPSTREAM_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(UPSTREAM_KINDS)}, got {self.kind!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be a non-empty str or None")
+        if self.api_key is not None and self.pass_client_key:
+            raise ValueError(
+                "api_key and pass_client_key exclude each other: the upstream gets either the "
+                "proxy's key or the client's"
+            )
+        for name in ("connect_timeout_s", "read_timeout_s"):
+            value = getattr(self, name)
+            if value is None and name == "read_timeout_s":
+                continue
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (value > 0 and math.isfinite(value))
+            ):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if (
+            isinstance(self.max_connections, bool)
+            or not isinstance(self.max_connections, int)
+            or self.max_connections < 1
+        ):
+            raise ValueError(
+                f"max_connections must be a positive int, got {self.max_connections!r}"
+            )
+
+    @property
+    def upstream_kind(self) -> UpstreamKind:
+        """``kind`` as set (never ``None`` once made)."""
+        assert self.kind is not None
+        return self.kind
+
+    def __repr__(self) -> str:  # never the key
+        return (
+            f"ProxyConfig(upstream_url={self.upstream_url!r}, kind={self.kind!r}, "
+            f"api_key={'<set>' if self.api_key else None}, pass_client_key={self.pass_client_key})"
+        )

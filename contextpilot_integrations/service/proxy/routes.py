@@ -1,0 +1,274 @@
+"""The proxy's endpoints (docs/DESIGN.md, "The proxy").
+
+=======  ==========================  ======================================================
+POST     ``/v1/chat/completions``    OpenAI chat: messages planned, engine fields added,
+                                     forwarded; the answer (JSON or SSE) streamed back
+POST     ``/v1/messages``            Anthropic messages: the same
+any      ``/v1/{path}``              every other path passed through unchanged
+                                     (``/v1/models``, ``/v1/completions``,
+                                     ``/v1/embeddings``, ...)
+=======  ==========================  ======================================================
+
+The service's own paths (``/v1/plan``, ``/v1/usage``, ...) are matched first and keep working;
+a method they do not serve is a 405 here, never forwarded. A passed-through path goes upstream
+as the client encoded it (``/v1/models/org%2Fname`` stays one segment); one with a ``.`` or
+``..`` segment, plain or percent-encoded, is a 404 never forwarded: the upstream (or the URL's
+normalisation) would resolve it to a path outside ``/v1/``, reached with the proxy's key.
+
+The conversation header (:data:`~.conversation_key.SESSION_HEADER`) is read as UTF-8 where its
+bytes are UTF-8 (HTTP carries header bytes; ASGI frameworks decode them as Latin-1), so the id
+planned and reported is the text the client sent.
+
+Tenants: on a service with keys, a request's tenant is the one its key belongs to: the
+``x-contextpilot-api-key`` header, else ``Authorization: Bearer <key>``, else ``x-api-key``
+(what the Anthropic SDK sends); a missing or unknown key is a 401 and nothing is forwarded.
+The key is not forwarded unless ``pass_client_key`` (:mod:`.upstream`).
+
+Each answer carries what the proxy found and changed (:func:`.request_planning.
+report_headers`); the usage read from it is recorded as ``POST /v1/usage`` records it, under
+the call's rid, for the tenant (its totals in ``GET /v1/usage``, the usage counters of
+``/metrics``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from urllib.parse import quote
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response
+from fastapi.routing import APIRouter
+
+from contextpilot_integrations.core.messages import MessagePlan
+from contextpilot_integrations.core.messages.message_shapes import Api
+from contextpilot_integrations.core.request import Scope
+from contextpilot_integrations.llm_call.engine_fields import Usage
+from contextpilot_integrations.service.errors import BodyTooLarge
+from contextpilot_integrations.service.index_service import IndexService
+from contextpilot_integrations.service.proxy.api_errors import ErrorApi, error_answer
+from contextpilot_integrations.service.proxy.conversation_key import SESSION_HEADER
+from contextpilot_integrations.service.proxy.forwarding import ForwardedAnswer, ProxyCounters
+from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
+from contextpilot_integrations.service.proxy.request_planning import (
+    BadRequest,
+    ProxyPlanning,
+    report_headers,
+)
+from contextpilot_integrations.service.proxy.upstream import TENANT_KEY_HEADER, Upstream
+
+__all__ = ["PROXY_PATHS", "Proxy", "proxy_router"]
+
+PROXY_PATHS = ("/v1/chat/completions", "/v1/messages")
+"""The paths the proxy plans (metered under their own names)."""
+
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+class Proxy:
+    """What the proxy's endpoints of one app share.
+
+    Args:
+        config: the upstream and its credentials.
+        service: the index service (tenants, usage, totals, metrics).
+        service_paths: the service's own paths and the methods each serves (a request for
+            one of them with another method is a 405, not forwarded).
+    """
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        service: IndexService,
+        service_paths: Mapping[str, frozenset[str]],
+    ) -> None:
+        self.config = config
+        self.service = service
+        self.upstream = Upstream(config)
+        self.planning = ProxyPlanning(
+            service.tenancy, config.upstream_kind, record=self._record_plan
+        )
+        self.counters = ProxyCounters(service.metrics.registry)
+        self.service_paths = dict(service_paths)
+
+    def tenant_of(self, request: Request) -> str | None:
+        """The tenant of the request's key (``None`` on a service without keys).
+
+        Raises:
+            PermissionError: a missing or unknown key.
+        """
+        tenancy = self.service.tenancy
+        if not tenancy.keyed:
+            return None
+        headers = request.headers
+        key = headers.get(TENANT_KEY_HEADER)
+        if key is None:
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            key = token.strip() if scheme.lower() == "bearer" and token.strip() else None
+        if key is None:
+            key = headers.get("x-api-key")
+        tenant = tenancy.tenant_of(key) if key else None
+        if tenant is None:
+            raise PermissionError(
+                f"missing or wrong API key ({TENANT_KEY_HEADER}, Authorization: Bearer, or "
+                "x-api-key)"
+            )
+        return tenant
+
+    def _record_plan(self, tenant: str | None, rid: str, scope: Scope, plan: MessagePlan) -> None:
+        pointers = plan.pointers
+        self.service.pilot_of(tenant).count_plan(
+            rid,
+            scope,
+            plan.tokens_removed,
+            blocks_replaced=sum(1 for p in pointers if p.document is None),
+            sub_blocks_replaced=sum(1 for p in pointers if p.document is not None),
+        )
+
+    def record_usage(self, tenant: str | None, rid: str, usage: Usage) -> None:
+        """``usage`` of the call ``rid`` into the tenant's figures (blocking)."""
+        self.service.record_usage(
+            rid,
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            cache_write_tokens=usage.cache_write_tokens,
+            caller=tenant,
+        )
+
+    async def aclose(self) -> None:
+        """Close the upstream's pool."""
+        await self.upstream.aclose()
+
+
+def _proxy(request: Request) -> Proxy:
+    proxy: Proxy = request.app.state.proxy
+    return proxy
+
+
+async def chat_completions(request: Request) -> Response:
+    """OpenAI's chat completions, planned and forwarded."""
+    return await _planned(request, "openai", "chat_completions")
+
+
+async def messages(request: Request) -> Response:
+    """Anthropic's messages, planned and forwarded."""
+    return await _planned(request, "anthropic", "messages")
+
+
+async def pass_through(request: Request, path: str) -> Response:
+    """Any other ``/v1/`` request, forwarded unchanged (but for the credentials)."""
+    proxy = _proxy(request)
+    decoded = request.url.path
+    if any(segment in (".", "..") for segment in decoded.split("/")):
+        return error_answer(
+            "openai", 404, f"path {decoded!r:.200} has a '.' or '..' segment; not forwarded",
+            "path",
+        )  # fmt: skip
+    served = proxy.service_paths.get(decoded)
+    if served is not None:  # a service path asked with a method it does not serve
+        allow = ", ".join(sorted(served))
+        return error_answer(
+            "openai", 405, f"{request.method} is not served on {request.url.path}", None,
+            {"Allow": allow},
+        )  # fmt: skip
+    refused = await _admit(request, proxy, "openai", "pass_through")
+    if isinstance(refused, Response):
+        return refused
+    body = refused[1]
+    headers = proxy.upstream.request_headers(request.scope["headers"])
+    raw_path = request.scope.get("raw_path")
+    return ForwardedAnswer(
+        proxy.upstream,
+        request.method,
+        raw_path.decode("latin-1") if raw_path else quote(decoded),
+        request.scope.get("query_string", b""),
+        headers,
+        body,
+        api="openai",
+        endpoint="pass_through",
+        counters=proxy.counters,
+    )
+
+
+async def _planned(request: Request, api: Api, endpoint: str) -> Response:
+    proxy = _proxy(request)
+    admitted = await _admit(request, proxy, api, endpoint)
+    if isinstance(admitted, Response):
+        return admitted
+    tenant, raw = admitted
+    prepare = functools.partial(proxy.planning.prepare, raw, api, tenant, _session_header(request))
+    try:
+        call = await anyio.to_thread.run_sync(prepare, abandon_on_cancel=True)
+    except BadRequest as exc:
+        proxy.counters.requests.labels(endpoint, str(exc.status)).inc()
+        return error_answer(api, exc.status, exc.message, exc.field)
+    headers = proxy.upstream.request_headers(request.scope["headers"], identity=True)
+    headers = [(k, v) for k, v in headers if k != "content-type"]
+    headers.append(("content-type", "application/json"))
+    return ForwardedAnswer(
+        proxy.upstream,
+        "POST",
+        request.url.path,
+        request.scope.get("query_string", b""),
+        headers,
+        call.body,
+        api=api,
+        endpoint=endpoint,
+        counters=proxy.counters,
+        report=report_headers(call),
+        on_usage=functools.partial(proxy.record_usage, tenant, call.rid),
+    )
+
+
+def _session_header(request: Request) -> str | None:
+    """The conversation header as text: its bytes as UTF-8 where they are (module docstring),
+    else as the Latin-1 text the framework read."""
+    value = request.headers.get(SESSION_HEADER)
+    if value is None or value.isascii():
+        return value
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return value
+
+
+async def _admit(
+    request: Request, proxy: Proxy, api: ErrorApi, endpoint: str
+) -> tuple[str | None, bytes] | Response:
+    """The request's tenant and body, or the error answer that refuses it (401, 413)."""
+    try:
+        tenant = proxy.tenant_of(request)
+    except PermissionError as exc:
+        proxy.counters.requests.labels(endpoint, "401").inc()
+        return error_answer(api, 401, str(exc), None, {"WWW-Authenticate": "Bearer"})
+    try:
+        body = await request.body()
+    except BodyTooLarge as exc:
+        proxy.counters.requests.labels(endpoint, "413").inc()
+        return error_answer(api, 413, str(exc), "body")
+    return tenant, body
+
+
+def proxy_router() -> APIRouter:
+    """The proxy's routes; include it after the service's own, which then match first."""
+    router = APIRouter()
+    router.add_api_route(
+        "/v1/chat/completions",
+        chat_completions,
+        methods=["POST"],
+        summary="OpenAI chat completions, planned and forwarded to the upstream",
+    )
+    router.add_api_route(
+        "/v1/messages",
+        messages,
+        methods=["POST"],
+        summary="Anthropic messages, planned and forwarded to the upstream",
+    )
+    router.add_api_route(
+        "/v1/{path:path}",
+        pass_through,
+        methods=_METHODS,
+        summary="Any other /v1/ request, passed through to the upstream",
+        include_in_schema=False,
+    )
+    return router

@@ -1,0 +1,251 @@
+"""The proxy against hostile input and a misbehaving upstream, with the real SDKs and httpx:
+metering of finished and abandoned answers, connections the upstream closes unanswered, headers
+and usage figures an upstream must not set, lone surrogates, dot segments in passed-through
+paths, conversation ids that cannot be ids (docs/DESIGN.md, "The proxy")."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+from proxy_testing import hanging_up_upstream, serve_proxy
+from service_testing import wait_for
+
+
+def _metric_lines(proxy: str, prefix: str) -> list[str]:
+    return [
+        line for line in httpx.get(f"{proxy}/metrics").text.splitlines() if line.startswith(prefix)
+    ]
+
+
+def test_finished_answers_are_not_counted_as_cancelled(standin) -> None:  # type: ignore[no-untyped-def]
+    url, _ = standin
+    with serve_proxy(url) as proxy:
+        client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "hi"}]
+        client.chat.completions.create(model="plain", messages=messages)  # type: ignore[arg-type]
+        chunks = client.chat.completions.create(
+            model="plain",
+            messages=messages,  # type: ignore[arg-type]
+            stream=True,
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "done"
+        claude = anthropic.Anthropic(base_url=proxy, api_key="none", max_retries=0)
+        claude.messages.create(model="plain", max_tokens=8, messages=messages)  # type: ignore[arg-type]
+        failures = _metric_lines(proxy, "contextpilot_proxy_upstream_failures_total")
+        answered = _metric_lines(proxy, "contextpilot_proxy_requests_total")
+    assert failures == []  # three whole answers: nothing cancelled
+    assert 'contextpilot_proxy_requests_total{endpoint="chat_completions",status="200"} 2.0' in (
+        answered
+    )
+
+
+def test_a_client_gone_before_the_answer_is_metered_499_never_500(standin) -> None:  # type: ignore[no-untyped-def]
+    url, _ = standin
+    with serve_proxy(url) as proxy:
+        body = {"model": "stall", "messages": [{"role": "user", "content": "hi"}]}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up before any answer
+            httpx.post(
+                f"{proxy}/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.3)
+            )
+        served = 'contextpilot_http_requests_total{endpoint="/v1/chat/completions",status="499"}'
+        wait_for(
+            lambda: any(line.startswith(served) for line in _metric_lines(proxy, served)),
+            what="the abandoned request metered as 499",
+        )
+        http = _metric_lines(proxy, "contextpilot_http_requests_total")
+        proxied = _metric_lines(proxy, "contextpilot_proxy_requests_total")
+        cancelled = _metric_lines(proxy, "contextpilot_proxy_upstream_failures_total")
+    assert not [line for line in http if 'status="500"' in line]
+    assert proxied == [
+        'contextpilot_proxy_requests_total{endpoint="chat_completions",status="499"} 1.0'
+    ]
+    assert cancelled == ['contextpilot_proxy_upstream_failures_total{kind="cancelled"} 1.0']
+
+
+@pytest.mark.parametrize("reset", [True, False], ids=["reset", "orderly-close"])
+def test_a_connection_closed_unanswered_is_sent_once_more(reset: bool) -> None:
+    with (
+        hanging_up_upstream(1, reset=reset) as (upstream, accepted),
+        serve_proxy(upstream) as proxy,
+    ):
+        client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="none", max_retries=0)
+        answer = client.chat.completions.create(
+            model="raw", messages=[{"role": "user", "content": "hi"}]
+        )
+        usage = httpx.get(f"{proxy}/v1/usage").json()
+    assert answer.choices[0].message.content == "answered"
+    assert accepted == [2]  # the first connection hung up on, the second answered
+    assert usage["usage_reports"] == 1 and usage["prompt_tokens"] == 5
+
+
+def test_a_second_unanswered_connection_is_a_502_naming_the_upstream() -> None:
+    with (
+        hanging_up_upstream(2, reset=False) as (upstream, accepted),
+        serve_proxy(upstream) as proxy,
+    ):
+        client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.chat.completions.create(
+                model="raw", messages=[{"role": "user", "content": "hi"}]
+            )
+    assert caught.value.status_code == 502
+    assert upstream in caught.value.message and "gave no answer" in caught.value.message
+    assert accepted == [2]  # sent twice, never more
+
+
+def test_the_upstreams_own_contextpilot_headers_never_reach_the_client(standin) -> None:  # type: ignore[no-untyped-def]
+    url, _ = standin
+    with serve_proxy(url) as proxy:
+        boot = httpx.get(f"{proxy}/health").json()["boot_id"]
+        client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="none", max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(
+            model="own-headers", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert raw.parse().choices[0].message.content == "done"
+    assert raw.headers.get_list("x-contextpilot-rid") == [raw.headers["x-contextpilot-rid"]]
+    assert raw.headers["x-contextpilot-rid"].startswith("cp-")
+    assert raw.headers.get_list("x-contextpilot-boot") == [boot]
+
+
+def test_usage_figures_over_the_wire_bound_are_not_recorded(standin) -> None:  # type: ignore[no-untyped-def]
+    url, _ = standin
+    with serve_proxy(url) as proxy:
+        client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="none", max_retries=0)
+        huge = client.chat.completions.create(
+            model="usage-huge", messages=[{"role": "user", "content": "hi"}]
+        )
+        assert huge.usage is not None and huge.usage.prompt_tokens == 2**70  # passed unchanged
+        client.chat.completions.create(model="plain", messages=[{"role": "user", "content": "x"}])
+        usage = httpx.get(f"{proxy}/v1/usage").json()
+        prompt = _metric_lines(proxy, "contextpilot_usage_prompt_tokens_total")
+    assert usage["plans"] == 2 and usage["usage_reports"] == 1  # only the sensible one
+    assert 0 < usage["prompt_tokens"] < 1000
+    assert prompt == [f"contextpilot_usage_prompt_tokens_total {float(usage['prompt_tokens'])}"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", b'{"model": "plain", "messages": [{"role": "user", '
+         b'"content": "half \\ud800 of a pair"}]}'),
+        ("/v1/messages", b'{"model": "plain", "max_tokens": 8, "messages": [{"role": "user", '
+         b'"content": [{"type": "text", "text": "half \\udfff of a pair"}]}]}'),
+    ],
+)  # fmt: skip
+def test_lone_surrogates_go_upstream_as_valid_utf8(standin, path: str, body: bytes) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    with serve_proxy(url) as proxy:
+        response = httpx.post(
+            f"{proxy}{path}", content=body, headers={"content-type": "application/json"}
+        )
+    assert response.status_code == 200
+    (received,) = state.received
+    sent = json.loads(received.raw.decode("utf-8"))  # strict UTF-8: no surrogate bytes
+    assert sent["messages"] == json.loads(body)["messages"]  # the same text, escaped again
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/%2e%2e/docs", "/v1/..%2f..%2fdocs", "/v1/models/%2E/x", "/v1/a/.%2e/%2e./models"]
+)
+def test_dot_segments_are_refused_never_forwarded(standin, path: str) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    with serve_proxy(f"{url}/v1") as proxy:
+        request = httpx.Request("GET", f"{proxy}/v1/models")
+        request.url = request.url.copy_with(raw_path=path.encode())  # sent exactly as written
+        with httpx.Client() as client:
+            response = client.send(request)
+    assert response.status_code == 404
+    assert response.json()["error"]["param"] == "path"
+    assert state.received == []
+
+
+def test_a_passed_through_path_keeps_its_percent_encoding(standin) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    with serve_proxy(url) as proxy:
+        # An encoded '?' is part of the path, never the start of a query the upstream serves.
+        response = httpx.get(f"{proxy}/v1/models%3Flimit=1")
+    assert response.status_code == 404
+    assert state.received == []
+
+
+@pytest.mark.parametrize(
+    ("headers", "extension", "param"),
+    [
+        ({"x-contextpilot-session": "tab\there"}, None, "x-contextpilot-session"),
+        ({}, "line\nbreak", "contextpilot.conversation_id"),
+        ({}, "lone \ud800", "contextpilot.conversation_id"),
+        ({}, "x" * 513, "contextpilot.conversation_id"),
+    ],
+)
+def test_a_conversation_id_that_cannot_be_one_is_refused_naming_its_field(  # type: ignore[no-untyped-def]
+    standin, headers: dict[str, str], extension: str | None, param: str
+) -> None:
+    url, state = standin
+    body: dict[str, object] = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+    if extension is not None:
+        body["contextpilot"] = {"conversation_id": extension}
+    with serve_proxy(url) as proxy:
+        response = httpx.post(
+            f"{proxy}/v1/chat/completions",
+            content=json.dumps(body),  # ASCII JSON: the lone surrogate as its escape
+            headers={"content-type": "application/json", **headers},
+        )
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param)
+    assert state.received == []
+
+
+def test_a_user_field_that_cannot_be_an_id_falls_back_to_the_opening(standin) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    with serve_proxy(url) as proxy:
+        client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="none", max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(
+            model="plain", messages=[{"role": "user", "content": "hi"}], user="end\x00user"
+        )
+    assert raw.headers["x-contextpilot-conversation-source"] == "opening"
+    assert state.bodies("/v1/chat/completions")[0]["user"] == "end\x00user"  # sent as given
+
+
+def test_a_utf8_session_header_is_the_conversation_as_sent(standin) -> None:  # type: ignore[no-untyped-def]
+    url, _ = standin
+    with serve_proxy(url) as proxy:
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+        answers = [
+            httpx.post(
+                f"{proxy}/v1/chat/completions",
+                json=body,
+                headers=[(b"x-contextpilot-session", value)],
+            )
+            for value in ("café".encode(), "café".encode("latin-1"))
+        ]
+        conversations = httpx.get(f"{proxy}/v1/usage").json()["conversations"][""]
+    # UTF-8 bytes read as UTF-8; bytes that are not UTF-8 stay the Latin-1 text they are.
+    assert [a.headers["x-contextpilot-conversation"] for a in answers] == ["caf%C3%A9"] * 2
+    assert conversations["café"]["plans"] == 2
+
+
+def test_a_client_gone_mid_stream_still_counts_the_usage_already_seen(standin) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    with serve_proxy(url) as proxy:
+        body = {
+            "model": "hang",
+            "max_tokens": 8,
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        with httpx.stream("POST", f"{proxy}/v1/messages", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines) == "event: message_start"  # its usage: the prompt's figures
+            assert next(lines).startswith("data: ")
+        wait_for(state.cancelled.is_set, what="the upstream saw the proxy hang up")
+        wait_for(
+            lambda: httpx.get(f"{proxy}/v1/usage").json()["usage_reports"] == 1,
+            what="the usage of message_start recorded",
+        )
+        usage = httpx.get(f"{proxy}/v1/usage").json()
+    assert usage["prompt_tokens"] > 0
