@@ -38,6 +38,7 @@ same (else "the earlier call" would be ambiguous).
 
 from __future__ import annotations
 
+import os
 import re
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
@@ -145,22 +146,12 @@ def short_name(signature: str, others: Sequence[str]) -> str | None:
     at = bisect_left(others, signature)
     for other in others[max(at - 1, 0) : at + 2]:
         if other != signature:
-            keep = max(keep, _common_length(signature, other) + 1)
+            keep = max(keep, len(os.path.commonprefix([signature, other])) + 1)
     while keep < len(signature) and signature[keep - 1].isalnum() and signature[keep].isalnum():
         keep += 1  # never cut inside a word: the model finds the call by whole words
     if keep + len(_CUT) >= len(signature):
         return None
     return signature[:keep] + _CUT
-
-
-def _common_length(a: str, b: str) -> int:
-    """How many leading characters ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def names_one_result(call: str, target_text: str, earlier_texts: Sequence[str | None]) -> bool:
