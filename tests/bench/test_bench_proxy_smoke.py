@@ -1,0 +1,54 @@
+"""The proxy micro-benchmark (``benchmarks/micro/bench_proxy.py``) runs end to end with
+``--quick``: a real upstream and a real ``contextpilot-server --upstream`` on 127.0.0.1, every
+request answered, and each figure printed beside its target. No figure is asserted against its
+target: the targets are for the full run on a quiet machine."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARK = Path(__file__).parents[2] / "benchmarks" / "micro" / "bench_proxy.py"
+FIGURE_LINES = (
+    r"^end-to-end, direct: p50 / p99 +[\d.]+ / [\d.]+ ms",
+    r"^end-to-end, proxy: p50 / p99 +[\d.]+ / [\d.]+ ms",
+    r"^added by the proxy: p50 +-?[\d.]+ ms +<= 2 ms: (meets|MISSES)$",
+    r"^added by the proxy: p99 +-?[\d.]+ ms +<= 10 ms: (meets|MISSES)$",
+    r"^streamed, first byte added: p50 +-?[\d.]+ ms +<= 2 ms: (meets|MISSES)$",
+    r"^proxy CPU time per request +[\d.]+ ms",
+    r"^proxy RSS after the warm-up +[\d.]+ MiB",
+    r"^proxy RSS after 300 +[\d.]+ MiB",
+)
+
+
+def run_quick(*extra: str) -> str:
+    completed = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--quick", *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed.stdout
+
+
+def test_quick_run_prints_every_figure_beside_its_target() -> None:
+    out = run_quick()
+    for pattern in FIGURE_LINES:
+        assert re.search(pattern, out, re.M), f"no line matching {pattern!r} in:\n{out}"
+    assert "failed requests" not in out, out
+    assert "include waits for a CPU" in out, out  # the caveat on a machine with few cores
+
+
+def test_quick_run_as_json_answers_every_request_and_plans_real_work() -> None:
+    figures = json.loads(run_quick("--json", "--clients", "8", "--think-ms", "5"))
+    assert figures["requests"] == 300 and figures["clients"] == 8
+    assert figures["errors_direct"] == figures["errors_proxy"] == 0, figures
+    assert 0 < figures["streamed"] < figures["requests"]
+    assert figures["pointers_per_request"] > 0  # repeated documents became pointers
+    assert 6_000 < figures["mean_prompt_tokens"] < 10_000
+    assert [after for after, _ in figures["rss_mb"]] == [0, 30, 75, 150, 225, 300]
