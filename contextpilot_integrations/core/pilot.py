@@ -372,10 +372,13 @@ class ContextPilot(ThreadedAsyncTwins):
         *,
         blocks_replaced: int = 0,
         sub_blocks_replaced: int = 0,
+        plans: int = 1,
     ) -> None:
         """Add a plan made outside this pilot for its callers (the service proxy's message
         plans) to :meth:`totals`, so the usage reported later for ``rid`` adds to ``scope``'s
-        conversation as it does for this pilot's own plans."""
+        conversation as it does for this pilot's own plans. ``plans``: how many plans it adds
+        (0: figures of a call this pilot planned already, e.g. the proxy's message plan of a
+        call whose documents this pilot planned under the same rid)."""
         self._totals.add_plan(
             rid,
             scope.tenant,
@@ -383,6 +386,7 @@ class ContextPilot(ThreadedAsyncTwins):
             tokens_removed,
             blocks_replaced,
             sub_blocks_replaced,
+            plans=plans,
         )
 
     def stats(self) -> dict[str, Any]:

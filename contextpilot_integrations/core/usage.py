@@ -160,11 +160,13 @@ class ConversationTotals:
         tokens_removed: int,
         blocks_replaced: int = 0,
         sub_blocks_replaced: int = 0,
+        *,
+        plans: int = 1,
     ) -> None:
         """One plan's figures (``conversation_id`` ``None``: the tenant's and the overall
-        figures only)."""
+        figures only; ``plans`` 0: more figures of a plan counted already)."""
         figures = {
-            "plans": 1,
+            "plans": plans,
             "tokens_removed": tokens_removed,
             "blocks_replaced": blocks_replaced,
             "sub_blocks_replaced": sub_blocks_replaced,

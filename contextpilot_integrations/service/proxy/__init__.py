@@ -7,6 +7,9 @@ through unchanged (docs/DESIGN.md, "The proxy"). One job per module:
 - :mod:`.conversation_key`: which conversation a request belongs to;
 - :mod:`.request_planning`: each tenant's message planner, the body as sent (planned messages,
   engine fields, cache controls) and what the plan changed;
+- :mod:`.document_placement`: documents marked in the body, planned by the tenant's context
+  index and put in front of the newest user message; the messages sent with them put back on
+  later calls;
 - :mod:`.upstream`: the pooled HTTP client to the upstream, URLs and headers;
 - :mod:`.usage_watch`: usage read from an answer's bytes as they pass (JSON or SSE);
 - :mod:`.forwarding`: the answer streamed to the client as it arrives, cancelled when the

@@ -24,7 +24,11 @@ middleware adds them):
 
 The body extension ``contextpilot`` (an object; :data:`EXTENSION_FIELD`) is the proxy's and
 is stripped before forwarding. Its fields: ``conversation_id`` (the conversation, when no
-header names it). Anything else in it is refused (422), so a typo is not silently ignored.
+header names it); ``documents`` (the call's retrieved documents, relevance order) and ``query``
+(their question), planned by the tenant's context index and put in front of the newest user
+message (:mod:`.document_placement`). Anything else in it is refused (422), so a typo is not
+silently ignored. Earlier user messages that went out with documents are put back as sent
+before the messages are planned, on every call of a named conversation.
 
 Bad input is :class:`BadRequest` naming the field: a body that is not JSON (400), not an
 object, without a ``messages`` list, or messages the planner cannot read (422).
@@ -42,7 +46,13 @@ from typing import Any
 from urllib.parse import quote
 
 from contextpilot_integrations.core.messages import MessagePlan, MessagePlanner
-from contextpilot_integrations.core.messages.message_shapes import Api
+from contextpilot_integrations.core.messages.message_shapes import (
+    Api,
+    validate_messages,
+    validate_system,
+)
+from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.core.request import Scope, new_rid
 from contextpilot_integrations.llm_call.anthropic_breakpoints import (
     AnthropicCachePolicy,
@@ -55,6 +65,13 @@ from contextpilot_integrations.service.proxy.conversation_key import (
     ConversationSource,
     conversation_key,
 )
+from contextpilot_integrations.service.proxy.document_placement import (
+    DocumentError,
+    DocumentMemory,
+    DocumentPlacer,
+    PlacedDocuments,
+    read_documents,
+)
 from contextpilot_integrations.service.proxy.proxy_config import UpstreamKind
 from contextpilot_integrations.service.tenants import Tenancy
 
@@ -65,7 +82,7 @@ logger = logging.getLogger(__name__)
 EXTENSION_FIELD = "contextpilot"
 """The body field the proxy reads and strips (module docstring)."""
 
-_EXTENSION_KEYS = frozenset({"conversation_id"})
+_EXTENSION_KEYS = frozenset({"conversation_id", "documents", "query"})
 
 
 class BadRequest(Exception):
@@ -103,6 +120,8 @@ class PreparedCall:
         source: where the conversation id came from (:mod:`.conversation_key`).
         plan: the message plan.
         breakpoints: ``cache_control`` breakpoints the proxy placed (``"anthropic"`` only).
+        documents: the call's documents as planned and placed (``None``: none given).
+        restored: earlier messages put back as they were sent with documents.
     """
 
     body: bytes
@@ -111,6 +130,8 @@ class PreparedCall:
     source: ConversationSource
     plan: MessagePlan
     breakpoints: int = 0
+    documents: PlacedDocuments | None = None
+    restored: int = 0
 
 
 class ProxyPlanning:
@@ -120,8 +141,13 @@ class ProxyPlanning:
         tenancy: the service's tenants (rid tags, cache salts).
         kind: the upstream's kind (what is added to the body: module docstring).
         new_planner: makes a tenant's planner (default ``MessagePlanner()``).
-        record: called with ``(tenant, rid, scope, plan)`` once a call is prepared (the
-            service's running totals); its errors are logged, never raised.
+        record: called with ``(tenant, rid, scope, plan, documents)`` once a call is prepared
+            (the service's running totals; ``documents`` the pilot's plan of the call's
+            documents, which counted itself, or ``None``); its errors are logged, never
+            raised.
+        pilot_of: a tenant's pilot, which plans the documents marked in a body (``None``:
+            documents are refused, 422).
+        new_memory: makes a tenant's memory of messages sent with documents.
     """
 
     def __init__(
@@ -130,13 +156,18 @@ class ProxyPlanning:
         kind: UpstreamKind,
         *,
         new_planner: Callable[[], MessagePlanner] = MessagePlanner,
-        record: Callable[[str | None, str, Scope, MessagePlan], None] | None = None,
+        record: Callable[[str | None, str, Scope, MessagePlan, Plan | None], None] | None = None,
+        pilot_of: Callable[[str | None], ContextPilot] | None = None,
+        new_memory: Callable[[], DocumentMemory] = DocumentMemory,
     ) -> None:
         self.tenancy = tenancy
         self.kind = kind
         self._new_planner = new_planner
         self._record = record
+        self._pilot_of = pilot_of
+        self._new_memory = new_memory
         self._planners: dict[str | None, MessagePlanner] = {}
+        self._memories: dict[str | None, DocumentMemory] = {}
         self._lock = threading.Lock()
 
     def planner_of(self, tenant: str | None) -> MessagePlanner:
@@ -147,6 +178,15 @@ class ProxyPlanning:
             if planner is None:
                 planner = self._planners[tenant] = self._new_planner()
             return planner
+
+    def memory_of(self, tenant: str | None) -> DocumentMemory:
+        """``tenant``'s memory of messages sent with documents (tenants never share one);
+        made on first use."""
+        with self._lock:
+            memory = self._memories.get(tenant)
+            if memory is None:
+                memory = self._memories[tenant] = self._new_memory()
+            return memory
 
     def prepare(
         self, raw: bytes, api: Api, tenant: str | None, session_header: str | None
@@ -190,28 +230,65 @@ class ProxyPlanning:
                 422, f"messages must be a list of messages, got {messages!r:.80}", "messages"
             )
         try:
+            wanted = read_documents(extension or {})
+        except DocumentError as exc:
+            raise BadRequest(422, str(exc)[:1000], exc.field) from None
+        system = body.get("system") if api == "anthropic" else None
+        rid = self._engine_rid(tenant)
+        try:
             key, source = conversation_key(
                 session_header, (extension or {}).get("conversation_id"), body, api
             )
             scope = Scope(conversation_id=key, tenant=tenant or "")
-            plan = self.planner_of(tenant).plan(
-                messages,
-                scope=scope,
-                api=api,
-                system=body.get("system") if api == "anthropic" else None,
-            )
+            remember = source != "opening"
+            placer = self._placer(tenant, wanted is not None)
+            placed: PlacedDocuments | None = None
+            if wanted is not None:
+                assert placer is not None
+                # Shapes first: the pilot indexes the documents, so a body the planner
+                # refuses must be refused before.
+                validate_messages(messages, api)
+                validate_system(system, api)
+                placed = placer.place(
+                    wanted, messages, api, rid=rid, scope=scope, remember=remember, system=system
+                )
+                given, restored = placed.messages, placed.substituted
+            elif placer is not None and remember:
+                given, _, restored = placer.restore(messages, api, key, system)
+            else:
+                given, restored = messages, 0
+            plan = self.planner_of(tenant).plan(given, scope=scope, api=api, system=system)
+        except DocumentError as exc:
+            raise BadRequest(422, str(exc)[:1000], exc.field) from None
         except (TypeError, ValueError) as exc:
             message = str(exc)
             raise BadRequest(422, message[:1000], message.split(" ", 1)[0]) from None
+        if placed is not None and placer is not None:
+            placer.commit(placed)
         body["messages"] = plan.messages
-        rid = self._engine_rid(tenant)
         breakpoints = self._add_fields(body, api, rid, tenant, scope)
         if self._record is not None:
             try:
-                self._record(tenant, rid, scope, plan)
+                self._record(tenant, rid, scope, plan, placed.plan if placed else None)
             except Exception:
                 logger.exception("recording the proxy's plan %s failed", rid)
-        return PreparedCall(_encoded(body), rid, scope, source, plan, breakpoints)
+        return PreparedCall(_encoded(body), rid, scope, source, plan, breakpoints, placed, restored)
+
+    def _placer(self, tenant: str | None, needed: bool) -> DocumentPlacer | None:
+        """The tenant's placer; ``None`` without a pilot (documents then refused) or, when
+        not ``needed``, while the tenant never placed any (nothing to put back)."""
+        if self._pilot_of is None:
+            if needed:
+                raise DocumentError(
+                    f"{EXTENSION_FIELD}.documents: this proxy has no context index to plan "
+                    "documents with"
+                )
+            return None
+        if not needed:
+            with self._lock:
+                if tenant not in self._memories:
+                    return None
+        return DocumentPlacer(self._pilot_of(tenant), self.memory_of(tenant))
 
     def _engine_rid(self, tenant: str | None) -> str:
         tag = self.tenancy.rid_tag(tenant) if tenant is not None else ""
@@ -291,6 +368,8 @@ def report_headers(call: PreparedCall) -> list[tuple[bytes, bytes]]:
     id percent-encoded)."""
     plan = call.plan
     pointers = plan.pointers
+    documents = call.documents
+    placed_tokens = documents.tokens_removed if documents is not None else 0
     values = {
         "x-contextpilot-rid": call.rid,
         "x-contextpilot-conversation": quote(call.scope.conversation_id or "", safe=":-_."),
@@ -298,8 +377,16 @@ def report_headers(call: PreparedCall) -> list[tuple[bytes, bytes]]:
         "x-contextpilot-replayed": str(plan.replayed),
         "x-contextpilot-pointers": str(len(pointers)),
         "x-contextpilot-new-pointers": str(sum(1 for p in pointers if not p.replayed)),
-        "x-contextpilot-tokens-removed": str(plan.tokens_removed),
+        "x-contextpilot-tokens-removed": str(plan.tokens_removed + placed_tokens),
     }
     if call.breakpoints:
         values["x-contextpilot-breakpoints"] = str(call.breakpoints)
+    if call.restored:
+        values["x-contextpilot-restored"] = str(call.restored)
+    if documents is not None:
+        values["x-contextpilot-documents"] = str(len(documents.plan.placements))
+        values["x-contextpilot-documents-shown"] = str(documents.shown)
+        values["x-contextpilot-documents-replaced"] = str(documents.replaced)
+        values["x-contextpilot-documents-reordered"] = "true" if documents.reordered else "false"
+        values["x-contextpilot-documents-prefix-tokens"] = str(documents.plan.matched_prefix_tokens)
     return [(k.encode("ascii"), v.encode("ascii")) for k, v in values.items()]

@@ -43,6 +43,7 @@ from fastapi.routing import APIRouter
 
 from contextpilot_integrations.core.messages import MessagePlan
 from contextpilot_integrations.core.messages.message_shapes import Api
+from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.core.request import Scope
 from contextpilot_integrations.llm_call.engine_fields import Usage
 from contextpilot_integrations.service.errors import BodyTooLarge
@@ -86,7 +87,10 @@ class Proxy:
         self.service = service
         self.upstream = Upstream(config)
         self.planning = ProxyPlanning(
-            service.tenancy, config.upstream_kind, record=self._record_plan
+            service.tenancy,
+            config.upstream_kind,
+            record=self._record_plan,
+            pilot_of=service.pilot_of,
         )
         self.counters = ProxyCounters(service.metrics.registry)
         self.service_paths = dict(service_paths)
@@ -115,14 +119,27 @@ class Proxy:
             )
         return tenant
 
-    def _record_plan(self, tenant: str | None, rid: str, scope: Scope, plan: MessagePlan) -> None:
+    def _record_plan(
+        self,
+        tenant: str | None,
+        rid: str,
+        scope: Scope,
+        plan: MessagePlan,
+        documents: Plan | None,
+    ) -> None:
+        """The call's message plan into the tenant's totals; a call whose documents the
+        pilot planned is one plan already (``ContextPilot.plan`` counts itself under the same
+        rid), so only the message plan's figures are added to it."""
         pointers = plan.pointers
+        if documents is not None and not pointers and not plan.tokens_removed:
+            return
         self.service.pilot_of(tenant).count_plan(
             rid,
             scope,
             plan.tokens_removed,
             blocks_replaced=sum(1 for p in pointers if p.document is None),
             sub_blocks_replaced=sum(1 for p in pointers if p.document is not None),
+            plans=0 if documents is not None else 1,
         )
 
     def record_usage(self, tenant: str | None, rid: str, usage: Usage) -> None:
