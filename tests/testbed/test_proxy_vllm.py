@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from contextpilot_bench.agent_engine import TOOL_CHAT_TEMPLATE
 from contextpilot_bench.testbed.locations import find_vllm_python
 from contextpilot_bench.testbed.model_dir import prepare_model_dir
 from contextpilot_bench.testbed.vllm_server import VllmCpuServer
@@ -34,22 +35,6 @@ pytestmark = [
     ),
 ]
 
-# The random-weights model's template knows no tool roles: this one renders tool calls and
-# results as text (assistant content may be absent when it only calls a tool).
-TOOL_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% endif %}"
-    "{% for call in message.get('tool_calls') or [] %}"
-    "{{ '<call>' + call['function']['name'] + ' ' + (call['function']['arguments'] if "
-    "call['function']['arguments'] is string else call['function']['arguments'] | tojson) "
-    "+ '</call>' }}"
-    "{% endfor %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 WORDS = ["cache", "engine", "prefix", "block", "token", "request", "model", "index", "shared"]
 
 
@@ -83,7 +68,7 @@ def _start_proxy(upstream: str, log: Path) -> tuple[subprocess.Popen[bytes], str
 def test_a_tool_using_conversation_through_the_proxy_to_vllm(tmp_path: Path) -> None:
     model_dir = prepare_model_dir(tmp_path / "model", seed=0)
     template = tmp_path / "tool_template.jinja"
-    template.write_text(TOOL_TEMPLATE, encoding="utf-8")
+    template.write_text(TOOL_CHAT_TEMPLATE, encoding="utf-8")
     rng = random.Random(5)
     result = "\n".join(
         f"Line {i}: " + " ".join(rng.choice(WORDS) for _ in range(12)) for i in range(25)
