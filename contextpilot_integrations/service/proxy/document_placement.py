@@ -225,11 +225,26 @@ class DocumentMemory:
             size += sent.size
             for _, evicted in entries.put(chain, sent):
                 size -= evicted.size
+            # One conversation heavier than the tenant's bound keeps its newest messages only
+            # (an earlier turn not put back is not visible: no hint names it).
+            bound = self._conversations.max_weight
+            while bound is not None and size > bound and len(entries) > 1:
+                _, evicted = entries.pop_oldest()
+                size -= evicted.size
             self._conversations.put(conversation, _Held(entries, size))
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._conversations)
+
+
+@dataclass(frozen=True, slots=True)
+class _Places:
+    """What a hint or pointer may name: ``hints`` maps a whole-block hint to the label and the
+    message text it names; ``blocks`` a place (``"[Doc 2] of turn 1"``) to its block's text."""
+
+    hints: dict[str, tuple[str, str]]
+    blocks: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -373,7 +388,19 @@ class DocumentPlacer:
         earlier = "".join(
             _text_of(restored[i]) for i in range(target) if restored[i] is not messages[i]
         )
-        in_full = not _context_keeps_everything(plan, context, earlier)
+        # Each visible turn's message as sent, by turn number: a hint must name a block that
+        # holds the document's text in the message of the turn it names (the conversation
+        # store's record of a turn may come from another branch of the conversation).
+        sent_turns: dict[int, str] = {}
+        number = 0
+        for i in range(target):
+            if _is_user_turn(messages[i], api):
+                number += 1
+                if restored[i] is not messages[i]:
+                    sent_turns[number] = _text_of(restored[i])
+        in_full = not _context_keeps_everything(
+            plan, context, earlier, self._hint_places(plan, context, sent_turns, turn)
+        )
         if in_full:
             logger.warning(
                 "documents of %s: the plan's context does not show every document or a hint "
@@ -390,6 +417,33 @@ class DocumentPlacer:
             chain = _chain(messages[: target + 1], system)[-1]
             record = (conversation, chain, _Sent(placed, _size(placed), turn))
         return PlacedDocuments(restored, plan, target, in_full, put_back, record)
+
+    def _hint_places(
+        self, plan: Plan, context: str, sent_turns: Mapping[int, str], turn: int
+    ) -> _Places:
+        """Where each hint or pointer the plan may show names a block: an earlier turn's
+        message as sent, or this call's context, which must hold the block under the label."""
+        wording = self.pilot.deduplicator.wording
+        layout = plan.layout
+        head, _, _ = layout.block_template.partition("{text}")
+        places = _Places({}, {})
+        for number, text in (*sent_turns.items(), (turn, context)):
+            for p in range(MAX_DOCUMENTS):
+                label = layout.label(p)
+                start = text.find(head.format(label=label))
+                if start < 0:
+                    break
+                where = (
+                    wording.this_turn.format(label=label)
+                    if number == turn
+                    else wording.earlier_turn.format(label=label, turn=number)
+                )
+                hint = wording.block_hint.format(where=where, label=label, turn=number)
+                places.hints.setdefault(hint, (label, text))
+                body = text[start + len(head.format(label=label)) :]
+                end = body.find(layout.block_separator)
+                places.blocks.setdefault(where, body if end < 0 else body[:end])
+        return places
 
     def commit(self, placed: PlacedDocuments) -> None:
         """Keep the placed message for the conversation's later calls (once the call is
@@ -501,7 +555,12 @@ def _with_context(message: Mapping[str, Any], context: str, api: str) -> dict[st
     return out
 
 
-def _context_keeps_everything(plan: Plan, context: str, earlier: str) -> bool:
+def _context_keeps_everything(
+    plan: Plan,
+    context: str,
+    earlier: str,
+    places: _Places | None = None,
+) -> bool:
     """Whether every document stands in ``context`` (``plan.context``) as a block, stands for
     an identical input, or is replaced by a hint that ``context`` shows while every line of its
     text stands in ``earlier`` (the earlier turns' messages put back) or ``context``; a block
@@ -529,9 +588,21 @@ def _context_keeps_everything(plan: Plan, context: str, earlier: str) -> bool:
                 return False
             if rendered == placement.text:
                 continue
+            if places is not None and not _pointers_name_their_text(
+                placement.text, rendered, places
+            ):
+                return False
         elif status is PlacementStatus.REPLACED:
             if placement.hint is None or placement.hint not in hints:
                 return False
+            if places is not None:
+                # The hint names a block of one message: that block must be this text.
+                named = places.hints.get(placement.hint)
+                if named is None:
+                    return False
+                label, where = named
+                if plan.layout.block_template.format(label=label, text=placement.text) not in where:
+                    return False
         else:  # skipped: refused before planning; never silently dropped
             return False
         if lines is None:
@@ -539,6 +610,19 @@ def _context_keeps_everything(plan: Plan, context: str, earlier: str) -> bool:
         if not all(line in lines for line in placement.text.splitlines()):
             return False
     return True
+
+
+def _pointers_name_their_text(text: str, rendered: str, places: _Places) -> bool:
+    """Whether every line a block's sub-block pointers replaced stands in a block the
+    pointers name (a place the rendered text names and the text does not)."""
+    named = [
+        block for where, block in places.blocks.items() if where in rendered and where not in text
+    ]
+    if not named:
+        return False
+    shown = set(rendered.splitlines())
+    there = set().union(*(block.splitlines() for block in named))
+    return all(line in there for line in text.splitlines() if line not in shown)
 
 
 def _in_full(plan: Plan) -> str:

@@ -279,3 +279,74 @@ def test_a_newest_message_sent_again_without_documents_gets_none(standin) -> Non
         client.chat.completions.create(model="plain", messages=_opening("What is kept?"))  # type: ignore[arg-type]
         bodies = state.bodies("/v1/chat/completions")
         assert bodies[1]["messages"][1] == {"role": "user", "content": "What is kept?"}
+
+
+def test_a_hint_names_the_block_of_the_branch_the_request_holds(standin) -> None:  # type: ignore[no-untyped-def]
+    # Two branches of turn 2 (a regenerated or concurrent call): the conversation store's
+    # turn 2 is the later branch (D3 as [Doc 1]); the app continues the earlier one, which
+    # holds D2 as [Doc 1] and D3 as [Doc 2]. A hint "[Doc 1] of turn 2" would name D2.
+    url, state = standin
+    with serve_proxy(url) as proxy:
+        client = _client(proxy, session="branches")
+        opening = _opening("What is kept?")
+        _ask(client, opening, [D1])
+        answer = {"role": "assistant", "content": "Tensors."}
+        first = [*opening, answer, {"role": "user", "content": "And where?"}]
+        _ask(client, first, [D2, D3])
+        _ask(client, [*opening, answer, {"role": "user", "content": "And when?"}], [D3])
+        raw = _ask(client, [*first, answer, {"role": "user", "content": "Thanks."}], [D3])
+        bodies = state.bodies("/v1/chat/completions")
+        assert "[Doc 2]\n" + D3 in bodies[1]["messages"][3]["content"]
+        assert dumped(bodies[3]["messages"][:4]) == dumped(bodies[1]["messages"])
+        newest = bodies[3]["messages"][5]["content"]
+        assert "[Doc 1] of turn 2" not in newest
+        assert D3 in newest or "Also relevant: [Doc 2] of turn 2, shown above." in newest
+        assert raw.headers["x-contextpilot-documents"] == "1"
+
+
+def test_a_pointer_names_the_block_of_the_branch_the_request_holds(standin) -> None:  # type: ignore[no-untyped-def]
+    # As above, for the sub-block pointers of a document that repeats part of one shown before.
+    def paragraphs(name: str) -> str:
+        return "\n\n".join(
+            " ".join(
+                f"{name} paragraph {k} sentence {i} says the cache keeps keys." for i in range(6)
+            )
+            for k in range(4)
+        )
+
+    bravo, charlie, tail = paragraphs("bravo"), paragraphs("charlie"), paragraphs("tail")
+    url, state = standin
+    with serve_proxy(url) as proxy:
+        client = _client(proxy, session="pointer-branches")
+        opening = _opening("What is kept?")
+        _ask(client, opening, [D1])
+        answer = {"role": "assistant", "content": "Tensors."}
+        first = [*opening, answer, {"role": "user", "content": "And where?"}]
+        _ask(client, first, [bravo, charlie])
+        _ask(client, [*opening, answer, {"role": "user", "content": "And when?"}], [charlie])
+        _ask(
+            client,
+            [*first, answer, {"role": "user", "content": "Thanks."}],
+            [charlie + "\n\n" + tail],
+        )
+        bodies = state.bodies("/v1/chat/completions")
+        assert "[Doc 2]\n" + charlie in bodies[1]["messages"][3]["content"]
+        newest = bodies[3]["messages"][5]["content"]
+        assert "[Doc 1] of turn 2" not in newest
+        assert charlie in newest or "[Doc 2] of turn 2" in newest
+
+
+def test_one_conversation_never_holds_more_than_the_tenants_bound() -> None:
+    from contextpilot_integrations.service.proxy.document_placement import (
+        DocumentMemory,
+        _Sent,
+    )
+
+    memory = DocumentMemory(max_bytes=1000)
+    for turn in range(1, 101):
+        memory.put("c", bytes([turn]) * 16, _Sent({"content": "x" * 490}, 500, turn))
+    assert memory.lookup("c", bytes([100]) * 16) is not None
+    assert memory.lookup("c", bytes([99]) * 16) is not None
+    assert memory.lookup("c", bytes([1]) * 16) is None
+    held = memory._conversations.get("c")
+    assert held is not None and held.size <= 1000 and len(held.entries) == 2
