@@ -43,17 +43,31 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import Any, Literal
 
 from contextpilot_integrations.core.rendering import PromptLayout
 
-__all__ = ["Document", "DocumentLayout", "find_documents", "span_text"]
+__all__ = [
+    "Document",
+    "DocumentLayout",
+    "DocumentRef",
+    "document_ref",
+    "find_documents",
+    "find_text",
+    "span_text",
+]
 
 DocumentLayout = Literal["rendered", "json", "tagged", "numbered"]
 
 _LIST_KEYS = ("results", "documents", "hits")
 _TEXT_KEYS = ("text", "content", "page_content", "snippet")
 _LABEL_KEYS = ("id", "doc_id", "document_id", "title", "source", "url", "name")
+_KEY_LITERALS = {key: json.dumps(key) for key in _LABEL_KEYS}
+_PROBE = 32
+"""Characters of a long needle :func:`find_text` looks for first."""
+_PROBE_TRIES = 8
+"""Places of the probe :func:`find_text` checks before it leaves the rest to ``str.find``."""
 _TAGGED = re.compile(r"<document\b([^>]*)>(.*?)</document\s*>", re.S | re.I)
 _ATTRIBUTE = re.compile(r"""\b(?:id|index|source|title|name)\s*=\s*(?:"[^"]*"|'[^']*')""", re.I)
 _BLANK_LINES = re.compile(r"\r?\n(?:[ \t]*\r?\n)+")
@@ -95,10 +109,50 @@ class Document:
     label: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class DocumentRef:
+    """A labelled document of a result text, kept without its key: what a conversation's
+    memory holds of each document a later pointer may name (the key, as long as the document,
+    is read back from the text it was found in when a lookup needs it: :meth:`key_in`).
+
+    Attributes:
+        index, layout, start, end, label: as the :class:`Document`'s.
+        key_hash: ``hash`` of the document's key (this process's str hash), to look it up.
+    """
+
+    index: int
+    layout: DocumentLayout
+    start: int
+    end: int
+    label: str
+    key_hash: int
+
+    def key_in(self, text: str) -> str:
+        """The document's key, read from ``text`` (the text it was found in): its span, or
+        for JSON the string its literal (the span and its quotes) stands for, stripped."""
+        if self.layout == "json":
+            value: str = json.loads(text[self.start - 1 : self.end + 1])
+            return value.strip()
+        return text[self.start : self.end]
+
+
+def document_ref(document: Document) -> DocumentRef:
+    """``document`` (one with a label) as its memory keeps it."""
+    assert document.label is not None  # only a labelled document can be pointed at
+    return DocumentRef(
+        document.index,
+        document.layout,
+        document.start,
+        document.end,
+        document.label,
+        hash(document.key),
+    )
+
+
 def span_text(layout: DocumentLayout, text: str) -> str:
     """``text`` as it must stand in a span of ``layout`` (JSON: escaped as a string's inside)."""
     if layout == "json":
-        return json.dumps(text, ensure_ascii=False)[1:-1]
+        return encode_basestring(text)[1:-1]  # json.dumps(text, ensure_ascii=False)'s inside
     return text
 
 
@@ -156,13 +210,13 @@ def _json_documents(text: str) -> tuple[Document, ...]:
     except (ValueError, RecursionError):
         return ()
     items: Any = value
-    if isinstance(value, Mapping):
+    if type(value) is dict or isinstance(value, Mapping):
         items = next((value[k] for k in _LIST_KEYS if isinstance(value.get(k), list)), None)
     if not isinstance(items, list):
         return ()
     documents: list[Document] = []
     for item in items:
-        if not isinstance(item, Mapping):
+        if type(item) is not dict and not isinstance(item, Mapping):
             continue
         body = next((item[k] for k in _TEXT_KEYS if isinstance(item.get(k), str)), None)
         if body is None or not body.strip():
@@ -176,15 +230,42 @@ def _json_documents(text: str) -> tuple[Document, ...]:
 
 
 def _unique_literal(text: str, value: str) -> tuple[int, int] | None:
-    """Span of the inside of ``value``'s JSON string literal, when it occurs exactly once."""
-    for ensure_ascii in (False, True):
-        literal = json.dumps(value, ensure_ascii=ensure_ascii)
-        first = text.find(literal)
-        if first >= 0:
-            if text.find(literal, first + 1) >= 0:
-                return None
-            return first + 1, first + len(literal) - 1
-    return None
+    """Span of the inside of ``value``'s JSON string literal, when it occurs exactly once:
+    the literal as ``json.dumps`` writes it with ``ensure_ascii=False``, else with
+    ``ensure_ascii=True`` (the encoders ``json.dumps`` calls for a str; an ASCII form equal
+    to the first is not looked for twice)."""
+    literal = encode_basestring(value)
+    first = find_text(text, literal, 0)
+    if first < 0:
+        ascii_literal = encode_basestring_ascii(value)
+        if ascii_literal == literal:
+            return None
+        literal = ascii_literal
+        first = find_text(text, literal, 0)
+        if first < 0:
+            return None
+    if find_text(text, literal, first + 1) >= 0:
+        return None
+    return first + 1, first + len(literal) - 1
+
+
+def find_text(text: str, needle: str, start: int = 0) -> int:
+    """``text.find(needle, start)``, so ``needle in text`` is ``find_text(text, needle) >= 0``.
+
+    A long needle (a document's literal) is looked for by its first :data:`_PROBE`
+    characters, each place they stand checked for the whole needle: ``str.find`` prepares a
+    needle that long, all of it, before it looks. After :data:`_PROBE_TRIES` places that do
+    not hold it (a text that repeats the probe), the rest is left to ``str.find``, so the work
+    stays linear in the text."""
+    if len(needle) <= _PROBE or type(text) is not str or type(needle) is not str:
+        return text.find(needle, start)
+    probe = needle[:_PROBE]
+    at = text.find(probe, start)
+    for _ in range(_PROBE_TRIES):
+        if at < 0 or text.startswith(needle, at):
+            return at
+        at = text.find(probe, at + 1)
+    return -1 if at < 0 else text.find(needle, at)
 
 
 def _json_label(text: str, item: Mapping[str, Any]) -> str | None:
@@ -192,13 +273,22 @@ def _json_label(text: str, item: Mapping[str, Any]) -> str | None:
         value = item.get(key)
         if isinstance(value, bool) or not isinstance(value, str | int):
             continue
-        for ensure_ascii in (False, True):
-            shown = json.dumps(value, ensure_ascii=ensure_ascii)
+        shown = _json_forms(value)
+        for form in shown:
             for separator in (": ", ":"):
-                label = f"{json.dumps(key)}{separator}{shown}"
+                label = f"{_KEY_LITERALS[key]}{separator}{form}"
                 if text.count(label) == 1:
                     return label
     return None
+
+
+def _json_forms(value: str | int) -> tuple[str, ...]:
+    """How ``json.dumps`` writes ``value`` with ``ensure_ascii=False``, then with ``True``
+    (one form when both are the same: an int, or a str the ASCII escapes leave alone)."""
+    if isinstance(value, str):
+        plain, escaped = encode_basestring(value), encode_basestring_ascii(value)
+        return (plain,) if plain == escaped else (plain, escaped)
+    return (int.__repr__(value),)
 
 
 def _tagged_documents(text: str) -> tuple[Document, ...]:

@@ -86,28 +86,40 @@ from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenCount
 from contextpilot_integrations.core.messages.documents import (
     Document,
     DocumentLayout,
+    DocumentRef,
+    document_ref,
     find_documents,
     span_text,
 )
 from contextpilot_integrations.core.messages.message_history import (
+    LATER,
+    Later,
     MessageHistory,
+    Proof,
+    RecordedDocuments,
     SentMessage,
     fingerprint,
+    is_plain,
+    mentions,
+    prove,
     sent_record,
 )
 from contextpilot_integrations.core.messages.message_plan import MessagePlan, ResultPlacement
 from contextpilot_integrations.core.messages.message_shapes import (
     Api,
     check_api,
+    check_message_list,
     copy_message,
-    validate_messages,
+    validate_message,
     validate_system,
     with_result_text,
 )
 from contextpilot_integrations.core.messages.pointers import (
+    POINTER_MARK,
     RequestView,
     check_pointer,
     document_pointer,
+    holds,
     named_signatures,
     names_one_result,
     result_pointer,
@@ -122,6 +134,23 @@ _MAX_CANDIDATES = 8
 _NAME_SAVING = 4
 """Least tokens a short name (:func:`.pointers.short_name`) must save over the whole arguments
 to be used: a cut that saves less reads worse for next to nothing."""
+
+
+_FoundDocuments = tuple[str, tuple[Document, ...]]
+"""A tool result's text and the documents found in it."""
+_Indexed = Document | DocumentRef | None
+"""Where a text stands in a result: as one of its documents, or (``None``) as all of it."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """What placing one call's new tool results gave: their placements in order, the view of
+    the final messages (every new pointer checked on it), and per result index the documents
+    found in the text it was indexed with."""
+
+    placements: list[ResultPlacement]
+    view: RequestView
+    documents: dict[int, _FoundDocuments]
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,44 +226,57 @@ class MessagePlanner:
                 ``api``, or a ``scope`` that is not a Scope.
         """
         shape = check_api(api)
-        validate_messages(messages, shape)
+        check_message_list(messages)
+        key = scope.conversation if isinstance(scope, Scope) else None
+        with self._lock:
+            held = self._history.records(key)
+        # A message that is, node for node, one the conversation's memory holds (as sent, or
+        # as the app gave it) has that record's fingerprint and a shape validated before
+        # (message_history, prove); the others are validated here.
+        proofs: list[Proof | None] = []
+        for i, message in enumerate(messages):
+            proof = prove(message, held[i], shape) if i < len(held) else None
+            if proof is None:
+                validate_message(i, message, shape)
+            proofs.append(proof)
         validate_system(system, shape)
         if scope is not None and not isinstance(scope, Scope):
             raise ValueError(f"scope must be a Scope or None, got {type(scope).__name__}")
-        key = None if scope is None else scope.conversation
-        given = [fingerprint(message) for message in messages]
+        given = _Given(messages, proofs)
         with self._lock:
-            replay = self._history.replay(key, given)
+            replay = self._history.replay(key, len(messages), given.matches)
             n, diverged_at = len(replay.sent), replay.diverged_at
             while True:
                 out: list[dict[str, Any]] = [copy_message(r.sent) for r in replay.sent[:n]]
-                fingerprints = given[:n]
+                fingerprints: list[bytes | None | Later] = [None] * n  # of the new ones only
                 as_given: list[bytes | None] = [None] * len(messages)
+                aliases = self._history.has_aliases(key)
                 for i in range(n, len(messages)):
-                    original = self._history.restore(key, given[i])
+                    original = None
+                    if aliases and given.may_be_sent(i):
+                        original = self._history.restore(key, given.fingerprint(i))
                     if original is None:
                         out.append(copy_message(messages[i]))
-                        fingerprints.append(given[i])
+                        fingerprints.append(given.for_record(i))
                     else:  # the app gave back what was sent: plan its original anew
                         out.append(original)
                         fingerprints.append(fingerprint(original))
-                        as_given[i] = given[i]
-                placed = self._place(out, shape, n)
-                broken = _first_broken(out, shape, replay.sent[:n])
+                        as_given[i] = given.fingerprint(i)
+                before_placing = list(out)
+                placed = self._place(out, shape, n, replay.sent[:n])
+                broken = _first_broken(placed.view, replay.sent[:n])
                 if broken is None:
                     break
                 n = diverged_at = broken  # a divergence: that message and the rest are new
-            by_message: dict[int, list[ResultPlacement]] = {}
-            for placement in placed:
-                by_message.setdefault(placement.message, []).append(placement)
             records = list(replay.sent[:n])
             records.extend(
-                sent_record(fingerprints[i], out[i], tuple(by_message.get(i, ())), as_given[i])
-                for i in range(n, len(out))
+                self._new_records(
+                    given, before_placing, out, fingerprints, as_given, placed, n, shape
+                )
             )
             self._history.record(key, records)
         placements = [p for r in replay.sent[:n] for p in r.placements]
-        placements.extend(placed)
+        placements.extend(placed.placements)
         return MessagePlan(
             messages=out,
             system=copy_message(system),
@@ -259,32 +301,91 @@ class MessagePlanner:
         with self._lock:
             return len(self._history)
 
+    def _new_records(
+        self,
+        given: _Given,
+        before_placing: list[dict[str, Any]],
+        out: list[dict[str, Any]],
+        fingerprints: list[bytes | None | Later],
+        as_given: list[bytes | None],
+        placed: _Placed,
+        n: int,
+        api: Api,
+    ) -> list[SentMessage]:
+        """The records of the messages ``n`` on, as sent in ``out``: their placements, the
+        documents found in their results' final texts, and the app's message (``before_placing``,
+        a copy) when it is a plain tree that later calls may recognise (a restored original
+        is not: its fingerprint is not the app's)."""
+        by_message: dict[int, list[ResultPlacement]] = {}
+        for placement in placed.placements:
+            by_message.setdefault(placement.message, []).append(placement)
+        found: dict[int, list[RecordedDocuments | None]] = {}
+        for k, result in enumerate(placed.view.results):
+            if result.message >= n:
+                entry = placed.documents.get(k)
+                recorded: RecordedDocuments | None = None
+                if entry is not None and entry[0] == result.text:  # else: a text not sent
+                    refs = tuple(document_ref(d) for d in entry[1] if d.label is not None)
+                    recorded = (entry[0], refs)
+                found.setdefault(result.message, []).append(recorded)
+        records = []
+        for i in range(n, len(out)):
+            plain_given = None
+            if as_given[i] is None and given.plain[i]:
+                plain_given = before_placing[i]
+            records.append(
+                sent_record(
+                    fingerprints[i],
+                    out[i],
+                    tuple(by_message.get(i, ())),
+                    as_given[i],
+                    documents=tuple(found.get(i, ())),
+                    plain_given=plain_given,
+                    api=api,
+                )
+            )
+        return records
+
     # ------------------------------------------------------------------ one call
-    def _place(self, out: list[dict[str, Any]], api: Api, n: int) -> list[ResultPlacement]:
-        """Rewrite the new tool results of ``out`` (messages ``n`` on) in place; their
-        placements, in order."""
+    def _place(
+        self, out: list[dict[str, Any]], api: Api, n: int, replayed: Sequence[SentMessage]
+    ) -> _Placed:
+        """Rewrite the new tool results of ``out`` (messages ``n`` on) in place; ``replayed``:
+        the records of messages ``0..n-1`` (their results' documents are read from there)."""
         view = RequestView(out, api)
         texts: list[str | None] = [r.text for r in view.results]
         given = list(texts)
         whole: dict[str, list[int]] = {}  # stripped text -> results holding it whole
-        documents: dict[str, list[tuple[int, Document | None]]] = {}  # text -> where it stands
+        # hash of a text -> where texts of that hash stand, in order (the text itself is read
+        # back when a lookup needs it: _candidates)
+        documents: dict[int, list[tuple[int, _Indexed]]] = {}
         by_signature: dict[str, list[int]] = {}  # call signature -> results of such calls
         slots: dict[int, list[ResultPlacement]] = {}
         edits: dict[int, list[_Edit]] = {}
+        found: dict[int, _FoundDocuments] = {}  # result -> documents of the text indexed
         before = _Signatures(view)
+        message, ordinal = -1, 0  # the result's message, and its place among that one's results
         for k, result in enumerate(view.results):
+            ordinal = ordinal + 1 if result.message == message else 0
+            message = result.message
             replaced_whole = False
             if result.message >= n:
                 before.up_to(result.position)
-                placement, found = self._place_result(
+                placement, edited, in_given = self._place_result(
                     k, view, texts, whole, documents, by_signature, before.sorted
                 )
+                if in_given is not None:
+                    found[k] = in_given
                 slots[k] = [placement]
                 if placement.status == "pointer":
                     replaced_whole = True
-                    texts[k] = placement.pointer
-                elif found:
-                    edits[k] = found
+                    pointer = placement.pointer
+                    assert pointer is not None  # a pointer placement has its text
+                    texts[k] = pointer
+                    # not indexed now; read (a short text) for the record, as replays index it
+                    found[k] = (pointer, find_documents(pointer))
+                elif edited:
+                    edits[k] = edited
                     texts[k] = self._render(k, given, edits, slots)
                 if texts[k] != given[k]:
                     out[result.message] = with_result_text(
@@ -297,13 +398,25 @@ class MessagePlanner:
             text = texts[k]
             if text is None or replaced_whole or not text.strip():
                 continue
-            whole.setdefault(text.strip(), []).append(k)
-            documents.setdefault(text.strip(), []).append((k, None))
-            for document in find_documents(text):
+            stripped = text.strip()
+            whole.setdefault(stripped, []).append(k)
+            documents.setdefault(hash(stripped), []).append((k, None))
+            if result.message < n:
+                refs = _recorded(replayed[result.message], ordinal, text)
+                if refs is not None:
+                    for ref in refs:
+                        documents.setdefault(ref.key_hash, []).append((k, ref))
+                    continue
+            entry = found.get(k)
+            if entry is not None and entry[0] != text:
+                entry = None  # found in the given text; this one has pointers in it
+            if entry is None:
+                entry = found[k] = (text, find_documents(text))
+            for document in entry[1]:
                 if document.label is not None:
-                    documents.setdefault(document.key, []).append((k, document))
-        self._verify(out, api, view, given, texts, slots, edits)
-        return [p for k in sorted(slots) for p in slots[k]]
+                    documents.setdefault(hash(document.key), []).append((k, document))
+        final = self._verify(out, api, view, given, texts, slots, edits)
+        return _Placed([p for k in sorted(slots) for p in slots[k]], final, found)
 
     def _place_result(
         self,
@@ -311,13 +424,14 @@ class MessagePlanner:
         view: RequestView,
         texts: list[str | None],
         whole: dict[str, list[int]],
-        documents: dict[str, list[tuple[int, Document | None]]],
+        documents: dict[int, list[tuple[int, _Indexed]]],
         by_signature: dict[str, list[int]],
         before: list[str],
-    ) -> tuple[ResultPlacement, list[_Edit]]:
+    ) -> tuple[ResultPlacement, list[_Edit], _FoundDocuments | None]:
         """The whole-result placement of new result ``k`` and, when it is kept, the edits of
-        its documents (their placements included); ``before``: the signatures of the calls
-        standing before result ``k`` (sorted, distinct)."""
+        its documents (their placements included) and the documents found in its text
+        (``None``: not read); ``before``: the signatures of the calls standing before result
+        ``k`` (sorted, distinct)."""
         result = view.results[k]
         text = texts[k]
         base = ResultPlacement(
@@ -331,7 +445,7 @@ class MessagePlanner:
             reason="not plain text",
         )
         if text is None:
-            return base, []
+            return base, [], None
         reason = "no earlier copy"
         count = self.token_counter.count
         for t in whole.get(text.strip(), ())[:_MAX_CANDIDATES]:
@@ -348,10 +462,15 @@ class MessagePlanner:
                 reason = "saves too little"
                 continue
             target_result = view.results[t]
-            return replace(
-                base,
-                status="pointer",
-                reason="same result",
+            pointed = ResultPlacement(
+                result.message,
+                result.block,
+                result.call_id,
+                None,
+                None,
+                "pointer",
+                False,
+                "same result",
                 target_message=target_result.message,
                 target_block=target_result.block,
                 target_call=call,
@@ -359,15 +478,17 @@ class MessagePlanner:
                 pointer=pointer,
                 offset=0,
                 tokens_saved=saved,
-            ), []
-        found: list[_Edit] = []
-        for document in find_documents(text):
-            found.append(
-                self._place_document(
-                    base, document, text, view, texts, documents, by_signature, before
-                )
             )
-        return replace(base, reason=reason), found
+            return pointed, [], None
+        in_text = find_documents(text)
+        found = [
+            self._place_document(base, document, text, view, texts, documents, by_signature, before)
+            for document in in_text
+        ]
+        kept = ResultPlacement(
+            result.message, result.block, result.call_id, None, None, "kept", False, reason
+        )
+        return kept, found, (text, in_text)
 
     def _place_document(
         self,
@@ -376,7 +497,7 @@ class MessagePlanner:
         text: str,
         view: RequestView,
         texts: list[str | None],
-        documents: dict[str, list[tuple[int, Document | None]]],
+        documents: dict[int, list[tuple[int, _Indexed]]],
         by_signature: dict[str, list[int]],
         before: list[str],
     ) -> _Edit:
@@ -385,11 +506,11 @@ class MessagePlanner:
         reason = "no earlier copy"
         original = text[document.start : document.end]
         count = self.token_counter.count
-        for t, earlier in documents.get(document.key, ())[:_MAX_CANDIDATES]:
+        for t, earlier in _candidates(documents, document.key, texts):
             signature = view.signature(t)
             target = texts[t]
             assert signature is not None and target is not None  # only such results are indexed
-            if original not in target:
+            if not holds(target, original):
                 reason = "not verbatim"
                 continue
             label = None if earlier is None else earlier.label
@@ -407,12 +528,15 @@ class MessagePlanner:
                 reason = "saves too little"
                 continue
             target_result = view.results[t]
-            placement = replace(
-                base,
-                document=document.index,
-                label=document.label,
-                status="pointer",
-                reason="same document",
+            placement = ResultPlacement(
+                base.message,
+                base.block,
+                base.call_id,
+                document.index,
+                document.label,
+                "pointer",
+                False,
+                "same document",
                 target_message=target_result.message,
                 target_block=target_result.block,
                 target_document=None if earlier is None else earlier.index,
@@ -423,7 +547,16 @@ class MessagePlanner:
                 tokens_saved=saved,
             )
             return _Edit(document.start, document.end, document.layout, pointer, placement)
-        kept = replace(base, document=document.index, label=document.label, reason=reason)
+        kept = ResultPlacement(
+            base.message,
+            base.block,
+            base.call_id,
+            document.index,
+            document.label,
+            "kept",
+            False,
+            reason,
+        )
         return _Edit(document.start, document.end, document.layout, "", kept)
 
     def _name(self, signature: str, before: list[str], pointer: Callable[[str], str]) -> str:
@@ -459,7 +592,7 @@ class MessagePlanner:
                 continue
             parts.append(text[position : edit.start])
             length += edit.start - position
-            placed.append(replace(edit.placement, offset=length))
+            placed.append(_at_offset(edit.placement, length))
             parts.append(edit.pointer)
             length += len(edit.pointer)
             position = edit.end
@@ -483,19 +616,20 @@ class MessagePlanner:
         texts: list[str | None],
         slots: dict[int, list[ResultPlacement]],
         edits: dict[int, list[_Edit]],
-    ) -> None:
+    ) -> RequestView:
         """Check every new pointer on ``out`` and undo those that fail, until all hold
         (undoing only restores given text, so this ends after at most one round per
-        pointer)."""
+        pointer); the view of ``out`` as it then is."""
+        final = view
         while True:
-            final = RequestView(out, api)
+            final = RequestView(out, api, final)  # reads only the messages rewritten since
             failed: set[tuple[int, int | None]] = set()  # (result, document)
             for k, placed in slots.items():
                 for placement in placed:
                     if placement.status == "pointer" and not check_pointer(final, placement):
                         failed.add((k, placement.document))
             if not failed:
-                return
+                return final
             for k, document in sorted(failed, key=lambda f: (f[0], -1 if f[1] is None else f[1])):
                 result = view.results[k]
                 if document is None:
@@ -512,14 +646,11 @@ class MessagePlanner:
                 out[result.message] = with_result_text(out[result.message], result, texts[k] or "")
 
 
-def _first_broken(
-    out: list[dict[str, Any]], api: Api, replayed: Sequence[SentMessage]
-) -> int | None:
-    """The first replayed message one of whose pointers fails the check on ``out``; ``None``
-    when all hold."""
+def _first_broken(view: RequestView, replayed: Sequence[SentMessage]) -> int | None:
+    """The first replayed message one of whose pointers fails the check on ``view`` (of the
+    messages to send, as they are); ``None`` when all hold."""
     if not any(p.status == "pointer" for r in replayed for p in r.placements):
         return None
-    view = RequestView(out, api)
     for i, record in enumerate(replayed):
         for placement in record.placements:
             if placement.status == "pointer" and not check_pointer(view, placement):
@@ -542,6 +673,61 @@ def _others(
         for u in by_signature.get(s, ())
         if u != target
     ]
+
+
+class _Given:
+    """The fingerprints of one call's messages, each computed only when something asks for
+    it: a proven message's is its record's (:class:`.message_history.Proof`); a plain
+    message's (:func:`.message_history.is_plain`) is left :data:`.message_history.LATER` for
+    the record made of it to compute if ever needed; any other message's is computed here.
+
+    Attributes:
+        plain: per message, whether it is a plain tree (a proven one is).
+    """
+
+    __slots__ = ("_entries", "_messages", "plain")
+
+    def __init__(self, messages: Sequence[dict[str, Any]], proofs: list[Proof | None]) -> None:
+        self._messages = messages
+        self._entries: list[Proof | bytes | None | Later] = []
+        self.plain: list[bool] = []
+        for message, proof in zip(messages, proofs):
+            plain = proof is not None or is_plain(message)
+            self.plain.append(plain)
+            if proof is not None:
+                self._entries.append(proof)
+            else:
+                self._entries.append(LATER if plain else fingerprint(message))
+
+    def fingerprint(self, i: int) -> bytes | None:
+        """Message ``i``'s fingerprint (computed now if it was not)."""
+        entry = self._entries[i]
+        if isinstance(entry, Proof):
+            entry = entry.fingerprint()
+        elif isinstance(entry, Later):
+            entry = fingerprint(self._messages[i])
+        self._entries[i] = entry
+        return entry
+
+    def matches(self, i: int, record: SentMessage) -> bool:
+        """Whether message ``i`` stands for ``record`` (its fingerprint is one of the record's:
+        :meth:`.message_history.SentMessage.answers`)."""
+        entry = self._entries[i]
+        if isinstance(entry, Proof) and entry.record is record:
+            return True
+        return record.answers(self.fingerprint(i))
+
+    def for_record(self, i: int) -> bytes | None | Later:
+        """Message ``i``'s fingerprint for the record made of it: :data:`LATER` while not
+        computed (a plain message)."""
+        entry = self._entries[i]
+        return entry if isinstance(entry, Later) else self.fingerprint(i)
+
+    def may_be_sent(self, i: int) -> bool:
+        """Whether message ``i`` may be one the conversation was sent with pointers: every
+        pointer starts with :data:`.pointers.POINTER_MARK`, so a plain message with no key or
+        str holding it has a canonical JSON (so a fingerprint) no such message has."""
+        return not isinstance(self._entries[i], Later) or mentions(self._messages[i], POINTER_MARK)
 
 
 class _Signatures:
@@ -567,19 +753,73 @@ class _Signatures:
             self._next += 1
 
 
+def _recorded(record: SentMessage, ordinal: int, text: str) -> tuple[DocumentRef, ...] | None:
+    """The labelled documents ``record`` keeps for its tool result number ``ordinal`` (in
+    order of position), when they were found in ``text``; ``None`` when it keeps none for that
+    text."""
+    if ordinal >= len(record.documents):
+        return None
+    entry = record.documents[ordinal]
+    if entry is None or entry[0] != text:
+        return None
+    return entry[1]
+
+
+def _candidates(
+    documents: dict[int, list[tuple[int, _Indexed]]], key: str, texts: list[str | None]
+) -> list[tuple[int, _Indexed]]:
+    """The first :data:`_MAX_CANDIDATES` places, in order, where the text ``key`` stands (whole
+    result stripped, or a document's key); the entries of ``key``'s hash are read back and
+    compared, so another text of that hash is no candidate."""
+    found: list[tuple[int, _Indexed]] = []
+    for t, where in documents.get(hash(key), ()):
+        text = texts[t]
+        assert text is not None  # only plain-text results are indexed
+        if where is None:
+            same = text.strip() == key
+        elif isinstance(where, DocumentRef):
+            same = where.key_in(text) == key
+        else:
+            same = where.key == key
+        if same:
+            found.append((t, where))
+            if len(found) == _MAX_CANDIDATES:
+                break
+    return found
+
+
+def _at_offset(p: ResultPlacement, offset: int) -> ResultPlacement:
+    """``p`` with its pointer at ``offset`` (``dataclasses.replace(p, offset=offset)``)."""
+    return ResultPlacement(
+        p.message,
+        p.block,
+        p.call_id,
+        p.document,
+        p.label,
+        p.status,
+        p.replayed,
+        p.reason,
+        p.target_message,
+        p.target_block,
+        p.target_document,
+        p.target_label,
+        p.target_call,
+        p.original,
+        p.pointer,
+        offset,
+        p.tokens_saved,
+    )
+
+
 def _unverified(placement: ResultPlacement) -> ResultPlacement:
     """``placement`` undone: kept, because its pointer failed the check."""
-    return replace(
-        placement,
-        status="kept",
-        reason="not verified",
-        target_message=None,
-        target_block=None,
-        target_document=None,
-        target_label=None,
-        target_call=None,
-        original=None,
-        pointer=None,
-        offset=None,
-        tokens_saved=0,
+    return ResultPlacement(
+        placement.message,
+        placement.block,
+        placement.call_id,
+        placement.document,
+        placement.label,
+        "kept",
+        placement.replayed,
+        "not verified",
     )

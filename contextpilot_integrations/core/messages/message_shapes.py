@@ -39,10 +39,14 @@ __all__ = [
     "ToolCall",
     "ToolResult",
     "check_api",
+    "check_message_list",
     "copy_message",
     "find_tool_calls",
     "find_tool_results",
     "result_text",
+    "tool_calls_in",
+    "tool_results_in",
+    "validate_message",
     "validate_messages",
     "validate_system",
     "with_result_text",
@@ -58,6 +62,11 @@ _OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")
 _ANTHROPIC_ROLES = ("user", "assistant")
 
 Message = dict[str, Any]
+
+_NONE = type(None)
+_SHALLOW = 8
+"""Nesting (at most :data:`MAX_DEPTH`) up to which a tree of exact dicts, lists and leaves is
+checked by :func:`_shallow` alone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,12 +125,14 @@ def check_api(api: object) -> Api:
 def copy_message(value: Any) -> Any:
     """A copy of a JSON-like value: dicts and lists copied, other values shared."""
     kind = type(value)
-    if kind is str:
+    if kind is str or kind is _NONE or kind is int or kind is bool or kind is float:
         return value
     if kind is dict or isinstance(value, Mapping):
-        return {key: copy_message(item) for key, item in value.items()}
+        return {
+            key: item if type(item) is str else copy_message(item) for key, item in value.items()
+        }
     if kind is list or isinstance(value, tuple):
-        return [copy_message(item) for item in value]
+        return [item if type(item) is str else copy_message(item) for item in value]
     return value
 
 
@@ -133,19 +144,42 @@ def validate_messages(messages: object, api: Api) -> Sequence[Mapping[str, Any]]
         ValueError: a bad shape; the message names the field path (``messages[3].content``)
             and the value.
     """
-    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+    listed = check_message_list(messages)
+    for i, message in enumerate(listed):
+        validate_message(i, message, api)
+    return listed
+
+
+def check_message_list(messages: object) -> Sequence[Any]:
+    """``messages`` if it is a list (a sequence other than a str or bytes); its messages are
+    not read.
+
+    Raises:
+        ValueError: another value.
+    """
+    if type(messages) is not list and (
+        isinstance(messages, str | bytes) or not isinstance(messages, Sequence)
+    ):
         raise ValueError(f"messages must be a list of messages, got {_show(messages)}")
-    for i, message in enumerate(messages):
-        path = f"messages[{i}]"
-        if not isinstance(message, Mapping):
-            raise ValueError(f"{path} must be a message dict, got {_show(message)}")
-        _check_tree(path, message)
-        role = message.get("role")
-        if api == "openai":
-            _check_openai(path, role, message)
-        else:
-            _check_anthropic(path, role, message)
     return messages
+
+
+def validate_message(i: int, message: object, api: Api) -> None:
+    """Check message ``i`` of a list of shape ``api`` (the checks of :func:`validate_messages`
+    for one message).
+
+    Raises:
+        ValueError: a bad shape, naming the field path (``messages[3].content``) and the value.
+    """
+    path = f"messages[{i}]"
+    if type(message) is not dict and not isinstance(message, Mapping):
+        raise ValueError(f"{path} must be a message dict, got {_show(message)}")
+    _check_tree(path, message)
+    role = message.get("role")
+    if api == "openai":
+        _check_openai(path, role, message)
+    else:
+        _check_anthropic(path, role, message)
 
 
 def validate_system(system: object, api: Api) -> None:
@@ -174,6 +208,8 @@ def _check_tree(path: str, value: object) -> None:
     Raises:
         ValueError: a cycle or a deeper nesting, naming the field path where it shows.
     """
+    if (type(value) is dict or type(value) is list) and _shallow(value, _SHALLOW):
+        return
     if not isinstance(value, Mapping | list | tuple):
         return
     ancestors: set[int] = set()
@@ -210,6 +246,22 @@ def _check_tree(path: str, value: object) -> None:
             enter(field, item, depth + 1)
 
 
+def _shallow(container: dict[Any, Any] | list[Any], budget: int) -> bool:
+    """Whether ``container`` holds only str, int, float, bool and ``None`` leaves (exact types)
+    and exact dicts and lists of them, nested at most ``budget`` deep: such a tree has no cycle
+    (that would nest without end) and is within :data:`MAX_DEPTH` (``budget`` is no more)."""
+    if budget <= 0:
+        return False
+    for item in container.values() if type(container) is dict else container:
+        kind = type(item)
+        if kind is str or kind is _NONE or kind is int or kind is bool or kind is float:
+            continue
+        if (kind is dict or kind is list) and _shallow(item, budget - 1):
+            continue
+        return False
+    return True
+
+
 def _check_openai(path: str, role: object, message: Mapping[str, Any]) -> None:
     if role not in _OPENAI_ROLES:
         raise ValueError(
@@ -230,11 +282,13 @@ def _check_openai(path: str, role: object, message: Mapping[str, Any]) -> None:
         return
     if role != "assistant":
         raise ValueError(f"{path}.tool_calls is only for role 'assistant', got role {role!r}")
-    if isinstance(calls, str | bytes) or not isinstance(calls, Sequence):
+    if type(calls) is not list and (
+        isinstance(calls, str | bytes) or not isinstance(calls, Sequence)
+    ):
         raise ValueError(f"{path}.tool_calls must be a list, got {_show(calls)}")
     for k, call in enumerate(calls):
         where = f"{path}.tool_calls[{k}]"
-        if not isinstance(call, Mapping):
+        if type(call) is not dict and not isinstance(call, Mapping):
             raise ValueError(f"{where} must be a dict, got {_show(call)}")
         for name in ("id", "type"):
             if not isinstance(call.get(name), str):
@@ -242,7 +296,7 @@ def _check_openai(path: str, role: object, message: Mapping[str, Any]) -> None:
         if call["type"] != "function":
             continue  # other call types (custom tools) pass through
         function = call.get("function")
-        if not isinstance(function, Mapping):
+        if type(function) is not dict and not isinstance(function, Mapping):
             raise ValueError(f"{where}.function must be a dict, got {_show(function)}")
         for name in ("name", "arguments"):
             if not isinstance(function.get(name), str):
@@ -285,10 +339,12 @@ def _check_anthropic(path: str, role: object, message: Mapping[str, Any]) -> Non
 
 def _check_parts(path: str, parts: object) -> None:
     """A list of typed parts or blocks; text ones need a str ``text``."""
-    if isinstance(parts, str | bytes) or not isinstance(parts, Sequence):
+    if type(parts) is not list and (
+        isinstance(parts, str | bytes) or not isinstance(parts, Sequence)
+    ):
         raise ValueError(f"{path} must be a str or a list of parts, got {_show(parts)}")
     for j, part in enumerate(parts):
-        if not isinstance(part, Mapping):
+        if type(part) is not dict and not isinstance(part, Mapping):
             raise ValueError(f"{path}[{j}] must be a dict, got {_show(part)}")
         if not isinstance(part.get("type"), str):
             raise ValueError(f"{path}[{j}].type must be a str, got {_show(part.get('type'))}")
@@ -308,25 +364,32 @@ def find_tool_calls(messages: Sequence[Mapping[str, Any]], api: Api) -> list[Too
     """The tool calls of the assistant messages, in order (calls with an unknown type skipped)."""
     calls: list[ToolCall] = []
     for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        if api == "openai":
-            for k, call in enumerate(message.get("tool_calls") or ()):
-                if call.get("type") == "function":
-                    function = call["function"]
-                    signature = f"{function['name']}({function['arguments']})"
-                    calls.append(ToolCall(i, k, call["id"], signature))
-            continue
-        content = message.get("content")
-        if isinstance(content, str):
-            continue
-        for k, block in enumerate(content or ()):
-            if block.get("type") == "tool_use":
-                try:
-                    arguments = json.dumps(block["input"], ensure_ascii=False)
-                except (TypeError, ValueError):
-                    continue  # an input JSON cannot render cannot be named
-                calls.append(ToolCall(i, k, block["id"], f"{block['name']}({arguments})"))
+        calls.extend(tool_calls_in(i, message, api))
+    return calls
+
+
+def tool_calls_in(i: int, message: Mapping[str, Any], api: Api) -> list[ToolCall]:
+    """The tool calls of message ``i`` (:func:`find_tool_calls` of one message)."""
+    calls: list[ToolCall] = []
+    if message.get("role") != "assistant":
+        return calls
+    if api == "openai":
+        for k, call in enumerate(message.get("tool_calls") or ()):
+            if call.get("type") == "function":
+                function = call["function"]
+                signature = f"{function['name']}({function['arguments']})"
+                calls.append(ToolCall(i, k, call["id"], signature))
+        return calls
+    content = message.get("content")
+    if isinstance(content, str):
+        return calls
+    for k, block in enumerate(content or ()):
+        if block.get("type") == "tool_use":
+            try:
+                arguments = json.dumps(block["input"], ensure_ascii=False)
+            except (TypeError, ValueError):
+                continue  # an input JSON cannot render cannot be named
+            calls.append(ToolCall(i, k, block["id"], f"{block['name']}({arguments})"))
     return calls
 
 
@@ -334,18 +397,25 @@ def find_tool_results(messages: Sequence[Mapping[str, Any]], api: Api) -> list[T
     """The tool results, in order of position."""
     results: list[ToolResult] = []
     for i, message in enumerate(messages):
-        if api == "openai":
-            if message.get("role") == "tool":
-                text = _plain_text(message.get("content"))
-                results.append(ToolResult(i, None, message["tool_call_id"], text))
-            continue
-        content = message.get("content")
-        if message.get("role") != "user" or isinstance(content, str):
-            continue
-        for j, block in enumerate(content or ()):
-            if block.get("type") == "tool_result":
-                text = _plain_text(block.get("content"))
-                results.append(ToolResult(i, j, block["tool_use_id"], text))
+        results.extend(tool_results_in(i, message, api))
+    return results
+
+
+def tool_results_in(i: int, message: Mapping[str, Any], api: Api) -> list[ToolResult]:
+    """The tool results of message ``i`` (:func:`find_tool_results` of one message)."""
+    results: list[ToolResult] = []
+    if api == "openai":
+        if message.get("role") == "tool":
+            text = _plain_text(message.get("content"))
+            results.append(ToolResult(i, None, message["tool_call_id"], text))
+        return results
+    content = message.get("content")
+    if message.get("role") != "user" or isinstance(content, str):
+        return results
+    for j, block in enumerate(content or ()):
+        if block.get("type") == "tool_result":
+            text = _plain_text(block.get("content"))
+            results.append(ToolResult(i, j, block["tool_use_id"], text))
     return results
 
 

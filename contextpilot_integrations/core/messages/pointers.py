@@ -44,22 +44,24 @@ from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from contextpilot_integrations.core.messages.documents import span_text
+from contextpilot_integrations.core.messages.documents import find_text, span_text
 from contextpilot_integrations.core.messages.message_plan import ResultPlacement
 from contextpilot_integrations.core.messages.message_shapes import (
     Api,
     ToolCall,
     ToolResult,
-    find_tool_calls,
-    find_tool_results,
+    tool_calls_in,
+    tool_results_in,
 )
 
 __all__ = [
     "ELLIPSIS",
     "MIN_SHOWN",
+    "POINTER_MARK",
     "RequestView",
     "check_pointer",
     "document_pointer",
+    "holds",
     "named_by",
     "named_signatures",
     "names_one_result",
@@ -76,6 +78,12 @@ MIN_SHOWN = 32
 whatever the other calls of the request."""
 _CUT = ELLIPSIS + ")"
 
+POINTER_MARK = "[Same "
+"""How every pointer starts (each template below), and so how it stands in a message,
+JSON-escaped or not (escaping leaves these characters alone). The planner relies on it: a
+message with no key or str holding it is no message the conversation was sent with pointers,
+so it is not looked up as one (``message_planner._Given.may_be_sent``); a new kind of
+pointer must start with it too."""
 _SAME_RESULT = "[Same result as the earlier call {call} above.]"
 _SAME_DOCUMENT = "[Same as document {label} in the result of the earlier call {call} above.]"
 _SAME_AS_RESULT = "[Same as the result of the earlier call {call} above.]"
@@ -167,6 +175,13 @@ class RequestView:
     """The tool calls and tool results of one request's messages, and which call each result
     answers (the nearest earlier assistant tool call with its id).
 
+    Args:
+        messages: the request's messages, shape ``api``.
+        api: ``"openai"`` or ``"anthropic"``.
+        previous: a view of an earlier state of the same list: the calls and results of each
+            message that is still the same object at the same index are taken from it, not
+            read again (only for messages never changed in place, as the planner's are).
+
     Attributes:
         results: the tool results, in order of position.
         by_position: result index by position, ``(message, block or -1)``.
@@ -175,25 +190,76 @@ class RequestView:
         by_signature: the results answering calls of each signature, in order.
     """
 
-    __slots__ = ("_signatures", "by_position", "by_signature", "calls", "results", "tool_calls")
+    __slots__ = (
+        "_api",
+        "_parts",
+        "_read",
+        "_signatures",
+        "by_position",
+        "by_signature",
+        "calls",
+        "results",
+        "tool_calls",
+    )
+    results: list[ToolResult]
+    by_position: dict[tuple[int, int], int]
+    calls: list[ToolCall | None]
+    tool_calls: list[ToolCall]
+    by_signature: dict[str, list[int]]
+    _signatures: list[str]
 
-    def __init__(self, messages: Sequence[Mapping[str, Any]], api: Api) -> None:
-        self.results: list[ToolResult] = find_tool_results(messages, api)
-        self.by_position = {r.position: k for k, r in enumerate(self.results)}
-        self.calls: list[ToolCall | None] = []
-        self.tool_calls: list[ToolCall] = find_tool_calls(messages, api)
+    def __init__(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        api: Api,
+        previous: RequestView | None = None,
+    ) -> None:
+        self._api = api
+        self._read = list(messages)
+        # per message: its tool results and tool calls
+        self._parts: list[tuple[list[ToolResult], list[ToolCall]]] = []
+        earlier = previous._read if previous is not None and previous._api == api else []
+        reread = len(earlier) != len(self._read)
+        for i, message in enumerate(self._read):
+            if i < len(earlier) and earlier[i] is message:
+                self._parts.append(previous._parts[i])  # type: ignore[union-attr]
+            else:
+                reread = True
+                role = message.get("role")  # calls are an assistant's, results another's
+                if role == "assistant":
+                    self._parts.append(([], tool_calls_in(i, message, api)))
+                else:
+                    self._parts.append((tool_results_in(i, message, api), []))
+        if not reread:  # the same messages: the same calls and results, the same answers
+            assert previous is not None
+            self.results = previous.results
+            self.by_position = previous.by_position
+            self.calls = previous.calls
+            self.tool_calls = previous.tool_calls
+            self.by_signature = previous.by_signature
+            self._signatures = previous._signatures
+            return
+        self.results = []
+        self.by_position = {}
+        self.calls = []
+        self.tool_calls = []
+        self.by_signature = {}
+        # A message holds tool calls (assistant) or tool results (tool, or Anthropic user),
+        # never both: the calls standing before a message's results are those of the
+        # messages before it, taken in order (a later call with the same id wins).
         latest: dict[str, ToolCall] = {}
-        pending = iter(self.tool_calls)
-        call = next(pending, None)
-        for result in self.results:
-            while call is not None and (call.message, call.slot) < result.position:
+        for results, calls in self._parts:
+            for call in calls:
                 latest[call.call_id] = call
-                call = next(pending, None)
-            self.calls.append(latest.get(result.call_id))
-        self.by_signature: dict[str, list[int]] = {}
-        for k, answered in enumerate(self.calls):
-            if answered is not None:
-                self.by_signature.setdefault(answered.signature, []).append(k)
+            self.tool_calls.extend(calls)
+            for result in results:
+                k = len(self.results)
+                self.results.append(result)
+                self.by_position[result.position] = k
+                answered = latest.get(result.call_id)
+                self.calls.append(answered)
+                if answered is not None:
+                    self.by_signature.setdefault(answered.signature, []).append(k)
         self._signatures = sorted(self.by_signature)
 
     def signature(self, k: int) -> str | None:
@@ -206,6 +272,13 @@ class RequestView:
         (:func:`named_by`), in order."""
         found = [k for s in named_signatures(name, self._signatures) for k in self.by_signature[s]]
         return sorted(found)
+
+
+def holds(text: str, part: str) -> bool:
+    """``part in text``, a long ``part`` looked for by :func:`.documents.find_text`."""
+    if type(text) is str and type(part) is str:
+        return find_text(text, part) >= 0
+    return part in text
 
 
 def check_pointer(view: RequestView, placement: ResultPlacement) -> bool:
@@ -242,7 +315,7 @@ def check_pointer(view: RequestView, placement: ResultPlacement) -> bool:
             return False
         if not text.startswith(placement.pointer, placement.offset):
             return False
-        if placement.original not in target:
+        if not holds(target, placement.original):
             return False
         if placement.target_label is not None and placement.target_label not in target:
             return False
