@@ -73,6 +73,11 @@ logger = logging.getLogger("contextpilot_integrations.service.server")  # also a
 API_KEY_ENV = "CONTEXTPILOT_API_KEY"
 API_KEYS_ENV = "CONTEXTPILOT_API_KEYS"
 DEFAULT_PORT = 8765
+KEEP_ALIVE_SECONDS = 75
+"""How long an idle client connection stays open. Longer than the clients' own pool expiry
+(httpx, and so the openai and anthropic SDKs, drop idle connections after 5 s): with equal
+timeouts a client can send a request on a connection the server is closing that instant, and
+the request fails with a read error without an answer."""
 _CACHE_MODELS = {"events": "kv-events", "capacity": "capacity", "ttl": "ttl"}
 
 
@@ -476,6 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_level=args.log_level,
         access_log=args.access_log,
         timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s)),
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
     )
     return 0
 
