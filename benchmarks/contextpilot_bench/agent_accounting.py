@@ -15,8 +15,9 @@ messages up to the first one that differs, as the engine reuses their KV.
 
 The checks are independent of the library: :func:`dangling_pointers` reads the pointers in the
 sent text with its own pattern, maps each back to the tool's own output, and looks for that
-text in the earlier result the pointer names, in the same prompt; :func:`prefix_breaks` counts
-the calls whose prompt does not start with the previous call's of the same session.
+text in the earlier result the pointer names, in the same prompt (a run of lines: the stretch
+its quotes and line count find there); :func:`prefix_breaks` counts the calls whose prompt does
+not start with the previous call's of the same session.
 """
 
 from __future__ import annotations
@@ -51,9 +52,16 @@ CALL_GAP_S = 2.0
 """Virtual seconds between two model calls (hosted cache lifetimes are counted in these)."""
 
 _POINTER = re.compile(
-    r"\[Same (?:result as|as document (?P<label>.+?) in the result of|as the result of) "
+    r"\[Same (?:(?:result as|as document (?P<label>.+?) in the result of|as the result of) "
     r"the earlier call (?P<call>.+?) above\.\]"
+    r"|(?P<lines>[1-9][0-9]*) lines as in the result of the earlier call (?P<run_call>.+?) "
+    r'above, from the line starting "(?P<first>[^\n]*?)" to the line starting '
+    r'"(?P<last>[^\n]*?)"\.\])'
 )
+"""The library's pointers: a whole result, a document, or a run of lines (``[Same 46 lines as
+in the result of the earlier call f(...) above, from the line starting "a" to the line
+starting "b".]``: the first line of that result starting with ``a``, the first at or after it
+starting with ``b``, that many lines; a quote ending in an ellipsis is cut there)."""
 
 
 @dataclass(frozen=True)
@@ -282,6 +290,9 @@ def _check_result(
         return [f"message {position}: the sent text does not map back to the tool's output"]
     problems = []
     for k, match in enumerate(found):
+        if match.group("lines") is not None:
+            problems += _check_run(position, sent, match, spans[k], earlier)
+            continue
         replaced = spans[k].strip()
         label, call = match.group("label"), match.group("call")
         candidates = [
@@ -304,6 +315,54 @@ def _check_result(
                 )
                 break
     return problems
+
+
+def _check_run(
+    position: int,
+    sent: str,
+    match: re.Match[str],
+    replaced: str,
+    earlier: Sequence[tuple[int, str, str]],
+) -> list[str]:
+    """The problems of one run pointer: ``replaced`` (what it stands for in the tool's output,
+    up to the line ending the sent text keeps after it) must be, with that ending, the stretch
+    its quotes and count find in every earlier result of a call it names."""
+    call = match.group("run_call")
+    candidates = [
+        text for _, signature, text in earlier if _names(call, signature) and not _is_pointer(text)
+    ]
+    if not candidates:
+        return [f"message {position}: pointer to {call} names no earlier result"]
+    after = sent[match.end() : match.end() + 2]
+    ending = "\r\n" if after == "\r\n" else "\n" if after[:1] == "\n" else ""
+    lines, first, last = int(match.group("lines")), match.group("first"), match.group("last")
+    for text in candidates:
+        if _stretch(text, lines, first, last) != replaced + ending:
+            return [
+                f"message {position}: pointer to {call} ({lines} lines): the replaced text is "
+                "not that stretch of the earlier result"
+            ]
+    return []
+
+
+def _stretch(text: str, lines: int, first: str, last: str) -> str | None:
+    """The ``lines`` lines of ``text`` from the first line starting with the quote ``first``
+    to the first line at or after it starting with ``last``; ``None`` when there is none."""
+    split = text.split("\n")
+    rows = [line + "\n" for line in split[:-1]] + ([split[-1]] if split[-1] else [])
+
+    def starts(row: str, quote: str) -> bool:
+        bare = row[:-1] if row.endswith("\n") else row
+        bare = bare[:-1] if bare.endswith("\r") and row.endswith("\n") else bare
+        return bare.startswith(quote[:-1] if quote.endswith("\u2026") else quote)
+
+    start = next((i for i, row in enumerate(rows) if starts(row, first)), None)
+    if start is None:
+        return None
+    end = next((i for i in range(start, len(rows)) if starts(rows[i], last)), None)
+    if end is None or end - start + 1 != lines:
+        return None
+    return "".join(rows[start : end + 1])
 
 
 @functools.lru_cache(maxsize=4096)

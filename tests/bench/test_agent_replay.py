@@ -105,6 +105,52 @@ def test_pointers_are_checked_against_the_tools_output() -> None:
     assert len(dangling_pointers(prompt, {**originals, "c2": "unrelated"})) == 1
 
 
+def _read_call(call_id: str) -> dict[str, object]:
+    function = {"name": "read_file", "arguments": json.dumps({"path": "a.py"})}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": call_id, "function": function}],
+    }
+
+
+def _run_prompt(earlier: str, ending: str = "\n") -> tuple[AgentPrompt, dict[str, str]]:
+    """A file read twice, one line edited between the reads; the second read sent with its
+    first three lines as a run pointer (its last line's quote cut short)."""
+    lines = [f"    line_{i:02d} = some_code_here({i}){ending}" for i in range(6)]
+    edited = f"    line_03 = edited(){ending}"
+    call = 'read_file({"path": "a.py"})'
+    pointer = (
+        f"[Same 3 lines as in the result of the earlier call {call} above, from the line "
+        'starting "    line_00 = some_code_here(0)" to the line starting '
+        '"    line_02 = some_c\u2026".]'
+    )
+    sent = pointer + ending + edited + "".join(lines[4:])
+    messages = (
+        {"role": "user", "content": "q"},
+        _read_call("c1"),
+        {"role": "tool", "tool_call_id": "c1", "content": earlier.format(file="".join(lines))},
+        _read_call("c2"),
+        {"role": "tool", "tool_call_id": "c2", "content": sent},
+    )
+    originals = {"c1": "".join(lines), "c2": "".join(lines[:3]) + edited + "".join(lines[4:])}
+    return AgentPrompt("s", TOOLS, messages), originals
+
+
+def test_run_pointers_are_checked_against_the_tools_output() -> None:
+    for ending in ("\n", "\r\n"):
+        prompt, originals = _run_prompt("{file}", ending)
+        assert pointer_count(prompt) == 1
+        assert dangling_pointers(prompt, originals) == []
+        # the earlier result reads otherwise: the quotes find another stretch, or none
+        broken, originals = _run_prompt("    line_00 = some_code_here(0), more\n{file}", ending)
+        assert len(dangling_pointers(broken, originals)) == 1
+        broken, originals = _run_prompt("    line_00 = some_code_here(0)\nother\n", ending)
+        assert len(dangling_pointers(broken, originals)) == 1
+        prompt, originals = _run_prompt("{file}", ending)
+        assert len(dangling_pointers(prompt, {**originals, "c2": "unrelated"})) == 1
+
+
 TEXTS = [
     "Paged attention keeps the KV cache in fixed-size blocks of GPU memory.",
     "A radix tree over token ids lets requests share a cached prompt prefix.",

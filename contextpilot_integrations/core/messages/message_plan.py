@@ -20,7 +20,8 @@ class ResultPlacement:
         block: index of the ``tool_result`` block in that message's content (Anthropic);
             ``None`` (OpenAI).
         call_id: the call the result answers.
-        document: the document's 0-based index among the result's documents; ``None``: the
+        document: the document's 0-based index among the result's documents (a run of lines,
+            reason ``"same lines"``, is numbered after them, in order); ``None``: the
             placement is about the whole result.
         label: the document's label in this result, as written; ``None``: none or whole result.
         status: ``"kept"`` (sent as given) or ``"pointer"`` (replaced by a pointer).
@@ -28,14 +29,16 @@ class ResultPlacement:
             the one made when it was first sent).
         reason: why: ``"kept"`` placements say why no pointer was made (``"no earlier copy"``,
             ``"saves too little"``, ``"ambiguous call"``, ``"not plain text"``,
-            ``"not verified"``, ...); pointers say ``"same result"`` or ``"same document"``.
+            ``"not verified"``, ...); pointers say ``"same result"``, ``"same document"`` or
+            ``"same lines"`` (a run of whole lines: :mod:`.repeated_lines`).
         target_message, target_block: where the earlier copy stands (same shape as
             ``message``, ``block``); ``None`` when kept.
         target_document, target_label: the earlier copy's document index and label in its
-            result; ``None`` when the pointer names the whole earlier result, or when kept.
+            result; ``None`` when the pointer names the whole earlier result or a run of its
+            lines, or when kept.
         target_call: the earlier tool call the pointer names, ``name(arguments)``.
-        original: the exact text the pointer replaced (the whole result's text, or the
-            document's span); ``None`` when kept.
+        original: the exact text the pointer replaced (the whole result's text, the
+            document's span, or the run's lines with their endings); ``None`` when kept.
         pointer: the pointer as it stands in the sent result (for JSON documents: escaped as
             the inside of a JSON string); ``None`` when kept.
         offset: where ``pointer`` starts in the sent result's text; ``None`` when kept.

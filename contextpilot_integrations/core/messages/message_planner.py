@@ -49,6 +49,15 @@ Rules:
    Only where the label is written in the earlier result and names one document, and the
    replacement saves at least ``min_tokens_saved``; every other byte of the result stays as it
    is.
+4a. Same lines. In a new result none of whose documents was replaced, and that is no JSON
+   array or object, a run of whole lines standing verbatim in one earlier tool result of the
+   messages being sent (a file read again after an edit, a plain retriever's passages read
+   before) is replaced, in place, by a pointer naming that call and the run's first and last
+   lines by their verbatim starts (``[Same 46 lines as in the result of the earlier call
+   read_file(...) above, from the line starting "import os" to the line starting "    return
+   x".]``, then the run's line ending; :mod:`.repeated_lines`), where that saves at least
+   ``min_tokens_saved``, the pointer's own tokens counted. Its placement counts as a document
+   of the result (numbered after the documents found in it; reason ``"same lines"``).
 5. Unsure means kept. A pointer is made only when the earlier call it names reads one way: if
    another earlier call the name stands for (the same name and arguments, or for a short name
    arguments starting with its prefix) returned something else, the result or document is
@@ -56,10 +65,11 @@ Rules:
    earlier message, or an earlier block of the same Anthropic message).
 6. Sure hints. Every pointer is checked on the final messages before they are returned
    (:func:`.pointers.check_pointer`): the text it stands for is verbatim in the earlier result
-   it names, in the same request, and the named call is there. A new pointer that fails is
-   undone (the original text restored); a replayed one that fails is a divergence at its
-   message, which is then planned anew from the app's original. The check reads the messages
-   being returned, never memory.
+   it names, in the same request, and the named call is there (for a run of lines: its quotes
+   and count find exactly the replaced lines there, :func:`.repeated_lines.check_run`). A new
+   pointer that fails is undone (the original text restored); a replayed one that fails is a
+   divergence at its message, which is then planned anew from the app's original. The check
+   reads the messages being returned, never memory.
 7. Nothing is lost. The plan has a placement for every tool result and every detected document
    (:class:`.message_plan.ResultPlacement`): kept (and why), or replaced by a pointer to which
    earlier message, block and document, with the exact text replaced, the pointer's offset in
@@ -125,6 +135,12 @@ from contextpilot_integrations.core.messages.pointers import (
     result_pointer,
     short_name,
 )
+from contextpilot_integrations.core.messages.repeated_lines import (
+    SAME_LINES,
+    LineIndex,
+    check_run_placement,
+    run_pointer,
+)
 from contextpilot_integrations.core.request import Scope
 
 __all__ = ["MessagePlanner"]
@@ -160,7 +176,7 @@ class _Edit:
 
     start: int
     end: int
-    layout: DocumentLayout
+    layout: DocumentLayout | None  # None: a run of whole lines (.repeated_lines)
     pointer: str
     placement: ResultPlacement
 
@@ -363,6 +379,8 @@ class MessagePlanner:
         slots: dict[int, list[ResultPlacement]] = {}
         edits: dict[int, list[_Edit]] = {}
         found: dict[int, _FoundDocuments] = {}  # result -> documents of the text indexed
+        lines = LineIndex()  # the texts of the results so far, by signature, for runs
+        line_sources: list[int] = []  # per text of `lines`, its result
         before = _Signatures(view)
         message, ordinal = -1, 0  # the result's message, and its place among that one's results
         for k, result in enumerate(view.results):
@@ -384,9 +402,14 @@ class MessagePlanner:
                     texts[k] = pointer
                     # not indexed now; read (a short text) for the record, as replays index it
                     found[k] = (pointer, find_documents(pointer))
-                elif edited:
-                    edits[k] = edited
-                    texts[k] = self._render(k, given, edits, slots)
+                else:
+                    if not any(e.pointer for e in edited):
+                        edited = edited + self._place_runs(
+                            k, view, texts[k], lines, line_sources, before.sorted, len(edited)
+                        )
+                    if edited:
+                        edits[k] = edited
+                        texts[k] = self._render(k, given, edits, slots)
                 if texts[k] != given[k]:
                     out[result.message] = with_result_text(
                         out[result.message], result, texts[k] or ""
@@ -396,6 +419,9 @@ class MessagePlanner:
                 continue
             by_signature.setdefault(signature, []).append(k)
             text = texts[k]
+            if text:  # a whole-result pointer too: another reading of its call, or the same
+                lines.add(signature, text)
+                line_sources.append(k)
             if text is None or replaced_whole or not text.strip():
                 continue
             stripped = text.strip()
@@ -559,6 +585,56 @@ class MessagePlanner:
         )
         return _Edit(document.start, document.end, document.layout, "", kept)
 
+    def _place_runs(
+        self,
+        k: int,
+        view: RequestView,
+        text: str | None,
+        lines: LineIndex,
+        line_sources: list[int],
+        before: list[str],
+        first: int,
+    ) -> list[_Edit]:
+        """The run-of-lines edits of new result ``k`` of text ``text`` (:mod:`.repeated_lines`),
+        pointing into the results standing before it (``lines`` holds their texts by their
+        calls' signatures, ``line_sources`` which result each is), each placement numbered
+        from ``first`` on, after the result's documents; none for a JSON text (a pointer
+        between its lines would leave it no JSON)."""
+        if text is None or _is_json(text):
+            return []
+        names: dict[str, str] = {}
+
+        def name(signature: str) -> str:
+            names[signature] = self._name(signature, before, _run_probe)
+            return names[signature]
+
+        result = view.results[k]
+        edits = []
+        runs = lines.find(text, self.token_counter.count, self.min_tokens_saved, name)
+        for r, run in enumerate(runs):
+            t = line_sources[run.source]
+            target_result = view.results[t]
+            signature = view.signature(t)
+            assert signature is not None  # only answered results are in `lines`
+            placement = ResultPlacement(
+                result.message,
+                result.block,
+                result.call_id,
+                first + r,
+                None,
+                "pointer",
+                False,
+                SAME_LINES,
+                target_message=target_result.message,
+                target_block=target_result.block,
+                target_call=names[signature],
+                original=text[run.start : run.end],
+                pointer=run.pointer,
+                tokens_saved=run.tokens_saved,
+            )
+            edits.append(_Edit(run.start, run.end, None, run.pointer, placement))
+        return edits
+
     def _name(self, signature: str, before: list[str], pointer: Callable[[str], str]) -> str:
         """How a pointer made by ``pointer`` (a name -> the pointer's text) names a call of
         ``signature``: cut short (:func:`.pointers.short_name`, unique among ``before``) where
@@ -626,7 +702,7 @@ class MessagePlanner:
             failed: set[tuple[int, int | None]] = set()  # (result, document)
             for k, placed in slots.items():
                 for placement in placed:
-                    if placement.status == "pointer" and not check_pointer(final, placement):
+                    if placement.status == "pointer" and not _pointer_holds(final, placement):
                         failed.add((k, placement.document))
             if not failed:
                 return final
@@ -646,6 +722,24 @@ class MessagePlanner:
                 out[result.message] = with_result_text(out[result.message], result, texts[k] or "")
 
 
+def _run_probe(name: str) -> str:
+    """A run pointer naming ``name``, to weigh a short name against the whole one
+    (:meth:`MessagePlanner._name`): the quotes and count cost the same either way."""
+    return run_pointer(2, name, "", "", "\n")
+
+
+def _is_json(text: str) -> bool:
+    """Whether ``text`` is a JSON array or object (surrounding whitespace aside)."""
+    stripped = text.strip()
+    if stripped[:1] not in ("[", "{"):
+        return False
+    try:
+        json.loads(stripped)
+    except ValueError:
+        return False
+    return True
+
+
 def _first_broken(view: RequestView, replayed: Sequence[SentMessage]) -> int | None:
     """The first replayed message one of whose pointers fails the check on ``view`` (of the
     messages to send, as they are); ``None`` when all hold."""
@@ -653,7 +747,7 @@ def _first_broken(view: RequestView, replayed: Sequence[SentMessage]) -> int | N
         return None
     for i, record in enumerate(replayed):
         for placement in record.placements:
-            if placement.status == "pointer" and not check_pointer(view, placement):
+            if placement.status == "pointer" and not _pointer_holds(view, placement):
                 return i
     return None
 
@@ -823,3 +917,10 @@ def _unverified(placement: ResultPlacement) -> ResultPlacement:
         placement.replayed,
         "not verified",
     )
+
+
+def _pointer_holds(view: RequestView, placement: ResultPlacement) -> bool:
+    """Whether the pointer ``placement`` holds on the messages of ``view``, by its kind's check."""
+    if placement.reason == SAME_LINES:
+        return check_run_placement(view, placement)
+    return check_pointer(view, placement)

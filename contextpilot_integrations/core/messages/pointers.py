@@ -8,6 +8,13 @@ arguments exactly as that call states them::
     [Same as the result of the earlier call fetch({"url": "https://a.example"}) above.]
     [Same as document id "d7" in the result of the earlier call search({"query": "kv"}) above.]
 
+and a run of whole lines, made and checked by :mod:`.repeated_lines`::
+
+    [Same 46 lines as in the result of the earlier call read_file({"path": "a.py"}) above,
+    from the line starting "import os" to the line starting "    return x".]
+
+(one line in the result).
+
 Long arguments (a question as the query) make a long name, so a call may be named by its
 arguments cut short, a verbatim prefix of its signature followed by an ellipsis
 (:func:`short_name`)::
@@ -282,7 +289,9 @@ def holds(text: str, part: str) -> bool:
 
 
 def check_pointer(view: RequestView, placement: ResultPlacement) -> bool:
-    """Whether ``placement`` (a pointer) holds on the messages ``view`` was made of."""
+    """Whether ``placement`` (a pointer to a whole result or a document) holds on the messages
+    ``view`` was made of; a run of lines (reason ``"same lines"``) is checked by
+    :func:`.repeated_lines.check_run_placement`."""
     if (
         placement.pointer is None
         or placement.original is None
