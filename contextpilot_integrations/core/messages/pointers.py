@@ -67,6 +67,7 @@ __all__ = [
     "POINTER_MARK",
     "RequestView",
     "check_pointer",
+    "pointer_results",
     "document_pointer",
     "holds",
     "named_by",
@@ -288,6 +289,23 @@ def holds(text: str, part: str) -> bool:
     return part in text
 
 
+def pointer_results(view: RequestView, placement: ResultPlacement) -> tuple[int, int] | None:
+    """The indexes in ``view.results`` of the result holding ``placement``'s pointer and of the
+    result it names; ``None`` when either is not in ``view`` or the named one does not stand
+    before it."""
+    if placement.target_message is None:
+        return None
+    here = (placement.message, -1 if placement.block is None else placement.block)
+    there = (
+        placement.target_message,
+        -1 if placement.target_block is None else placement.target_block,
+    )
+    k_here, k_there = view.by_position.get(here), view.by_position.get(there)
+    if k_here is None or k_there is None or not there < here:
+        return None
+    return k_here, k_there
+
+
 def check_pointer(view: RequestView, placement: ResultPlacement) -> bool:
     """Whether ``placement`` (a pointer to a whole result or a document) holds on the messages
     ``view`` was made of; a run of lines (reason ``"same lines"``) is checked by
@@ -299,14 +317,10 @@ def check_pointer(view: RequestView, placement: ResultPlacement) -> bool:
         or placement.target_message is None
     ):
         return False
-    here = (placement.message, -1 if placement.block is None else placement.block)
-    there = (
-        placement.target_message,
-        -1 if placement.target_block is None else placement.target_block,
-    )
-    k_here, k_there = view.by_position.get(here), view.by_position.get(there)
-    if k_here is None or k_there is None or not there < here:
+    found = pointer_results(view, placement)
+    if found is None:
         return False
+    k_here, k_there = found
     text, target = view.results[k_here].text, view.results[k_there].text
     if text is None or target is None:
         return False

@@ -57,6 +57,7 @@ from contextpilot_integrations.core.messages.pointers import (
     ELLIPSIS,
     RequestView,
     named_by,
+    pointer_results,
     result_pointer,
 )
 
@@ -281,16 +282,10 @@ def check_run_placement(view: RequestView, placement: ResultPlacement) -> bool:
     call = placement.target_call
     if pointer is None or original is None or offset is None or call is None:
         return False
-    if placement.target_message is None:
+    found = pointer_results(view, placement)
+    if found is None:
         return False
-    here = (placement.message, -1 if placement.block is None else placement.block)
-    there = (
-        placement.target_message,
-        -1 if placement.target_block is None else placement.target_block,
-    )
-    k_here, k_there = view.by_position.get(here), view.by_position.get(there)
-    if k_here is None or k_there is None or not there < here:
-        return False
+    k_here, k_there = found
     text = view.results[k_here].text
     if text is None or not text.startswith(pointer, offset):
         return False
