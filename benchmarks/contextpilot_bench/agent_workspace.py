@@ -35,7 +35,9 @@ __all__ = [
     "Workspace",
 ]
 
-READ_TOOL, EDIT_TOOL, SEARCH_FILES_TOOL = "read_file", "edit_file", "search_files"
+READ_TOOL = "read_file"
+EDIT_TOOL = "edit_file"
+SEARCH_FILES_TOOL = "search_files"
 MAX_SEARCH_LINES = 50
 """Lines ``search_files`` returns at most (the first ones, in path and line order)."""
 FILE_TOOL_DESCRIPTIONS = {
