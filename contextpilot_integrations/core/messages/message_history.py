@@ -155,20 +155,7 @@ def _same_dict(value: dict[Any, Any], plain: dict[str, Any]) -> bool:
     for key, item in value.items():
         if type(key) is not str:
             return False
-        other = get(key, _MISSING)
-        kind = type(other)
-        if type(item) is not kind:
-            return False
-        if kind is str or kind is _NONE:
-            if item != other:
-                return False
-        elif kind is dict:
-            if not _same_dict(item, other):
-                return False
-        elif kind is list:
-            if not _same_list(item, other):
-                return False
-        elif not _same_leaf(item, other, kind):
+        if not same_tree(item, get(key, _MISSING)):
             return False
     return True
 
@@ -176,22 +163,7 @@ def _same_dict(value: dict[Any, Any], plain: dict[str, Any]) -> bool:
 def _same_list(value: list[Any], plain: list[Any]) -> bool:
     if len(value) != len(plain):
         return False
-    for item, other in zip(value, plain):
-        kind = type(other)
-        if type(item) is not kind:
-            return False
-        if kind is str:
-            if item != other:
-                return False
-        elif kind is dict:
-            if not _same_dict(item, other):
-                return False
-        elif kind is list:
-            if not _same_list(item, other):
-                return False
-        elif not _same_leaf(item, other, kind):
-            return False
-    return True
+    return all(same_tree(item, other) for item, other in zip(value, plain))
 
 
 def _same_leaf(value: Any, plain: Any, kind: type) -> bool:
