@@ -239,6 +239,15 @@ def _parse_families(text: str | None) -> list[str]:
     return chosen
 
 
+def _llamaindex_verdict(name: str, row: dict[str, Any]) -> str:
+    """The LlamaIndex agent's prefill ratio of ``row``, judged on the workload its target is
+    for."""
+    ratio = row["prefill_vs_baseline"]
+    if name == "agentic-mtrag" or ratio is None:
+        return _verdict(ratio, LLAMAINDEX_TARGET)
+    return f"{ratio:.3f} (the target is for agentic-mtrag)"
+
+
 def _engine_report(
     name: str, runs: Sequence[AgentRun], args: argparse.Namespace
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -278,12 +287,7 @@ def _engine_report(
             )
         )
     if "llamaindex-contextpilot" in by_method:
-        ratio = by_method["llamaindex-contextpilot"]["prefill_vs_baseline"]
-        verdict = (
-            _verdict(ratio, LLAMAINDEX_TARGET)
-            if name == "agentic-mtrag" or ratio is None
-            else f"{ratio:.3f} (the target is for agentic-mtrag)"
-        )
+        verdict = _llamaindex_verdict(name, by_method["llamaindex-contextpilot"])
         print(
             "llamaindex-contextpilot prefill tokens vs the plain FunctionAgent's (vLLM CPU, "
             f"engine-reported) = {verdict}"
@@ -360,21 +364,8 @@ def run_agent_report(args: argparse.Namespace) -> int:
             "contextpilot prefill tokens vs the plain agent's (unlimited cache) = "
             + _verdict(by_method["contextpilot"]["prefill_vs_baseline"], target)
         )
-    if PROXY_METHOD in by_method and "contextpilot" in by_method:
-        print(
-            "proxy prefill tokens vs ContextPilotMiddleware's (vLLM CPU, engine-reported): "
-            + _match(
-                by_method[PROXY_METHOD]["prefill_vs_baseline"],
-                by_method["contextpilot"]["prefill_vs_baseline"],
-            )
-        )
     if "llamaindex-contextpilot" in by_method:
-        ratio = by_method["llamaindex-contextpilot"]["prefill_vs_baseline"]
-        verdict = (
-            _verdict(ratio, LLAMAINDEX_TARGET)
-            if name == "agentic-mtrag" or ratio is None
-            else f"{ratio:.3f} (the target is for agentic-mtrag)"
-        )
+        verdict = _llamaindex_verdict(name, by_method["llamaindex-contextpilot"])
         print(f"llamaindex-contextpilot prefill tokens vs the plain FunctionAgent's = {verdict}")
     checked = [*totals, *hrows]
     dangling = sum(r["dangling"] for r in checked)
