@@ -125,7 +125,12 @@ class Fallback:
         level = logging.WARNING if first else logging.DEBUG
         fallback = "planning locally" if self.enabled else "no fallback"
         logger.log(
-            level, "index service %s: %s failed (%s); %s", self.base_url, what, exc, fallback
+            level,
+            "index service %s: %s failed (%s); %s",
+            self.base_url,
+            what,
+            _describe(exc),
+            fallback,
         )
         if not self.enabled and raise_without_fallback:
             if isinstance(exc, ServiceUnavailableError):
@@ -203,3 +208,10 @@ def _scope(request: PlanRequest, turn: int | None) -> Scope:
     if turn is None:
         return request.scope
     return dataclasses.replace(request.scope, turn=turn)
+
+
+def _describe(exc: BaseException) -> str:
+    """``exc`` for a log line: its type, and its message where it has one (httpx's timeouts
+    often have none)."""
+    message = str(exc)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
