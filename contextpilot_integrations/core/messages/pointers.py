@@ -196,6 +196,9 @@ class RequestView:
         calls: per result, the call it answers; ``None`` when no earlier call has its id.
         tool_calls: every tool call, in order of position, answered or not.
         by_signature: the results answering calls of each signature, in order.
+        memo: what a check derives from the view's results, kept with the view so that it is
+            derived once however many pointers are checked on it (the view's messages are
+            never changed in place); each module under its own key, starting empty.
     """
 
     __slots__ = (
@@ -206,6 +209,7 @@ class RequestView:
         "by_position",
         "by_signature",
         "calls",
+        "memo",
         "results",
         "tool_calls",
     )
@@ -214,6 +218,7 @@ class RequestView:
     calls: list[ToolCall | None]
     tool_calls: list[ToolCall]
     by_signature: dict[str, list[int]]
+    memo: dict[str, Any]
     _signatures: list[str]
 
     def __init__(
@@ -224,6 +229,7 @@ class RequestView:
     ) -> None:
         self._api = api
         self._read = list(messages)
+        self.memo = {}
         # per message: its tool results and tool calls
         self._parts: list[tuple[list[ToolResult], list[ToolCall]]] = []
         earlier = previous._read if previous is not None and previous._api == api else []
@@ -238,8 +244,7 @@ class RequestView:
                     self._parts.append(([], tool_calls_in(i, message, api)))
                 else:
                     self._parts.append((tool_results_in(i, message, api), []))
-        if not reread:  # the same messages: the same calls and results, the same answers
-            assert previous is not None
+        if not reread and previous is not None:  # the same messages: the same answers
             self.results = previous.results
             self.by_position = previous.by_position
             self.calls = previous.calls

@@ -696,3 +696,13 @@ def test_concurrent_calls_of_many_conversations() -> None:
 def test_settings_are_checked(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         MessagePlanner(**kwargs)
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+def test_a_call_without_messages_is_planned_as_it_is(api: str) -> None:
+    """An empty ``messages`` list (the upstream refuses it, the planner must not fail first)."""
+    planner = MessagePlanner()
+    plan = planner.plan([], scope=Scope("empty"), api=api)  # type: ignore[arg-type]
+    assert plan.messages == []
+    again = planner.plan([], scope=Scope("empty"), api=api)  # type: ignore[arg-type]
+    assert again.messages == []
