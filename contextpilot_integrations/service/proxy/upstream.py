@@ -9,6 +9,10 @@ stay here. Answers lose their hop-by-hop headers and the upstream's ``x-contextp
 those names are the proxy's report and the service's boot id, which an upstream (another
 ContextPilot service, or any server that sets them) would otherwise duplicate or forge.
 
+The pooled client keeps no cookies: it serves every tenant, so a ``Set-Cookie`` of one answer
+(passed to that client as it is) must never go out with another tenant's request; a client's
+own ``cookie`` header is forwarded as sent.
+
 The client is made on first use inside the running event loop and closed by
 :meth:`Upstream.aclose` (the app's lifespan): a pool serves one loop.
 """
@@ -16,6 +20,7 @@ The client is made on first use inside the running event loop and closed by
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 import httpx
 
@@ -76,7 +81,11 @@ class Upstream:
                 pool=None,
             )
             self._client = httpx.AsyncClient(
-                limits=limits, timeout=timeout, transport=self._transport, follow_redirects=False
+                limits=limits,
+                timeout=timeout,
+                transport=self._transport,
+                follow_redirects=False,
+                cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
             )
         return self._client
 

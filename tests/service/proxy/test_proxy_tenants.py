@@ -11,7 +11,9 @@ import anthropic
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI, Request, Response
 from proxy_testing import serve_proxy
+from support.asgi_server import serve_in_thread
 from upstream_standin import SEARCH_RESULT
 
 from contextpilot_integrations.service.tenants import TenantKeys
@@ -145,3 +147,28 @@ def test_with_pass_through_the_tenant_key_stays_and_the_client_key_goes(standin)
     assert headers["authorization"] == "Bearer users-own-upstream-key"
     assert "x-contextpilot-api-key" not in headers
     assert "alice-key" not in json.dumps(headers)
+
+
+def test_an_upstream_cookie_never_goes_out_with_another_tenants_request() -> None:
+    """The upstream's ``Set-Cookie`` reaches the client that got it; the proxy's pooled client,
+    shared by all tenants, keeps none of it for later requests."""
+    seen: list[str | None] = []
+    upstream = FastAPI()
+
+    @upstream.get("/v1/models")
+    async def models(request: Request) -> Response:
+        seen.append(request.headers.get("cookie"))
+        response = Response('{"object": "list", "data": []}', media_type="application/json")
+        response.set_cookie("upstream_session", "alice-secret", path="/")
+        return response
+
+    with serve_in_thread(upstream) as url, serve_proxy(f"{url}/v1", tenants=TENANTS) as proxy:
+        first = httpx.get(f"{proxy}/v1/models", headers={"authorization": "Bearer alice-key"})
+        second = httpx.get(f"{proxy}/v1/models", headers={"authorization": "Bearer bob-key"})
+        own = httpx.get(
+            f"{proxy}/v1/models",
+            headers={"authorization": "Bearer bob-key", "cookie": "mine=1"},
+        )
+    assert first.status_code == second.status_code == own.status_code == 200
+    assert "alice-secret" in first.headers["set-cookie"]
+    assert seen == [None, None, "mine=1"]
