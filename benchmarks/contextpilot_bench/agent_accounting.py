@@ -16,8 +16,8 @@ messages up to the first one that differs, as the engine reuses their KV.
 The checks are independent of the library: :func:`dangling_pointers` reads the pointers in the
 sent text with its own pattern, maps each back to the tool's own output, and looks for that
 text in the earlier result the pointer names, in the same prompt (a run of lines: the stretch
-its quotes and line count find there); :func:`prefix_breaks` counts the calls whose prompt does
-not start with the previous call's of the same session.
+its quotes and line count find there is put back in its place first); :func:`prefix_breaks`
+counts the calls whose prompt does not start with the previous call's of the same session.
 """
 
 from __future__ import annotations
@@ -56,12 +56,15 @@ _POINTER = re.compile(
     r"the earlier call (?P<call>.+?) above\.\]"
     r"|(?P<lines>[1-9][0-9]*) lines as in the result of the earlier call (?P<run_call>.+?) "
     r'above, from the line starting "(?P<first>[^\n]*?)" to the line starting '
-    r'"(?P<last>[^\n]*?)"\.\])'
+    r'"(?P<last>[^\n]*?)"\.\]'
+    r"|line as in the result of the earlier call (?P<line_call>.+?) above, the line starting "
+    r'"(?P<line_first>[^\n]*?)"\.\])'
 )
 """The library's pointers: a whole result, a document, or a run of lines (``[Same 46 lines as
 in the result of the earlier call f(...) above, from the line starting "a" to the line
 starting "b".]``: the first line of that result starting with ``a``, the first at or after it
-starting with ``b``, that many lines; a quote ending in an ellipsis is cut there)."""
+starting with ``b``, that many lines; a quote ending in an ellipsis is cut there; one line:
+``[Same line as in the result of the earlier call f(...) above, the line starting "a".]``)."""
 
 
 @dataclass(frozen=True)
@@ -241,11 +244,16 @@ def dangling_pointers(prompt: AgentPrompt, originals: Mapping[str, str]) -> list
     """What is wrong with the pointers in ``prompt``'s tool messages, one line per problem.
 
     ``originals`` maps a tool call id to what the tool returned. A pointer is sound when the
-    sent text, each pointer replaced by some text, is the tool's output; each pointer's
-    replaced text stands verbatim (a whole result: equal up to surrounding whitespace) in an
-    earlier tool result of the same prompt answering a call with a signature it names
-    (:func:`_names`), with the document label it names; and every earlier result of such a
-    signature that is not itself a pointer reads so.
+    sent text, each run pointer replaced by the stretch it names (:func:`_run_text`) and each
+    other pointer by some text, is the tool's output; each other pointer's replaced text
+    stands verbatim (a whole result: equal up to surrounding whitespace) in an earlier tool
+    result of the same prompt answering a call with a signature it names (:func:`_names`),
+    with the document label it names; and every earlier result of such a signature that is
+    not itself a pointer reads so.
+
+    A run pointer is put back before the rest is mapped because the sent text alone does not
+    say where its stretch ends: the text between two pointers (a blank line) may stand inside
+    the stretch too.
 
     Raises:
         KeyError: a tool message whose call id ``originals`` does not have.
@@ -280,19 +288,29 @@ def _check_result(
     found: Sequence[re.Match[str]],
     earlier: Sequence[tuple[int, str, str]],
 ) -> list[str]:
-    pieces, start = [], 0
+    pieces: list[str] = []  # the sent text, run pointers put back, between the other pointers
+    others: list[re.Match[str]] = []
+    current: list[str] = []
+    start = 0
     for match in found:
-        pieces.append(sent[start : match.start()])
+        current.append(sent[start : match.start()])
         start = match.end()
-    pieces.append(sent[start:])
+        if match.group("lines") is None and match.group("line_call") is None:
+            pieces.append("".join(current))
+            current = []
+            others.append(match)
+            continue
+        stretch = _run_text(position, match, earlier)
+        if not isinstance(stretch, tuple):
+            return [stretch]
+        current.append(stretch[0])
+    current.append(sent[start:])
+    pieces.append("".join(current))
     spans = _replaced_spans(tuple(pieces), original)
     if spans is None:
         return [f"message {position}: the sent text does not map back to the tool's output"]
     problems = []
-    for k, match in enumerate(found):
-        if match.group("lines") is not None:
-            problems += _check_run(position, sent, match, spans[k], earlier)
-            continue
+    for k, match in enumerate(others):
         replaced = spans[k].strip()
         label, call = match.group("label"), match.group("call")
         candidates = [
@@ -317,32 +335,35 @@ def _check_result(
     return problems
 
 
-def _check_run(
-    position: int,
-    sent: str,
-    match: re.Match[str],
-    replaced: str,
-    earlier: Sequence[tuple[int, str, str]],
-) -> list[str]:
-    """The problems of one run pointer: ``replaced`` (what it stands for in the tool's output,
-    up to the line ending the sent text keeps after it) must be, with that ending, the stretch
-    its quotes and count find in every earlier result of a call it names."""
-    call = match.group("run_call")
+def _run_text(
+    position: int, match: re.Match[str], earlier: Sequence[tuple[int, str, str]]
+) -> tuple[str] | str:
+    """What one run pointer stands for, ``(text,)``: the stretch its quotes and count find in
+    the earlier results of the calls it names, without its last line's ending (the sent text
+    keeps the line ending after the pointer), the same in every one of them; else the
+    problem."""
+    if match.group("lines") is not None:
+        call, lines = match.group("run_call"), int(match.group("lines"))
+        first, last = match.group("first"), match.group("last")
+    else:
+        call, lines = match.group("line_call"), 1
+        first = last = match.group("line_first")
     candidates = [
         text for _, signature, text in earlier if _names(call, signature) and not _is_pointer(text)
     ]
     if not candidates:
-        return [f"message {position}: pointer to {call} names no earlier result"]
-    after = sent[match.end() : match.end() + 2]
-    ending = "\r\n" if after == "\r\n" else "\n" if after[:1] == "\n" else ""
-    lines, first, last = int(match.group("lines")), match.group("first"), match.group("last")
-    for text in candidates:
-        if _stretch(text, lines, first, last) != replaced + ending:
-            return [
-                f"message {position}: pointer to {call} ({lines} lines): the replaced text is "
-                "not that stretch of the earlier result"
-            ]
-    return []
+        return f"message {position}: pointer to {call} names no earlier result"
+    found = {_stretch(text, lines, first, last) for text in candidates}
+    stretch = found.pop()
+    if found or stretch is None:
+        return (
+            f"message {position}: pointer to {call} ({lines} lines): the quotes find no stretch, "
+            "or another one in each earlier result"
+        )
+    for ending in ("\r\n", "\n"):
+        if stretch.endswith(ending):
+            return (stretch[: -len(ending)],)
+    return (stretch,)
 
 
 def _stretch(text: str, lines: int, first: str, last: str) -> str | None:

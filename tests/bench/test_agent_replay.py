@@ -15,6 +15,7 @@ from contextpilot_bench.agent_accounting import (
     prefix_breaks,
 )
 from contextpilot_bench.agent_llamaindex import llamaindex_unavailable, replay_llamaindex
+from contextpilot_bench.agent_proxy import plan_through_proxy
 from contextpilot_bench.agent_replay import replay_langchain
 from contextpilot_bench.agent_sessions import agent_sessions
 from contextpilot_bench.cli import main
@@ -151,6 +152,42 @@ def test_run_pointers_are_checked_against_the_tools_output() -> None:
         assert len(dangling_pointers(prompt, {**originals, "c2": "unrelated"})) == 1
 
 
+def test_passage_pointers_are_put_back_before_the_rest_is_mapped() -> None:
+    # A plain retriever's passages, one line each, joined by blank lines: between two pointers
+    # stands a blank line, which stands inside a replaced stretch too, so only putting the
+    # stretches back first maps the sent text to the tool's output without doubt.
+    passages = [f"Passage {i}: " + "words of the passage " * 8 + f"({i})" for i in range(5)]
+    call = 'search({"query": "kv"})'
+    first = "\n\n".join(passages[:4])
+    second = "\n\n".join([passages[0], passages[1], passages[4], passages[3]])
+    run = (
+        f"[Same 3 lines as in the result of the earlier call {call} above, from the line "
+        f'starting "Passage 0: words of the p\u2026" to the line starting "Passage 1: words '
+        'of the p\u2026".]'
+    )
+    line = (
+        f"[Same line as in the result of the earlier call {call} above, the line starting "
+        '"Passage 3: words of the p\u2026".]'
+    )
+    sent = f"{run}\n\n{passages[4]}\n\n{line}"
+    messages = (
+        {"role": "user", "content": "q"},
+        _call("c1", "kv"),
+        {"role": "tool", "tool_call_id": "c1", "content": first},
+        _call("c2", "kv again"),
+        {"role": "tool", "tool_call_id": "c2", "content": sent},
+    )
+    prompt = AgentPrompt("s", TOOLS, messages)
+    assert pointer_count(prompt) == 2
+    assert dangling_pointers(prompt, {"c1": first, "c2": second}) == []
+    # a quote that finds another passage, or a tool output the pointers do not stand for
+    wrong = sent.replace('"Passage 3: words', '"Passage 2: words')
+    changed = (*messages[:4], {**messages[4], "content": wrong})
+    broken = dataclasses.replace(prompt, messages=changed)
+    assert len(dangling_pointers(broken, {"c1": first, "c2": second})) == 1
+    assert len(dangling_pointers(prompt, {"c1": first, "c2": second + "x"})) == 1
+
+
 TEXTS = [
     "Paged attention keeps the KV cache in fixed-size blocks of GPU memory.",
     "A radix tree over token ids lets requests share a cached prompt prefix.",
@@ -209,6 +246,13 @@ def test_two_sessions_replay_planned_without_breaks_or_dangling_pointers() -> No
     base_prefill = sum(p for _, p in prefill_tokens(base.prompts, COUNTER, None))
     pilot_prefill = sum(p for _, p in prefill_tokens(pilot.prompts, COUNTER, None))
     assert pilot_prefill < base_prefill
+    # The proxy's own planning on the plain agent's prompts: sound pointers, no breaks.
+    proxied = plan_through_proxy(base)
+    assert proxied.method == "proxy" and len(proxied.prompts) == len(base.prompts)
+    assert prefix_breaks(proxied.prompts) == []
+    assert all(dangling_pointers(p, proxied.originals[p.session]) == [] for p in proxied.prompts)
+    proxy_prefill = sum(p for _, p in prefill_tokens(proxied.prompts, COUNTER, None))
+    assert proxy_prefill < base_prefill
     # An edited earlier message in a later call is caught.
     last = pilot.prompts[-1]
     messages = list(last.messages)
@@ -260,6 +304,8 @@ def test_cli_runs_one_agentic_multihop_session_with_langchain_only(
     assert code == 0
     assert "contextpilot prefill tokens vs the plain agent's" in out
     assert "llamaindex" not in out and "hosted Anthropic" not in out
+    # the proxy's planning on the plain agent's prompts, in process
+    assert "\nproxy " in out and "planned in process by the proxy mode" in out
 
 
 def test_cli_rejects_an_unknown_agent(capsys: pytest.CaptureFixture[str]) -> None:

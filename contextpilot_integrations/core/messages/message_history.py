@@ -419,12 +419,17 @@ def _with_originals(
         text = result_text(message, block)
         if text is None:
             return None
-        for p in sorted(pointers, key=lambda p: -1 if p.offset is None else p.offset, reverse=True):
+        parts: list[str] = []
+        position = 0  # in the sent text; the pointers, in order, neither overlap nor move
+        for p in sorted(pointers, key=lambda p: -1 if p.offset is None else p.offset):
             if p.pointer is None or p.original is None or p.offset is None:
                 return None
-            if not text.startswith(p.pointer, p.offset):
+            if p.offset < position or not text.startswith(p.pointer, p.offset):
                 return None
-            text = text[: p.offset] + p.original + text[p.offset + len(p.pointer) :]
+            parts += (text[position : p.offset], p.original)
+            position = p.offset + len(p.pointer)
+        parts.append(text[position:])
+        text = "".join(parts)  # one join: a result with many pointers is rebuilt in one pass
         slot = ToolResult(pointers[0].message, block, pointers[0].call_id, None)
         message = with_result_text(message, slot, text)
     return message

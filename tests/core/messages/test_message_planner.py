@@ -19,6 +19,7 @@ from contextpilot_integrations.core.messages.pointers import (
     named_signatures,
     short_name,
 )
+from contextpilot_integrations.core.messages.repeated_lines import check_run_placement
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import Scope
 
@@ -322,7 +323,12 @@ def test_a_document_equal_to_a_whole_earlier_result_names_that_result() -> None:
 def test_a_document_whose_label_repeats_in_the_earlier_result_is_kept() -> None:
     first = numbered(LONG, OTHER) + "\n[2] is cited twice\n"
     plan = MessagePlanner().plan(history(first, numbered(THIRD, OTHER)))
-    assert not plan.pointers
+    # no pointer names the label "[2]", which names two lines there; the repeated line may
+    # still stand as a line pointer, which quotes the line's start
+    assert not [p for p in plan.pointers if p.reason != "same lines"]
+    assert all(p.target_label is None for p in plan.pointers)
+    view = RequestView(plan.messages, "openai")
+    assert all(check_run_placement(view, p) for p in plan.pointers)
 
 
 # ------------------------------------------------------------------ byte-stable history

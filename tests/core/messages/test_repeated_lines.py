@@ -534,3 +534,152 @@ def test_planning_many_new_results_stays_linear() -> None:
     plan = MessagePlanner().plan(messages)
     assert time.perf_counter() - started < 10  # each result's lines indexed once, not per result
     assert not plan.pointers
+
+
+# ------------------------------------------------------------------ one line, a passage
+def _passages(n: int, stem: str = "Passage") -> list[str]:
+    return [
+        f"{stem} {i}: the prefix cache keeps the keys and values of every token it has seen, "
+        "so a prompt that starts the same way is not computed again; an agent that searches "
+        "twice gets many of the same passages back, in another order, beside new ones, and "
+        f"each passage is one line of the tool's output ({i})."
+        for i in range(n)
+    ]
+
+
+def test_a_repeated_passage_gets_a_one_line_pointer_the_model_can_find() -> None:
+    passages = _passages(6)
+    earlier = "\n\n".join(passages[:3])  # a plain retriever's output: one line per passage
+    text = "\n\n".join([passages[4], passages[1], passages[5]])
+    runs = _runs(text, earlier, call='search({"query": "kv"})')
+    assert len(runs) == 1 and runs[0].lines == 1
+    run = runs[0]
+    assert text[run.start : run.end] == passages[1] + "\n"
+    stated = parse_run_pointer(run.pointer)
+    assert stated is not None and stated.lines == 1 and stated.first == stated.last
+    assert run.pointer.startswith(
+        '[Same line as in the result of the earlier call search({"query": "kv"}) above, the '
+        f'line starting "{passages[1][:24]}{ELLIPSIS}".]'
+    )
+    # the quote finds the passage in the earlier result, verbatim
+    assert earlier[run.source_start : run.source_end] == passages[1] + "\n"
+    assert earlier.find("\n" + stated.first[:-1]) + 1 == run.source_start
+    assert check_run({'search({"query": "kv"})': [earlier]}, run.pointer, passages[1] + "\n")
+    sent = replace_runs(text, runs)
+    assert sent.startswith(passages[4] + "\n\n[Same line") and sent.endswith("\n\n" + passages[5])
+
+
+def test_a_passage_that_is_only_similar_gets_no_pointer() -> None:
+    passages = _passages(3)
+    earlier = "\n\n".join(passages)
+    similar = passages[1].replace("every token", "each token")
+    assert _runs("\n\n".join(["New passage, not seen before.", similar]), earlier) == []
+    assert _runs(passages[1][:-1], earlier) == []  # a line cut short is another line
+
+
+def test_a_passage_ending_one_result_is_the_same_line_in_the_middle_of_another() -> None:
+    passages = _passages(4)
+    call = 'search({"query": "kv"})'
+    # the earlier result's last passage (no line ending) stands first in the new one
+    earlier = "\n\n".join(passages[:2])
+    text = "\n\n".join([passages[1], passages[3]])
+    (run,) = _runs(text, earlier, call=call)
+    assert text[run.start : run.end] == passages[1]  # the ending stays after the pointer
+    assert not run.pointer.endswith("\n") and passages[1] in earlier
+    sent = replace_runs(text, [run])
+    assert sent == run.pointer + "\n\n" + passages[3]
+    assert check_run({call: [earlier]}, run.pointer, passages[1])
+    # and the other way round: a passage in the middle of one ends the next
+    earlier = "\n\n".join(passages[:3])
+    text = "\n\n".join([passages[3], passages[1]])
+    (run,) = _runs(text, earlier, call=call)
+    assert text[run.start : run.end] == passages[1] and replace_runs(text, [run]).endswith(".]")
+    assert check_run({call: [earlier]}, run.pointer, passages[1])
+
+
+def test_a_shorter_run_from_another_result_is_tried_when_the_longest_cannot_be_quoted() -> None:
+    passages = _passages(5)
+    one, two = 'search({"query": "one"})', 'search({"query": "two"})'
+    # in the first result passage 2 stands twice (its first copy elsewhere); in the second,
+    # once, with other neighbours
+    first = "\n\n".join([passages[2], passages[0], passages[2], passages[3]])
+    second = "\n\n".join([passages[4], passages[2]])
+    text = "\n\n".join([passages[2], passages[3]])
+    runs = find_runs(text, [EarlierResult(one, first), EarlierResult(two, second)], COUNT, 16)
+    # the longest match (the second copy of passage 2 and passage 3, in the first result)
+    # cannot be quoted at its start; passage 2 is pointed at where a quote finds it, then 3
+    assert [(r.start, r.lines) for r in runs] == [(0, 1), (len(passages[2]) + 2, 1)]
+    for run in runs:
+        call, earlier = (one, first) if run.source == 0 else (two, second)
+        assert check_run({call: [earlier]}, run.pointer, text[run.start : run.end])
+
+
+def test_a_web_page_whose_menu_lines_repeat_is_cut_to_its_last_line_with_a_quote() -> None:
+    menu = "".join(f"Menu entry {k}\n\n" for k in range(20))
+    pages = [
+        f"Page {p}: a long title of the page that names it well, {p}\n\n" + menu for p in range(3)
+    ]
+    earlier = "".join(pages)
+    runs = _runs(earlier, earlier)
+    assert runs and runs[0].start == 0
+    assert runs[0].lines > 2 * 41  # past the first page's menu, to the last page's title
+    assert _checks(earlier, runs, earlier)
+
+
+def test_the_planner_points_at_repeated_passages_and_replays_them() -> None:
+    planner = MessagePlanner()
+    scope = Scope(conversation_id="rag", tenant="t")
+    passages = _passages(6)
+    first = "\n\n".join(passages[:3])
+    second = "\n\n".join([passages[3], passages[2], passages[4], passages[0]])
+    messages = _session(first, second, tool_name="search")
+    plan = planner.plan(messages, scope=scope)
+    runs = [p for p in plan.pointers if p.reason == SAME_LINES]
+    assert len(runs) == 2 and all(p.pointer.startswith("[Same line as") for p in runs)
+    sent = plan.messages[7]["content"]
+    assert sent.index(passages[3]) < sent.index(runs[0].pointer) < sent.index(passages[4])
+    view = RequestView(plan.messages, "openai")
+    for p in runs:
+        assert check_run_placement(view, p) and p.original in first
+    restored = sent
+    for p in sorted(runs, key=lambda p: -(p.offset or 0)):
+        assert p.offset is not None and p.pointer is not None and p.original is not None
+        restored = restored[: p.offset] + p.original + restored[p.offset + len(p.pointer) :]
+    assert restored == second
+    later = planner.plan(messages + [{"role": "assistant", "content": "Done."}], scope=scope)
+    assert later.replayed == 8 and later.messages[:8] == plan.messages
+
+
+def test_many_repeated_passages_and_many_tiny_lines_stay_bounded() -> None:
+    passages = _passages(3_000)
+    earlier = "\n\n".join(passages)
+    shuffled = passages[1::2] + passages[::2]
+    text = "\n\n".join(shuffled)
+    started = time.perf_counter()
+    runs = _runs(text, earlier)
+    assert time.perf_counter() - started < 20
+    assert len(runs) >= 3_000 - 2
+    tiny = "\n\n".join(f"p{i % 50}" for i in range(100_000))
+    started = time.perf_counter()
+    assert _runs(tiny, tiny) == []  # no line pays for a pointer, and none is quoted
+    assert time.perf_counter() - started < 20
+    # lines sharing a long start: a quote is looked for among a bounded number of them
+    common = "x" * 300
+    lines = [f"{common}{i} and the rest of the line, long enough to pay\n" for i in range(5_000)]
+    started = time.perf_counter()
+    _runs("".join(lines[::-1]), "".join(lines))
+    assert time.perf_counter() - started < 20
+    messages = _session(earlier, text, tool_name="search")
+    started = time.perf_counter()
+    plan = MessagePlanner().plan(messages)
+    assert time.perf_counter() - started < 30  # checked and recorded in linear passes
+    assert all(p.reason == SAME_LINES for p in plan.pointers) and len(plan.pointers) >= 2_000
+
+
+def test_a_quote_never_holds_a_pointer() -> None:
+    pointer_line = "[2] [Same as document [1] in the result of the earlier call f(1) above.]\n"
+    earlier = pointer_line + _file(20)
+    for run in _runs(earlier, earlier):
+        stated = parse_run_pointer(run.pointer)
+        assert stated is not None and "[Same " not in stated.first + stated.last
+        assert run.pointer.count("[Same ") == 1
