@@ -52,19 +52,19 @@ CALL_GAP_S = 2.0
 """Virtual seconds between two model calls (hosted cache lifetimes are counted in these)."""
 
 _POINTER = re.compile(
-    r"\[Same (?:(?:result as|as document (?P<label>.+?) in the result of|as the result of) "
-    r"the earlier call (?P<call>.+?) above\.\]"
-    r"|(?P<lines>[1-9][0-9]*) lines as in the result of the earlier call (?P<run_call>.+?) "
+    r"\[Same (?:(?:result as|as document (?P<label>.+?) of|as the result of) "
+    r"(?P<call>\w+\(.+?) above\.\]"
+    r"|(?P<lines>[1-9][0-9]*) lines as in the result of (?P<run_call>.+?) "
     r'above, from the line starting "(?P<first>[^\n]*?)" to the line starting '
     r'"(?P<last>[^\n]*?)"\.\]'
-    r"|line as in the result of the earlier call (?P<line_call>.+?) above, the line starting "
+    r"|line as in the result of (?P<line_call>.+?) above, the line starting "
     r'"(?P<line_first>[^\n]*?)"\.\])'
 )
 """The library's pointers: a whole result, a document, or a run of lines (``[Same 46 lines as
-in the result of the earlier call f(...) above, from the line starting "a" to the line
+in the result of f(...) above, from the line starting "a" to the line
 starting "b".]``: the first line of that result starting with ``a``, the first at or after it
 starting with ``b``, that many lines; a quote ending in an ellipsis is cut there; one line:
-``[Same line as in the result of the earlier call f(...) above, the line starting "a".]``)."""
+``[Same line as in the result of f(...) above, the line starting "a".]``)."""
 
 
 @dataclass(frozen=True)

@@ -898,7 +898,7 @@ async def memory_phase(
 # The checks after the concurrent phase
 # --------------------------------------------------------------------------------------------
 
-_POINTER_CALL = re.compile(r"\[Same .*? the earlier call search\((.*?)\) above")
+_POINTER_CALL = re.compile(r"\[Same .*? search\((.*?)\) above")
 
 
 def _text(content: Any) -> str:

@@ -82,7 +82,7 @@ def _pointer_prompt(earlier: str) -> tuple[AgentPrompt, dict[str, str]]:
     first = f"[Doc 1]\n{doc1}\n-----\n[Doc 2]\n{doc2}\n-----\n"
     second = f"[Doc 1]\n{doc2}\n-----\n"
     signature = 'search({"query": "kv"})'
-    pointer = f"[Same as document [Doc 2] in the result of the earlier call {signature} above.]"
+    pointer = f"[Same as document [Doc 2] of {signature} above.]"
     sent = f"[Doc 1]\n{pointer}\n-----\n"
     messages = (
         {"role": "user", "content": "q"},
@@ -122,7 +122,7 @@ def _run_prompt(earlier: str, ending: str = "\n") -> tuple[AgentPrompt, dict[str
     edited = f"    line_03 = edited(){ending}"
     call = 'read_file({"path": "a.py"})'
     pointer = (
-        f"[Same 3 lines as in the result of the earlier call {call} above, from the line "
+        f"[Same 3 lines as in the result of {call} above, from the line "
         'starting "    line_00 = some_code_here(0)" to the line starting '
         '"    line_02 = some_c\u2026".]'
     )
@@ -161,12 +161,12 @@ def test_passage_pointers_are_put_back_before_the_rest_is_mapped() -> None:
     first = "\n\n".join(passages[:4])
     second = "\n\n".join([passages[0], passages[1], passages[4], passages[3]])
     run = (
-        f"[Same 3 lines as in the result of the earlier call {call} above, from the line "
+        f"[Same 3 lines as in the result of {call} above, from the line "
         f'starting "Passage 0: words of the p\u2026" to the line starting "Passage 1: words '
         'of the p\u2026".]'
     )
     line = (
-        f"[Same line as in the result of the earlier call {call} above, the line starting "
+        f"[Same line as in the result of {call} above, the line starting "
         '"Passage 3: words of the p\u2026".]'
     )
     sent = f"{run}\n\n{passages[4]}\n\n{line}"

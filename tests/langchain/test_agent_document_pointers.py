@@ -107,10 +107,7 @@ def test_overlapping_searches_send_the_shared_documents_as_pointers() -> None:
     for document in second.artifact:
         source = document.metadata["source"]
         if source in label_in_first:  # shared: a pointer to its label in the first result
-            pointer = (
-                f"[Same as document {label_in_first[source]} in the result of the earlier "
-                f"call {call} above.]"
-            )
+            pointer = f"[Same as document {label_in_first[source]} of {call} above.]"
             expected = expected.replace(document.page_content, pointer)
             removed += count(document.page_content) - count(pointer)
     assert sent.content == expected  # the new document, labels and tail exactly as returned

@@ -40,7 +40,7 @@ def test_agent_notebook_executes_and_shows_the_middleware_gain(data_dir, tmp_pat
     # The tool message shown as the model got it: a document replaced by a pointer that names
     # the earlier call (its arguments whole, or cut short to a prefix and an ellipsis).
     assert re.search(
-        r"^\[Same as document \[Doc \d\] in the result of the earlier call "
+        r"^\[Same as document \[Doc \d\] of "
         r"search\(\{.+(?:\}|\u2026)\) above\.\]$",
         text,
         flags=re.MULTILINE,

@@ -101,8 +101,8 @@ TURNS = {
 QUESTIONS = list(TURNS)
 
 POINTER = re.compile(
-    r"\[Same (?:result as|as document .+? in the result of|as the result of) "
-    r"the earlier call (?P<call>\w+\(.*?\)) above\.\]"
+    r"\[Same (?:result as|as document .+? of|as the result of) "
+    r"(?P<call>\w+\(.*?\)) above\.\]"
 )
 
 
@@ -353,7 +353,7 @@ def test_later_calls_get_pointers_the_prefix_stays_stable_and_no_pointer_dangles
     assert assert_pointers_hold(planner.plans, inner.requests, plain.requests) > 0
     last = inner.requests[-1]
     tool_texts = [m["content"] for m in last if m["role"] == "tool"]
-    assert any(t.startswith("[Same result as the earlier call search(") for t in tool_texts)
+    assert any(t.startswith("[Same result as search(") for t in tool_texts)
     assert any("[Same as document [" in t for t in tool_texts)
     # The first search's result stands in full; the agent's memory kept the tool's own text.
     assert tool_texts[0] == search_numbered("kv cache")
@@ -522,7 +522,7 @@ def test_only_changed_tool_messages_are_copied() -> None:
 
     received = inner.received[0]
     assert [m is g for m, g in zip(received, messages, strict=True)] == [True] * 5 + [False]
-    pointer = '[Same result as the earlier call search({"query": "kv cache"}) above.]'
+    pointer = '[Same result as search({"query": "kv cache"}) above.]'
     assert received[5].content == pointer
     assert received[5].additional_kwargs == {"tool_call_id": "call-2"}
     assert messages[5].content == search_numbered("kv cache")  # the caller's is unchanged
@@ -549,7 +549,7 @@ def test_tool_calls_from_additional_kwargs_are_read() -> None:
             },
         )
     llm.chat(messages)
-    assert inner.requests[0][5]["content"].startswith("[Same result as the earlier call")
+    assert inner.requests[0][5]["content"].startswith("[Same result as ")
 
 
 def test_prepared_then_chat_is_planned_once_and_delegates() -> None:
@@ -682,9 +682,9 @@ def test_openai_like_sends_the_pointers(streaming: bool) -> None:
         assert after["messages"][: len(before["messages"])] == before["messages"]
     tool_messages = [m for m in bodies[-1]["messages"] if m["role"] == "tool"]
     assert tool_messages[0]["content"] == search_numbered(queries[0])
-    assert "[Same as document [2] in the result of the earlier call" in tool_messages[1]["content"]
+    assert "[Same as document [2] of " in tool_messages[1]["content"]
     assert tool_messages[2] == {
         "role": "tool",
         "tool_call_id": "call_2",
-        "content": '[Same result as the earlier call search({"query": "kv cache"}) above.]',
+        "content": '[Same result as search({"query": "kv cache"}) above.]',
     }

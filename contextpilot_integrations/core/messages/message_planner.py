@@ -34,7 +34,7 @@ Rules:
 3. Same result. A new tool result whose text equals, after stripping surrounding whitespace,
    an earlier tool result that stands verbatim in the messages being sent is replaced by a
    pointer naming the earlier call by its tool's name and arguments as that call states them
-   (``[Same result as the earlier call search({"query": "..."}) above.]``), where that saves at
+   (``[Same result as search({"query": "..."}) above.]``), where that saves at
    least ``min_tokens_saved``. Long arguments are cut short, ``search({"query": "Who
    founded…)`` (:func:`.pointers.short_name`): a verbatim prefix that no other signature of a
    call before the pointer starts with, used where it saves at least :data:`_NAME_SAVING`
@@ -43,8 +43,8 @@ Rules:
    own ``[Doc 1]`` blocks, a JSON list of objects with a text field, ``<document>`` tags, or
    ``[1]``/``1.`` blocks), a document whose text stands verbatim in an earlier tool result of
    the messages being sent is replaced, in place, by a pointer naming that earlier call and the
-   document's label in its result (``[Same as document [Doc 2] in the result of the earlier
-   call search(...) above.]``; a JSON document's ``"id": "d7"`` shown as ``id "d7"``), or
+   document's label in its result (``[Same as document [Doc 2] of
+   search(...) above.]``; a JSON document's ``"id": "d7"`` shown as ``id "d7"``), or
    the whole earlier result when the document is all of it.
    Only where the label is written in the earlier result and names one document, and the
    replacement saves at least ``min_tokens_saved``; every other byte of the result stays as it
@@ -53,7 +53,7 @@ Rules:
    array or object, a run of whole lines standing verbatim in one earlier tool result of the
    messages being sent (a file read again after an edit, a plain retriever's passages read
    before) is replaced, in place, by a pointer naming that call and the run's first and last
-   lines by their verbatim starts (``[Same 46 lines as in the result of the earlier call
+   lines by their verbatim starts (``[Same 46 lines as in the result of
    read_file(...) above, from the line starting "import os" to the line starting "    return
    x".]``, then the run's line ending; :mod:`.repeated_lines`), where that saves at least
    ``min_tokens_saved``, the pointer's own tokens counted. Its placement counts as a document

@@ -3,14 +3,14 @@
 A pointer names an earlier tool call the way the model can find it, by the tool's name and its
 arguments exactly as that call states them::
 
-    [Same result as the earlier call search({"query": "kv cache"}) above.]
-    [Same as document [2] in the result of the earlier call search({"query": "kv cache"}) above.]
-    [Same as the result of the earlier call fetch({"url": "https://a.example"}) above.]
-    [Same as document id "d7" in the result of the earlier call search({"query": "kv"}) above.]
+    [Same result as search({"query": "kv cache"}) above.]
+    [Same as document [2] of search({"query": "kv cache"}) above.]
+    [Same as the result of fetch({"url": "https://a.example"}) above.]
+    [Same as document id "d7" of search({"query": "kv"}) above.]
 
 and a run of whole lines, made and checked by :mod:`.repeated_lines`::
 
-    [Same 46 lines as in the result of the earlier call read_file({"path": "a.py"}) above,
+    [Same 46 lines as in the result of read_file({"path": "a.py"}) above,
     from the line starting "import os" to the line starting "    return x".]
 
 (one line in the result).
@@ -19,7 +19,7 @@ Long arguments (a question as the query) make a long name, so a call may be name
 arguments cut short, a verbatim prefix of its signature followed by an ellipsis
 (:func:`short_name`)::
 
-    [Same result as the earlier call search({"query": "Who founded the company…) above.]
+    [Same result as search({"query": "Who founded the company…) above.]
 
 The prefix keeps at least :data:`MIN_SHOWN` characters of the arguments and ends at a word's
 end, so the model can find the call, and is longer than what the signature shares with any
@@ -40,7 +40,7 @@ in the same request and holds the replaced text verbatim (for a whole result: th
 to surrounding whitespace), and the document label when one is named; the named call is the
 nearest earlier assistant tool call with that result's call id, and the name stands for its
 signature; and every earlier result of a call whose signature the name stands for reads the
-same (else "the earlier call" would be ambiguous).
+same (else the pointer would name two readings).
 """
 
 from __future__ import annotations
@@ -92,9 +92,9 @@ JSON-escaped or not (escaping leaves these characters alone). The planner relies
 message with no key or str holding it is no message the conversation was sent with pointers,
 so it is not looked up as one (``message_planner._Given.may_be_sent``); a new kind of
 pointer must start with it too."""
-_SAME_RESULT = "[Same result as the earlier call {call} above.]"
-_SAME_DOCUMENT = "[Same as document {label} in the result of the earlier call {call} above.]"
-_SAME_AS_RESULT = "[Same as the result of the earlier call {call} above.]"
+_SAME_RESULT = "[Same result as {call} above.]"
+_SAME_DOCUMENT = "[Same as document {label} of {call} above.]"
+_SAME_AS_RESULT = "[Same as the result of {call} above.]"
 _JSON_LABEL = re.compile(r'"(\w+)": ?(\S.*)', re.S)
 """A JSON document's label, ``"key": value`` (:mod:`.documents`; no other layout's label
 starts with a quote)."""

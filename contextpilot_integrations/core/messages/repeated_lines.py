@@ -7,14 +7,14 @@ consecutive whole lines (a line ends after ``"\\n"``; bytes kept exactly, ``"\\r
 included), is replaced in place by a pointer naming the earlier call and the stretch's first
 and last lines by how they start::
 
-    [Same 46 lines as in the result of the earlier call read_file({"path": "a.py"}) above,
+    [Same 46 lines as in the result of read_file({"path": "a.py"}) above,
     from the line starting "import os" to the line starting "    return x".]
 
 (one line in the result), followed by the line ending the run's last line had, so the lines
 around it stay lines. A run of one line (a plain retriever's passage is one line, which an
 earlier search may have returned beside other passages) names that line alone::
 
-    [Same line as in the result of the earlier call search({"query": "kv cache"}) above, the
+    [Same line as in the result of search({"query": "kv cache"}) above, the
     line starting "The prefix cache keeps…".]
 
 The pointer starts with :data:`.pointers.POINTER_MARK` like every other.
@@ -135,20 +135,18 @@ _TRIES = 4
 longest cannot be quoted (its first line stands earlier in its result), a shorter one from
 another result may be."""
 
-_RUN = "[Same {lines} lines as in the result of the earlier call {call} above, from the line "
+_RUN = "[Same {lines} lines as in the result of {call} above, from the line "
 _QUOTES = 'starting "{first}" to the line starting "{last}".]'
-_ONE_LINE = (
-    '[Same line as in the result of the earlier call {call} above, the line starting "{first}".]'
-)
+_ONE_LINE = '[Same line as in the result of {call} above, the line starting "{first}".]'
 _PARSE = re.compile(
-    r"\[Same (?P<lines>[1-9][0-9]*) lines as in the result of the earlier call (?P<call>.+?)"
+    r"\[Same (?P<lines>[1-9][0-9]*) lines as in the result of (?P<call>.+?)"
     r' above, from the line starting "(?P<first>[^\n]*?)" to the line starting'
     r' "(?P<last>[^\n]*?)"\.\]'
 )
 """A run pointer, each part read up to the first place the template's next words stand (as a
 reader scanning the text from the left reads it); no part spans a line break."""
 _PARSE_ONE_LINE = re.compile(
-    r"\[Same line as in the result of the earlier call (?P<call>.+?) above, the line starting"
+    r"\[Same line as in the result of (?P<call>.+?) above, the line starting"
     r' "(?P<first>[^\n]*?)"\.\]'
 )
 """A one-line run pointer, read as :data:`_PARSE` reads a longer one's."""
@@ -547,7 +545,7 @@ class LineIndex:
             for s, j in self._places.get(_bare(lines[i]), ()):
                 source_lines = self._sources[s].lines
                 if len(readings.get(self._sources[s].key, ())) != 1:
-                    continue  # "the earlier call" would name two readings
+                    continue  # the pointer would name two readings
                 end = reach.get((s, j - i), i)
                 if end <= i:
                     end, shift = i, j - i

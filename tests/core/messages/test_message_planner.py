@@ -61,9 +61,7 @@ def test_a_repeated_result_becomes_a_pointer_naming_the_earlier_call() -> None:
     messages = history(LONG, "\n" + LONG + "  ")
     plan = MessagePlanner().plan(messages)
     assert plan.messages[:5] == messages[:5]
-    assert plan.messages[5]["content"] == (
-        '[Same result as the earlier call search({"query": "kv cache"}) above.]'
-    )
+    assert plan.messages[5]["content"] == '[Same result as search({"query": "kv cache"}) above.]'
     pointer = plan.placements[-1]
     assert pointer.status == "pointer" and pointer.reason == "same result"
     assert (pointer.message, pointer.target_message, pointer.target_call) == (
@@ -128,9 +126,7 @@ def test_parallel_calls_point_at_an_earlier_result_of_the_same_turn() -> None:
         tool("b", LONG),
     ]
     plan = MessagePlanner().plan(messages)
-    assert plan.messages[3]["content"].startswith(
-        '[Same result as the earlier call search({"query": "one"})'
-    )
+    assert plan.messages[3]["content"].startswith('[Same result as search({"query": "one"})')
 
 
 # ------------------------------------------------------------------ anthropic
@@ -170,7 +166,7 @@ def test_anthropic_tool_results_keep_their_shape() -> None:
     assert plan.system == "Be brief."
     block = plan.messages[4]["content"][0]
     assert block["content"] == [
-        {"type": "text", "text": '[Same result as the earlier call search({"query": "kv"}) above.]'}
+        {"type": "text", "text": '[Same result as search({"query": "kv"}) above.]'}
     ]
     assert plan.messages[4]["content"][1] == messages[4]["content"][1]
     assert plan.messages[:4] == messages[:4]
@@ -204,9 +200,7 @@ def test_anthropic_input_is_named_as_json() -> None:
         },
     ]
     plan = MessagePlanner().plan(messages, api="anthropic")
-    assert plan.messages[8]["content"][0]["content"] == (
-        '[Same result as the earlier call fetch({"q": 1}) above.]'
-    )
+    assert plan.messages[8]["content"][0]["content"] == '[Same result as fetch({"q": 1}) above.]'
 
 
 # ------------------------------------------------------------------ documents
@@ -218,10 +212,7 @@ def test_a_repeated_numbered_document_is_replaced_in_place() -> None:
     first, second = numbered(LONG, OTHER), numbered(THIRD, OTHER.strip())
     plan = MessagePlanner().plan(history(first, second))
     sent = plan.messages[5]["content"]
-    pointer = (
-        '[Same as document [2] in the result of the earlier call search({"query": "kv cache"})'
-        " above.]"
-    )
+    pointer = '[Same as document [2] of search({"query": "kv cache"}) above.]'
     assert sent == second.replace(OTHER.strip(), pointer)
     placement = [p for p in plan.pointers if p.document is not None][0]
     assert (placement.document, placement.label, placement.target_document) == (1, "[2]", 1)
@@ -238,7 +229,7 @@ def test_a_repeated_tagged_document_is_replaced_in_place() -> None:
 
     plan = MessagePlanner().plan(history(tagged(LONG, OTHER), tagged(OTHER, THIRD)))
     sent = plan.messages[5]["content"]
-    assert sent.startswith('<document index="0" source="s0">\n[Same as document index="1" in the')
+    assert sent.startswith('<document index="0" source="s0">\n[Same as document index="1" of ')
     assert sent.endswith(f"{THIRD}\n</document>\n")
 
 
@@ -248,10 +239,7 @@ def test_a_repeated_json_document_is_replaced_and_the_result_stays_json() -> Non
     plan = MessagePlanner().plan(history(first, second))
     sent = json.loads(plan.messages[5]["content"])
     assert sent[0] == {"id": "d9", "text": THIRD}
-    assert sent[1]["text"] == (
-        '[Same as document id "d2" in the result of the earlier call '
-        'search({"query": "kv cache"}) above.]'
-    )
+    assert sent[1]["text"] == '[Same as document id "d2" of search({"query": "kv cache"}) above.]'
     assert sent[1]["score"] == 0.5
 
 
@@ -269,10 +257,8 @@ def test_a_repeated_rendered_document_is_replaced_in_place_and_named_by_its_labe
     sent = plan.messages[5]["content"]
     call = 'search({"query": "kv cache"})'
     expected = second.replace(
-        OTHER.strip(), f"[Same as document [Doc 2] in the result of the earlier call {call} above.]"
-    ).replace(
-        LONG.strip(), f"[Same as document [Doc 1] in the result of the earlier call {call} above.]"
-    )
+        OTHER.strip(), f"[Same as document [Doc 2] of {call} above.]"
+    ).replace(LONG.strip(), f"[Same as document [Doc 1] of {call} above.]")
     assert sent == expected  # every other byte: labels, separators, the order annotation
     assert sent.endswith(
         "-----\nRead the documents in this priority order: [Doc 3] > [Doc 1] > [Doc 2].\n"
@@ -316,7 +302,7 @@ def test_a_json_document_without_a_label_is_not_pointed_at() -> None:
 
 def test_a_document_equal_to_a_whole_earlier_result_names_that_result() -> None:
     plan = MessagePlanner().plan(history(OTHER, numbered(THIRD, OTHER)))
-    assert "[2] [Same as the result of the earlier call search(" in plan.messages[5]["content"]
+    assert "[2] [Same as the result of search(" in plan.messages[5]["content"]
     assert plan.pointers[0].target_label is None
 
 
@@ -375,7 +361,7 @@ def test_a_trimmed_or_shortened_history_diverges() -> None:
     assert (retried.replayed, retried.diverged_at) == (4, 4)
 
 
-POINTER = '[Same result as the earlier call search({"query": "kv cache"}) above.]'
+POINTER = '[Same result as search({"query": "kv cache"}) above.]'
 
 
 def dangling(messages: list[dict[str, Any]], plan: Any) -> list[int]:
@@ -426,7 +412,7 @@ def test_a_document_pointer_given_back_as_sent_then_trimmed_is_restored_byte_for
     first = json.dumps({"results": [{"id": 1, "text": LONG}, {"id": 2, "text": OTHER}]})
     second = json.dumps([{"id": 9, "text": THIRD}, {"id": 2, "text": OTHER}], indent=1)
     sent = planner.plan(history(first, second), scope=SCOPE).messages
-    assert "[Same as document id 2 in the result" in sent[5]["content"]
+    assert "[Same as document id 2 of " in sent[5]["content"]
     plan = planner.plan(sent[:2] + sent[4:], scope=SCOPE)
     assert plan.messages[3]["content"] == second and not plan.pointers
 
@@ -543,7 +529,7 @@ def test_a_long_call_is_named_by_the_shortest_prefix_of_its_arguments() -> None:
     messages = question_history(QUESTION, "kv cache")
     plan = MessagePlanner().plan(messages)
     name = 'search({"query": "Who founded the company\u2026)'  # MIN_SHOWN, to a word's end
-    assert plan.messages[-1]["content"] == f"[Same result as the earlier call {name} above.]"
+    assert plan.messages[-1]["content"] == f"[Same result as {name} above.]"
     pointer = plan.pointers[0]
     assert (pointer.target_message, pointer.target_call) == (2, name)
     assert json.dumps(QUESTION).startswith(name[len('search({"query": ') : -2])
@@ -554,7 +540,7 @@ def test_a_long_call_is_named_by_the_shortest_prefix_of_its_arguments() -> None:
 def test_a_prefix_shared_with_a_call_of_another_result_is_made_longer() -> None:
     plan = MessagePlanner().plan(question_history(QUESTION, RIVAL))
     name = 'search({"query": "Who founded the company that makes the engine\u2026)'
-    assert plan.messages[-1]["content"] == f"[Same result as the earlier call {name} above.]"
+    assert plan.messages[-1]["content"] == f"[Same result as {name} above.]"
     assert not RIVAL.startswith(name[len('search({"query": "') : -2])
 
 
@@ -567,7 +553,7 @@ def test_a_call_with_no_unique_prefix_shorter_than_itself_is_named_whole() -> No
     ]
     plan = MessagePlanner().plan(messages)
     whole = f"search({json.dumps({'query': QUESTION})})"
-    assert plan.messages[-1]["content"] == f"[Same result as the earlier call {whole} above.]"
+    assert plan.messages[-1]["content"] == f"[Same result as {whole} above.]"
 
 
 def test_a_short_call_is_named_whole_where_a_cut_saves_too_little() -> None:
@@ -583,7 +569,7 @@ def test_a_document_pointer_names_the_call_by_its_prefix_too() -> None:
     messages[-1] = tool("again", numbered(OTHER + " new", THIRD))
     plan = MessagePlanner().plan(messages)
     name = 'search({"query": "Who founded the company that makes the engine\u2026)'
-    pointer = f"[2] [Same as document [2] in the result of the earlier call {name} above.]"
+    pointer = f"[2] [Same as document [2] of {name} above.]"
     assert pointer in plan.messages[-1]["content"]
     final = RequestView(plan.messages, "openai")
     assert all(check_pointer(final, p) for p in plan.pointers)

@@ -298,7 +298,7 @@ def check_plan(
             named = _call_before(out, api, sent_units[there]["id"], p.target_message)
             assert _named(p.target_call, named)
             # not ambiguous: every earlier result of a call the name stands for reads the same
-            whole_pointer = f"[Same result as the earlier call {p.target_call} above.]"
+            whole_pointer = f"[Same result as {p.target_call} above.]"
             for where, unit in sent_units.items():
                 if where >= position or where == there:
                     continue

@@ -72,7 +72,7 @@ def test_exact_round_trip() -> None:
     )
     assert run.lines == 42
     assert run.pointer == (
-        f"[Same 42 lines as in the result of the earlier call {CALL} above, from the line "
+        f"[Same 42 lines as in the result of {CALL} above, from the line "
         'starting "import os" to the line starting "    return x".]\n'
     )
     assert replace_runs(earlier, runs) == run.pointer
@@ -250,7 +250,7 @@ def test_check_fails_when_the_earlier_result_is_absent_or_differs() -> None:
     assert not check_run({CALL: [earlier]}, run.pointer, original[:-1])
     assert not check_run({CALL: [earlier]}, run.pointer.rstrip("\n"), original)  # ending
     assert not check_run({CALL: [earlier]}, run.pointer.replace("32 lines", "31 lines"), original)
-    assert not check_run({CALL: [earlier]}, "[Same result as the earlier call x() above.]", "")
+    assert not check_run({CALL: [earlier]}, "[Same result as x() above.]", "")
     # a whole-result pointer to the call reads as that call
     assert check_run({CALL: [earlier, result_pointer(CALL)]}, run.pointer, original)
     # a short name stands for every signature starting with its prefix
@@ -450,7 +450,7 @@ def test_plain_retriever_output_repeating_passages_points_at_them() -> None:
     runs = [p for p in plan.pointers if p.reason == SAME_LINES]
     assert len(runs) == 1 and runs[0].original == "\n".join(passages[1:3])
     sent = plan.messages[7]["content"]
-    assert sent.startswith(passages[3] + "\n[Same 13 lines as in the result of the earlier call")
+    assert sent.startswith(passages[3] + "\n[Same 13 lines as in the result of ")
     assert check_run_placement(RequestView(plan.messages, "openai"), runs[0])
 
 
@@ -517,7 +517,7 @@ def test_a_line_index_takes_results_in_one_at_a_time() -> None:
     assert index.add("f(1)", _file(10, "alpha")) == 0
     assert index.add("f(2)", _file(30)) == 1
     (run,) = index.find("intro\n" + _file(30), COUNT, 16, name=lambda key: key.upper())
-    assert run.source == 1 and "earlier call F(2) above" in run.pointer
+    assert run.source == 1 and "result of F(2) above" in run.pointer
     index.add("f(2)", _file(31))  # the call now reads two ways: no run into it
     assert index.find("intro\n" + _file(30), COUNT, 16) == []
 
@@ -558,7 +558,7 @@ def test_a_repeated_passage_gets_a_one_line_pointer_the_model_can_find() -> None
     stated = parse_run_pointer(run.pointer)
     assert stated is not None and stated.lines == 1 and stated.first == stated.last
     assert run.pointer.startswith(
-        '[Same line as in the result of the earlier call search({"query": "kv"}) above, the '
+        '[Same line as in the result of search({"query": "kv"}) above, the '
         f'line starting "{passages[1][:24]}{ELLIPSIS}".]'
     )
     # the quote finds the passage in the earlier result, verbatim
@@ -677,7 +677,7 @@ def test_many_repeated_passages_and_many_tiny_lines_stay_bounded() -> None:
 
 
 def test_a_quote_never_holds_a_pointer() -> None:
-    pointer_line = "[2] [Same as document [1] in the result of the earlier call f(1) above.]\n"
+    pointer_line = "[2] [Same as document [1] of f(1) above.]\n"
     earlier = pointer_line + _file(20)
     for run in _runs(earlier, earlier):
         stated = parse_run_pointer(run.pointer)

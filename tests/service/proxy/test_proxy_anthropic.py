@@ -65,7 +65,7 @@ def test_a_tool_using_conversation_to_a_self_hosted_messages_endpoint(standin) -
             if b.get("type") == "tool_result"
         ]
         assert results[0] == SEARCH_RESULT
-        assert results[1].startswith("[Same result as the earlier call search(")
+        assert results[1].startswith("[Same result as search(")
         assert raws[2].headers["x-contextpilot-pointers"] == "1"
         assert raws[2].headers["x-contextpilot-conversation"] == "user:user-3"
         for body, raw in zip(bodies, raws, strict=True):

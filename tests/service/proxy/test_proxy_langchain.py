@@ -33,7 +33,7 @@ def test_a_langchain_agent_behind_the_proxy(standin) -> None:  # type: ignore[no
         assert_replayed(bodies[1]["messages"], bodies[2]["messages"])
         sent = [m["content"] for m in bodies[2]["messages"] if m["role"] == "tool"]
         assert sent[0] == SEARCH_RESULT
-        assert sent[1].startswith('[Same result as the earlier call search({"query": "alpha"})')
+        assert sent[1].startswith('[Same result as search({"query": "alpha"})')
         # No header, no user field: the conversation is named by its opening.
         conversations = httpx.get(f"{proxy}/v1/usage").json()["conversations"][""]
         [(key, figures)] = conversations.items()

@@ -63,7 +63,7 @@ def test_a_tool_using_conversation_is_planned_and_forwarded(standin) -> None:  #
         # The second search returned the same text: it went out as a pointer to the first.
         first, second = (m for m in bodies[2]["messages"] if m["role"] == "tool")
         assert first["content"] == SEARCH_RESULT
-        assert second["content"].startswith("[Same result as the earlier call search(")
+        assert second["content"].startswith("[Same result as search(")
         assert '"alpha"' in second["content"]
         assert raws[2].headers["x-contextpilot-pointers"] == "1"
         assert raws[2].headers["x-contextpilot-new-pointers"] == "1"
