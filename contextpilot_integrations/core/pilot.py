@@ -51,11 +51,11 @@ PILOT_SNAPSHOT_VERSION = 1
 """Version of :meth:`ContextPilot.snapshot`'s format (the index's and the conversation store's
 sections carry their own)."""
 
-TAIL_BATCH_LIMIT = 512
+TAIL_BATCH_LIMIT = 128
 """Largest batch whose schedule picks the prompt it leaves in the cache for the next batch
-(docs/DESIGN.md, "Ordering"): in a larger batch (offline, not a planning window) that one prompt
-is a negligible share of its reuse, and scoring every request costs a set intersection per
-leading block."""
+(docs/DESIGN.md, "Ordering"): a planning window holds tens of requests; in a larger batch that
+one prompt is a negligible share of its reuse, and scoring every request costs a set
+intersection per leading block."""
 
 
 class ContextPilot(ThreadedAsyncTwins):
