@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from contextpilot_integrations.core.ordering.scheduling import schedule, schedule_by_prefix_tree
-from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.pilot import TAIL_BATCH_LIMIT, ContextPilot
 from contextpilot_integrations.core.request import PlanRequest
 
 
@@ -70,3 +70,10 @@ def test_a_batch_ends_with_the_prompt_earlier_traffic_says_will_be_reused() -> N
     warmed = ContextPilot()
     warmed.warm_start([PlanRequest(f"past {i}", [popular, f"past {i}"]) for i in range(5)])
     assert warmed.plan_batch(requests).schedule[-1] == 2
+    # a batch larger than a planning window keeps the walk as it is
+    filler = [
+        PlanRequest(f"f{i}", [f"filler {i}", f"filler {i}b"]) for i in range(TAIL_BATCH_LIMIT)
+    ]
+    large = ContextPilot()
+    large.warm_start([PlanRequest(f"past {i}", [popular, f"past {i}"]) for i in range(5)])
+    assert large.plan_batch([*requests, *filler]).schedule[-1] != 2
