@@ -12,12 +12,13 @@ seconds; ``--requests 100000`` for the long memory run; ``--clients``, ``--promp
   (docs/DESIGN.md, "The proxy").
 
 ``--clients`` concurrent clients (default 64, tasks of this process, each with one
-``httpx.AsyncClient`` of one connection per target) each send the same request twice, once
-straight to the upstream and once through the proxy, in random order, so both paths see the
-same load at the same time, then pause ``--think-ms`` on average (exponential, default 1,000
-ms: the engine's generation time, which this upstream does not take, and the agent's own
-work); ``--think-ms 0`` is a closed loop, in which the proxy, not the upstream, is the
-bottleneck and the added latency is its queue. The requests are
+``aiohttp.ClientSession`` of one connection per target: a light client, so that the clients
+take little of the CPUs the proxy and the upstream share with them) each send the same request
+twice, once straight to the upstream and once through the proxy, in random order, so both
+paths see the same load at the same time, then pause ``--think-ms`` on average (exponential,
+default 1,000 ms: the engine's generation time, which this upstream does not take, and the
+agent's own work); ``--think-ms 0`` is a closed loop, in which the proxy, not the upstream, is
+the bottleneck and the added latency is its queue. The requests are
 agent conversations (docs/DESIGN.md, "The proxy"): a system prompt, the user's task, then
 rounds of an assistant tool call and its tool result holding retrieved documents (drawn with
 Zipf popularity from a shared pool, so documents repeat within and across conversations and
@@ -53,10 +54,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -326,29 +328,27 @@ class Samples:
 
 
 async def timed_request(
-    client: httpx.AsyncClient, body: bytes, session: str, stream: bool, into: Samples
-) -> httpx.Headers | None:
+    client: aiohttp.ClientSession, body: bytes, session: str, stream: bool, into: Samples
+) -> Mapping[str, str] | None:
     """Send one chat request; record its latency (and time to first byte if ``stream``)."""
     headers = {"content-type": "application/json", "x-contextpilot-session": session}
     start = time.perf_counter()
     first = None
     try:
-        async with client.stream(
-            "POST", "/v1/chat/completions", content=body, headers=headers
-        ) as r:
-            async for _ in r.aiter_raw():
+        async with client.post("/v1/chat/completions", data=body, headers=headers) as r:
+            async for _ in r.content.iter_any():
                 if first is None:
                     first = time.perf_counter()
             end = time.perf_counter()
-    except httpx.TransportError as error:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as error:
         into.errors += 1
         if len(into.failures) < 5:
             into.failures.append(f"{type(error).__name__}: {error!r:.200}")
         return None
-    if r.status_code != 200:
+    if r.status != 200:
         into.errors += 1
         if len(into.failures) < 5:
-            into.failures.append(f"HTTP {r.status_code}")
+            into.failures.append(f"HTTP {r.status}")
         return None
     into.total.append(end - start)
     if stream and first is not None:
@@ -375,18 +375,15 @@ async def drive(
     args: argparse.Namespace, upstream_url: str, proxy_url: str, proxy_pid: int, upstream_pid: int
 ) -> Run:
     workload = Workload(args.prompt_tokens)
-    # One connection per client and target: a shared pool of many connections costs the
-    # client a readability check of every idle connection at each request (httpcore).
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    timeout = httpx.Timeout(120.0)
-    directs = [
-        httpx.AsyncClient(base_url=upstream_url, limits=limits, timeout=timeout)
-        for _ in range(args.clients)
-    ]
-    proxies = [
-        httpx.AsyncClient(base_url=proxy_url, limits=limits, timeout=timeout)
-        for _ in range(args.clients)
-    ]
+    # One connection per client and target, as one agent process holds.
+    timeout = aiohttp.ClientTimeout(total=120.0)
+
+    def session(url: str) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=1, keepalive_timeout=300)
+        return aiohttp.ClientSession(url, connector=connector, timeout=timeout)
+
+    directs = [session(upstream_url) for _ in range(args.clients)]
+    proxies = [session(proxy_url) for _ in range(args.clients)]
     run = Run()
     next_conversation = iter(range(10**9))
     sent = [0]  # pairs handed out in this phase
@@ -440,7 +437,7 @@ async def drive(
         run.client_cpu_s = time.process_time() - client_cpu
     finally:
         for each in directs + proxies:
-            await each.aclose()
+            await each.close()
     return run
 
 
