@@ -2,7 +2,9 @@
 
 Run: ``.venv/bin/python benchmarks/micro/bench_proxy.py`` (``--quick``: 300 requests, a few
 seconds; ``--requests 100000`` for the long memory run; ``--clients``, ``--prompt-tokens``,
-``--think-ms`` to change the load; ``--json`` for machine-readable output). It starts, on 127.0.0.1:
+``--think-ms`` to change the load; ``--answer-ms`` for an upstream that takes that long to
+answer, so that many requests are in flight; ``--json`` for machine-readable output). It
+starts, on 127.0.0.1:
 
 * an upstream: this file's :func:`upstream_app` (a bare ASGI app, no framework) in its own
   uvicorn process, answering every ``POST /v1/chat/completions`` at once with an OpenAI-shaped
@@ -109,6 +111,8 @@ _MODELS = b'{"object": "list", "data": [{"id": "bench", "object": "model"}]}'
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
+ANSWER_S = [0.0]
+"""How long :func:`upstream_app` waits before each chat answer (``--answer-ms``)."""
 
 
 async def upstream_app(
@@ -127,6 +131,8 @@ async def upstream_app(
         if not message.get("more_body"):
             break
     path = scope["path"]
+    if ANSWER_S[0] and path == "/v1/chat/completions":
+        await asyncio.sleep(ANSWER_S[0])  # an engine's time to its first token
     if path == "/v1/chat/completions" and scope["method"] == "POST":
         if json.loads(body).get("stream"):
             headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -148,8 +154,10 @@ async def upstream_app(
     await send({"type": "http.response.body", "body": answer})
 
 
-def serve_upstream(port: int) -> None:
-    """Run :func:`upstream_app` (in the child process ``--serve-upstream`` starts)."""
+def serve_upstream(port: int, answer_ms: float = 0.0) -> None:
+    """Run :func:`upstream_app` (in the child process ``--serve-upstream`` starts), each chat
+    answer ``answer_ms`` late."""
+    ANSWER_S[0] = answer_ms / 1000.0
     import uvicorn
 
     uvicorn.run(
@@ -462,7 +470,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     ]
     with tempfile.TemporaryFile() as upstream_log, tempfile.TemporaryFile() as proxy_log:
         upstream = start_process(
-            [sys.executable, __file__, "--serve-upstream", str(upstream_port)],
+            [
+                sys.executable,
+                __file__,
+                "--serve-upstream",
+                str(upstream_port),
+                "--answer-ms",
+                str(args.answer_ms),
+            ],  # fmt: skip
             f"{upstream_url}/v1/models",
             upstream_log,
         )
@@ -563,7 +578,8 @@ def report(figures: dict[str, Any]) -> None:
         (
             "  RSS growth per 1,000 requests, last interval",
             f"{(last_mb - first_mb) * 1000 / max(1, last - first):.1f} MiB",
-            "bounded: flat once the planner holds its 10,000 conversations (LRU)",
+            "bounded: flat once the planner's memory is full (LRU: 10,000 conversations, "
+            "256 Mi characters)",
         )
     )
     rows.append(("  conversations opened", f"{figures['conversations']:,}", ""))
@@ -595,10 +611,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--quick", action="store_true", help="300 requests after 64, pauses <= 500 ms"
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument(
+        "--answer-ms",
+        type=float,
+        default=0.0,
+        help="how long the upstream takes before each answer (default 0: at once; more keeps "
+        "more requests in flight, so more pooled connections open, as a real engine does)",
+    )
     parser.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_upstream is not None:
-        serve_upstream(args.serve_upstream)
+        serve_upstream(args.serve_upstream, args.answer_ms)
         return 0
     for name in ("clients", "requests", "prompt_tokens"):
         if getattr(args, name) < 1:
@@ -607,6 +630,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     if args.think_ms < 0:
         parser.error(f"--think-ms must be at least 0, got {args.think_ms}")
+    if args.answer_ms < 0:
+        parser.error(f"--answer-ms must be at least 0, got {args.answer_ms}")
     if args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
     if args.quick:
