@@ -3,8 +3,8 @@ URL of a path, and the headers a forwarded request carries.
 
 *Why aiohttp.* Its pool hands out an idle connection in constant time; httpcore's (under
 ``httpx.AsyncClient``) checks every pooled connection, a system call each, on every request
-and every release, so with as many connections as concurrent clients it cost the event loop
-more than the rest of a proxied call together (docs/DESIGN.md, "The proxy").
+and every release, so its cost on the event loop grows with the requests in flight, which an
+engine's long answers keep many of (docs/DESIGN.md, "The proxy").
 
 Headers (docs/DESIGN.md, "The proxy"): hop-by-hop headers, ``host`` and ``content-length`` are
 dropped (the client sets its own); the client's credentials (``authorization``, ``x-api-key``,
