@@ -5,7 +5,8 @@ against the plain agent's.
 The answer call of a turn is the model call that follows the turn's last tool result (the
 scripted model answers there; :func:`answer_calls` finds it from the messages as the scripted
 model does: the ``n``-th user message is turn ``n``, and the tool results after it say which
-step). Each method's answer calls are sent, as recorded, to vLLM's CPU build serving
+step). Each method's answer calls are sent, as recorded and followed by one user message
+(:data:`ANSWER_CUE`, the same in every method), to vLLM's CPU build serving
 SmolLM2-135M-Instruct (:func:`~contextpilot_bench.testbed.smollm2.ensure_smollm2_dir`) with
 ``--chat-template`` :data:`SMOLLM2_TOOL_TEMPLATE` (the random-weights replay's tool template
 without its ``bos_token``: SmolLM2's template writes none, and its ``bos_token`` is
@@ -22,6 +23,12 @@ kept only when every method's answer call fits SmolLM2's positions with the answ
 go in call order, session after session, on a prefix cache emptied before the method; every
 call's ``prompt_tokens`` is checked against the local rendering of the template.
 
+The cue is there because a 135M model is no agent: after a history of rendered tool calls it
+answers a tool result with another tool call, or copies a pointer or an earlier turn's scripted
+answer, as the real model's single-turn prompts need their answer cue
+(:mod:`~contextpilot_bench.real_model`). The report counts the answers that are still a tool
+call or a copied pointer, per method.
+
 The history before a turn holds the scripted answers of the earlier turns, the same text in
 every method, so what differs between the methods is only what the library changed in the
 prompt (labelled documents, pointers to earlier tool results). A 135M model's answers are near
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,6 +87,14 @@ ANSWER_METHODS = ("baseline", "contextpilot", PROXY_METHOD)
 """The methods whose answers are generated (those that ran), ``baseline`` first."""
 VERDICT_METRICS = ("gold_contained", "f1")
 """The metrics whose paired difference to the baseline decides the no-collapse verdict."""
+ANSWER_CUE = {
+    "role": "user",
+    "content": "Answer my last question from the search results above, in a few words or with "
+    "yes or no.",
+}
+"""Appended to every method's answer call (module docstring)."""
+_TOOL_CALL = "<call>"
+_POINTER_COPY = re.compile(r"\bSame (?:result as|as document|\d+ lines as|line as)\b")
 SMOLLM2_TOOL_TEMPLATE = TOOL_CHAT_TEMPLATE.removeprefix("{{ bos_token }}")
 """``--chat-template`` for SmolLM2 serving tool-calling chats (module docstring)."""
 
@@ -242,7 +258,7 @@ def answer_on_smollm2(
     paired = paired_answer_calls(
         chosen,
         sessions,
-        lambda messages: local_prompt_tokens(chat, messages),
+        lambda messages: local_prompt_tokens(chat, [*messages, ANSWER_CUE]),
         max_model_len - answer_tokens,
     )
     answers: dict[str, dict[str, str]] = {r.method: {} for r in chosen}
@@ -273,7 +289,8 @@ def answer_on_smollm2(
                     local = paired.prompt_tokens[method][position]
                     label = f"{method} answer call {position}"
                     rid = f"answer-{method}-{position}"
-                    done = checked_chat(instance, call.messages, rid, local, label)
+                    sent = [*call.messages, ANSWER_CUE]
+                    done = checked_chat(instance, sent, rid, local, label)
                     answers[method][call.request_id] = done.text
     settings = {
         "model_dir": str(model_dir),
@@ -314,6 +331,11 @@ def answer_lines(
     scores = score_methods(run.answers, references)
     paired, settings = run.paired, run.settings
     empty = {m: sum(1 for a in by_id.values() if not a.strip()) for m, by_id in run.answers.items()}
+    calls = {m: sum(_TOOL_CALL in a for a in by_id.values()) for m, by_id in run.answers.items()}
+    copies = {
+        m: sum(_POINTER_COPY.search(a) is not None for a in by_id.values())
+        for m, by_id in run.answers.items()
+    }
     document: dict[str, Any] = {
         **settings,
         "kept_turns": paired.kept,
@@ -321,6 +343,8 @@ def answer_lines(
         "longest_prompt_tokens": paired.longest,
         "questions": scores[0].questions if scores else 0,
         "empty_answers": empty,
+        "tool_call_answers": calls,
+        "pointer_copy_answers": copies,
         "what_scores_show": WHAT_SCORES_SHOW,
         "methods": {s.method: score_document(s) for s in scores},
         "answers": run.answers,
@@ -330,8 +354,9 @@ def answer_lines(
         f"{settings['answer_tokens']} tokens at most, greedy; each method's answer calls on an "
         f"emptied prefix cache, {settings['seconds']:.0f} s in all): {paired.kept} turns kept, "
         f"{paired.dropped} dropped (some method's prompt over {settings['max_model_len']:,} "
-        f"positions with the answer; longest kept {paired.longest:,} tokens); empty answers: "
-        + ", ".join(f"{m} {n}" for m, n in empty.items())
+        f"positions with the answer; longest kept {paired.longest:,} tokens)",
+        "answers that are no answer, per method (empty / a tool call / a copied pointer): "
+        + ", ".join(f"{m} {empty[m]} / {calls[m]} / {copies[m]}" for m in run.answers),
     ]
     if not scores:
         lines.append("answers not scored: no kept turn has a reference answer")

@@ -103,14 +103,25 @@ def test_answers_are_scored_and_a_collapse_is_missed(data_dir: object) -> None:
     references = reference_answers("multihop-rag", str(data_dir))
     ids = sorted(references)[:40]
     gold = {i: f"The answer is {references[i][0]}." for i in ids}
+    # A collapse: no answer, a tool call, a copied pointer.
+    collapsed = [
+        "",
+        '<call>search {"query": "q"}</call>',
+        '[Same result as search({"query": "q"}) above.]',
+        "Same as document [Doc 2] of search above.",
+    ]
+    proxy = {i: collapsed[n % 4] for n, i in enumerate(ids)}
     lines, document = answer_lines(
         "agentic-multihop-rag",
-        _answer_run({"baseline": gold, "contextpilot": dict(gold), "proxy": {i: "" for i in ids}}),
+        _answer_run({"baseline": gold, "contextpilot": dict(gold), "proxy": proxy}),
         str(data_dir),
     )
     text = "\n".join(lines)
     assert "40 turns with a reference" in text
-    assert "empty answers: baseline 0, contextpilot 0, proxy 40" in text
+    assert (
+        "(empty / a tool call / a copied pointer): baseline 0 / 0 / 0, contextpilot 0 / 0 / 0, "
+        "proxy 10 / 10 / 20"
+    ) in text
     assert document["methods"]["baseline"]["metrics"]["gold_contained"]["mean"] == 1.0
     assert document["methods"]["contextpilot"]["vs_baseline"]["f1"]["mean"] == 0.0
     assert (
