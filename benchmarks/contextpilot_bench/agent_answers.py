@@ -44,6 +44,7 @@ import argparse
 import json
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,7 @@ from contextpilot_bench.agent_sessions import AgentSession, source_workload
 from contextpilot_bench.answer_scoring import (
     METRICS,
     MethodScores,
+    normalize_answer,
     reference_answers,
     score_document,
     score_methods,
@@ -86,6 +88,10 @@ __all__ = [
 ANSWER_METHODS = ("baseline", "contextpilot", PROXY_METHOD)
 """The methods whose answers are generated (those that ran), ``baseline`` first."""
 VERDICT_METRICS = ("gold_contained", "f1")
+DEGENERATE_SHARE = 0.5
+"""The plain agent's answers are degenerate when one normalised answer is more than this share
+of them (a tiny model answering "Yes." to everything): equal scores then show nothing, and the
+verdict says n/a unless a method dropped significantly."""
 """The metrics whose paired difference to the baseline decides the no-collapse verdict."""
 ANSWER_CUE = {
     "role": "user",
@@ -304,11 +310,15 @@ def answer_on_smollm2(
     return AnswerRun(answers, paired, settings)
 
 
-def _verdict(scores: MethodScores) -> str:
+def _verdict(scores: MethodScores, degenerate: bool) -> str:
     differences = [scores.vs_baseline[m] for m in VERDICT_METRICS]
     parts = [f"{m} {d.describe()}" for m, d in zip(VERDICT_METRICS, differences, strict=True)]
-    ok = all(d.high >= 0 for d in differences)
-    verdict = "ok" if ok else "MISSED (a significant drop)"
+    if not all(d.high >= 0 for d in differences):
+        verdict = "MISSED (a significant drop)"
+    elif degenerate:
+        verdict = "n/a (the plain agent's answers are degenerate: no drop could show)"
+    else:
+        verdict = "ok"
     return (
         f"target: {scores.method} answers vs the plain agent's (SmolLM2, paired, points): "
         + "; ".join(parts)
@@ -373,6 +383,18 @@ def answer_lines(
         if s.vs_baseline:
             diffs = [f"{m} {s.vs_baseline[m].describe()}" for m in METRICS]
             lines.append("    vs baseline: " + "; ".join(diffs))
-    lines += [_verdict(s) for s in scores if s.vs_baseline]
+    ids = scores[0].question_ids
+    common, times = Counter(normalize_answer(run.answers["baseline"][i]) for i in ids).most_common(
+        1
+    )[0]
+    degenerate = times > DEGENERATE_SHARE * len(ids)
+    document["baseline_most_common_answer"] = {"answer": common, "turns": times}
+    document["degenerate"] = degenerate
+    lines.append(
+        f"the plain agent's most common answer (normalised): {common!r} in {times} of "
+        f"{len(ids)} scored turns"
+        + (f", more than {DEGENERATE_SHARE:.0%}: degenerate" if degenerate else "")
+    )
+    lines += [_verdict(s, degenerate) for s in scores if s.vs_baseline]
     lines.append(f"what these scores show: {WHAT_SCORES_SHOW}")
     return lines, document

@@ -149,3 +149,21 @@ def test_the_cli_refuses_answers_it_cannot_score(
 ) -> None:
     assert main(argv.split()) == 2
     assert "scores the answers of the plain LangChain agent" in capsys.readouterr().err
+
+
+def test_degenerate_plain_answers_make_the_verdict_not_applicable(data_dir: object) -> None:
+    references = reference_answers("multihop-rag", str(data_dir))
+    ids = sorted(references)[:40]
+    yes = {i: "Yes." for i in ids}
+    run = _answer_run({"baseline": yes, "contextpilot": dict(yes), "proxy": {i: "" for i in ids}})
+    lines, document = answer_lines("agentic-multihop-rag", run, str(data_dir))
+    assert document["degenerate"] is True
+    assert document["baseline_most_common_answer"] == {"answer": "yes", "turns": 40}
+    assert "the plain agent's most common answer (normalised): 'yes' in 40 of 40 scored turns" in (
+        "\n".join(lines)
+    )
+    marker = "includes zero or lies above it: "
+    verdicts = {line.split()[1]: line.split(marker)[1] for line in lines if "target:" in line}
+    # Equal answers show nothing when they are all "Yes."; a drop from them still shows.
+    assert verdicts["contextpilot"].startswith("n/a (the plain agent's answers are degenerate")
+    assert verdicts["proxy"] == "MISSED (a significant drop)"
