@@ -95,8 +95,7 @@ verdict says n/a unless a method dropped significantly."""
 """The metrics whose paired difference to the baseline decides the no-collapse verdict."""
 ANSWER_CUE = {
     "role": "user",
-    "content": "Answer my last question from the search results above, in a few words or with "
-    "yes or no.",
+    "content": "Answer my last question in one short sentence, from the search results above.",
 }
 """Appended to every method's answer call (module docstring)."""
 _TOOL_CALL = "<call>"
