@@ -88,11 +88,11 @@ __all__ = [
 ANSWER_METHODS = ("baseline", "contextpilot", PROXY_METHOD)
 """The methods whose answers are generated (those that ran), ``baseline`` first."""
 VERDICT_METRICS = ("gold_contained", "f1")
+"""The metrics whose paired difference to the baseline decides the no-collapse verdict."""
 DEGENERATE_SHARE = 0.5
 """The plain agent's answers are degenerate when one normalised answer is more than this share
 of them (a tiny model answering "Yes." to everything): equal scores then show nothing, and the
 verdict says n/a unless a method dropped significantly."""
-"""The metrics whose paired difference to the baseline decides the no-collapse verdict."""
 ANSWER_CUE = {
     "role": "user",
     "content": "Answer my last question in one short sentence, from the search results above.",
