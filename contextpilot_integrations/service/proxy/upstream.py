@@ -53,7 +53,7 @@ class Upstream:
     """The upstream of one proxy.
 
     Args:
-        config: the upstream's URL, kind, credentials and limits.
+        config: the upstream's URL (not None), kind, credentials and limits.
         transport: an httpx transport to use instead of the network (tests of the client).
     """
 
@@ -64,6 +64,8 @@ class Upstream:
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         base = config.upstream_url
+        if base is None:  # a direct fleet: one Upstream per replica URL
+            raise ValueError("an Upstream needs config.upstream_url, got None")
         self._base = base[: -len("/v1")] if base.endswith("/v1") else base
 
     @property
