@@ -92,7 +92,7 @@ def test_calls_through_the_proxy_and_smg_are_routed_by_key_and_followed_per_repl
     with (
         VllmCpuFleet(
             model_dir, 2, block_size=BLOCK_SIZE, num_gpu_blocks=usable + 1,
-            max_model_len=max_model_len + 512,
+            max_model_len=max_model_len + 512, startup_timeout=600,
         ) as fleet,
         SmgGateway(
             fleet.urls, policy="round_robin", routing_header=ROUTING_HEADER,
