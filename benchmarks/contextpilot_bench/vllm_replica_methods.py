@@ -19,10 +19,12 @@
     The same router in its ``"direct"`` mode: each request is sent to its plan's ``base_url``.
 ``contextpilot-proxy-smg``
     The router hosted in the proxy (:mod:`~contextpilot_bench.proxy_fleet`) in front of the
-    same SMG as ``contextpilot-routed-smg``: each request, in arrival order (online, no batch
-    schedule), goes to the proxy with its documents marked in the body
-    (``contextpilot.documents``); the proxy plans them on the replica it picks (its in-flight
-    load, its KV events) and forwards to SMG with the routing key.
+    same SMG as ``contextpilot-routed-smg``: each request goes to the proxy with its documents
+    marked in the body (``contextpilot.documents``); the proxy plans them on the replica it
+    picks (its in-flight load, its KV events) and forwards to SMG with the routing key. The
+    requests go in the order a batch app sends them, the schedule of a replica-blind
+    ``plan_batch`` (as the other ContextPilot methods), so that the methods differ in where
+    requests go, not in their order; the proxy plans each one as it comes.
 
 Each method starts with every replica's prefix cache emptied
 (:meth:`~contextpilot_bench.vllm_replica_fleet.VllmCpuFleet.reset`) and, behind SMG, a
@@ -308,6 +310,8 @@ def _run_through_proxy(
     from contextpilot_bench.proxy_fleet import proxy_over_gateway
 
     layout = prepared.layout
+    blind = ContextPilot(layout=layout, token_counter=prepared.counter)
+    order = list(blind.plan_batch(_batch(prepared, "schedule")).schedule)
     sent = []
     with (
         SmgGateway(
@@ -320,7 +324,8 @@ def _run_through_proxy(
         proxy_over_gateway(gateway.base_url, fleet.replica_specs(), layout) as (url, router),
         EngineClient(url, model=fleet.model_name) as client,
     ):
-        for i, request in enumerate(prepared.workload.requests):
+        for i in order:
+            request = prepared.workload.requests[i]
             rid = f"{PROXY_METHOD}-{request.id}"
             answer = client.chat(
                 [{"role": "system", "content": layout.system_prompt},
