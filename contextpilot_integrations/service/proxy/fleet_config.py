@@ -11,15 +11,17 @@ proxy", "Replicas and routing"). The fleet is a mapping (a config file, CLI flag
         {"name": "b", "base_url": "http://127.0.0.1:8002/v1",
          "cache_sync": {"kind": "kv-events", "endpoint": "tcp://127.0.0.1:5559",
                         "topic": "kv-events"}}],
-     "load": "in-flight-tokens", "max_imbalance": 1.25, "retry_down_s": 5.0}
+     "load": "recent-tokens", "max_imbalance": 1.25, "retry_down_s": 5.0}
 
 ``"direct"``: the proxy forwards each call to its replica's ``base_url`` (every replica needs
 one). ``"gateway"``: the proxy's ``upstream_url`` is a gateway (smg) that routes on the
 routing key header; the replicas are listed for their KV events (``base_url`` optional). The
 routing rule is :class:`~contextpilot_integrations.core.replicas.routing_config.RouterConfig`'s;
-the load defaults to ``"in-flight-tokens"`` (the proxy sees every call end, so it balances the
-replicas' work in time, not only in total); ``retry_down_s`` is how long a replica that refused
-a connection is left out before it is tried again.
+the load defaults to its ``"recent-tokens"``. ``"in-flight-tokens"`` works too (the proxy ends
+each call's load when its answer is over), but a call's load ends only after its client has
+the answer, so a client that sends its next call at once can find the replica still counted
+busy and, with a smaller call, not eligible (docs/DESIGN.md, "The proxy"). ``retry_down_s`` is
+how long a replica that refused a connection is left out before it is tried again.
 """
 
 from __future__ import annotations
@@ -120,8 +122,6 @@ class FleetConfig:
             raise ValueError(f"fleet must be a mapping, got {type(settings).__name__}")
         own = {k: v for k, v in settings.items() if k in _OWN_KEYS}
         rule = {k: v for k, v in settings.items() if k not in _OWN_KEYS}
-        # The proxy sees every call end, so the load it balances is what is in flight now.
-        rule.setdefault("load", "in-flight-tokens")
         replicas = rule.get("replicas")
         if isinstance(replicas, list):
             for i, replica in enumerate(replicas):

@@ -37,9 +37,8 @@ D1, D2, D3, D4, D5, D6, E1, E2, E3 = (
     _doc(n)
     for n in ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "fox", "golf", "hotel")
 )
-# A call following another one on the same replica carries more documents than it: the earlier
-# call may still count as in flight for an instant after its answer (its load ends in a worker
-# thread), and a replica is eligible only while its load is within the new call's own cost.
+# A call following another one on the same replica carries more documents than it: then the
+# earlier call's load never makes its replica ineligible for it (the bounded-imbalance rule).
 
 
 @pytest.fixture
@@ -233,11 +232,15 @@ def test_a_bad_fleet_is_refused_naming_the_field(
         ProxyConfig(upstream, fleet=fleet)  # type: ignore[arg-type]
 
 
-def test_the_fleet_mapping_defaults_to_the_in_flight_load() -> None:
+def test_the_fleet_mapping_takes_the_routers_rule() -> None:
     fleet = FleetConfig.from_mapping(
         {"mode": "direct", "replicas": [{"name": "a", "base_url": "http://x"}]}
     )
-    assert fleet.load == "in-flight-tokens" and fleet.direct
+    assert fleet.load == "recent-tokens" and fleet.direct
+    in_flight = FleetConfig.from_mapping(
+        {"mode": "gateway", "replicas": [{"name": "a"}], "load": "in-flight-tokens"}
+    )
+    assert in_flight.load == "in-flight-tokens" and not in_flight.direct
 
 
 def _config(argv: list[str]):  # type: ignore[no-untyped-def]
@@ -285,3 +288,64 @@ def test_inconsistent_replica_options_are_refused(argv: list[str], words: str) -
     with pytest.raises(ValueError) as caught:
         _config(argv)
     assert words in str(caught.value)
+
+
+def test_each_replicas_one_link_gives_each_tenant_its_own_evictions(tmp_path: Path) -> None:
+    """One engine link per replica, shared by the tenants' routers, over the real ZMQ
+    protocol publisher: an eviction reaches the router of the rid's tenant only."""
+    from prometheus_client import CollectorRegistry
+
+    from contextpilot_integrations.service.proxy.replica_routing import ReplicaRouting
+    from contextpilot_integrations.service.tenants import Tenancy
+    from contextpilot_integrations.sync.event_publisher import KVEventPublisher
+    from contextpilot_integrations.sync.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    def endpoints(name: str) -> tuple[str, str]:
+        return f"ipc://{tmp_path}/{name}-events.ipc", f"ipc://{tmp_path}/{name}-replay.ipc"
+
+    def stored(hashes: list[int], rid: str) -> KVEventBatch:
+        tokens = [t for h in hashes for t in (h, h)]
+        event = BlockStored(hashes, None, tokens, block_size=2, session_id=rid)
+        return KVEventBatch(ts=time.time(), events=[event])
+
+    replicas = [
+        {"name": n, "base_url": f"http://{n}/v1",
+         "cache_sync": {"kind": "kv-events", "endpoint": endpoints(n)[0],
+                        "replay_endpoint": endpoints(n)[1]}}
+        for n in ("a", "b")
+    ]  # fmt: skip
+    tenancy = Tenancy({"alice": TenantKeys(("alice-key",)), "bob": TenantKeys(("bob-key",))})
+    config = ProxyConfig(None, fleet={"mode": "direct", "replicas": replicas})  # type: ignore[arg-type]
+    with KVEventPublisher(*endpoints("a")) as engine_a, KVEventPublisher(*endpoints("b")):
+        routing = ReplicaRouting(config, tenancy, CollectorRegistry())
+        routing.start()
+        try:
+            alice, bob = routing.router_of("alice"), routing.router_of("bob")
+            assert alice is not bob
+            alice_rid = f"{tenancy.rid_tag('alice')}.r1"
+            bob_rid = f"{tenancy.rid_tag('bob')}.r1"
+            on_a = alice.plan("q", [D1, D2], rid=alice_rid)
+            assert on_a.replica == "a" and on_a.cache_salt == tenancy.cache_salt("alice")
+            assert bob.plan("q", [D1, D2], rid=bob_rid).replica == "a"  # its own index: no prefix
+            engine_a.publish(stored([1, 2], alice_rid))
+            engine_a.publish(stored([5, 6], bob_rid))
+            deadline = time.monotonic() + 10
+            while (
+                alice.replica_of(alice_rid) != "a"
+                or routing.stats()["alice"]["replicas"]["a"]["sync"]["source"]["mirror"]["blocks"]
+                < 4
+            ):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            engine_a.publish(KVEventBatch(ts=time.time(), events=[BlockRemoved([2])]))
+            while alice.stats()["replicas"]["a"]["index"]["requests"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert bob.stats()["replicas"]["a"]["index"]["requests"] == 1
+            # Bob's eviction reaches bob's router (not the first tenant's).
+            engine_a.publish(KVEventBatch(ts=time.time(), events=[BlockRemoved([6])]))
+            while bob.stats()["replicas"]["a"]["index"]["requests"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        finally:
+            routing.stop()
