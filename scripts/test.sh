@@ -42,19 +42,19 @@ main_tier() {
     .venv/bin/mypy contextpilot_integrations || return 1
     .venv/bin/mypy benchmarks/contextpilot_bench || return 1
     .venv/bin/lint-imports || return 1
-    .venv/bin/python -m pytest -m "not sglang and not vllm" "$@"
+    .venv/bin/python -m pytest -m "not sglang and not vllm" --durations=15 "$@"
 }
 
 sglang_tier() {
     bash scripts/setup-sglang-env.sh || return 1
-    .venv-sglang/bin/python -m pytest -m sglang tests/sync
+    .venv-sglang/bin/python -m pytest -m sglang --durations=5 tests/sync
 }
 
 vllm_tier() {
     bash scripts/setup-vllm-env.sh || return 1
     bash scripts/setup-smg-env.sh || return 1
     bash scripts/setup-venv.sh all,dev testbed,mem0,hosted,agents || return 1
-    .venv/bin/python -m pytest -m vllm tests
+    .venv/bin/python -m pytest -m vllm --durations=15 tests
 }
 
 for tier in "${tiers[@]}"; do

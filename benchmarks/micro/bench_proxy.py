@@ -2,7 +2,9 @@
 
 Run: ``.venv/bin/python benchmarks/micro/bench_proxy.py`` (``--quick``: 300 requests, a few
 seconds; ``--requests 100000`` for the long memory run; ``--clients``, ``--prompt-tokens``,
-``--think-ms`` to change the load; ``--json`` for machine-readable output). It starts, on 127.0.0.1:
+``--think-ms`` to change the load; ``--answer-ms`` for an upstream that takes that long to
+answer, so that many requests are in flight; ``--json`` for machine-readable output). It
+starts, on 127.0.0.1:
 
 * an upstream: this file's :func:`upstream_app` (a bare ASGI app, no framework) in its own
   uvicorn process, answering every ``POST /v1/chat/completions`` at once with an OpenAI-shaped
@@ -12,12 +14,13 @@ seconds; ``--requests 100000`` for the long memory run; ``--clients``, ``--promp
   (docs/DESIGN.md, "The proxy").
 
 ``--clients`` concurrent clients (default 64, tasks of this process, each with one
-``httpx.AsyncClient`` of one connection per target) each send the same request twice, once
-straight to the upstream and once through the proxy, in random order, so both paths see the
-same load at the same time, then pause ``--think-ms`` on average (exponential, default 1,000
-ms: the engine's generation time, which this upstream does not take, and the agent's own
-work); ``--think-ms 0`` is a closed loop, in which the proxy, not the upstream, is the
-bottleneck and the added latency is its queue. The requests are
+``aiohttp.ClientSession`` of one connection per target: a light client, so that the clients
+take little of the CPUs the proxy and the upstream share with them) each send the same request
+twice, once straight to the upstream and once through the proxy, in random order, so both
+paths see the same load at the same time, then pause ``--think-ms`` on average (exponential,
+default 1,000 ms: the engine's generation time, which this upstream does not take, and the
+agent's own work); ``--think-ms 0`` is a closed loop, in which the proxy, not the upstream, is
+the bottleneck and the added latency is its queue. The requests are
 agent conversations (docs/DESIGN.md, "The proxy"): a system prompt, the user's task, then
 rounds of an assistant tool call and its tool result holding retrieved documents (drawn with
 Zipf popularity from a shared pool, so documents repeat within and across conversations and
@@ -53,10 +56,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -107,6 +111,8 @@ _MODELS = b'{"object": "list", "data": [{"id": "bench", "object": "model"}]}'
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
+ANSWER_S = [0.0]
+"""How long :func:`upstream_app` waits before each chat answer (``--answer-ms``)."""
 
 
 async def upstream_app(
@@ -125,6 +131,8 @@ async def upstream_app(
         if not message.get("more_body"):
             break
     path = scope["path"]
+    if ANSWER_S[0] and path == "/v1/chat/completions":
+        await asyncio.sleep(ANSWER_S[0])  # an engine's time to its first token
     if path == "/v1/chat/completions" and scope["method"] == "POST":
         if json.loads(body).get("stream"):
             headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -146,8 +154,10 @@ async def upstream_app(
     await send({"type": "http.response.body", "body": answer})
 
 
-def serve_upstream(port: int) -> None:
-    """Run :func:`upstream_app` (in the child process ``--serve-upstream`` starts)."""
+def serve_upstream(port: int, answer_ms: float = 0.0) -> None:
+    """Run :func:`upstream_app` (in the child process ``--serve-upstream`` starts), each chat
+    answer ``answer_ms`` late."""
+    ANSWER_S[0] = answer_ms / 1000.0
     import uvicorn
 
     uvicorn.run(
@@ -326,29 +336,27 @@ class Samples:
 
 
 async def timed_request(
-    client: httpx.AsyncClient, body: bytes, session: str, stream: bool, into: Samples
-) -> httpx.Headers | None:
+    client: aiohttp.ClientSession, body: bytes, session: str, stream: bool, into: Samples
+) -> Mapping[str, str] | None:
     """Send one chat request; record its latency (and time to first byte if ``stream``)."""
     headers = {"content-type": "application/json", "x-contextpilot-session": session}
     start = time.perf_counter()
     first = None
     try:
-        async with client.stream(
-            "POST", "/v1/chat/completions", content=body, headers=headers
-        ) as r:
-            async for _ in r.aiter_raw():
+        async with client.post("/v1/chat/completions", data=body, headers=headers) as r:
+            async for _ in r.content.iter_any():
                 if first is None:
                     first = time.perf_counter()
             end = time.perf_counter()
-    except httpx.TransportError as error:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as error:
         into.errors += 1
         if len(into.failures) < 5:
             into.failures.append(f"{type(error).__name__}: {error!r:.200}")
         return None
-    if r.status_code != 200:
+    if r.status != 200:
         into.errors += 1
         if len(into.failures) < 5:
-            into.failures.append(f"HTTP {r.status_code}")
+            into.failures.append(f"HTTP {r.status}")
         return None
     into.total.append(end - start)
     if stream and first is not None:
@@ -375,18 +383,15 @@ async def drive(
     args: argparse.Namespace, upstream_url: str, proxy_url: str, proxy_pid: int, upstream_pid: int
 ) -> Run:
     workload = Workload(args.prompt_tokens)
-    # One connection per client and target: a shared pool of many connections costs the
-    # client a readability check of every idle connection at each request (httpcore).
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    timeout = httpx.Timeout(120.0)
-    directs = [
-        httpx.AsyncClient(base_url=upstream_url, limits=limits, timeout=timeout)
-        for _ in range(args.clients)
-    ]
-    proxies = [
-        httpx.AsyncClient(base_url=proxy_url, limits=limits, timeout=timeout)
-        for _ in range(args.clients)
-    ]
+    # One connection per client and target, as one agent process holds.
+    timeout = aiohttp.ClientTimeout(total=120.0)
+
+    def session(url: str) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=1, keepalive_timeout=300)
+        return aiohttp.ClientSession(url, connector=connector, timeout=timeout)
+
+    directs = [session(upstream_url) for _ in range(args.clients)]
+    proxies = [session(proxy_url) for _ in range(args.clients)]
     run = Run()
     next_conversation = iter(range(10**9))
     sent = [0]  # pairs handed out in this phase
@@ -440,7 +445,7 @@ async def drive(
         run.client_cpu_s = time.process_time() - client_cpu
     finally:
         for each in directs + proxies:
-            await each.aclose()
+            await each.close()
     return run
 
 
@@ -465,7 +470,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     ]
     with tempfile.TemporaryFile() as upstream_log, tempfile.TemporaryFile() as proxy_log:
         upstream = start_process(
-            [sys.executable, __file__, "--serve-upstream", str(upstream_port)],
+            [
+                sys.executable,
+                __file__,
+                "--serve-upstream",
+                str(upstream_port),
+                "--answer-ms",
+                str(args.answer_ms),
+            ],  # fmt: skip
             f"{upstream_url}/v1/models",
             upstream_log,
         )
@@ -566,7 +578,8 @@ def report(figures: dict[str, Any]) -> None:
         (
             "  RSS growth per 1,000 requests, last interval",
             f"{(last_mb - first_mb) * 1000 / max(1, last - first):.1f} MiB",
-            "bounded: flat once the planner holds its 10,000 conversations (LRU)",
+            "bounded: flat once the planner's memory is full (LRU: 10,000 conversations, "
+            "256 Mi characters)",
         )
     )
     rows.append(("  conversations opened", f"{figures['conversations']:,}", ""))
@@ -598,10 +611,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--quick", action="store_true", help="300 requests after 64, pauses <= 500 ms"
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument(
+        "--answer-ms",
+        type=float,
+        default=0.0,
+        help="how long the upstream takes before each answer (default 0: at once; more keeps "
+        "more requests in flight, so more pooled connections open, as a real engine does)",
+    )
     parser.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_upstream is not None:
-        serve_upstream(args.serve_upstream)
+        serve_upstream(args.serve_upstream, args.answer_ms)
         return 0
     for name in ("clients", "requests", "prompt_tokens"):
         if getattr(args, name) < 1:
@@ -610,6 +630,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     if args.think_ms < 0:
         parser.error(f"--think-ms must be at least 0, got {args.think_ms}")
+    if args.answer_ms < 0:
+        parser.error(f"--answer-ms must be at least 0, got {args.answer_ms}")
     if args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
     if args.quick:

@@ -51,6 +51,12 @@ PILOT_SNAPSHOT_VERSION = 1
 """Version of :meth:`ContextPilot.snapshot`'s format (the index's and the conversation store's
 sections carry their own)."""
 
+TAIL_BATCH_LIMIT = 128
+"""Largest batch whose schedule picks the prompt it leaves in the cache for the next batch
+(docs/DESIGN.md, "Ordering"): a planning window holds tens of requests; in a larger batch that
+one prompt is a negligible share of its reuse, and scoring every request costs a set
+intersection per leading block."""
+
 
 class ContextPilot(ThreadedAsyncTwins):
     """Plans requests against one shared :class:`ContextIndex`.
@@ -218,7 +224,9 @@ class ContextPilot(ThreadedAsyncTwins):
         Each request is first matched against what the index already holds; requests that
         matched the same prefix are then ordered together by the offline build, so blocks
         they share form common prefixes. The schedule runs requests sharing a prefix back to
-        back, those hitting a prefix the index held before the batch first.
+        back, those hitting a prefix the index held before the batch first, and last the one
+        whose prompt later requests are expected to reuse most (it stays in the cache for the
+        next batch).
 
         Args:
             requests: the batch (each conversation at most once: its turns are sequential).
@@ -245,6 +253,7 @@ class ContextPilot(ThreadedAsyncTwins):
                 weight_by_tokens=self.ordering.weight_by_tokens,
                 cluster_limit=self.ordering.cluster_limit,
             )
+            reuse = self._tail_reuse(prepared, orders, found)
             plans = tuple(
                 self._finish(rids[i], batch[i], prepared[i], orders[i], found[i], turns)
                 for i in range(len(batch))
@@ -264,7 +273,12 @@ class ContextPilot(ThreadedAsyncTwins):
         return BatchPlan(
             plans=plans,
             schedule=tuple(
-                schedule(paths, self.ordering.schedule_method, [r.prefix_tokens for r in found])
+                schedule(
+                    paths,
+                    self.ordering.schedule_method,
+                    [r.prefix_tokens for r in found],
+                    reuse,
+                )
             ),
         )
 
@@ -483,6 +497,32 @@ class ContextPilot(ThreadedAsyncTwins):
         return self.index.search(
             blocks.ids, blocks.tokens if self.ordering.weight_by_tokens else None
         )
+
+    def _tail_reuse(
+        self,
+        prepared: Sequence[RequestBlocks],
+        orders: Sequence[Sequence[int]],
+        found: Sequence[SearchResult],
+    ) -> list[float] | None:
+        """Per request of a batch, the tokens of its ordered prompt that the next requests are
+        expected to reuse (as :meth:`_reordering_pays` reckons it, over as many requests as the
+        batch holds), read before the batch joins the memories: what the schedule reads to
+        pick the prompt it leaves in the cache for the next batch (docs/DESIGN.md,
+        "Ordering"). ``None`` above :data:`TAIL_BATCH_LIMIT` requests."""
+        if len(prepared) > TAIL_BATCH_LIMIT:
+            return None
+        reuse = []
+        for blocks, order, result in zip(prepared, orders, found):
+            token_of = dict(zip(blocks.ids, blocks.tokens))
+            reuse.append(
+                self._cooccurrence.future_reuse(
+                    order,
+                    [token_of[b] for b in order],
+                    len(prepared),
+                    len(result.prefix) + CONDITIONAL_STEPS,
+                )
+            )
+        return reuse
 
     def _reordering_pays(
         self, blocks: RequestBlocks, order: Sequence[int], found: SearchResult

@@ -32,7 +32,9 @@ it (:data:`LATER`): a conversation whose messages come back as they were needs n
 Bounded (docs/DESIGN.md, "Bounded"): an :class:`~contextpilot_integrations.core.lru.LRU` of at
 most ``max_conversations`` conversations, each holding its first ``max_messages`` messages (the
 later ones are planned anew on every call, which gives the same messages as long as the
-earlier ones are the same: planning is deterministic). Not thread-safe by itself: the planner
+earlier ones are the same: planning is deterministic), and at most ``max_chars`` characters of
+sent messages together (:func:`text_size`): a count alone would let a few long conversations
+hold any amount of memory. Not thread-safe by itself: the planner
 holds its lock around each call.
 """
 
@@ -211,6 +213,7 @@ class SentMessage:
         aliased: ``sent`` is not the app's message (pointers stand in it), so a message
             given back as it was sent (of fingerprint ``sent_fingerprint``) is found by
             :meth:`MessageHistory.restore`.
+        size: :func:`text_size` of ``sent`` (what the record weighs in the memory's bound).
     """
 
     given: bytes | None | Later
@@ -221,6 +224,7 @@ class SentMessage:
     documents: tuple[RecordedDocuments | None, ...] = ()
     proof: Api | None = None
     aliased: bool = False
+    size: int = 0
 
     def given_fingerprint(self) -> bytes | None:
         """``given``, computed (and kept) when it is :data:`LATER`: from ``sent`` when that
@@ -285,27 +289,28 @@ class Replay:
 
 
 class MessageHistory:
-    """The sent messages of the recent conversations.
+    """The sent messages of the recent conversations (module docstring: the bounds).
 
     Raises:
-        ValueError: ``max_conversations`` or ``max_messages`` not a positive int.
+        ValueError: ``max_conversations``, ``max_messages`` or ``max_chars`` not a positive int.
     """
 
     __slots__ = ("_conversations", "max_messages")
 
-    def __init__(self, max_conversations: int, max_messages: int) -> None:
+    def __init__(self, max_conversations: int, max_messages: int, max_chars: int) -> None:
         for name, bound in (
             ("max_conversations", max_conversations),
             ("max_messages", max_messages),
+            ("max_chars", max_chars),
         ):
             if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
                 raise ValueError(f"{name} must be a positive int, got {bound!r}")
         self.max_messages = max_messages
-        # per conversation: its records in order, and (sent fingerprint -> record) for the
-        # messages sent with pointers
+        # per conversation: its records in order, (sent fingerprint -> record) for the
+        # messages sent with pointers, and the records' size together
         self._conversations: LRU[
-            ConversationKey, tuple[tuple[SentMessage, ...], dict[bytes, SentMessage]]
-        ] = LRU(max_conversations)
+            ConversationKey, tuple[tuple[SentMessage, ...], dict[bytes, SentMessage], int]
+        ] = LRU(max_conversations, max_weight=max_chars, weight=lambda held: held[2])
 
     def replay(
         self,
@@ -347,7 +352,7 @@ class MessageHistory:
                 aliases[record.sent_fingerprint] = record
         while len(aliases) > self.max_messages:
             del aliases[next(iter(aliases))]
-        self._conversations.put(key, (kept, aliases))
+        self._conversations.put(key, (kept, aliases, sum(record.size for record in kept)))
 
     def has_aliases(self, key: ConversationKey | None) -> bool:
         """Whether the conversation holds a message sent with pointers
@@ -486,7 +491,24 @@ def sent_record(
             and sent_fingerprint is not None
             and sent_fingerprint != given
         )
-    return SentMessage(given, sent_fingerprint, sent, replayed, as_given, documents, proof, aliased)
+    return SentMessage(
+        given, sent_fingerprint, sent, replayed, as_given, documents, proof, aliased,
+        text_size(sent),
+    )  # fmt: skip
+
+
+def text_size(value: Any) -> int:
+    """Characters of the strings (dict keys and values) in a JSON-like ``value``, plus one for
+    each other leaf and container: what a record weighs in :class:`MessageHistory`'s bound
+    (the texts a record keeps beside its message are that message's own strings)."""
+    kind = type(value)
+    if kind is str:
+        return len(value)
+    if kind is dict:
+        return 1 + sum(len(key) + text_size(item) for key, item in value.items())
+    if kind is list:
+        return 1 + sum(text_size(item) for item in value)
+    return 1
 
 
 def _validates(message: dict[str, Any], api: Api) -> bool:

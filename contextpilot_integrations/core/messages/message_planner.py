@@ -76,8 +76,8 @@ Rules:
    the sent text and the tokens saved.
 8. Deterministic, bounded, proportional. The same messages and the same memory give the same
    plan; memory is an LRU of ``max_conversations`` conversations of at most ``max_messages``
-   messages each; one call reads each message a bounded number of times (looking up earlier
-   copies by exact text).
+   messages each, ``max_chars`` characters of messages together; one call reads each message
+   a bounded number of times (looking up earlier copies by exact text).
 
 The input list and its dicts are never changed; the returned messages are new dicts. One lock
 makes a planner safe to share between threads; calls are synchronous.
@@ -190,6 +190,8 @@ class MessagePlanner:
         min_tokens_saved: least tokens a pointer must save to be made (``int >= 0``).
         max_conversations: most conversations remembered (``int >= 1``).
         max_messages: most messages remembered per conversation (``int >= 1``).
+        max_chars: most characters of sent messages remembered, all conversations together
+            (``int >= 1``; least recently used conversations dropped first).
 
     Raises:
         ValueError: a bound that is not an int of the allowed range, or a counter without a
@@ -202,6 +204,7 @@ class MessagePlanner:
         min_tokens_saved: int = 16,
         max_conversations: int = 10_000,
         max_messages: int = 4_096,
+        max_chars: int = 256 * 1024 * 1024,
     ) -> None:
         if token_counter is not None and not callable(getattr(token_counter, "count", None)):
             raise ValueError(
@@ -215,7 +218,7 @@ class MessagePlanner:
             raise ValueError(f"min_tokens_saved must be an int >= 0, got {min_tokens_saved!r}")
         self.token_counter: TokenCounter = token_counter or ApproxTokenCounter()
         self.min_tokens_saved = min_tokens_saved
-        self._history = MessageHistory(max_conversations, max_messages)
+        self._history = MessageHistory(max_conversations, max_messages, max_chars)
         self._lock = threading.Lock()
 
     def plan(

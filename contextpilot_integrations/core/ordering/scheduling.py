@@ -13,8 +13,11 @@ root's child down to the node where the request's context ends), so they cost
   index held before the batch goes first, then the child with more requests of the batch; a
   request ending at a node runs before its descendants, whose prompts extend it). With a cache
   that holds a few prompts, a request hits a prefix cached before its batch only if it runs
-  before the batch's own prompts push that prefix out. ``benchmarks/micro/bench_ordering.py``
-  measures both; this one is the default.
+  before the batch's own prompts push that prefix out. Given each request's expected reuse
+  by later requests, the request expected to be reused most, among those hitting no cached
+  prefix, runs last (its branch after its siblings at every level): its prompt is what the
+  cache holds when the next batch arrives (docs/DESIGN.md, "Ordering").
+  ``benchmarks/micro/bench_ordering.py`` measures both; this one is the default.
 """
 
 from __future__ import annotations
@@ -41,19 +44,26 @@ def schedule_by_first_step(paths: Sequence[Sequence[int]]) -> list[int]:
 
 
 def schedule_by_prefix_tree(
-    paths: Sequence[Sequence[int]], cached: Sequence[int] | None = None
+    paths: Sequence[Sequence[int]],
+    cached: Sequence[int] | None = None,
+    reuse: Sequence[float] | None = None,
 ) -> list[int]:
     """Depth-first order of the batch's prefix tree. Returns indices into ``paths``.
 
     ``cached``: per request, the tokens of its prefix the index held before the batch (what
     the engine's cache holds now); at every node the subtree with the most goes first, so
     those requests run before the batch's own prompts push that prefix out of the cache.
+    ``reuse``: per request, the tokens of its prompt later requests are expected to reuse; the
+    request with the most (and above 0), among those whose first-level subtree holds no cached
+    prefix, runs last, its branch after its siblings at every level.
 
     Raises:
-        ValueError: ``cached`` of another length than ``paths``.
+        ValueError: ``cached`` or ``reuse`` of another length than ``paths``.
     """
     if cached is not None and len(cached) != len(paths):
         raise ValueError(f"cached has {len(cached)} entries for {len(paths)} paths")
+    if reuse is not None and len(reuse) != len(paths):
+        raise ValueError(f"reuse has {len(reuse)} entries for {len(paths)} paths")
     below: Counter[tuple[int, ...]] = Counter()
     held: dict[tuple[int, ...], int] = {}
     for i, path in enumerate(paths):
@@ -62,14 +72,29 @@ def schedule_by_prefix_tree(
             node = tuple(path[:depth])
             below[node] += 1
             held[node] = max(held.get(node, 0), hit)
+    # The request whose prompt later requests are expected to reuse most, among those holding
+    # no cached prefix, runs last (its branch last at every level): its prompt is what the
+    # cache holds for the next batch.
+    tail: tuple[int, ...] = ()
+    if reuse is not None:
+        candidates = [i for i, path in enumerate(paths) if path and held[(path[0],)] == 0]
+        best = max(candidates, key=lambda i: (reuse[i], -i), default=None)
+        if best is not None and reuse[best] > 0:
+            tail = tuple(paths[best])
 
-    def key(i: int) -> tuple[tuple[int, int, int], ...]:
+    def key(i: int) -> tuple[tuple[int, int, int, int], ...]:
         path = paths[i]
         # Each level: the subtree holding the longest cached prefix first, then the bigger
-        # one, then node id for determinism. A request that ends at a node sorts before the
-        # requests that continue below it (shorter tuple first).
+        # one, then node id for determinism; the tail's branch after its siblings. A request
+        # that ends at a node sorts before the requests that continue below it (shorter tuple
+        # first).
         return tuple(
-            (-held[tuple(path[: d + 1])], -below[tuple(path[: d + 1])], path[d])
+            (
+                -held[tuple(path[: d + 1])],
+                int(tuple(path[: d + 1]) == tail[: d + 1]),
+                -below[tuple(path[: d + 1])],
+                path[d],
+            )
             for d in range(len(path))
         )
 
@@ -80,15 +105,17 @@ def schedule(
     paths: Sequence[Sequence[int]],
     method: ScheduleMethod = "prefix-tree",
     cached: Sequence[int] | None = None,
+    reuse: Sequence[float] | None = None,
 ) -> list[int]:
-    """Dispatch to a scheduler by name (``cached``: see :func:`schedule_by_prefix_tree`; the
-    paper's Algorithm 5 does not read it).
+    """Dispatch to a scheduler by name (``cached``, ``reuse``: see
+    :func:`schedule_by_prefix_tree`; the paper's Algorithm 5 reads neither).
 
     Raises:
-        ValueError: an unknown ``method``, or ``cached`` of another length than ``paths``.
+        ValueError: an unknown ``method``, or ``cached`` or ``reuse`` of another length than
+            ``paths``.
     """
     if method == "prefix-tree":
-        return schedule_by_prefix_tree(paths, cached)
+        return schedule_by_prefix_tree(paths, cached, reuse)
     if method == "first-step":
         return schedule_by_first_step(paths)
     raise ValueError(f"schedule method must be 'prefix-tree' or 'first-step', got {method!r}")

@@ -1,7 +1,7 @@
 """One request forwarded to the upstream and its answer streamed back as it arrives.
 
-:class:`ForwardedAnswer` is the ASGI answer of a proxied request. It sends the request with
-``client.send(..., stream=True)`` and passes the upstream's status, headers and every chunk of
+:class:`ForwardedAnswer` is the ASGI answer of a proxied request. It sends the request on the
+pooled client (:mod:`.upstream`) and passes the upstream's status, headers and every chunk of
 its body to the client the moment it arrives (server-sent events included: nothing is
 buffered), while a watcher listens for the client's ``http.disconnect``: a client that goes
 cancels the upstream request (its connection is closed, so the engine stops generating).
@@ -21,7 +21,9 @@ none.
 A connection the upstream closes before any byte of an answer (a pooled keep-alive connection
 the upstream shut as the request went out: an ASGI server closes one after an unhandled
 exception's 500 without announcing it) is retried once (:data:`RETRIED_ONCE`); a second such
-failure is the 502. Timeouts and refused connections are never retried.
+failure is the 502. aiohttp retries such a failure of an idempotent request (``GET``, ``PUT``,
+``DELETE``, ...) once itself, so the proxy retries only the others (``POST``, ``PATCH``).
+Timeouts and refused connections are never retried.
 
 A client that goes before the answer started gets no answer; the request is metered with the
 status :data:`CLIENT_GONE` (nginx's "client closed request"), never as a server error: the
@@ -33,14 +35,16 @@ event loop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
+import aiohttp
 import anyio
-import httpx
 from prometheus_client import Counter
 from starlette.responses import Response
+from yarl import URL
 
 from contextpilot_integrations.llm_call.engine_fields import Usage
 from contextpilot_integrations.service.proxy.api_errors import ErrorApi, error_bytes
@@ -54,9 +58,19 @@ logger = logging.getLogger(__name__)
 CLIENT_GONE = 499
 """The status a request is metered with when its client went before the answer started."""
 
-RETRIED_ONCE = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
-"""What ``client.send`` raises for a connection closed before the answer's first byte (a reset
-or an end of stream where the status line was due); the request is sent once more."""
+RETRIED_ONCE = (
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientConnectionResetError,
+    aiohttp.ClientOSError,
+)
+"""What sending raises for a connection closed before the answer's first byte (an end of stream
+where the status line was due, a reset, a write to a closing connection); the request is sent
+once more. A failure to connect (``aiohttp.ClientConnectorError``, a ``ClientOSError`` too) is
+not one of them."""
+
+_RETRIED_BY_AIOHTTP = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+"""The idempotent methods aiohttp sends once more itself after such a failure (module
+docstring)."""
 
 Message = MutableMapping[str, Any]
 
@@ -131,11 +145,13 @@ class ForwardedAnswer(Response):
     ) -> None:
         super().__init__(status_code=200)
         self._reroute = reroute
-        self._sent = (method, path, query, headers, body)
+        self._path_query = (path, query)
         self._upstream = upstream
-        self._request = upstream.client.build_request(
-            method, upstream.url(path, query), headers=headers, content=body
-        )
+        self._method = method
+        # Sent as given: the path keeps the client's percent-encoding (:mod:`.routes`).
+        self._url = URL(upstream.url(path, query), encoded=True)
+        self._sent_headers = headers
+        self._body = body
         self._api: ErrorApi = api
         self._endpoint = endpoint
         self._counters = counters
@@ -202,7 +218,7 @@ class ForwardedAnswer(Response):
                 return found  # type: ignore[return-value]
 
     async def _rerouted(self) -> bool:
-        """Whether ``reroute`` gave another upstream (the request is then rebuilt for it)."""
+        """Whether ``reroute`` gave another upstream (the request then goes there)."""
         if self._reroute is None:
             return False
         other = await anyio.to_thread.run_sync(self._reroute)
@@ -210,43 +226,46 @@ class ForwardedAnswer(Response):
             return False
         self._upstream, report = other
         self._report = list(report)
-        method, path, query, headers, body = self._sent
-        self._request = self._upstream.client.build_request(
-            method, self._upstream.url(path, query), headers=headers, content=body
-        )
+        path, query = self._path_query
+        self._url = URL(self._upstream.url(path, query), encoded=True)
         return True
 
     async def _forward_once(self, send: Any) -> Usage | None | object:
         """One upstream's try of :meth:`_forward` (:data:`_REROUTED`: try the next)."""
-        client = self._upstream.client
         where = self._upstream.config.upstream_url
         try:
             try:
-                response = await client.send(self._request, stream=True)
+                response = await self._send()
             except RETRIED_ONCE as exc:
+                if (
+                    isinstance(exc, aiohttp.ClientConnectorError)
+                    or self._method in _RETRIED_BY_AIOHTTP
+                ):
+                    raise
                 logger.info("upstream %s closed the connection unanswered (%s): sent again",
                             where, _what(exc))  # fmt: skip
-                response = await client.send(self._request, stream=True)
-        except httpx.TimeoutException as exc:
-            connecting = isinstance(exc, httpx.ConnectTimeout)
+                response = await self._send()
+        except aiohttp.ServerTimeoutError as exc:
+            connecting = isinstance(exc, aiohttp.ConnectionTimeoutError)
             kind, status = ("unreachable", 502) if connecting else ("timeout", 504)
             self._counters.failures.labels(kind).inc()
             if connecting and await self._rerouted():
                 return _REROUTED
             await self._error(send, status, f"upstream {where} did not answer: {_what(exc)}")
             return None
-        except httpx.ConnectError as exc:
+        except aiohttp.ClientConnectorError as exc:
             self._counters.failures.labels("unreachable").inc()
             if await self._rerouted():
                 return _REROUTED
             await self._error(send, 502, f"upstream {where} cannot be reached: {_what(exc)}")
             return None
-        except httpx.TransportError as exc:
+        except (aiohttp.ClientError, OSError) as exc:
             self._counters.failures.labels("unreachable").inc()
             await self._error(send, 502, f"upstream {where} gave no answer: {_what(exc)}")
             return None
+        ended = False
         try:
-            status = response.status_code
+            status = response.status
             watch = (
                 UsageWatch(response.headers.get("content-type", ""))
                 if self._on_usage is not None and 200 <= status < 300
@@ -257,26 +276,41 @@ class ForwardedAnswer(Response):
                 {
                     "type": "http.response.start",
                     "status": status,
-                    "headers": answer_headers(response.headers) + self._report,
+                    "headers": answer_headers(response.raw_headers) + self._report,
                 }
             )
             self._counters.requests.labels(self._endpoint, str(status)).inc()
             try:
-                async for chunk in response.aiter_raw():
+                async for chunk in response.content.iter_any():
                     if watch is not None:
                         watch.feed(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except httpx.TransportError as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 # The status is sent: end the connection without ending the body, so the
                 # client sees an incomplete answer.
                 self._counters.failures.labels("broken").inc()
                 logger.warning("upstream %s broke off its answer: %s", where, _what(exc))
                 return None
+            ended = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return watch.usage() if watch is not None else None
         finally:
-            with anyio.CancelScope(shield=True):
-                await response.aclose()
+            # A whole answer's connection goes back to the pool; any other is closed, so the
+            # upstream stops (a cancelled or broken answer).
+            if ended:
+                response.release()
+            else:
+                response.close()
+
+    async def _send(self) -> aiohttp.ClientResponse:
+        """The upstream's answer, its status and headers read (its body not yet)."""
+        return await self._upstream.client.request(
+            self._method,
+            self._url,
+            headers=self._sent_headers,
+            data=self._body or None,
+            allow_redirects=False,
+        )
 
     async def _error(self, send: Any, status: int, message: str) -> None:
         body = error_bytes(self._api, status, message)

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+import msgspec
+
 from contextpilot_integrations.core.messages import MessagePlan, MessagePlanner
 from contextpilot_integrations.core.messages.message_shapes import (
     Api,
@@ -211,10 +213,7 @@ class ProxyPlanning:
         Raises:
             BadRequest: the body is refused (module docstring).
         """
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            raise BadRequest(400, f"body: cannot be read as JSON ({exc})", "body") from None
+        body, plain = _decoded(raw)
         if not isinstance(body, dict):
             raise BadRequest(422, f"body must be a JSON object, got {type(body).__name__}", "body")
         extension = body.pop(EXTENSION_FIELD, None)
@@ -276,7 +275,9 @@ class ProxyPlanning:
             placer.commit(placed)
         body["messages"] = plan.messages
         breakpoints = self._add_fields(body, api, rid, tenant, scope)
-        encoded = _encoded(body)
+        encoded = _encoded_plain(body) if plain else None
+        if encoded is None:
+            encoded = _encoded(body)
         replica = self._replica(tenant, rid, scope, encoded, placed)
         if self._record is not None:
             try:
@@ -344,6 +345,35 @@ class ProxyPlanning:
         if api != "anthropic":
             return 0
         return _add_breakpoints(body, self.planner_of(tenant))
+
+
+def _decoded(raw: bytes) -> tuple[Any, bool]:
+    """The client's body read, and whether it is plain: read by msgspec (several times
+    faster than :mod:`json` on a long history), which refuses what JSON's grammar does and
+    more (``NaN``, a lone surrogate escape, a number past a float's range); such a body is read
+    by :mod:`json` as before, and is not plain.
+
+    Raises:
+        BadRequest: not JSON (400).
+    """
+    try:
+        return msgspec.json.decode(raw), True
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep
+        pass
+    try:
+        return json.loads(raw), False
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(400, f"body: cannot be read as JSON ({exc})", "body") from None
+
+
+def _encoded_plain(body: dict[str, Any]) -> bytes | None:
+    """A plain body (:func:`_decoded`) as UTF-8 JSON by msgspec: the same values as
+    :func:`_encoded` gives, ``None`` where msgspec cannot write one (then :func:`_encoded`).
+    Only for plain bodies: msgspec writes a NaN as ``null``, which such a body cannot hold."""
+    try:
+        return msgspec.json.encode(body)
+    except (msgspec.EncodeError, TypeError, ValueError, OverflowError):
+        return None
 
 
 def _encoded(body: dict[str, Any]) -> bytes:

@@ -1,8 +1,13 @@
-"""The proxy's HTTP client to its upstream: one pooled ``httpx.AsyncClient``, the upstream URL
-of a path, and the headers a forwarded request carries.
+"""The proxy's HTTP client to its upstream: one pooled ``aiohttp.ClientSession``, the upstream
+URL of a path, and the headers a forwarded request carries.
+
+*Why aiohttp.* Its pool hands out an idle connection in constant time; httpcore's (under
+``httpx.AsyncClient``) checks every pooled connection, a system call each, on every request
+and every release, so its cost on the event loop grows with the requests in flight, which an
+engine's long answers keep many of (docs/DESIGN.md, "The proxy").
 
 Headers (docs/DESIGN.md, "The proxy"): hop-by-hop headers, ``host`` and ``content-length`` are
-dropped (httpx sets its own); the client's credentials (``authorization``, ``x-api-key``,
+dropped (the client sets its own); the client's credentials (``authorization``, ``x-api-key``,
 :data:`TENANT_KEY_HEADER`) are dropped too unless ``pass_client_key``, and the proxy's own
 upstream key takes their place; the client's ``x-contextpilot-*`` headers are the proxy's and
 stay here. Answers lose their hop-by-hop headers and the upstream's ``x-contextpilot-*`` ones:
@@ -11,7 +16,9 @@ ContextPilot service, or any server that sets them) would otherwise duplicate or
 
 The pooled client keeps no cookies: it serves every tenant, so a ``Set-Cookie`` of one answer
 (passed to that client as it is) must never go out with another tenant's request; a client's
-own ``cookie`` header is forwarded as sent.
+own ``cookie`` header is forwarded as sent. It follows no redirects (a ``3xx`` goes back to the
+client as it is), reads answers raw (no decompression: the bytes pass as the upstream sent
+them) and keeps an idle connection :data:`KEEPALIVE_S` at most.
 
 The client is made on first use inside the running event loop and closed by
 :meth:`Upstream.aclose` (the app's lifespan): a pool serves one loop.
@@ -19,14 +26,13 @@ The client is made on first use inside the running event loop and closed by
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from http.cookiejar import CookieJar, DefaultCookiePolicy
+from collections.abc import Iterable
 
-import httpx
+import aiohttp
 
 from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
 
-__all__ = ["TENANT_KEY_HEADER", "Upstream", "answer_headers"]
+__all__ = ["KEEPALIVE_S", "TENANT_KEY_HEADER", "Upstream", "answer_headers"]
 
 TENANT_KEY_HEADER = "x-contextpilot-api-key"
 """A request header that carries the tenant key apart from the upstream's credentials."""
@@ -47,6 +53,17 @@ _HOP_BY_HOP = frozenset(
 _CREDENTIALS = frozenset({"authorization", "x-api-key", TENANT_KEY_HEADER})
 _REQUEST_DROPPED = _HOP_BY_HOP | {"host", "content-length"}
 _OWN_PREFIX = "x-contextpilot-"
+_OWN_PREFIX_BYTES = _OWN_PREFIX.encode("ascii")
+_HOP_BY_HOP_BYTES = frozenset(name.encode("ascii") for name in _HOP_BY_HOP)
+
+KEEPALIVE_S = 4.0
+"""How long an idle pooled connection is kept: under uvicorn's default keep-alive of 5 s, after
+which that server closes one, so the proxy seldom sends on a connection the upstream is closing
+(that race is retried once: :mod:`.forwarding`)."""
+
+_MAX_HEADER_BYTES = 65_536
+"""The longest answer header line read (aiohttp's default, 8,190 bytes, would refuse an
+upstream's long header that other clients accept)."""
 
 
 class Upstream:
@@ -54,40 +71,39 @@ class Upstream:
 
     Args:
         config: the upstream's URL (not None), kind, credentials and limits.
-        transport: an httpx transport to use instead of the network (tests of the client).
     """
 
-    def __init__(
-        self, config: ProxyConfig, transport: httpx.AsyncBaseTransport | None = None
-    ) -> None:
+    def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
         base = config.upstream_url
         if base is None:  # a direct fleet: one Upstream per replica URL
             raise ValueError("an Upstream needs config.upstream_url, got None")
         self._base = base[: -len("/v1")] if base.endswith("/v1") else base
 
     @property
-    def client(self) -> httpx.AsyncClient:
+    def client(self) -> aiohttp.ClientSession:
         """The pooled client (made on first use, in the running event loop)."""
         if self._client is None:
-            limits = httpx.Limits(
-                max_connections=self.config.max_connections,
-                max_keepalive_connections=self.config.max_connections,
+            connector = aiohttp.TCPConnector(
+                limit=self.config.max_connections,
+                limit_per_host=0,
+                keepalive_timeout=KEEPALIVE_S,
             )
-            timeout = httpx.Timeout(
-                connect=self.config.connect_timeout_s,
-                read=self.config.read_timeout_s,
-                write=self.config.read_timeout_s,
-                pool=None,
+            timeout = aiohttp.ClientTimeout(
+                total=None,
+                connect=None,  # the wait for a pooled connection: none
+                sock_connect=self.config.connect_timeout_s,
+                sock_read=self.config.read_timeout_s,
             )
-            self._client = httpx.AsyncClient(
-                limits=limits,
+            self._client = aiohttp.ClientSession(
+                connector=connector,
                 timeout=timeout,
-                transport=self._transport,
-                follow_redirects=False,
-                cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
+                cookie_jar=aiohttp.DummyCookieJar(),
+                auto_decompress=False,
+                trust_env=False,
+                max_line_size=_MAX_HEADER_BYTES,
+                max_field_size=_MAX_HEADER_BYTES,
             )
         return self._client
 
@@ -130,15 +146,15 @@ class Upstream:
         """Close the pool (the next use makes a new one)."""
         client, self._client = self._client, None
         if client is not None:
-            await client.aclose()
+            await client.close()
 
 
-def answer_headers(given: Mapping[str, str] | httpx.Headers) -> list[tuple[bytes, bytes]]:
-    """The upstream answer's headers as the client gets them (hop-by-hop and
-    ``x-contextpilot-*`` ones dropped: module docstring)."""
-    items = given.multi_items() if isinstance(given, httpx.Headers) else given.items()
-    return [
-        (name.lower().encode("latin-1"), value.encode("latin-1"))
-        for name, value in items
-        if name.lower() not in _HOP_BY_HOP and not name.lower().startswith(_OWN_PREFIX)
-    ]
+def answer_headers(given: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The upstream answer's raw headers as the client gets them (names lower-cased;
+    hop-by-hop and ``x-contextpilot-*`` ones dropped: module docstring)."""
+    out: list[tuple[bytes, bytes]] = []
+    for raw_name, value in given:
+        name = raw_name.lower()
+        if name not in _HOP_BY_HOP_BYTES and not name.startswith(_OWN_PREFIX_BYTES):
+            out.append((name, value))
+    return out

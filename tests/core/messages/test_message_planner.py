@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from contextpilot_integrations.core.messages import MessagePlanner, message_planner
+from contextpilot_integrations.core.messages.message_history import text_size
 from contextpilot_integrations.core.messages.pointers import (
     MIN_SHOWN,
     RequestView,
@@ -481,6 +482,21 @@ def test_forget_and_eviction_replay_nothing() -> None:
     assert planner.plan(messages, scope=SCOPE).replayed == 0
 
 
+def test_the_memory_keeps_at_most_max_chars_of_messages_least_recent_dropped_first() -> None:
+    messages = history(LONG, LONG)
+    one = text_size(MessagePlanner().plan(messages).messages)
+    planner = MessagePlanner(max_chars=2 * one + one // 2)  # room for two conversations
+    scopes = [Scope(conversation_id=f"c{i}") for i in range(3)]
+    for scope in scopes:
+        planner.plan(messages, scope=scope)
+    assert planner.conversations == 2
+    assert planner.plan(messages, scope=scopes[0]).replayed == 0  # the oldest went
+    assert planner.plan(messages, scope=scopes[2]).replayed == len(messages)
+    alone = MessagePlanner(max_chars=1)  # a conversation over the bound is kept alone
+    alone.plan(messages, scope=SCOPE)
+    assert alone.plan(messages, scope=SCOPE).replayed == len(messages)
+
+
 def test_messages_past_the_cap_are_planned_again_the_same_way() -> None:
     planner = MessagePlanner(max_messages=4)
     messages = history(LONG, LONG)
@@ -682,6 +698,7 @@ def test_concurrent_calls_of_many_conversations() -> None:
         ({"min_tokens_saved": -1}, "min_tokens_saved"),
         ({"max_conversations": 0}, "max_conversations"),
         ({"max_messages": True}, "max_messages"),
+        ({"max_chars": 0}, "max_chars"),
         ({"token_counter": object()}, "token_counter"),
     ],
 )
