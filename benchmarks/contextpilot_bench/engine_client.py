@@ -170,6 +170,7 @@ class EngineClient:
         max_tokens: int = 1,
         headers: Mapping[str, str] | None = None,
         token_ids: bool = False,
+        extra_body: Mapping[str, Any] | None = None,
     ) -> Completion:
         """Send one streamed chat completion and measure it.
 
@@ -181,6 +182,7 @@ class EngineClient:
             headers: more request headers (a gateway's routing key:
                 :func:`~contextpilot_integrations.llm_call.engine_fields.engine_headers`).
             token_ids: ask for the generated token ids (vLLM's ``return_token_ids``).
+            extra_body: more body fields (the proxy's ``contextpilot`` extension).
 
         Returns:
             :class:`Completion`.
@@ -200,6 +202,7 @@ class EngineClient:
         }
         if token_ids:
             body["return_token_ids"] = True
+        body.update(extra_body or {})
         start = time.perf_counter()
         first_token: float | None = None
         finished_at: float | None = None

@@ -17,6 +17,14 @@
     "The smg gateway").
 ``contextpilot-routed-direct``
     The same router in its ``"direct"`` mode: each request is sent to its plan's ``base_url``.
+``contextpilot-proxy-smg``
+    The router hosted in the proxy (:mod:`~contextpilot_bench.proxy_fleet`) in front of the
+    same SMG as ``contextpilot-routed-smg``: each request goes to the proxy with its documents
+    marked in the body (``contextpilot.documents``); the proxy plans them on the replica it
+    picks (its in-flight load, its KV events) and forwards to SMG with the routing key. The
+    requests go in the order a batch app sends them, the schedule of a replica-blind
+    ``plan_batch`` (as the other ContextPilot methods), so that the methods differ in where
+    requests go, not in their order; the proxy plans each one as it comes.
 
 Each method starts with every replica's prefix cache emptied
 (:meth:`~contextpilot_bench.vllm_replica_fleet.VllmCpuFleet.reset`) and, behind SMG, a
@@ -50,6 +58,7 @@ from contextpilot_integrations.llm_call.engine_fields import (
 
 __all__ = [
     "BASELINE_METHODS",
+    "PROXY_METHOD",
     "VLLM_REPLICA_METHODS",
     "ROUTED_METHODS",
     "ReplicaMethodRun",
@@ -60,7 +69,13 @@ __all__ = [
 
 BASELINE_METHODS = ("baseline-round_robin", "baseline-cache_aware")
 ROUTED_METHODS = {"smg": "contextpilot-routed-smg", "direct": "contextpilot-routed-direct"}
-VLLM_REPLICA_METHODS = (*BASELINE_METHODS, "contextpilot-cache_aware", *ROUTED_METHODS.values())
+PROXY_METHOD = "contextpilot-proxy-smg"
+VLLM_REPLICA_METHODS = (
+    *BASELINE_METHODS,
+    "contextpilot-cache_aware",
+    *ROUTED_METHODS.values(),
+    PROXY_METHOD,
+)
 
 _GATEWAYS = {
     "baseline-round_robin": "smg round_robin",
@@ -68,6 +83,7 @@ _GATEWAYS = {
     "contextpilot-cache_aware": "smg cache_aware",
     "contextpilot-routed-smg": "smg routing key",
     "contextpilot-routed-direct": "direct",
+    PROXY_METHOD: "proxy, smg routing key",
 }
 
 
@@ -180,6 +196,8 @@ def run_vllm_replica_method(
     began = time.perf_counter()
     fleet.reset()
     before = fleet.counters()
+    if method == PROXY_METHOD:
+        return _run_through_proxy(prepared, fleet, before, began, smg_binary, progress)
     tokenize = fleet.instances[0].server.tokenize
     router: ReplicaRouter | None = None
     gateway: SmgGateway | None = None
@@ -274,6 +292,67 @@ def run_vllm_replica_method(
         plan_seconds=plan_seconds,
         seconds=time.perf_counter() - began,
         gateway_startup_s=gateway.startup_seconds if gateway is not None else None,
+        router=figures,
+    )
+
+
+def _run_through_proxy(
+    prepared: PreparedWorkload,
+    fleet: VllmCpuFleet,
+    before: dict[str, WorkerCounters],
+    began: float,
+    smg_binary: str | None,
+    progress: Callable[[], None] | None,
+) -> ReplicaMethodRun:
+    """The ``contextpilot-proxy-smg`` method (module docstring). The prompt the proxy sends is
+    not seen here, so its requests carry no token ids (the one-replica model is the
+    reference row's)."""
+    from contextpilot_bench.proxy_fleet import proxy_over_gateway
+
+    layout = prepared.layout
+    blind = ContextPilot(layout=layout, token_counter=prepared.counter)
+    order = list(blind.plan_batch(_batch(prepared, "schedule")).schedule)
+    sent = []
+    with (
+        SmgGateway(
+            fleet.urls,
+            policy="round_robin",
+            routing_header=ROUTING_HEADER,
+            assignment_mode="delegate",
+            binary=smg_binary,
+        ) as gateway,
+        proxy_over_gateway(gateway.base_url, fleet.replica_specs(), layout) as (url, router),
+        EngineClient(url, model=fleet.model_name) as client,
+    ):
+        for i in order:
+            request = prepared.workload.requests[i]
+            rid = f"{PROXY_METHOD}-{request.id}"
+            answer = client.chat(
+                [{"role": "system", "content": layout.system_prompt},
+                 {"role": "user", "content": request.query}],
+                rid=rid,
+                max_tokens=fleet.instances[0].answer_tokens,
+                extra_body={"contextpilot": {"documents": prepared.block_texts(i)}},
+            )  # fmt: skip
+            sent.append(
+                AnsweredRequest(
+                    i, rid, answer.prompt_tokens, answer.cached_tokens or 0, answer.ttft_s, None, ()
+                )
+            )
+            if progress is not None:
+                progress()
+        fleet.wait_for_events()
+        _wait_quiet(router)
+        figures = _router_figures(router)
+        startup = gateway.startup_seconds
+    after = fleet.counters()
+    return ReplicaMethodRun(
+        PROXY_METHOD,
+        _GATEWAYS[PROXY_METHOD],
+        sent,
+        {name: after[name].minus(before[name]) for name in fleet.names},
+        seconds=time.perf_counter() - began,
+        gateway_startup_s=startup,
         router=figures,
     )
 

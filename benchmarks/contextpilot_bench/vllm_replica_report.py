@@ -36,7 +36,7 @@ from contextpilot_bench.replica_report import (
     TARGET_VS_BLIND,
     TARGET_VS_ONE_REPLICA,
 )
-from contextpilot_bench.vllm_replica_methods import ROUTED_METHODS, ReplicaMethodRun
+from contextpilot_bench.vllm_replica_methods import PROXY_METHOD, ROUTED_METHODS, ReplicaMethodRun
 
 __all__ = ["VLLM_REPLICA_COLUMNS", "vllm_replica_rows", "vllm_replica_target_lines"]
 
@@ -125,11 +125,18 @@ def vllm_replica_target_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     baseline = by_method.get("baseline-cache_aware")
     lines = []
     one_target, blind_target = TARGET_VS_ONE_REPLICA, TARGET_VS_BLIND
-    for routed in ROUTED_METHODS.values():
+    for routed in (*ROUTED_METHODS.values(), PROXY_METHOD):
         row = by_method.get(routed)
         if row is None:
             continue
         hit = row["hit_ratio"]
+        if reference is not None and reference["ttft_p50_s"] > 0:
+            slower = row["ttft_p50_s"] / reference["ttft_p50_s"]
+            lines.append(
+                f"{routed}: median TTFT {row['ttft_p50_s']:.3f} s = {slower:.2f}x ContextPilot "
+                f"prompts via cache_aware ({reference['ttft_p50_s']:.3f} s) "
+                f"(<= 1: {_verdict(slower <= 1.0)})"
+            )
         if reference is not None and reference["one_replica_model_hit"]:
             one = reference["one_replica_model_hit"]
             share = hit / one

@@ -117,6 +117,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     service: IndexService = app.state.service
     # Their own limiters: worker threads stuck in a call must not keep these from running.
     await anyio.to_thread.run_sync(service.start, limiter=anyio.CapacityLimiter(1))
+    if app.state.proxy is not None:
+        await anyio.to_thread.run_sync(app.state.proxy.start, limiter=anyio.CapacityLimiter(1))
     try:
         yield
     finally:

@@ -19,6 +19,15 @@ Examples::
     OPENAI_API_KEY=... contextpilot-server --upstream https://api.openai.com/v1 \\
         --upstream-api-key-env OPENAI_API_KEY --cache-model ttl --ttl-provider openai
 
+    # the proxy in front of two vLLM replicas (the router hosted here, each replica's KV events)
+    contextpilot-server --replica http://127.0.0.1:8001/v1 --replica http://127.0.0.1:8002/v1 \\
+        --replica-kv-events tcp://127.0.0.1:5557 --replica-kv-events tcp://127.0.0.1:5559 \\
+        --kv-events-topic kv-events
+    # ... or behind smg routing on the routing key (--upstream is then the gateway)
+    contextpilot-server --upstream http://127.0.0.1:30000/v1 \\
+        --replica http://127.0.0.1:8001/v1 --replica http://127.0.0.1:8002/v1 \\
+        --replica-kv-events tcp://127.0.0.1:5557 --replica-kv-events tcp://127.0.0.1:5559
+
     # tenants: each key belongs to one tenant (format in service/tenants.py)
     contextpilot-server --api-keys /etc/contextpilot/keys.json --snapshot /var/lib/cp/index.json
     CONTEXTPILOT_API_KEYS="alice=<key>,bob=<key>" contextpilot-server
@@ -46,6 +55,12 @@ upstream's key comes from ``--upstream-api-key-env NAME`` (the variable's value)
 ``--pass-client-key`` each client's own ``Authorization`` / ``x-api-key`` go upstream instead.
 On a service with keys the client's bearer key is its tenant key and is not forwarded (unless
 ``--pass-client-key``; a client then gives its tenant key as ``x-contextpilot-api-key``).
+
+Replicas (``--replica URL`` repeated, or ``--replicas-config FILE``, the fleet mapping of
+:mod:`.proxy.fleet_config`): the proxy hosts the replica router. Without ``--upstream`` each call
+goes to its replica's URL (the ``"direct"`` mode); with it, ``--upstream`` is a gateway (smg)
+routing on the ``x-contextpilot-route`` key (the ``"gateway"`` mode). ``--replica-kv-events``
+gives the replicas' KV-event endpoints, in the same order (topic ``--kv-events-topic``).
 """
 
 from __future__ import annotations
@@ -203,6 +218,27 @@ def build_parser() -> argparse.ArgumentParser:
         "proxy's key (with tenant keys, clients then send theirs as x-contextpilot-api-key)",
     )
     proxy.add_argument(
+        "--replica",
+        action="append",
+        metavar="URL",
+        help="an engine replica's base URL (repeat for each; named replica-0, replica-1, ...): "
+        "the proxy routes each call to one; with --upstream, the gateway in front of them",
+    )
+    proxy.add_argument(
+        "--replica-kv-events",
+        action="append",
+        type=_zmq_endpoint,
+        metavar="ENDPOINT",
+        help="the KV-event endpoint of each --replica, in the same order",
+    )
+    proxy.add_argument(
+        "--replicas-config",
+        type=Path,
+        metavar="JSON",
+        help="a JSON file of the fleet: mode (direct, gateway), replicas (name, base_url, "
+        "cache_sync), load, max_imbalance, retry_down_s",
+    )
+    proxy.add_argument(
         "--upstream-timeout",
         type=float,
         default=600.0,
@@ -341,7 +377,8 @@ def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | N
         )
         if present
     ]
-    if args.upstream is None:
+    fleet = _fleet(args)
+    if args.upstream is None and fleet is None:
         if given:
             raise ValueError(f"{', '.join(given)} need --upstream URL")
         return None
@@ -382,9 +419,55 @@ def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | N
             api_key=key,
             pass_client_key=args.pass_client_key,
             read_timeout_s=args.upstream_timeout,
+            fleet=fleet,  # type: ignore[arg-type]  # the mapping is checked there
         )
     except ValueError as exc:
-        raise ValueError(f"--upstream: {exc}") from None
+        where = "--replicas-config" if args.replicas_config is not None else "--replica"
+        raise ValueError(f"{where if fleet is not None else '--upstream'}: {exc}") from None
+
+
+def _fleet(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The fleet mapping of ``--replica`` / ``--replica-kv-events`` or ``--replicas-config``
+    (its mode from ``--upstream``: a gateway with it, direct without); None without either.
+
+    Raises:
+        ValueError: both given, endpoints without replicas or not one per replica, or a
+            config file that cannot be read as a JSON object.
+    """
+    urls, endpoints = args.replica or [], args.replica_kv_events or []
+    if args.replicas_config is not None:
+        if urls or endpoints:
+            raise ValueError("give the replicas by --replica or by --replicas-config, not both")
+        try:
+            fleet = json.loads(args.replicas_config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"--replicas-config {str(args.replicas_config)!r}: cannot be read ({exc})"
+            ) from None
+        if not isinstance(fleet, dict):
+            raise ValueError(
+                f"--replicas-config {str(args.replicas_config)!r}: must hold a JSON object"
+            )
+        fleet.setdefault("mode", "gateway" if args.upstream is not None else "direct")
+        return fleet
+    if endpoints and len(endpoints) != len(urls):
+        raise ValueError(
+            f"--replica-kv-events: {len(endpoints)} given for {len(urls)} --replica; give one "
+            "per replica, in the same order"
+        )
+    if not urls:
+        return None
+    replicas: list[dict[str, Any]] = []
+    for i, url in enumerate(urls):
+        replica: dict[str, Any] = {"name": f"replica-{i}", "base_url": url}
+        if endpoints:
+            replica["cache_sync"] = {
+                "kind": "kv-events",
+                "endpoint": endpoints[i],
+                "topic": args.kv_events_topic,
+            }
+        replicas.append(replica)
+    return {"mode": "gateway" if args.upstream is not None else "direct", "replicas": replicas}
 
 
 def _keys(

@@ -81,3 +81,17 @@ def test_the_smg_binary_is_found_as_configured(
     monkeypatch.setenv("PATH", str(tmp_path) + os.pathsep + os.environ.get("PATH", ""))
     found = find_smg()
     assert found is not None and found.name == "smg"
+
+
+def test_the_proxy_method_is_judged_on_hit_ratio_and_median_ttft() -> None:
+    from contextpilot_bench.vllm_replica_report import vllm_replica_target_lines
+
+    reference = {"method": "contextpilot-cache_aware", "hit_ratio": 0.30,
+                 "one_replica_model_hit": 0.40, "ttft_p50_s": 0.200}  # fmt: skip
+    proxy = {"method": "contextpilot-proxy-smg", "hit_ratio": 0.38, "ttft_p50_s": 0.250,
+             "prompt_tokens_max_over_min": 1.1}  # fmt: skip
+    lines = vllm_replica_target_lines([reference, proxy])
+    assert "contextpilot-proxy-smg: median TTFT 0.250 s = 1.25x" in lines[0]
+    assert lines[0].endswith("(<= 1: MISSED)")
+    assert "= 0.95 of one-replica ContextPilot 0.4000" in lines[1] and lines[1].endswith("ok)")
+    assert "contextpilot-proxy-smg" in methods_for("smg", "contextpilot-proxy-smg")

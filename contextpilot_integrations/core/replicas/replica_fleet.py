@@ -198,6 +198,24 @@ class ReplicaFleet:
         replica.usage.add(prompt_tokens, cached_tokens, cache_write_tokens)
         return replica.pilot.record_usage(rid, prompt_tokens, cached_tokens, cache_write_tokens)
 
+    def complete(self, rid: str) -> None:
+        """``rid``'s call ended without a usage report (it failed, or its answer carried
+        none): no longer in flight."""
+        with self.lock:
+            self.loads.complete(rid)
+
+    def landed(self, name: str, rid: str) -> None:
+        """``rid`` reached replica ``name`` (its engine's events, or a caller that sent it
+        there instead of the planned replica): learn where its key went, and move it there if
+        it was planned for another replica."""
+        self._landed(name, rid)
+
+    def set_health(self, name: str, up: bool) -> None:
+        """Mark replica ``name`` down (its requests evicted; routing goes on with the others)
+        or up again: what its link's ``on_health`` does, for a caller that found it
+        unreachable itself."""
+        self._health(name, up)
+
     def stats(self) -> dict[str, Any]:
         """``replicas`` (name -> the per-replica figures of ``ReplicaRouter.stats``),
         ``remapped``, ``remapped_keys`` and ``balance`` (of the replicas that are up)."""

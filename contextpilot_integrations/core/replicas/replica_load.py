@@ -9,7 +9,9 @@ of SMG's ``prefix_hash`` load factor, here with the prefix found by alignment):
 
 (the least loaded replica always is; ``c``, the request's own cost, lets an idle fleet take a
 first request anywhere). Among the eligible replicas the longest aligned prefix wins, then the
-least loaded, then the first in the router's order (:func:`pick_replica`): deterministic.
+least loaded, then the one routed the fewest prompt tokens so far (an idle fleet, as in-flight
+loads often are between calls, still spreads new work), then the first in the router's order
+(:func:`pick_replica`): deterministic.
 
 A batch is split by the top of its prefix tree (:func:`partition_batch`): requests with the
 same first block go together, each group to the replica where its members' prefixes are cached
@@ -176,9 +178,11 @@ def pick_replica(
     loads: Mapping[str, int],
     cost: int,
     max_imbalance: float,
+    routed: Mapping[str, int] | None = None,
 ) -> str:
     """The eligible replica with the highest score (the request's cached prefix there, in
-    tokens), then the least loaded, then the first of ``candidates``.
+    tokens), then the least loaded, then the least ``routed`` (prompt tokens routed there so
+    far; None: not considered), then the first of ``candidates``.
 
     Raises:
         ValueError: no candidates.
@@ -188,12 +192,12 @@ def pick_replica(
     least = min(loads[name] for name in candidates)
     best = max(
         (
-            (scores.get(name, 0), -loads[name], -position, name)
+            (scores.get(name, 0), -loads[name], -(routed or {}).get(name, 0), -position, name)
             for position, name in enumerate(candidates)
             if eligible(loads[name], least, cost, max_imbalance)
         ),
     )
-    return best[3]
+    return best[-1]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,11 @@ conversation's last replica), so two concurrent calls never plan it; the choice 
 the fleet's lock, the planning outside it. The per-request work is bounded by the request's
 size times the number of replicas (docs/DESIGN.md, "Hot path").
 
-Public API: :class:`ReplicaPlanning`.
+A call with no blocks to plan (an agent's messages, forwarded by the service's proxy) is routed
+alone (:meth:`ReplicaPlanning.route`): to its conversation's last replica, credited with its
+history, within the same bounded-imbalance rule, else to the least loaded.
+
+Public API: :class:`ReplicaPlanning`, :class:`ReplicaChoice`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from contextpilot_integrations.core.blocks import TokenCounter, block_id
 from contextpilot_integrations.core.lru import LRU
@@ -48,7 +53,22 @@ from contextpilot_integrations.core.request import (
 )
 from contextpilot_integrations.core.request_blocks import distinct_blocks
 
-__all__ = ["ReplicaPlanning"]
+__all__ = ["ReplicaChoice", "ReplicaPlanning"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaChoice:
+    """Where a routed call goes (what a :class:`~.plan.Plan` of the router carries).
+
+    Attributes:
+        replica: the replica's name.
+        routing_key: the gateway header's value (``"gateway"`` mode), else None.
+        base_url: the replica's base URL (``"direct"`` mode), else None.
+    """
+
+    replica: str
+    routing_key: str | None
+    base_url: str | None
 
 
 class ReplicaPlanning:
@@ -97,7 +117,9 @@ class ReplicaPlanning:
             self._credit_conversation(request.scope, scores)
             names = [name for name in candidates if name in replicas]
             now = loads.loads(names)
-            name = pick_replica(names, scores, now, loads.cost(cost), self._imbalance)
+            name = pick_replica(
+                names, scores, now, loads.cost(cost), self._imbalance, self._routed_tokens(names)
+            )
             loads.add(rid, name, cost)
             replica, key = replicas[name], keys.key_for(name)
         try:
@@ -106,6 +128,42 @@ class ReplicaPlanning:
             self._abandon([rid])
             raise
         return self._routed([plan], replica, key)[0]
+
+    def route(self, rid: str, scope: Scope, prompt_tokens: int) -> ReplicaChoice:
+        """Pick the replica for a call with no blocks to plan (``ReplicaRouter.route``): the
+        conversation's last replica is credited with its history; the bounded-imbalance rule
+        and the least loaded decide the rest. The route, load and conversation are recorded
+        as for a plan.
+
+        Raises:
+            RidConflictError: ``rid`` is indexed on a replica or being planned.
+        """
+        candidates = self._fleet.candidates()
+        scores: dict[str, int] = {}
+        loads, keys = self._fleet.loads, self._fleet.keys
+        with self._reserved([rid]) as replicas:
+            self._credit_conversation(scope, scores)
+            names = [name for name in candidates if name in replicas]
+            cost = max(1, prompt_tokens)
+            name = pick_replica(
+                names,
+                scores,
+                loads.loads(names),
+                loads.cost(cost),
+                self._imbalance,
+                self._routed_tokens(names),
+            )
+            loads.add(rid, name, cost)
+            key = keys.key_for(name)
+            self._fleet.routes.put(rid, Route(name, key, ()))
+            conversation = scope.conversation
+            if conversation is not None:
+                self._conversations.put(conversation, (name, cost))
+            self._planning.discard(rid)
+            base_url = replicas[name].spec.base_url
+        if self._direct:
+            return ReplicaChoice(name, None, base_url)
+        return ReplicaChoice(name, key, None)
 
     def plan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
         """Partition a batch across the replicas and plan each part on its replica.
@@ -181,6 +239,10 @@ class ReplicaPlanning:
             except BaseException:
                 self._planning.difference_update(rids)
                 raise
+
+    def _routed_tokens(self, names: Sequence[str]) -> dict[str, int]:
+        """Prompt tokens routed to each of ``names`` so far (lock held)."""
+        return {name: self._fleet.loads.routed(name)[1] for name in names}
 
     def _abandon(self, rids: Sequence[str]) -> None:
         """Their plans failed: not routed after all, the rids free again."""

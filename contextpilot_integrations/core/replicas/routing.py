@@ -40,7 +40,7 @@ from contextpilot_integrations.core.planner_protocol import ThreadedAsyncTwins
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.replicas.replica_fleet import LinkFactory, ReplicaFleet
 from contextpilot_integrations.core.replicas.replica_load import LoadBoard
-from contextpilot_integrations.core.replicas.replica_planning import ReplicaPlanning
+from contextpilot_integrations.core.replicas.replica_planning import ReplicaChoice, ReplicaPlanning
 from contextpilot_integrations.core.replicas.route_keys import RouteKeys
 from contextpilot_integrations.core.replicas.routing_config import (
     LoadKind,
@@ -184,6 +184,20 @@ class ReplicaRouter(ThreadedAsyncTwins):
         """
         return self._planning.plan(PlanRequest(query, blocks, rid, scope or NO_SCOPE))
 
+    def route(
+        self, rid: str, *, scope: Scope | None = None, prompt_tokens: int = 1
+    ) -> ReplicaChoice:
+        """Pick the replica for a call with no blocks to plan (an agent's messages): its
+        conversation's last replica, credited with its history, within the bounded-imbalance
+        rule; else the least loaded (:meth:`.ReplicaPlanning.route`). ``prompt_tokens``: the
+        call's size (its load, and the history credited to its conversation's replica next
+        time). Its usage (:meth:`record_usage`) or :meth:`complete` ends it.
+
+        Raises:
+            RidConflictError: ``rid`` is indexed on a replica or being planned.
+        """
+        return self._planning.route(rid, scope or NO_SCOPE, prompt_tokens)
+
     def plan_batch(self, requests: Sequence[PlanRequest]) -> BatchPlan:
         """Partition a batch across the replicas and plan each part on its replica
         (:meth:`.ReplicaPlanning.plan_batch`).
@@ -226,6 +240,25 @@ class ReplicaRouter(ThreadedAsyncTwins):
         """
         self._usage.add(prompt_tokens, cached_tokens, cache_write_tokens)
         return self._fleet.record_usage(rid, prompt_tokens, cached_tokens, cache_write_tokens)
+
+    def candidates(self) -> list[str]:
+        """The replicas routed to now: those up, in order (all of them when none is)."""
+        return self._fleet.candidates()
+
+    def complete(self, rid: str) -> None:
+        """``rid``'s call ended without a usage report: no longer in flight (the in-flight
+        loads)."""
+        self._fleet.complete(rid)
+
+    def landed(self, rid: str, replica: str) -> None:
+        """``rid`` was sent to ``replica`` instead of where it was planned (the caller could
+        not reach that one): its route, load and index entry move there."""
+        self._fleet.landed(replica, rid)
+
+    def set_health(self, replica: str, up: bool) -> None:
+        """Mark ``replica`` down (a caller could not reach it: its requests are evicted and
+        routing goes on with the others) or up again."""
+        self._fleet.set_health(replica, up)
 
     def routing_key(self, rid: str) -> str | None:
         """The routing key ``rid`` was planned with (the gateway header's value), or None."""

@@ -51,6 +51,7 @@ from contextpilot_integrations.core.conversations.turns import TurnVisibility
 from contextpilot_integrations.core.lru import LRU
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import PlacementStatus, Plan
+from contextpilot_integrations.core.replicas.routing import ReplicaRouter
 from contextpilot_integrations.core.request import Scope
 
 __all__ = [
@@ -294,9 +295,10 @@ class PlacedDocuments:
 
 
 class DocumentPlacer:
-    """Places documents for one tenant (its pilot and its :class:`DocumentMemory`)."""
+    """Places documents for one tenant (its pilot, or its replica router behind a fleet, and
+    its :class:`DocumentMemory`)."""
 
-    def __init__(self, pilot: ContextPilot, memory: DocumentMemory) -> None:
+    def __init__(self, pilot: ContextPilot | ReplicaRouter, memory: DocumentMemory) -> None:
         self.pilot = pilot
         self.memory = memory
 

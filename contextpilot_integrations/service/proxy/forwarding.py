@@ -13,6 +13,11 @@ its answer started has its answer cut short (the connection is closed, so the cl
 an incomplete answer, never a silently truncated one). The upstream's own error answers pass
 with their status and body.
 
+With a ``reroute`` (the proxy in front of several replicas), an upstream that cannot be reached
+(a refused connection, a connect timeout: nothing was sent) is replaced by the one ``reroute``
+gives, with its answer headers, and the request goes there; the 502 comes only when it gives
+none.
+
 A connection the upstream closes before any byte of an answer (a pooled keep-alive connection
 the upstream shut as the request went out: an ASGI server closes one after an unhandled
 exception's 500 without announcing it) is retried once (:data:`RETRIED_ONCE`); a second such
@@ -46,7 +51,7 @@ from contextpilot_integrations.service.proxy.api_errors import ErrorApi, error_b
 from contextpilot_integrations.service.proxy.upstream import Upstream, answer_headers
 from contextpilot_integrations.service.proxy.usage_watch import UsageWatch
 
-__all__ = ["CLIENT_GONE", "RETRIED_ONCE", "ForwardedAnswer", "ProxyCounters"]
+__all__ = ["CLIENT_GONE", "RETRIED_ONCE", "ForwardedAnswer", "ProxyCounters", "Reroute"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +73,12 @@ _RETRIED_BY_AIOHTTP = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELE
 docstring)."""
 
 Message = MutableMapping[str, Any]
+
+Reroute = Callable[[], "tuple[Upstream, Sequence[tuple[bytes, bytes]]] | None"]
+"""Blocking (run in a worker thread): another upstream for a request whose upstream could not
+be reached, and the report headers that go with it; ``None``: none left."""
+
+_REROUTED = object()
 
 
 class ProxyCounters:
@@ -112,6 +123,8 @@ class ForwardedAnswer(Response):
         report: headers added to the answer (what the proxy found and changed).
         on_usage: called with the usage read from a successful answer, in a worker thread
             (``None``: the answer is not watched).
+        reroute: another upstream for a request whose upstream cannot be reached
+            (:data:`Reroute`; module docstring).
     """
 
     def __init__(
@@ -128,8 +141,11 @@ class ForwardedAnswer(Response):
         counters: ProxyCounters,
         report: Sequence[tuple[bytes, bytes]] = (),
         on_usage: Callable[[Usage], None] | None = None,
+        reroute: Reroute | None = None,
     ) -> None:
         super().__init__(status_code=200)
+        self._reroute = reroute
+        self._path_query = (path, query)
         self._upstream = upstream
         self._method = method
         # Sent as given: the path keeps the client's percent-encoding (:mod:`.routes`).
@@ -194,7 +210,28 @@ class ForwardedAnswer(Response):
             pass
 
     async def _forward(self, send: Any) -> Usage | None:
-        """Send the request, stream the answer; the usage read (successful answers only)."""
+        """Send the request, stream the answer; the usage read (successful answers only). An
+        unreachable upstream is replaced while ``reroute`` gives another."""
+        while True:
+            found = await self._forward_once(send)
+            if found is not _REROUTED:
+                return found  # type: ignore[return-value]
+
+    async def _rerouted(self) -> bool:
+        """Whether ``reroute`` gave another upstream (the request then goes there)."""
+        if self._reroute is None:
+            return False
+        other = await anyio.to_thread.run_sync(self._reroute)
+        if other is None:
+            return False
+        self._upstream, report = other
+        self._report = list(report)
+        path, query = self._path_query
+        self._url = URL(self._upstream.url(path, query), encoded=True)
+        return True
+
+    async def _forward_once(self, send: Any) -> Usage | None | object:
+        """One upstream's try of :meth:`_forward` (:data:`_REROUTED`: try the next)."""
         where = self._upstream.config.upstream_url
         try:
             try:
@@ -212,10 +249,14 @@ class ForwardedAnswer(Response):
             connecting = isinstance(exc, aiohttp.ConnectionTimeoutError)
             kind, status = ("unreachable", 502) if connecting else ("timeout", 504)
             self._counters.failures.labels(kind).inc()
+            if connecting and await self._rerouted():
+                return _REROUTED
             await self._error(send, status, f"upstream {where} did not answer: {_what(exc)}")
             return None
         except aiohttp.ClientConnectorError as exc:
             self._counters.failures.labels("unreachable").inc()
+            if await self._rerouted():
+                return _REROUTED
             await self._error(send, 502, f"upstream {where} cannot be reached: {_what(exc)}")
             return None
         except (aiohttp.ClientError, OSError) as exc:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
+from contextpilot_integrations.service.proxy.fleet_config import FleetConfig
+
 __all__ = ["UPSTREAM_KINDS", "ProxyConfig", "UpstreamKind", "detect_kind"]
 
 UpstreamKind = Literal["openai-compatible", "openai", "anthropic"]
@@ -36,7 +38,8 @@ class ProxyConfig:
         upstream_url: the upstream's base URL, ``http(s)://host[:port][/prefix]``, with or
             without a trailing ``/v1`` (``/v1/chat/completions`` goes to
             ``<url>/v1/chat/completions``, or ``<url>/chat/completions`` when the URL ends
-            in ``/v1``).
+            in ``/v1``); with a ``"gateway"`` fleet, the gateway; ``None`` only with a
+            ``"direct"`` fleet (each call goes to its replica's URL).
         kind: ``"openai-compatible"`` (SGLang, vLLM, a gateway: the engine's rid, session id
             and ``cache_salt`` fields are added to the body), ``"openai"`` (the hosted API: a
             ``prompt_cache_key`` per conversation), ``"anthropic"`` (the hosted API:
@@ -48,22 +51,48 @@ class ProxyConfig:
         connect_timeout_s: longest wait to connect to the upstream (a 502 after it).
         read_timeout_s: longest wait for the upstream's next bytes (``None``: no limit; a
             model may think for minutes before its first token).
-        max_connections: connections kept to the upstream at most (a pool).
+        max_connections: connections kept to the upstream at most (a pool; one per replica
+            in the ``"direct"`` mode).
+        fleet: the engine replicas behind the proxy and the routing rule
+            (:class:`~.fleet_config.FleetConfig`, or its mapping): the proxy hosts the replica
+            router; ``None``: one upstream, no router.
 
     Raises:
         ValueError: a URL that is not http(s) with a host, an unknown ``kind``, an empty key,
-            both ``api_key`` and ``pass_client_key``, or a bound out of range.
+            both ``api_key`` and ``pass_client_key``, a bound out of range, a bad fleet, or
+            an upstream URL that does not fit the fleet's mode.
     """
 
-    upstream_url: str
+    upstream_url: str | None
     kind: UpstreamKind | None = None
     api_key: str | None = None
     pass_client_key: bool = False
     connect_timeout_s: float = 5.0
     read_timeout_s: float | None = 600.0
     max_connections: int = 512
+    fleet: FleetConfig | None = None
 
     def __post_init__(self) -> None:
+        fleet = self.fleet
+        if fleet is not None and not isinstance(fleet, FleetConfig):
+            fleet = FleetConfig.from_mapping(fleet)
+            object.__setattr__(self, "fleet", fleet)
+        if fleet is not None and fleet.direct:
+            if self.upstream_url is not None:
+                raise ValueError(
+                    "upstream_url and a direct fleet exclude each other: each call goes to its "
+                    "replica's base_url (give the fleet mode 'gateway' for a gateway at "
+                    f"{self.upstream_url!r:.200})"
+                )
+            if self.kind not in (None, "openai-compatible"):
+                raise ValueError(f"kind must be 'openai-compatible' for a fleet, got {self.kind!r}")
+            object.__setattr__(self, "kind", "openai-compatible")
+            self._check_bounds()
+            return
+        if self.upstream_url is None:
+            raise ValueError(
+                "upstream_url is needed (the engine, the gateway or the hosted API), got None"
+            )
         parts = urlsplit(self.upstream_url) if isinstance(self.upstream_url, str) else None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(
@@ -78,6 +107,11 @@ class ProxyConfig:
             object.__setattr__(self, "kind", detect_kind(self.upstream_url))
         elif self.kind not in UPSTREAM_KINDS:
             raise ValueError(f"kind must be one of {', '.join(UPSTREAM_KINDS)}, got {self.kind!r}")
+        if fleet is not None and self.kind != "openai-compatible":
+            raise ValueError(f"kind must be 'openai-compatible' for a fleet, got {self.kind!r}")
+        self._check_bounds()
+
+    def _check_bounds(self) -> None:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty str or None")
         if self.api_key is not None and self.pass_client_key:
@@ -113,5 +147,6 @@ class ProxyConfig:
     def __repr__(self) -> str:  # never the key
         return (
             f"ProxyConfig(upstream_url={self.upstream_url!r}, kind={self.kind!r}, "
-            f"api_key={'<set>' if self.api_key else None}, pass_client_key={self.pass_client_key})"
+            f"api_key={'<set>' if self.api_key else None}, pass_client_key={self.pass_client_key}, "
+            f"fleet={self.fleet!r})"
         )

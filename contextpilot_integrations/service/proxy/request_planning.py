@@ -55,6 +55,8 @@ from contextpilot_integrations.core.messages.message_shapes import (
 )
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import Plan
+from contextpilot_integrations.core.replicas.replica_planning import ReplicaChoice
+from contextpilot_integrations.core.replicas.routing import ReplicaRouter
 from contextpilot_integrations.core.request import Scope, new_rid
 from contextpilot_integrations.llm_call.anthropic_breakpoints import (
     AnthropicCachePolicy,
@@ -124,6 +126,7 @@ class PreparedCall:
         breakpoints: ``cache_control`` breakpoints the proxy placed (``"anthropic"`` only).
         documents: the call's documents as planned and placed (``None``: none given).
         restored: earlier messages put back as they were sent with documents.
+        replica: the replica the call goes to, with a fleet (``None``: one upstream).
     """
 
     body: bytes
@@ -134,6 +137,7 @@ class PreparedCall:
     breakpoints: int = 0
     documents: PlacedDocuments | None = None
     restored: int = 0
+    replica: ReplicaChoice | None = None
 
 
 class ProxyPlanning:
@@ -148,8 +152,11 @@ class ProxyPlanning:
             documents, which counted itself, or ``None``); its errors are logged, never
             raised.
         pilot_of: a tenant's pilot, which plans the documents marked in a body (``None``:
-            documents are refused, 422).
+            documents are refused, 422); with a fleet, the tenant's replica router (the
+            documents' plan then names the replica).
         new_memory: makes a tenant's memory of messages sent with documents.
+        route: with a fleet, the replica of a call without documents, ``(tenant, rid,
+            scope, prompt tokens) -> ReplicaChoice`` (:mod:`.replica_routing`).
     """
 
     def __init__(
@@ -159,9 +166,11 @@ class ProxyPlanning:
         *,
         new_planner: Callable[[], MessagePlanner] = MessagePlanner,
         record: Callable[[str | None, str, Scope, MessagePlan, Plan | None], None] | None = None,
-        pilot_of: Callable[[str | None], ContextPilot] | None = None,
+        pilot_of: Callable[[str | None], ContextPilot | ReplicaRouter] | None = None,
         new_memory: Callable[[], DocumentMemory] = DocumentMemory,
+        route: Callable[[str | None, str, Scope, int], ReplicaChoice] | None = None,
     ) -> None:
+        self._route = route
         self.tenancy = tenancy
         self.kind = kind
         self._new_planner = new_planner
@@ -266,15 +275,36 @@ class ProxyPlanning:
             placer.commit(placed)
         body["messages"] = plan.messages
         breakpoints = self._add_fields(body, api, rid, tenant, scope)
+        encoded = _encoded_plain(body) if plain else None
+        if encoded is None:
+            encoded = _encoded(body)
+        replica = self._replica(tenant, rid, scope, encoded, placed)
         if self._record is not None:
             try:
                 self._record(tenant, rid, scope, plan, placed.plan if placed else None)
             except Exception:
                 logger.exception("recording the proxy's plan %s failed", rid)
-        encoded = _encoded_plain(body) if plain else None
-        if encoded is None:
-            encoded = _encoded(body)
-        return PreparedCall(encoded, rid, scope, source, plan, breakpoints, placed, restored)
+        return PreparedCall(
+            encoded, rid, scope, source, plan, breakpoints, placed, restored, replica
+        )
+
+    def _replica(
+        self,
+        tenant: str | None,
+        rid: str,
+        scope: Scope,
+        encoded: bytes,
+        placed: PlacedDocuments | None,
+    ) -> ReplicaChoice | None:
+        """With a fleet, where the call goes: where its documents were planned, else
+        :meth:`ReplicaRouter.route` of the call (its size estimated from the body)."""
+        if self._route is None:
+            return None
+        replica = placed.plan.replica if placed is not None else None
+        if placed is not None and replica is not None:
+            return ReplicaChoice(replica, placed.plan.routing_key, placed.plan.base_url)
+        counter = self.planner_of(tenant).token_counter
+        return self._route(tenant, rid, scope, counter.count(encoded.decode("utf-8", "replace")))
 
     def _placer(self, tenant: str | None, needed: bool) -> DocumentPlacer | None:
         """The tenant's placer; ``None`` without a pilot (documents then refused) or, when

@@ -24,6 +24,11 @@ Tenants: on a service with keys, a request's tenant is the one its key belongs t
 (what the Anthropic SDK sends); a missing or unknown key is a 401 and nothing is forwarded.
 The key is not forwarded unless ``pass_client_key`` (:mod:`.upstream`).
 
+With a fleet (:mod:`.replica_routing`), each call goes to the replica its tenant's router
+chooses (its base URL, or the gateway with the routing key header), ``x-contextpilot-replica``
+names it, a replica that refuses the connection is routed around, and passed-through requests
+go to the first replica up (or the gateway).
+
 Each answer carries what the proxy found and changed (:func:`.request_planning.
 report_headers`); the usage read from it is recorded as ``POST /v1/usage`` records it, under
 the call's rid, for the tenant (its totals in ``GET /v1/usage``, the usage counters of
@@ -32,8 +37,10 @@ the call's rid, for the tenant (its totals in ``GET /v1/usage``, the usage count
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 from urllib.parse import quote
 
 import anyio
@@ -44,14 +51,20 @@ from fastapi.routing import APIRouter
 from contextpilot_integrations.core.messages import MessagePlan
 from contextpilot_integrations.core.messages.message_shapes import Api
 from contextpilot_integrations.core.plan import Plan
+from contextpilot_integrations.core.replicas.replica_planning import ReplicaChoice
 from contextpilot_integrations.core.request import Scope
 from contextpilot_integrations.llm_call.engine_fields import Usage
 from contextpilot_integrations.service.errors import BodyTooLarge
 from contextpilot_integrations.service.index_service import IndexService
 from contextpilot_integrations.service.proxy.api_errors import ErrorApi, error_answer
 from contextpilot_integrations.service.proxy.conversation_key import SESSION_HEADER
-from contextpilot_integrations.service.proxy.forwarding import ForwardedAnswer, ProxyCounters
+from contextpilot_integrations.service.proxy.forwarding import (
+    ForwardedAnswer,
+    ProxyCounters,
+    Reroute,
+)
 from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
+from contextpilot_integrations.service.proxy.replica_routing import REPLICA_HEADER, ReplicaRouting
 from contextpilot_integrations.service.proxy.request_planning import (
     BadRequest,
     ProxyPlanning,
@@ -85,12 +98,28 @@ class Proxy:
     ) -> None:
         self.config = config
         self.service = service
-        self.upstream = Upstream(config)
+        self.routing: ReplicaRouting | None = None
+        if config.fleet is not None:
+            self.routing = ReplicaRouting(
+                config,
+                service.tenancy,
+                service.metrics.registry,
+                layout=service.config.layout,
+                max_requests=service.config.max_requests,
+            )
+        # Behind a gateway, or a direct fleet's first replica (credentials, headers).
+        first = config.fleet.router.replicas[0].base_url if config.fleet is not None else None
+        self.upstream = Upstream(
+            config if config.upstream_url is not None
+            else dataclasses.replace(config, upstream_url=first, fleet=None)
+        )  # fmt: skip
+        routing = self.routing
         self.planning = ProxyPlanning(
             service.tenancy,
             config.upstream_kind,
             record=self._record_plan,
-            pilot_of=service.pilot_of,
+            pilot_of=routing.router_of if routing is not None else service.pilot_of,
+            route=routing.route if routing is not None else None,
         )
         self.counters = ProxyCounters(service.metrics.registry)
         self.service_paths = dict(service_paths)
@@ -131,15 +160,21 @@ class Proxy:
         pilot planned is one plan already (``ContextPilot.plan`` counts itself under the same
         rid), so only the message plan's figures are added to it."""
         pointers = plan.pointers
-        if documents is not None and not pointers and not plan.tokens_removed:
+        # Behind a fleet the documents were planned by a replica's pilot, whose totals are
+        # not the service's: their figures are added here.
+        counted = documents is not None and self.routing is None
+        if counted and not pointers and not plan.tokens_removed:
             return
+        figures = documents.dedup_figures if documents is not None and not counted else None
         self.service.pilot_of(tenant).count_plan(
             rid,
             scope,
-            plan.tokens_removed,
-            blocks_replaced=sum(1 for p in pointers if p.document is None),
-            sub_blocks_replaced=sum(1 for p in pointers if p.document is not None),
-            plans=0 if documents is not None else 1,
+            plan.tokens_removed + (figures.tokens_saved if figures else 0),
+            blocks_replaced=sum(1 for p in pointers if p.document is None)
+            + (figures.blocks_replaced if figures else 0),
+            sub_blocks_replaced=sum(1 for p in pointers if p.document is not None)
+            + (figures.sub_blocks_replaced if figures else 0),
+            plans=0 if counted else 1,
         )
 
     def record_usage(self, tenant: str | None, rid: str, usage: Usage) -> None:
@@ -151,10 +186,83 @@ class Proxy:
             cache_write_tokens=usage.cache_write_tokens,
             caller=tenant,
         )
+        if self.routing is not None:
+            self.routing.record_usage(tenant, rid, usage)
+
+    def forwarded(
+        self,
+        choice: ReplicaChoice | None,
+        tenant: str | None,
+        rid: str | None,
+        method: str,
+        path: str,
+        query: bytes,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        **options: Any,
+    ) -> Response:
+        """The answer of a request forwarded to ``choice``'s replica (the one upstream
+        without a fleet): its routing key header added, ``x-contextpilot-replica`` reported,
+        a replica that refuses the connection routed around, the in-flight load ended."""
+        routing = self.routing
+        if routing is None:
+            return ForwardedAnswer(self.upstream, method, path, query, headers, body, **options)
+        report = list(options.pop("report", ()))
+        reroute: Reroute | None = None
+        if choice is not None:
+            headers = headers + routing.request_headers(choice)
+            report.append(_replica_header(choice))
+            routing.sent(choice)
+            tried: set[str] = set()
+            current = [choice]
+
+            def reroute() -> tuple[Upstream, list[tuple[bytes, bytes]]] | None:
+                found = routing.reroute(tenant, rid, tried, current[0].replica)
+                if found is None:
+                    return None
+                current[0] = found
+                kept = [h for h in report if h[0] != REPLICA_HEADER.encode("ascii")]
+                return routing.upstream_of(found, self.upstream), [*kept, _replica_header(found)]
+
+        answer = ForwardedAnswer(
+            routing.upstream_of(choice, self.upstream), method, path, query, headers, body,
+            report=report, reroute=reroute, **options,
+        )  # fmt: skip
+        if rid is None:
+            return answer
+        return _Ended(answer, functools.partial(routing.ended, tenant, rid))
+
+    def start(self) -> None:
+        """Start the replicas' engine links (with a fleet)."""
+        if self.routing is not None:
+            self.routing.start()
 
     async def aclose(self) -> None:
-        """Close the upstream's pool."""
+        """Close the upstreams' pools and stop the replicas' engine links."""
         await self.upstream.aclose()
+        if self.routing is not None:
+            await self.routing.aclose()
+            await anyio.to_thread.run_sync(self.routing.stop)
+
+
+class _Ended(Response):
+    """A forwarded answer, then ``on_end`` (in a worker thread) however it ended."""
+
+    def __init__(self, answer: Response, on_end: Callable[[], None]) -> None:
+        super().__init__(status_code=200)
+        self._answer = answer
+        self._on_end = on_end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self._answer(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._on_end)
+
+
+def _replica_header(choice: ReplicaChoice) -> tuple[bytes, bytes]:
+    return (REPLICA_HEADER.encode("ascii"), choice.replica.encode("ascii"))
 
 
 def _proxy(request: Request) -> Proxy:
@@ -191,11 +299,16 @@ async def pass_through(request: Request, path: str) -> Response:
     refused = await _admit(request, proxy, "openai", "pass_through")
     if isinstance(refused, Response):
         return refused
-    body = refused[1]
+    tenant, body = refused
     headers = proxy.upstream.request_headers(request.scope["headers"])
     raw_path = request.scope.get("raw_path")
-    return ForwardedAnswer(
-        proxy.upstream,
+    choice = None
+    if proxy.routing is not None:
+        choice = await anyio.to_thread.run_sync(proxy.routing.pass_through_choice)
+    return proxy.forwarded(
+        choice,
+        tenant,
+        None,
         request.method,
         raw_path.decode("latin-1") if raw_path else quote(decoded),
         request.scope.get("query_string", b""),
@@ -222,8 +335,10 @@ async def _planned(request: Request, api: Api, endpoint: str) -> Response:
     headers = proxy.upstream.request_headers(request.scope["headers"], identity=True)
     headers = [(k, v) for k, v in headers if k != "content-type"]
     headers.append(("content-type", "application/json"))
-    return ForwardedAnswer(
-        proxy.upstream,
+    return proxy.forwarded(
+        call.replica,
+        tenant,
+        call.rid,
         "POST",
         request.url.path,
         request.scope.get("query_string", b""),

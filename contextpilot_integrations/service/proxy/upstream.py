@@ -70,13 +70,15 @@ class Upstream:
     """The upstream of one proxy.
 
     Args:
-        config: the upstream's URL, kind, credentials and limits.
+        config: the upstream's URL (not None), kind, credentials and limits.
     """
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self._client: aiohttp.ClientSession | None = None
         base = config.upstream_url
+        if base is None:  # a direct fleet: one Upstream per replica URL
+            raise ValueError("an Upstream needs config.upstream_url, got None")
         self._base = base[: -len("/v1")] if base.endswith("/v1") else base
 
     @property

@@ -22,7 +22,7 @@ from contextpilot_integrations.service.service_config import ServiceConfig
 
 @contextmanager
 def serve_proxy(
-    upstream_url: str, proxy: dict[str, Any] | None = None, **service: Any
+    upstream_url: str | None, proxy: dict[str, Any] | None = None, **service: Any
 ) -> Iterator[str]:
     """A proxy in front of ``upstream_url`` (``proxy``: more :class:`ProxyConfig` fields,
     ``service``: :class:`ServiceConfig` fields); yields its base URL."""

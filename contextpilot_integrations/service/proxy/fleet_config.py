@@ -1,0 +1,146 @@
+"""The settings of the proxy's replica fleet (:class:`FleetConfig`), checked when made.
+
+A proxy in front of several engine replicas hosts the replica router (docs/DESIGN.md, "The
+proxy", "Replicas and routing"). The fleet is a mapping (a config file, CLI flags) such as::
+
+    {"mode": "direct",
+     "replicas": [
+        {"name": "a", "base_url": "http://127.0.0.1:8001/v1",
+         "cache_sync": {"kind": "kv-events", "endpoint": "tcp://127.0.0.1:5557",
+                        "topic": "kv-events"}},
+        {"name": "b", "base_url": "http://127.0.0.1:8002/v1",
+         "cache_sync": {"kind": "kv-events", "endpoint": "tcp://127.0.0.1:5559",
+                        "topic": "kv-events"}}],
+     "load": "recent-tokens", "max_imbalance": 1.25, "retry_down_s": 5.0}
+
+``"direct"``: the proxy forwards each call to its replica's ``base_url`` (every replica needs
+one). ``"gateway"``: the proxy's ``upstream_url`` is a gateway (smg) that routes on the
+routing key header; the replicas are listed for their KV events (``base_url`` optional). The
+routing rule is :class:`~contextpilot_integrations.core.replicas.routing_config.RouterConfig`'s;
+the load defaults to its ``"recent-tokens"``. ``"in-flight-tokens"`` works too (the proxy ends
+each call's load when its answer is over), but a call's load ends only after its client has
+the answer, so a client that sends its next call at once can find the replica still counted
+busy and, with a smaller call, not eligible (docs/DESIGN.md, "The proxy"). ``retry_down_s`` is
+how long a replica that refused a connection is left out before it is tried again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from contextpilot_integrations.core.replicas.routing_config import (
+    LoadKind,
+    ReplicaSpec,
+    RouterConfig,
+)
+from contextpilot_integrations.sync.configuration import CacheSyncConfig
+
+__all__ = ["FleetConfig"]
+
+_OWN_KEYS = frozenset({"retry_down_s"})
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """The replicas behind the proxy and the routing rule.
+
+    Attributes:
+        router: the replicas, ``mode`` (``"direct"`` or ``"gateway"``), ``load``,
+            ``max_imbalance``, ``load_window``, ``in_flight_timeout_s``, ``key_prefix``.
+        retry_down_s: seconds a replica that refused a connection is routed around before it
+            is tried again (> 0).
+
+    Raises:
+        ValueError: a bad field, named (``fleet.replicas[1].base_url ...``).
+    """
+
+    router: RouterConfig
+    retry_down_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.router, RouterConfig):
+            raise ValueError(
+                f"fleet.router must be a RouterConfig, got {type(self.router).__name__}"
+            )
+        retry = self.retry_down_s
+        if (
+            isinstance(retry, bool)
+            or not isinstance(retry, (int, float))
+            or not (retry > 0 and math.isfinite(retry))
+        ):
+            raise ValueError(f"fleet.retry_down_s must be a positive number, got {retry!r}")
+        # Each replica its own cache_sync object: its engine link is found by it.
+        copied = tuple(
+            ReplicaSpec(s.name, s.base_url, dict(s.cache_sync))
+            if isinstance(s.cache_sync, Mapping)
+            else s
+            for s in self.router.replicas
+        )
+        object.__setattr__(self, "router", dataclasses.replace(self.router, replicas=copied))
+        endpoints: dict[str, str] = {}
+        for i, spec in enumerate(self.router.replicas):
+            where = f"fleet.replicas[{i}]"
+            url = spec.base_url
+            if url is not None:
+                parts = urlsplit(url)
+                if parts.scheme not in ("http", "https") or not parts.hostname:
+                    raise ValueError(
+                        f"{where}.base_url must be an http(s) URL with a host, got {url!r:.200}"
+                    )
+                if parts.query or parts.fragment:
+                    raise ValueError(f"{where}.base_url must have no query or fragment: {url!r}")
+            elif self.router.mode == "direct":
+                raise ValueError(
+                    f"{where}.base_url is needed in the direct mode (the proxy forwards there)"
+                )
+            if spec.cache_sync is not None:
+                try:
+                    sync = CacheSyncConfig.from_mapping(spec.cache_sync)
+                except ValueError as exc:
+                    raise ValueError(f"{where}.cache_sync: {exc}") from None
+                if sync.endpoint is not None:
+                    other = endpoints.setdefault(sync.endpoint, spec.name)
+                    if other != spec.name:
+                        raise ValueError(
+                            f"{where}.cache_sync.endpoint {sync.endpoint!r} is also replica "
+                            f"{other!r}'s: each replica publishes its own KV events"
+                        )
+
+    @classmethod
+    def from_mapping(cls, settings: Mapping[str, Any]) -> FleetConfig:
+        """The module docstring's mapping, validated.
+
+        Raises:
+            ValueError: an unknown key or a bad field, named.
+        """
+        if not isinstance(settings, Mapping):
+            raise ValueError(f"fleet must be a mapping, got {type(settings).__name__}")
+        own = {k: v for k, v in settings.items() if k in _OWN_KEYS}
+        rule = {k: v for k, v in settings.items() if k not in _OWN_KEYS}
+        replicas = rule.get("replicas")
+        if isinstance(replicas, list):
+            for i, replica in enumerate(replicas):
+                if not isinstance(replica, Mapping):
+                    raise ValueError(
+                        f"fleet.replicas[{i}] must be a mapping, got {type(replica).__name__}"
+                    )
+        try:
+            router = RouterConfig.from_mapping(rule)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"fleet: {exc}") from None
+        return cls(router, **own)
+
+    @property
+    def direct(self) -> bool:
+        """Whether the proxy forwards to the replicas themselves (not to a gateway)."""
+        return self.router.mode == "direct"
+
+    @property
+    def load(self) -> LoadKind:
+        """What counts as a replica's load."""
+        return self.router.load

@@ -1,0 +1,351 @@
+"""The replica router hosted in the proxy, in front of two stand-in upstreams (direct mode) or a
+stand-in gateway: conversations stick, a call goes where its documents' prefix is, new work
+spreads, a dead replica is routed around, tenants keep their own indexes, and a bad fleet is
+refused naming the field (docs/DESIGN.md, "The proxy")."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from proxy_testing import closed_port_url, serve_proxy
+from support.asgi_server import serve_in_thread
+from upstream_standin import StandIn, standin_app
+
+from contextpilot_integrations.service.proxy.fleet_config import FleetConfig
+from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
+from contextpilot_integrations.service.server import build_parser, config_from_args
+from contextpilot_integrations.service.tenants import TenantKeys
+
+SYSTEM = "You answer from the documents."
+
+
+def _doc(name: str) -> str:
+    return " ".join(
+        f"{name} sentence {i} says the cache keeps key and value tensors." for i in range(8)
+    )
+
+
+D1, D2, D3, D4, D5, D6, E1, E2, E3 = (
+    _doc(n)
+    for n in ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "fox", "golf", "hotel")
+)
+# A call following another one on the same replica carries more documents than it: then the
+# earlier call's load never makes its replica ineligible for it (the bounded-imbalance rule).
+
+
+@pytest.fixture
+def two_standins() -> Iterator[tuple[list[str], list[StandIn]]]:
+    """Two running stand-ins: ``([base URL, ...], [state, ...])``."""
+    states = [StandIn(), StandIn()]
+    with serve_in_thread(standin_app(states[0])) as a, serve_in_thread(standin_app(states[1])) as b:
+        try:
+            yield [a, b], states
+        finally:
+            for state in states:
+                state.release.set()
+
+
+def _direct(urls: list[str], **more: Any) -> dict[str, Any]:
+    names = ["a", "b", "c"]
+    return {
+        "fleet": {
+            "mode": "direct",
+            "replicas": [{"name": n, "base_url": f"{u}/v1"} for n, u in zip(names, urls)],
+            **more,
+        }
+    }
+
+
+def _client(proxy: str, session: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{proxy}/v1",
+        api_key=key,
+        max_retries=0,
+        timeout=20,
+        default_headers={"x-contextpilot-session": session},
+    )
+
+
+def _ask(client: openai.OpenAI, messages: list[dict[str, Any]], documents: Any = None) -> Any:
+    extra = {"contextpilot": {"documents": documents}} if documents is not None else None
+    return client.chat.completions.with_raw_response.create(
+        model="plain",
+        messages=messages,  # type: ignore[arg-type]
+        extra_body=extra,
+    )
+
+
+def _where(states: list[StandIn], rid: str) -> list[int]:
+    """The stand-ins that received the call ``rid``."""
+    return [
+        i
+        for i, state in enumerate(states)
+        for body in state.bodies("/v1/chat/completions")
+        if body.get("rid") == rid
+    ]
+
+
+def test_conversations_stick_to_their_replica_and_new_ones_spread(two_standins) -> None:  # type: ignore[no-untyped-def]
+    urls, states = two_standins
+    with serve_proxy(None, _direct(urls)) as proxy:
+        replicas: dict[str, set[str]] = {}
+        histories = {
+            f"conversation-{n}": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Question {n}: what does the cache keep?"},
+            ]
+            for n in range(4)
+        }
+        for _turn in range(3):
+            for session, messages in histories.items():
+                raw = _ask(_client(proxy, session), messages)
+                rid = raw.headers["x-contextpilot-rid"]
+                name = raw.headers["x-contextpilot-replica"]
+                # The header names the replica that received the call.
+                assert _where(states, rid) == [["a", "b"].index(name)]
+                replicas.setdefault(session, set()).add(name)
+                messages.append(
+                    {"role": "assistant", "content": raw.parse().choices[0].message.content}
+                )
+                messages.append({"role": "user", "content": "And then?"})
+        assert all(len(names) == 1 for names in replicas.values()), replicas
+        assert {name for names in replicas.values() for name in names} == {"a", "b"}
+        metrics = httpx.get(f"{proxy}/metrics").text
+        assert 'contextpilot_proxy_replica_routed_total{replica="a"} 6.0' in metrics
+        assert 'contextpilot_proxy_replica_routed_total{replica="b"} 6.0' in metrics
+
+
+def test_a_call_goes_where_its_documents_prefix_is(two_standins) -> None:  # type: ignore[no-untyped-def]
+    urls, states = two_standins
+    with serve_proxy(None, _direct(urls)) as proxy:
+        opening = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What?"}]
+        first = _ask(_client(proxy, "one"), opening, [D1, D2, D3, D4])
+        home = first.headers["x-contextpilot-replica"]
+        # More work where the prefix is: a call without one goes to the other replica.
+        other = _ask(_client(proxy, "two"), opening, [E1, E2, E3])
+        assert other.headers["x-contextpilot-replica"] != home
+        # A call sharing the prefix goes where it is cached, and finds it there.
+        shared = _ask(_client(proxy, "three"), opening, [D2, D1, D3, D5, D6])
+        assert shared.headers["x-contextpilot-replica"] == home
+        assert int(shared.headers["x-contextpilot-documents-prefix-tokens"]) > 0
+        rid = shared.headers["x-contextpilot-rid"]
+        assert _where(states, rid) == [["a", "b"].index(home)]
+
+
+def test_a_dead_replica_is_routed_around(standin) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    dead = closed_port_url()
+    with serve_proxy(None, _direct([dead, url], retry_down_s=60)) as proxy:
+        began = time.monotonic()
+        for n in range(3):
+            raw = _ask(
+                _client(proxy, f"conversation-{n}"),
+                [{"role": "user", "content": f"Question {n}"}],
+                [D1, D2],
+            )
+            assert raw.headers["x-contextpilot-replica"] == "b"
+        models = httpx.get(f"{proxy}/v1/models", headers={"authorization": "Bearer x"})
+        assert models.status_code == 200 and models.json()["data"]
+        assert time.monotonic() - began < 10
+        assert len(state.bodies("/v1/chat/completions")) == 3
+        metrics = httpx.get(f"{proxy}/metrics").text
+        # Refused once, then left out: later calls do not try it.
+        assert 'contextpilot_proxy_replica_unreachable_total{replica="a"} 1.0' in metrics
+
+
+def test_with_every_replica_dead_the_call_fails_at_once_naming_the_upstream() -> None:
+    with serve_proxy(None, _direct([closed_port_url(), closed_port_url()])) as proxy:
+        began = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as caught:
+            _ask(_client(proxy, "s"), [{"role": "user", "content": "Hello"}])
+        assert caught.value.status_code == 502
+        assert "cannot be reached" in caught.value.message
+        assert time.monotonic() - began < 10
+
+
+def test_behind_a_gateway_calls_carry_the_routing_key(standin) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    fleet = {"mode": "gateway", "replicas": [{"name": "a"}, {"name": "b"}], "key_prefix": "k-"}
+    with serve_proxy(url, {"fleet": fleet}) as proxy:
+        for n in range(2):
+            raw = _ask(_client(proxy, f"c{n}"), [{"role": "user", "content": f"Q{n}"}])
+            assert raw.headers["x-contextpilot-replica"] in ("a", "b")
+        keys = [r.headers.get("x-contextpilot-route") for r in state.received]
+        # One probe key per replica: the second new conversation goes to the other one.
+        assert sorted(keys) == ["k-0", "k-1"], keys
+
+
+def test_tenants_keep_their_own_replica_indexes(two_standins) -> None:  # type: ignore[no-untyped-def]
+    urls, _ = two_standins
+    tenants = {"alice": TenantKeys(("alice-key",)), "bob": TenantKeys(("bob-key",))}
+    opening = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What?"}]
+    with serve_proxy(None, _direct(urls), tenants=tenants) as proxy:
+        _ask(_client(proxy, "one", "alice-key"), opening, [D1, D2, D3])
+        again = _ask(_client(proxy, "two", "alice-key"), opening, [D2, D1, D4, D5])
+        bob = _ask(_client(proxy, "one", "bob-key"), opening, [D2, D1, D4, D5])
+        assert int(again.headers["x-contextpilot-documents-prefix-tokens"]) > 0
+        assert bob.headers["x-contextpilot-documents-prefix-tokens"] == "0"
+        usage = httpx.get(f"{proxy}/v1/usage", headers={"authorization": "Bearer bob-key"}).json()
+        assert usage["tenant"] == "bob" and usage["plans"] == 1
+
+
+@pytest.mark.parametrize(
+    ("fleet", "upstream", "message"),
+    [
+        ({"mode": "direct", "replicas": [{"name": "a"}]}, None, "fleet.replicas[0].base_url"),
+        ({"mode": "direct", "replicas": [{"name": "a", "base_url": "ftp://x"}]}, None,
+         "fleet.replicas[0].base_url must be an http(s) URL"),
+        ({"mode": "direct", "replicas": [{"name": "a", "base_url": "http://x"}]},
+         "http://gateway", "upstream_url and a direct fleet exclude each other"),
+        ({"mode": "gateway", "replicas": [{"name": "a"}]}, None, "upstream_url is needed"),
+        ({"mode": "direct", "replicas": []}, None, "at least one replica"),
+        ({"mode": "direct", "replicas": [{"name": "a", "base_url": "http://x"}] * 2}, None,
+         "replica names must be unique"),
+        ({"mode": "direct", "replicas": ["http://x"]}, None, "fleet.replicas[0] must be a mapping"),
+        ({"mode": "direct", "replicas": [{"name": "a", "base_url": "http://x"}],
+          "retry_down_s": 0}, None, "fleet.retry_down_s"),
+        ({"mode": "direct", "replicas": [{"name": "a", "base_url": "http://x"}],
+          "max_imbalance": 0.5}, None, "max_imbalance"),
+        ({"mode": "direct", "replicas": [{"name": "a", "base_url": "http://x"}], "rule": 1},
+         None, "unknown router setting"),
+        ({"mode": "direct", "replicas": [
+            {"name": "a", "base_url": "http://x", "cache_sync": {"kind": "kv-events"}}]},
+         None, "fleet.replicas[0].cache_sync"),
+        ({"mode": "direct", "replicas": [
+            {"name": n, "base_url": "http://x",
+             "cache_sync": {"kind": "kv-events", "endpoint": "tcp://127.0.0.1:5557"}}
+            for n in ("a", "b")]}, None, "fleet.replicas[1].cache_sync.endpoint"),
+    ],
+)  # fmt: skip
+def test_a_bad_fleet_is_refused_naming_the_field(
+    fleet: dict[str, Any], upstream: str | None, message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ProxyConfig(upstream, fleet=fleet)  # type: ignore[arg-type]
+
+
+def test_the_fleet_mapping_takes_the_routers_rule() -> None:
+    fleet = FleetConfig.from_mapping(
+        {"mode": "direct", "replicas": [{"name": "a", "base_url": "http://x"}]}
+    )
+    assert fleet.load == "recent-tokens" and fleet.direct
+    in_flight = FleetConfig.from_mapping(
+        {"mode": "gateway", "replicas": [{"name": "a"}], "load": "in-flight-tokens"}
+    )
+    assert in_flight.load == "in-flight-tokens" and not in_flight.direct
+
+
+def _config(argv: list[str]):  # type: ignore[no-untyped-def]
+    return config_from_args(build_parser().parse_args(argv), {})
+
+
+def test_the_fleet_from_the_command_line(tmp_path: Path) -> None:
+    direct = _config(
+        ["--replica", "http://127.0.0.1:8001/v1", "--replica", "http://127.0.0.1:8002/v1",
+         "--replica-kv-events", "tcp://127.0.0.1:5557",
+         "--replica-kv-events", "tcp://127.0.0.1:5559", "--kv-events-topic", "kv-events"]
+    ).proxy  # fmt: skip
+    assert direct is not None and direct.upstream_url is None and direct.fleet is not None
+    assert direct.fleet.direct
+    [a, b] = direct.fleet.router.replicas
+    assert (a.name, a.base_url) == ("replica-0", "http://127.0.0.1:8001/v1")
+    assert b.cache_sync == {"kind": "kv-events", "endpoint": "tcp://127.0.0.1:5559",
+                            "topic": "kv-events"}  # fmt: skip
+    gateway = _config(["--upstream", "http://127.0.0.1:30000", "--replica", "http://r:1"]).proxy
+    assert gateway is not None and gateway.fleet is not None and not gateway.fleet.direct
+    assert gateway.upstream_url == "http://127.0.0.1:30000"
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({"replicas": [{"name": "x", "base_url": "http://x:1/v1"}],
+                                "max_imbalance": 2}))  # fmt: skip
+    from_file = _config(["--replicas-config", str(path)]).proxy
+    assert from_file is not None and from_file.fleet is not None
+    assert from_file.fleet.direct and from_file.fleet.router.max_imbalance == 2
+    # --upstream alone: one upstream, no router, as it always was.
+    alone = _config(["--upstream", "http://127.0.0.1:8000/v1"]).proxy
+    assert alone is not None and alone.fleet is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--replica-kv-events", "tcp://h:1"], "--replica-kv-events: 1 given for 0 --replica"),
+        (["--replica", "http://a", "--replica-kv-events", "tcp://h:1", "--replica-kv-events",
+          "tcp://h:2"], "2 given for 1 --replica"),
+        (["--replica", "ftp://a"], "--replica: fleet.replicas[0].base_url must be an http(s)"),
+        (["--replica", "http://a", "--replicas-config", "f.json"], "not both"),
+        (["--replicas-config", "/nonexistent/fleet.json"], "--replicas-config"),
+    ],
+)  # fmt: skip
+def test_inconsistent_replica_options_are_refused(argv: list[str], words: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        _config(argv)
+    assert words in str(caught.value)
+
+
+def test_each_replicas_one_link_gives_each_tenant_its_own_evictions(tmp_path: Path) -> None:
+    """One engine link per replica, shared by the tenants' routers, over the real ZMQ
+    protocol publisher: an eviction reaches the router of the rid's tenant only."""
+    from prometheus_client import CollectorRegistry
+
+    from contextpilot_integrations.service.proxy.replica_routing import ReplicaRouting
+    from contextpilot_integrations.service.tenants import Tenancy
+    from contextpilot_integrations.sync.event_publisher import KVEventPublisher
+    from contextpilot_integrations.sync.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    def endpoints(name: str) -> tuple[str, str]:
+        return f"ipc://{tmp_path}/{name}-events.ipc", f"ipc://{tmp_path}/{name}-replay.ipc"
+
+    def stored(hashes: list[int], rid: str) -> KVEventBatch:
+        tokens = [t for h in hashes for t in (h, h)]
+        event = BlockStored(hashes, None, tokens, block_size=2, session_id=rid)
+        return KVEventBatch(ts=time.time(), events=[event])
+
+    replicas = [
+        {"name": n, "base_url": f"http://{n}/v1",
+         "cache_sync": {"kind": "kv-events", "endpoint": endpoints(n)[0],
+                        "replay_endpoint": endpoints(n)[1]}}
+        for n in ("a", "b")
+    ]  # fmt: skip
+    tenancy = Tenancy({"alice": TenantKeys(("alice-key",)), "bob": TenantKeys(("bob-key",))})
+    config = ProxyConfig(None, fleet={"mode": "direct", "replicas": replicas})  # type: ignore[arg-type]
+    with KVEventPublisher(*endpoints("a")) as engine_a, KVEventPublisher(*endpoints("b")):
+        routing = ReplicaRouting(config, tenancy, CollectorRegistry())
+        routing.start()
+        try:
+            alice, bob = routing.router_of("alice"), routing.router_of("bob")
+            assert alice is not bob
+            alice_rid = f"{tenancy.rid_tag('alice')}.r1"
+            bob_rid = f"{tenancy.rid_tag('bob')}.r1"
+            on_a = alice.plan("q", [D1, D2], rid=alice_rid)
+            assert on_a.replica == "a" and on_a.cache_salt == tenancy.cache_salt("alice")
+            assert bob.plan("q", [D1, D2], rid=bob_rid).replica == "a"  # its own index: no prefix
+            engine_a.publish(stored([1, 2], alice_rid))
+            engine_a.publish(stored([5, 6], bob_rid))
+            deadline = time.monotonic() + 10
+            while (
+                alice.replica_of(alice_rid) != "a"
+                or routing.stats()["alice"]["replicas"]["a"]["sync"]["source"]["mirror"]["blocks"]
+                < 4
+            ):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            engine_a.publish(KVEventBatch(ts=time.time(), events=[BlockRemoved([2])]))
+            while alice.stats()["replicas"]["a"]["index"]["requests"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert bob.stats()["replicas"]["a"]["index"]["requests"] == 1
+            # Bob's eviction reaches bob's router (not the first tenant's).
+            engine_a.publish(KVEventBatch(ts=time.time(), events=[BlockRemoved([6])]))
+            while bob.stats()["replicas"]["a"]["index"]["requests"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        finally:
+            routing.stop()

@@ -1,0 +1,140 @@
+"""Two real vLLM CPU replicas behind the real smg gateway behind the proxy, with the replica
+router hosted in the proxy (docs/DESIGN.md, "The proxy"): MultiHop-RAG calls with their
+documents marked in the body, sent with the real ``openai`` SDK. Each call goes to the gateway
+with the router's routing key, smg pins each key to a worker, and each replica's own KV events
+tell the proxy's router where each call landed (both keys confirmed, each call's replica known,
+each replica's index holding what it served). Calls that repeat earlier calls' documents in
+another order go to the replica that stored them, and the engines report cache hits there.
+
+Tier ``vllm``: needs ``.venv-vllm`` and ``smg`` (``scripts/setup-vllm-env.sh``,
+``scripts/setup-smg-env.sh``) and the MultiHop-RAG sample; skipped without them.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import uvicorn
+
+pytest.importorskip("tokenizers", reason="the engines extra needs `tokenizers`")
+
+from contextpilot_bench.smg_gateway import SmgGateway  # noqa: E402
+from contextpilot_bench.testbed.locations import find_smg, find_vllm_python  # noqa: E402
+from contextpilot_bench.vllm_replica_fleet import VllmCpuFleet  # noqa: E402
+from support.vllm_workload import kv_cache_blocks, prepare_multihop  # noqa: E402
+
+from contextpilot_integrations.llm_call.engine_fields import ROUTING_HEADER  # noqa: E402
+from contextpilot_integrations.service.app import create_app  # noqa: E402
+from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig  # noqa: E402
+from contextpilot_integrations.service.service_config import ServiceConfig  # noqa: E402
+
+BLOCK_SIZE = 32
+CALLS = 8
+REPEATS = 3  # calls repeating the documents of the first ones, reversed
+TOP_K = 4
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        find_vllm_python() is None,
+        reason="no vLLM environment: run scripts/setup-vllm-env.sh or set CONTEXTPILOT_VLLM_PYTHON",
+    ),
+    pytest.mark.skipif(
+        find_smg() is None,
+        reason="no smg gateway: run scripts/setup-smg-env.sh or set CONTEXTPILOT_SMG",
+    ),
+]
+
+
+@contextmanager
+def _serve(config: ServiceConfig) -> Iterator[tuple[str, Any]]:
+    """The proxy app (lifespan on: the replicas' links start and stop) on a free port."""
+    app = create_app(config)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        assert _wait_for(lambda: server.started, 20)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+        sock.close()
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def test_calls_through_the_proxy_and_smg_are_routed_by_key_and_followed_per_replica(
+    model_dir: Path,
+) -> None:
+    prepared = prepare_multihop(model_dir, CALLS, TOP_K)
+    max_model_len, usable = kv_cache_blocks(model_dir, prepared, BLOCK_SIZE, CALLS + REPEATS)
+    requests = prepared.workload.requests
+    calls = [(r.query, list(prepared.block_texts(i))) for i, r in enumerate(requests)]
+    calls += [(requests[i].query, list(prepared.block_texts(i))[::-1]) for i in range(REPEATS)]
+    with (
+        VllmCpuFleet(
+            model_dir, 2, block_size=BLOCK_SIZE, num_gpu_blocks=usable + 1,
+            max_model_len=max_model_len + 512, startup_timeout=600,
+        ) as fleet,
+        SmgGateway(
+            fleet.urls, policy="round_robin", routing_header=ROUTING_HEADER,
+            assignment_mode="delegate",
+        ) as gateway,
+    ):  # fmt: skip
+        before = fleet.counters()
+        fleet_config = {"mode": "gateway", "replicas": fleet.replica_specs()}
+        config = ServiceConfig(proxy=ProxyConfig(f"{gateway.base_url}/v1", fleet=fleet_config))
+        with _serve(config) as (url, app):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            router = app.state.proxy.routing.router_of(None)
+            planned: dict[str, str] = {}
+            rids: list[str] = []
+            for i, (query, documents) in enumerate(calls):
+                raw = client.chat.completions.with_raw_response.create(
+                    model=fleet.model_name,
+                    messages=[{"role": "user", "content": query}],
+                    max_tokens=1,
+                    extra_headers={"x-contextpilot-session": f"call-{i}"},
+                    extra_body={"contextpilot": {"documents": documents}},
+                )
+                rids.append(raw.headers["x-contextpilot-rid"])
+                planned[rids[-1]] = raw.headers["x-contextpilot-replica"]
+                if i == CALLS - 1:  # the repeats are planned knowing where the first landed
+                    assert fleet.wait_for_events()
+                    assert _wait_for(lambda: all(router.replica_of(rid) for rid in rids))
+            assert fleet.wait_for_events()
+            # Each replica's own events named the calls it stored: every call's replica known.
+            assert _wait_for(lambda: all(router.replica_of(rid) for rid in planned))
+            stats = router.stats()["replicas"]
+            # The calls carried the routing keys: each replica's key was seen landing on it.
+            assert all(replica["confirmed"] for replica in stats.values()), stats
+            landed = {router.replica_of(rid) for rid in planned}
+            assert landed == set(fleet.names)
+            for name in fleet.names:
+                assert stats[name]["index"]["requests"] > 0
+                assert stats[name]["sync"]["engine_connected"]
+            # A repeat goes where its documents are stored.
+            for i in range(REPEATS):
+                assert router.replica_of(rids[CALLS + i]) == router.replica_of(rids[i])
+        after = fleet.counters()
+        served = {name: after[name].requests - before[name].requests for name in fleet.names}
+        assert sum(served.values()) == CALLS + REPEATS and all(served.values()), served
+        assert sum(after[name].hits - before[name].hits for name in fleet.names) > 0
