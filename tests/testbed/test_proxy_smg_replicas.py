@@ -12,23 +12,19 @@ Tier ``vllm``: needs ``.venv-vllm`` and ``smg`` (``scripts/setup-vllm-env.sh``,
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
-import uvicorn
 
 pytest.importorskip("tokenizers", reason="the engines extra needs `tokenizers`")
 
 from contextpilot_bench.smg_gateway import SmgGateway  # noqa: E402
 from contextpilot_bench.testbed.locations import find_smg, find_vllm_python  # noqa: E402
 from contextpilot_bench.vllm_replica_fleet import VllmCpuFleet  # noqa: E402
+from support.asgi_server import serve_in_thread  # noqa: E402
 from support.vllm_workload import kv_cache_blocks, prepare_multihop  # noqa: E402
 
 from contextpilot_integrations.llm_call.engine_fields import ROUTING_HEADER  # noqa: E402
@@ -52,24 +48,6 @@ pytestmark = [
         reason="no smg gateway: run scripts/setup-smg-env.sh or set CONTEXTPILOT_SMG",
     ),
 ]
-
-
-@contextmanager
-def _serve(config: ServiceConfig) -> Iterator[tuple[str, Any]]:
-    """The proxy app (lifespan on: the replicas' links start and stop) on a free port."""
-    app = create_app(config)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        assert _wait_for(lambda: server.started, 20)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
-    finally:
-        server.should_exit = True
-        thread.join(timeout=20)
-        sock.close()
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float = 20.0) -> bool:
@@ -102,7 +80,8 @@ def test_calls_through_the_proxy_and_smg_are_routed_by_key_and_followed_per_repl
         before = fleet.counters()
         fleet_config = {"mode": "gateway", "replicas": fleet.replica_specs()}
         config = ServiceConfig(proxy=ProxyConfig(f"{gateway.base_url}/v1", fleet=fleet_config))
-        with _serve(config) as (url, app):
+        app = create_app(config)
+        with serve_in_thread(app, lifespan="on", start_timeout_s=20) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
             router = app.state.proxy.routing.router_of(None)
             planned: dict[str, str] = {}
