@@ -174,8 +174,13 @@ class _Held:
     """One conversation's sent messages by chain digest, and their bytes when last put (the
     weight the tenant's bound reads; a new value each put, so the LRU's total stays right)."""
 
-    entries: LRU[bytes, _Sent]
+    entries: LRU[bytes, _Sent | None]
     size: int
+
+
+def _weight(sent: _Sent | None) -> int:
+    """A kept entry's weight in bytes (an ambiguous chain's marker weighs nothing)."""
+    return 0 if sent is None else sent.size
 
 
 class DocumentMemory:
@@ -209,29 +214,40 @@ class DocumentMemory:
             return conversation in self._conversations
 
     def lookup(self, conversation: str, chain: bytes) -> _Sent | None:
-        """The message sent for the one whose chain digest is ``chain``, or ``None``."""
+        """The message sent for the one whose chain digest is ``chain``, or ``None`` (none
+        kept, or two different ones: see :meth:`put`)."""
         with self._lock:
             held = self._conversations.get(conversation)
             return None if held is None else held.entries.get(chain)
 
     def put(self, conversation: str, chain: bytes, sent: _Sent) -> None:
-        """Keep ``sent`` for the message whose chain digest is ``chain``."""
+        """Keep ``sent`` for the message whose chain digest is ``chain``.
+
+        A second, different message for the same chain (two chats under one conversation id
+        that open alike, or a retry with other documents) makes the chain ambiguous for good:
+        nothing is put back for it, since the proxy cannot tell which of the two the app's
+        history continues, and one chat's documents must never stand in the other's history.
+        """
         with self._lock:
             held = self._conversations.get(conversation)
             entries = held.entries if held is not None else LRU(self.max_messages)
             size = held.size if held is not None else 0
-            old = entries.peek(chain)
-            if old is not None:
-                size -= old.size
-            size += sent.size
-            for _, evicted in entries.put(chain, sent):
-                size -= evicted.size
+            kept: _Sent | None = sent
+            if chain in entries:
+                old = entries.peek(chain)
+                if old is None or old.message != sent.message:
+                    kept = None
+                if old is not None:
+                    size -= old.size
+            size += _weight(kept)
+            for _, evicted in entries.put(chain, kept):
+                size -= _weight(evicted)
             # One conversation heavier than the tenant's bound keeps its newest messages only
             # (an earlier turn not put back is not visible: no hint names it).
             bound = self._conversations.max_weight
             while bound is not None and size > bound and len(entries) > 1:
                 _, evicted = entries.pop_oldest()
-                size -= evicted.size
+                size -= _weight(evicted)
             self._conversations.put(conversation, _Held(entries, size))
 
     def __len__(self) -> int:

@@ -350,3 +350,42 @@ def test_one_conversation_never_holds_more_than_the_tenants_bound() -> None:
     assert memory.lookup("c", bytes([1]) * 16) is None
     held = memory._conversations.get("c")
     assert held is not None and held.size <= 1000 and len(held.entries) == 2
+
+
+def test_two_chats_under_one_id_that_open_alike_never_get_each_others_documents(standin) -> None:  # type: ignore[no-untyped-def]
+    # A client with a fixed session header (or one `user` for many people) runs two chats that
+    # open with the same question: chat A's next call must not carry chat B's documents.
+    url, state = standin
+    with serve_proxy(url) as proxy:
+        client = _client(proxy, session="shared-id")
+        opening = _opening("What do these documents say?")
+        _ask(client, opening, [D1, D2])  # chat A
+        _ask(client, opening, [D3, D4])  # chat B
+        answer = {"role": "assistant", "content": "Tensors."}
+        raw = _ask(client, [*opening, answer, {"role": "user", "content": "More?"}], [D5])
+        sent = state.bodies("/v1/chat/completions")[2]["messages"]
+        assert D3 not in sent[1]["content"] and D4 not in sent[1]["content"]
+        # Neither chat's message is put back (the proxy cannot tell which one this continues),
+        # so no hint names an earlier turn either.
+        assert sent[1]["content"] == "What do these documents say?"
+        assert "x-contextpilot-restored" not in raw.headers
+        assert "of turn 1" not in sent[3]["content"]
+
+
+def test_a_chain_sent_twice_alike_is_kept_and_twice_differently_is_not() -> None:
+    from contextpilot_integrations.service.proxy.document_placement import (
+        DocumentMemory,
+        _Sent,
+    )
+
+    memory = DocumentMemory()
+    same = _Sent({"role": "user", "content": "a"}, 10, 1)
+    memory.put("c", b"chain", same)
+    memory.put("c", b"chain", _Sent({"role": "user", "content": "a"}, 10, 1))
+    assert memory.lookup("c", b"chain") == same
+    memory.put("c", b"chain", _Sent({"role": "user", "content": "b"}, 10, 1))
+    assert memory.lookup("c", b"chain") is None
+    memory.put("c", b"chain", same)  # ambiguous for good
+    assert memory.lookup("c", b"chain") is None
+    held = memory._conversations.get("c")
+    assert held is not None and held.size == 0
