@@ -6,13 +6,14 @@ URL of a path, and the headers a forwarded request carries.
 and every release, so its cost on the event loop grows with the requests in flight, which an
 engine's long answers keep many of (docs/DESIGN.md, "The proxy").
 
-Headers (docs/DESIGN.md, "The proxy"): hop-by-hop headers, ``host`` and ``content-length`` are
-dropped (the client sets its own); the client's credentials (``authorization``, ``x-api-key``,
-:data:`TENANT_KEY_HEADER`) are dropped too unless ``pass_client_key``, and the proxy's own
-upstream key takes their place; the client's ``x-contextpilot-*`` headers are the proxy's and
-stay here. Answers lose their hop-by-hop headers and the upstream's ``x-contextpilot-*`` ones:
-those names are the proxy's report and the service's boot id, which an upstream (another
-ContextPilot service, or any server that sets them) would otherwise duplicate or forge.
+Headers (docs/DESIGN.md, "The proxy"): hop-by-hop headers (the standard ones and those a
+``Connection`` header names), ``host`` and ``content-length`` are dropped (the client sets its
+own); the client's credentials (``authorization``, ``x-api-key``, :data:`TENANT_KEY_HEADER`) are
+dropped too unless ``pass_client_key``, and the proxy's own upstream key takes their place; the
+client's ``x-contextpilot-*`` headers are the proxy's and stay here. Answers lose their
+hop-by-hop headers and the upstream's ``x-contextpilot-*`` ones: those names are the proxy's
+report and the service's boot id, which an upstream (another ContextPilot service, or any server
+that sets them) would otherwise duplicate or forge.
 
 The pooled client keeps no cookies: it serves every tenant, so a ``Set-Cookie`` of one answer
 (passed to that client as it is) must never go out with another tenant's request; a client's
@@ -122,10 +123,14 @@ class Upstream:
             identity: ask for an uncompressed answer (the proxy reads its usage).
         """
         keep_credentials = self.config.pass_client_key
+        given = list(given)
+        named = _connection_named(given)
         out: list[tuple[str, str]] = []
         for raw_name, raw_value in given:
             name = raw_name.decode("latin-1").lower()
             if name in _REQUEST_DROPPED or (identity and name == "accept-encoding"):
+                continue
+            if name.encode("latin-1") in named:  # hop-by-hop by the client's own say
                 continue
             if name in _CREDENTIALS and (not keep_credentials or name == TENANT_KEY_HEADER):
                 continue
@@ -152,9 +157,27 @@ class Upstream:
 def answer_headers(given: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The upstream answer's raw headers as the client gets them (names lower-cased;
     hop-by-hop and ``x-contextpilot-*`` ones dropped: module docstring)."""
+    given = list(given)
+    named = _connection_named(given)
     out: list[tuple[bytes, bytes]] = []
     for raw_name, value in given:
         name = raw_name.lower()
-        if name not in _HOP_BY_HOP_BYTES and not name.startswith(_OWN_PREFIX_BYTES):
+        if (
+            name not in _HOP_BY_HOP_BYTES
+            and name not in named
+            and not name.startswith(_OWN_PREFIX_BYTES)
+        ):
             out.append((name, value))
     return out
+
+
+def _connection_named(given: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """The header names a ``Connection`` header lists (lower-cased): hop-by-hop for this one
+    connection, so a proxy removes them before forwarding (RFC 9110, section 7.6.1)."""
+    return frozenset(
+        token.strip().lower()
+        for raw_name, value in given
+        if raw_name.lower() == b"connection"
+        for token in value.split(b",")
+        if token.strip()
+    )

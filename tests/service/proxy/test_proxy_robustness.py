@@ -249,3 +249,21 @@ def test_a_client_gone_mid_stream_still_counts_the_usage_already_seen(standin) -
         )
         usage = httpx.get(f"{proxy}/v1/usage").json()
     assert usage["prompt_tokens"] > 0
+
+
+def test_headers_a_connection_header_names_are_not_forwarded() -> None:
+    from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
+    from contextpilot_integrations.service.proxy.upstream import Upstream, answer_headers
+
+    upstream = Upstream(ProxyConfig("http://127.0.0.1:9/v1"))
+    given = [
+        (b"Connection", b"keep-alive, X-Hop , x-other"),
+        (b"X-Hop", b"v"),
+        (b"x-other", b"w"),
+        (b"x-kept", b"k"),
+    ]
+    sent = dict(upstream.request_headers(given))
+    assert "x-hop" not in sent and "x-other" not in sent and "connection" not in sent
+    assert sent["x-kept"] == "k"
+    answer = dict(answer_headers([(b"connection", b"x-hop"), (b"x-hop", b"v"), (b"x-kept", b"k")]))
+    assert answer == {b"x-kept": b"k"}
