@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -361,9 +362,24 @@ def _decoded(raw: bytes) -> tuple[Any, bool]:
     except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep
         pass
     try:
-        return json.loads(raw), False
+        return json.loads(raw, parse_constant=_no_constant, parse_float=_finite), False
     except (ValueError, RecursionError) as exc:
         raise BadRequest(400, f"body: cannot be read as JSON ({exc})", "body") from None
+
+
+def _no_constant(name: str) -> float:
+    """``NaN``, ``Infinity``, ``-Infinity`` are not JSON: refused, so none goes upstream,
+    where a strict parser (a gateway's, an engine's) would refuse the whole body."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    """A JSON number as a float, refused past a double's range (``1e999`` would go upstream
+    as ``Infinity``, which is not JSON)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of a double's range")
+    return value
 
 
 def _encoded_plain(body: dict[str, Any]) -> bytes | None:

@@ -149,6 +149,26 @@ def test_lone_surrogates_go_upstream_as_valid_utf8(standin, path: str, body: byt
 
 
 @pytest.mark.parametrize(
+    ("number", "named"), [(b"1e999", b"1e999"), (b"-1e400", b"-1e400"), (b"NaN", b"NaN")]
+)
+def test_a_number_json_cannot_carry_is_refused_never_forwarded(  # type: ignore[no-untyped-def]
+    standin, number: bytes, named: bytes
+) -> None:
+    url, state = standin
+    body = b'{"model": "plain", "temperature": ' + number + b', "messages": [{"role": "user", '
+    body += b'"content": "hi"}]}'
+    with serve_proxy(url) as proxy:
+        response = httpx.post(
+            f"{proxy}/v1/chat/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+        )
+    assert response.status_code == 400
+    assert named.decode() in response.json()["error"]["message"]
+    assert not state.received
+
+
+@pytest.mark.parametrize(
     "path", ["/v1/%2e%2e/docs", "/v1/..%2f..%2fdocs", "/v1/models/%2E/x", "/v1/a/.%2e/%2e./models"]
 )
 def test_dot_segments_are_refused_never_forwarded(standin, path: str) -> None:  # type: ignore[no-untyped-def]
