@@ -237,11 +237,14 @@ def anthropic_prompt(
         if "cache_control" not in _block_at(system, out, positions[at])  # one there already
     ]
     chosen = _choose(candidates, cumulative, policy, policy.max_breakpoints - existing)
+    # The client's own markers' lifetimes by position (tools stand before every position).
+    given = [_lifetime(_block_at(system, out, position)) for position in positions]
+    tools_short = any(_lifetime(tool) == "5m" for tool in tools or ())
     placed = []
     for at, reason in chosen:
         m, b = positions[at]
         block = _block_at(system, out, positions[at])
-        block["cache_control"] = dict(policy.cache_control)
+        block["cache_control"] = _marker(policy, _ttl_at(at, given, tools_short, policy.ttl))
         placed.append(Breakpoint(m, b, cumulative[at], reason))
     for m in empty:  # no block, so no breakpoint, stands in it
         out[m]["content"] = ""
@@ -251,16 +254,42 @@ def anthropic_prompt(
 def tool_breakpoints(tools: Sequence[Any] | None) -> int:
     """How many of ``tools`` (Anthropic tool definitions: mappings, or objects with the same
     attributes) carry a ``cache_control`` breakpoint."""
-    count = 0
-    for tool in tools or ():
-        marker = tool.get("cache_control") if isinstance(tool, Mapping) else None
-        if marker is None and not isinstance(tool, Mapping):
-            marker = getattr(tool, "cache_control", None)
-        count += marker is not None
-    return count
+    return sum(_lifetime(tool) is not None for tool in tools or ())
 
 
 _DEFAULT_COUNTER = ApproxTokenCounter()
+
+
+def _lifetime(item: Any) -> str | None:
+    """The lifetime of the ``cache_control`` marker ``item`` (a content block or a tool, a
+    mapping or an object) carries: ``"1h"``, ``"5m"``, or ``None`` when it carries none."""
+    marker = item.get("cache_control") if isinstance(item, Mapping) else None
+    if marker is None and not isinstance(item, Mapping):
+        marker = getattr(item, "cache_control", None)
+    if marker is None:
+        return None
+    ttl = marker.get("ttl") if isinstance(marker, Mapping) else getattr(marker, "ttl", None)
+    return "1h" if ttl == "1h" else "5m"
+
+
+def _ttl_at(at: int, given: Sequence[str | None], tools_short: bool, wanted: str) -> str:
+    """The lifetime of a breakpoint added at position ``at``. Anthropic requires every 1-hour
+    entry to come before every 5-minute one (tools, then system, then messages): an added
+    breakpoint before a client's 1-hour marker is 1-hour too, and one after a client's
+    5-minute marker (or a tool's) is 5-minute, whatever the policy asks (with the client's own
+    markers in a valid order, the two never meet)."""
+    if any(ttl == "1h" for ttl in given[at + 1 :]):
+        return "1h"
+    if wanted == "1h" and (tools_short or any(ttl == "5m" for ttl in given[:at])):
+        return "5m"
+    return wanted
+
+
+def _marker(policy: AnthropicCachePolicy, ttl: str) -> dict[str, str]:
+    """The ``cache_control`` marker of lifetime ``ttl`` (the policy's own when it matches)."""
+    if ttl == policy.ttl:
+        return dict(policy.cache_control)
+    return {"type": "ephemeral"} if ttl == "5m" else {"type": "ephemeral", "ttl": "1h"}
 
 _PRIORITY: dict[Reason, int] = {
     "shared-prefix": 0,

@@ -404,3 +404,39 @@ def test_the_apps_system_goes_before_the_plans_system_prompt():
     assert not any("pirate" in str(m["content"]) for m in client.sent[-1]["messages"])
     with pytest.raises(TypeError, match="system must be a str or a list of text blocks"):
         create_message(client, plan, model="m", max_tokens=8, system=3)
+
+
+def _lifetimes(prompt) -> list[str]:  # type: ignore[no-untyped-def]
+    """The lifetimes of every marker in prompt order (system, then messages)."""
+    blocks = [*(prompt.system or []), *(b for m in prompt.messages for b in m["content"])]
+    return [b["cache_control"].get("ttl", "5m") for b in blocks if "cache_control" in b]
+
+
+def test_added_breakpoints_never_put_a_five_minute_entry_before_a_one_hour_one():
+    # Anthropic refuses 5-minute entries before 1-hour ones: a client marking its newest
+    # message for an hour gets the added system and history breakpoints for an hour too.
+    long = "word " * 3000
+    messages = [
+        {"role": "system", "content": long},
+        {"role": "user", "content": long},
+        {"role": "assistant", "content": "ok"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": long, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+            ],
+        },
+    ]
+    prompt = anthropic_prompt(messages, None)
+    assert len(prompt.breakpoints) == 2
+    assert _lifetimes(prompt) == ["1h", "1h", "1h"]
+    # A policy of an hour after a client's 5-minute marker on a tool: 5 minutes, in order.
+    tools = [{"name": "t", "input_schema": {}, "cache_control": {"type": "ephemeral"}}]
+    plain = [{**m, "content": long} if m["role"] == "user" else m for m in messages]
+    one_hour = anthropic_prompt(plain, None, AnthropicCachePolicy(ttl="1h"), tools=tools)
+    assert _lifetimes(one_hour) == ["5m", "5m"]
+    # Without client markers the policy's lifetime holds.
+    assert _lifetimes(anthropic_prompt(plain, None, AnthropicCachePolicy(ttl="1h"))) == [
+        "1h",
+        "1h",
+    ]
