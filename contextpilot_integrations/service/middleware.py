@@ -14,10 +14,8 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import pydantic_core
-
 from contextpilot_integrations.client.schemas import BOOT_HEADER
-from contextpilot_integrations.service.errors import JSON, BodyTooLarge, error_body
+from contextpilot_integrations.service.errors import BodyTooLarge
 from contextpilot_integrations.service.metrics import ServiceMetrics
 
 __all__ = ["BootIdMiddleware", "MeteringMiddleware"]
@@ -76,10 +74,11 @@ class MeteringMiddleware:
         try:
             declared = _content_length(scope)
             if declared is not None and declared > self.max_body_bytes:
-                await _send_too_large(
-                    send_metered,
-                    f"body: {declared} bytes exceeds the limit of {self.max_body_bytes} bytes",
-                )
+                # Refused at the first read, unread, by the route's own error handling, so
+                # the answer has the shape of the route's API (the service's, OpenAI's or
+                # Anthropic's through the proxy).
+                refusal = f"body: {declared} bytes exceeds the limit of {self.max_body_bytes} bytes"
+                await self.app(scope, _refusing(refusal), send_metered)
                 return
             await self.app(scope, self._limited(receive_watched), send_metered)
         finally:
@@ -140,18 +139,11 @@ def _content_length(scope: ASGIScope) -> int | None:
     return None
 
 
-async def _send_too_large(send: Send, message: str) -> None:
-    body = pydantic_core.to_json(
-        error_body(message, "ValueError", [{"field": "body", "message": message}])
-    )
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [
-                (b"content-type", JSON.encode()),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+def _refusing(message: str) -> Receive:
+    """A ``receive`` that raises :class:`BodyTooLarge` with ``message`` at once (a body whose
+    declared length is over the limit is never read)."""
+
+    async def receive_refused() -> Message:
+        raise BodyTooLarge(message)
+
+    return receive_refused

@@ -294,8 +294,15 @@ def test_a_body_over_the_limit_is_a_413(standin) -> None:  # type: ignore[no-unt
     url, state = standin
     with serve_proxy(url, max_body_bytes=1000) as proxy:
         body = {"model": "m", "messages": [{"role": "user", "content": "x" * 2000}]}
-        response = httpx.post(f"{proxy}/v1/chat/completions", json=body)
+        response = httpx.post(f"{proxy}/v1/chat/completions", json=body)  # Content-Length
+        anthropic_body = {**body, "max_tokens": 8}
+        anthropic_answer = httpx.post(f"{proxy}/v1/messages", json=anthropic_body)
     assert response.status_code == 413
+    # In the shape of the client's API, so its SDK raises its own error type.
+    assert "exceeds the limit of 1000 bytes" in response.json()["error"]["message"]
+    assert anthropic_answer.status_code == 413
+    assert anthropic_answer.json()["type"] == "error"
+    assert "exceeds the limit" in anthropic_answer.json()["error"]["message"]
     assert state.received == []
 
 
