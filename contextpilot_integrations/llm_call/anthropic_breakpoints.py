@@ -291,6 +291,7 @@ def _marker(policy: AnthropicCachePolicy, ttl: str) -> dict[str, str]:
         return dict(policy.cache_control)
     return {"type": "ephemeral"} if ttl == "5m" else {"type": "ephemeral", "ttl": "1h"}
 
+
 _PRIORITY: dict[Reason, int] = {
     "shared-prefix": 0,
     "history": 1,
