@@ -17,14 +17,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from contextpilot_bench.engine_client import EngineClient
 from contextpilot_bench.smg_gateway import SmgGateway
-from contextpilot_bench.testbed.locations import find_smg
 from contextpilot_bench.testbed.process_group import process_group_members
+from support.engine_marks import NEEDS_SMG
 
 from contextpilot_integrations.llm_call.engine_fields import ROUTING_HEADER
 
-pytestmark = pytest.mark.skipif(
-    find_smg() is None, reason="no smg gateway: run scripts/setup-smg-env.sh"
-)
+pytestmark = NEEDS_SMG
 
 
 class Worker:

@@ -17,12 +17,12 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from contextpilot_bench.testbed.locations import find_vllm_python
 from contextpilot_bench.testbed.model_dir import prepare_model_dir
 from contextpilot_bench.testbed.vllm_server import VllmCpuServer
 from langchain_core.runnables import RunnablePassthrough
 from langchain_openai import ChatOpenAI
 from langchain_support import Bm25sRetriever, RecordingPilot
+from support.engine_marks import NEEDS_VLLM
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.langchain import (
@@ -37,10 +37,7 @@ from contextpilot_integrations.sync.kv_event_source import KVEventSource
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(
-        find_vllm_python() is None,
-        reason="no vLLM environment: run scripts/setup-vllm-env.sh (makes .venv-vllm)",
-    ),
+    NEEDS_VLLM,
 ]
 
 BLOCK_SIZE = 32

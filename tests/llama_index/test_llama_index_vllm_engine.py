@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from contextpilot_bench.testbed.locations import find_vllm_python
 from contextpilot_bench.testbed.model_dir import prepare_model_dir
 from contextpilot_bench.testbed.vllm_server import VllmCpuServer
 from llama_index.core.query_engine import RetrieverQueryEngine
+from support.engine_marks import NEEDS_VLLM
 
 from contextpilot_integrations import ContextPilot
 from contextpilot_integrations.llama_index import (
@@ -32,10 +32,7 @@ BLOCK_SIZE = 32
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(
-        find_vllm_python() is None,
-        reason="no vLLM environment: run scripts/setup-vllm-env.sh (makes .venv-vllm)",
-    ),
+    NEEDS_VLLM,
 ]
 
 

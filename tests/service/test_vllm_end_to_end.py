@@ -15,10 +15,10 @@ import signal
 import httpx
 import openai
 import pytest
-from contextpilot_bench.testbed.locations import find_vllm_python
 from contextpilot_bench.testbed.model_dir import prepare_model_dir
 from contextpilot_bench.testbed.vllm_server import VllmCpuServer
 from service_testing import wait_for
+from support.engine_marks import NEEDS_VLLM
 
 from contextpilot_integrations.client.client import ContextPilotClient
 from contextpilot_integrations.llm_call.engine_fields import (
@@ -30,10 +30,7 @@ from contextpilot_integrations.llm_call.engine_fields import (
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.skipif(
-        find_vllm_python() is None,
-        reason="no vLLM environment: run scripts/setup-vllm-env.sh (makes .venv-vllm)",
-    ),
+    NEEDS_VLLM,
 ]
 
 BLOCK_SIZE = 32

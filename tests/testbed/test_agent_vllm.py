@@ -17,15 +17,12 @@ import re
 from pathlib import Path
 
 import pytest
-from contextpilot_bench.testbed.locations import find_vllm_python
 from support.agent_workload import mtrag_slice, run_bench
+from support.engine_marks import NEEDS_VLLM
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(
-        find_vllm_python() is None,
-        reason="no vLLM environment: run scripts/setup-vllm-env.sh (makes .venv-vllm)",
-    ),
+    NEEDS_VLLM,
 ]
 
 USER_TURNS = 2

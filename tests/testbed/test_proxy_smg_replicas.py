@@ -18,11 +18,11 @@ from pathlib import Path
 
 import openai
 import pytest
+from support.engine_marks import NEEDS_SMG, NEEDS_VLLM
 
 pytest.importorskip("tokenizers", reason="the engines extra needs `tokenizers`")
 
 from contextpilot_bench.smg_gateway import SmgGateway  # noqa: E402
-from contextpilot_bench.testbed.locations import find_smg, find_vllm_python  # noqa: E402
 from contextpilot_bench.vllm_replica_fleet import VllmCpuFleet  # noqa: E402
 from support.asgi_server import serve_in_thread  # noqa: E402
 from support.vllm_workload import kv_cache_blocks, prepare_multihop  # noqa: E402
@@ -39,14 +39,8 @@ TOP_K = 4
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(
-        find_vllm_python() is None,
-        reason="no vLLM environment: run scripts/setup-vllm-env.sh or set CONTEXTPILOT_VLLM_PYTHON",
-    ),
-    pytest.mark.skipif(
-        find_smg() is None,
-        reason="no smg gateway: run scripts/setup-smg-env.sh or set CONTEXTPILOT_SMG",
-    ),
+    NEEDS_VLLM,
+    NEEDS_SMG,
 ]
 
 

@@ -23,16 +23,13 @@ import httpx
 import openai
 import pytest
 from contextpilot_bench.agent_engine import TOOL_CHAT_TEMPLATE
-from contextpilot_bench.testbed.locations import find_vllm_python
 from contextpilot_bench.testbed.model_dir import prepare_model_dir
 from contextpilot_bench.testbed.vllm_server import VllmCpuServer
+from support.engine_marks import NEEDS_VLLM
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(
-        find_vllm_python() is None,
-        reason="no vLLM environment: run scripts/setup-vllm-env.sh (makes .venv-vllm)",
-    ),
+    NEEDS_VLLM,
 ]
 
 WORDS = ["cache", "engine", "prefix", "block", "token", "request", "model", "index", "shared"]

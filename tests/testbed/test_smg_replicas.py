@@ -30,12 +30,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support.engine_marks import NEEDS_SMG, NEEDS_VLLM
 
 pytest.importorskip("tokenizers", reason="the engines extra needs `tokenizers`")
 
 from contextpilot_bench.methods import PreparedWorkload  # noqa: E402
 from contextpilot_bench.smg_gateway import SmgGateway  # noqa: E402
-from contextpilot_bench.testbed.locations import find_smg, find_vllm_python  # noqa: E402
 from contextpilot_bench.testbed.process_group import process_group_members  # noqa: E402
 from contextpilot_bench.vllm_replica_fleet import VllmCpuFleet  # noqa: E402
 from support.data_dir import MULTIHOP_RAG, dataset_dir_or_skip  # noqa: E402
@@ -58,14 +58,8 @@ CACHE_REQUESTS = 3  # each replica's KV cache holds this many requests of max_mo
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(
-        find_vllm_python() is None,
-        reason="no vLLM environment: run scripts/setup-vllm-env.sh or set CONTEXTPILOT_VLLM_PYTHON",
-    ),
-    pytest.mark.skipif(
-        find_smg() is None,
-        reason="no smg gateway: run scripts/setup-smg-env.sh or set CONTEXTPILOT_SMG",
-    ),
+    NEEDS_VLLM,
+    NEEDS_SMG,
 ]
 
 

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.engine_marks import NEEDS_VLLM
 
 pytest.importorskip("tokenizers", reason="the engines extra needs `tokenizers`")
 
 from contextpilot_bench.real_model import SCORED_METHODS, scored_layout  # noqa: E402
-from contextpilot_bench.testbed.locations import find_vllm_python  # noqa: E402
 from contextpilot_bench.testbed.process_group import process_group_members  # noqa: E402
 from contextpilot_bench.testbed.smollm2 import (  # noqa: E402
     WHEEL_SHA256,
@@ -39,11 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(
-        find_vllm_python() is None,
-        reason="no vLLM environment: run scripts/setup-vllm-env.sh (makes .venv-vllm) or set "
-        "CONTEXTPILOT_VLLM_PYTHON",
-    ),
+    NEEDS_VLLM,
 ]
 
 

@@ -24,6 +24,7 @@ import httpx
 import msgspec
 import pytest
 import zmq
+from support.engine_marks import NEEDS_VLLM
 
 pytest.importorskip("tokenizers", reason="the engines extra needs `tokenizers`")
 
@@ -52,10 +53,7 @@ from contextpilot_integrations.core.rendering import PromptLayout  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32
 
-needs_vllm = pytest.mark.skipif(
-    find_vllm_python() is None,
-    reason="no vLLM environment: run scripts/setup-vllm-env.sh (makes .venv-vllm)",
-)
+needs_vllm = NEEDS_VLLM
 
 WORDS = [
     "the",

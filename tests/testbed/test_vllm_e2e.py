@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support.engine_marks import NEEDS_VLLM
 
 pytest.importorskip("tokenizers", reason="the engines extra needs `tokenizers`")
 
@@ -36,7 +37,6 @@ from contextpilot_bench.methods import (  # noqa: E402
     PreparedWorkload,
     run_method,
 )
-from contextpilot_bench.testbed.locations import find_vllm_python  # noqa: E402
 from contextpilot_bench.testbed.process_group import process_group_members  # noqa: E402
 from contextpilot_bench.vllm_engine import VllmCpuEngine  # noqa: E402
 from contextpilot_bench.vllm_instance import VllmCpuInstance  # noqa: E402
@@ -55,11 +55,7 @@ CACHE_REQUESTS = 4  # the KV cache holds this many requests of max_model_len tok
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(
-        find_vllm_python() is None,
-        reason="no vLLM environment: run scripts/setup-vllm-env.sh (makes .venv-vllm) or set "
-        "CONTEXTPILOT_VLLM_PYTHON",
-    ),
+    NEEDS_VLLM,
 ]
 
 
