@@ -28,6 +28,11 @@ Examples::
         --replica http://127.0.0.1:8001/v1 --replica http://127.0.0.1:8002/v1 \\
         --replica-kv-events tcp://127.0.0.1:5557 --replica-kv-events tcp://127.0.0.1:5559
 
+    # two proxy processes that plan as one (a balancer, or clients, spread calls over them)
+    export CONTEXTPILOT_PEER_SECRET=...  # the same on both
+    contextpilot-server --port 8801 --upstream http://127.0.0.1:8000/v1 \\
+        --peer http://10.0.0.1:8801 --peer http://10.0.0.2:8801 --peer-self http://10.0.0.1:8801
+
     # tenants: each key belongs to one tenant (format in service/tenants.py)
     contextpilot-server --api-keys /etc/contextpilot/keys.json --snapshot /var/lib/cp/index.json
     CONTEXTPILOT_API_KEYS="alice=<key>,bob=<key>" contextpilot-server
@@ -79,6 +84,7 @@ import uvicorn
 from contextpilot_integrations import __version__
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.service.app import create_app
+from contextpilot_integrations.service.proxy.peer_config import PEER_SECRET_ENV, PeerConfig
 from contextpilot_integrations.service.proxy.proxy_config import UPSTREAM_KINDS, ProxyConfig
 from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.service.tenants import TenantKeys, parse_key_list, read_key_file
@@ -245,6 +251,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="longest wait for the upstream's next bytes (default 600)",
     )
+    proxy.add_argument(
+        "--peer",
+        action="append",
+        metavar="URL",
+        help="a proxy process of the group that plans as one (repeat for each, this one "
+        f"included, the same list on each; the shared secret in ${PEER_SECRET_ENV}): each "
+        "call is planned by the process that owns its conversation",
+    )
+    proxy.add_argument(
+        "--peer-self",
+        metavar="URL",
+        help="which of the --peer URLs this process is",
+    )
 
     serving = parser.add_argument_group("serving")
     serving.add_argument(
@@ -374,6 +393,7 @@ def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | N
             ("--upstream-api-key-env", args.upstream_api_key_env is not None),
             ("--upstream-api-key-file", args.upstream_api_key_file is not None),
             ("--pass-client-key", args.pass_client_key),
+            ("--peer", bool(args.peer) or args.peer_self is not None),
         )
         if present
     ]
@@ -412,6 +432,7 @@ def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | N
             "--pass-client-key forwards the clients' keys: drop --upstream-api-key-env / "
             "--upstream-api-key-file"
         )
+    peers = PeerConfig.from_arguments(args.peer or [], args.peer_self, environ)
     try:
         return ProxyConfig(
             args.upstream,
@@ -420,6 +441,7 @@ def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | N
             pass_client_key=args.pass_client_key,
             read_timeout_s=args.upstream_timeout,
             fleet=fleet,  # type: ignore[arg-type]  # the mapping is checked there
+            peers=peers,
         )
     except ValueError as exc:
         where = "--replicas-config" if args.replicas_config is not None else "--replica"

@@ -90,17 +90,20 @@ class ProxyCounters:
     - ``contextpilot_proxy_upstream_failures_total{kind}``: ``unreachable``, ``timeout``,
       ``broken`` (failed after its answer started), ``cancelled`` (the client went before the
       answer ended).
+
+    ``prefix`` replaces ``contextpilot_proxy`` in the names (the hop to a peer proxy counts
+    its own: docs/DESIGN.md, "Proxy peers").
     """
 
-    def __init__(self, registry: Any) -> None:
+    def __init__(self, registry: Any, prefix: str = "contextpilot_proxy") -> None:
         self.requests = Counter(
-            "contextpilot_proxy_requests",
+            f"{prefix}_requests",
             "Proxied requests answered, by endpoint and status code.",
             ["endpoint", "status"],
             registry=registry,
         )
         self.failures = Counter(
-            "contextpilot_proxy_upstream_failures",
+            f"{prefix}_upstream_failures",
             "Proxied requests the upstream did not answer in full, by kind.",
             ["kind"],
             registry=registry,
@@ -125,6 +128,8 @@ class ForwardedAnswer(Response):
             (``None``: the answer is not watched).
         reroute: another upstream for a request whose upstream cannot be reached
             (:data:`Reroute`; module docstring).
+        pass_headers: the upstream answer's raw headers as the client gets them (default
+            :func:`~.upstream.answer_headers`).
     """
 
     def __init__(
@@ -142,8 +147,12 @@ class ForwardedAnswer(Response):
         report: Sequence[tuple[bytes, bytes]] = (),
         on_usage: Callable[[Usage], None] | None = None,
         reroute: Reroute | None = None,
+        pass_headers: Callable[[Sequence[tuple[bytes, bytes]]], list[tuple[bytes, bytes]]] = (
+            answer_headers
+        ),
     ) -> None:
         super().__init__(status_code=200)
+        self._pass_headers = pass_headers
         self._reroute = reroute
         self._path_query = (path, query)
         self._upstream = upstream
@@ -276,7 +285,7 @@ class ForwardedAnswer(Response):
                 {
                     "type": "http.response.start",
                     "status": status,
-                    "headers": answer_headers(response.raw_headers) + self._report,
+                    "headers": self._pass_headers(response.raw_headers) + self._report,
                 }
             )
             self._counters.requests.labels(self._endpoint, str(status)).inc()

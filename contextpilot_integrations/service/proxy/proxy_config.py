@@ -14,6 +14,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from contextpilot_integrations.service.proxy.fleet_config import FleetConfig
+from contextpilot_integrations.service.proxy.peer_config import PeerConfig
 
 __all__ = ["UPSTREAM_KINDS", "ProxyConfig", "UpstreamKind", "detect_kind"]
 
@@ -56,6 +57,9 @@ class ProxyConfig:
         fleet: the engine replicas behind the proxy and the routing rule
             (:class:`~.fleet_config.FleetConfig`, or its mapping): the proxy hosts the replica
             router; ``None``: one upstream, no router.
+        peers: the proxy processes that plan as one with this one
+            (:class:`~.peer_config.PeerConfig`; docs/DESIGN.md, "Proxy peers"); ``None``:
+            this process plans every call it gets.
 
     Raises:
         ValueError: a URL that is not http(s) with a host, an unknown ``kind``, an empty key,
@@ -71,8 +75,11 @@ class ProxyConfig:
     read_timeout_s: float | None = 600.0
     max_connections: int = 512
     fleet: FleetConfig | None = None
+    peers: PeerConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.peers is not None and not isinstance(self.peers, PeerConfig):
+            raise ValueError(f"peers must be a PeerConfig or None, got {self.peers!r:.200}")
         fleet = self.fleet
         if fleet is not None and not isinstance(fleet, FleetConfig):
             fleet = FleetConfig.from_mapping(fleet)
@@ -148,5 +155,5 @@ class ProxyConfig:
         return (
             f"ProxyConfig(upstream_url={self.upstream_url!r}, kind={self.kind!r}, "
             f"api_key={'<set>' if self.api_key else None}, pass_client_key={self.pass_client_key}, "
-            f"fleet={self.fleet!r})"
+            f"fleet={self.fleet!r}, peers={self.peers!r})"
         )

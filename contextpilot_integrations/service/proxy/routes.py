@@ -63,6 +63,7 @@ from contextpilot_integrations.service.proxy.forwarding import (
     ProxyCounters,
     Reroute,
 )
+from contextpilot_integrations.service.proxy.peers import Peers
 from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
 from contextpilot_integrations.service.proxy.replica_routing import REPLICA_HEADER, ReplicaRouting
 from contextpilot_integrations.service.proxy.request_planning import (
@@ -123,6 +124,9 @@ class Proxy:
         )
         self.counters = ProxyCounters(service.metrics.registry)
         self.service_paths = dict(service_paths)
+        self.peers: Peers | None = None
+        if config.peers is not None:
+            self.peers = Peers(config.peers, config, service.metrics.registry)
 
     def tenant_of(self, request: Request) -> str | None:
         """The tenant of the request's key (``None`` on a service without keys).
@@ -240,6 +244,8 @@ class Proxy:
     async def aclose(self) -> None:
         """Close the upstreams' pools and stop the replicas' engine links."""
         await self.upstream.aclose()
+        if self.peers is not None:
+            await self.peers.aclose()
         if self.routing is not None:
             await self.routing.aclose()
             await anyio.to_thread.run_sync(self.routing.stop)
@@ -320,12 +326,21 @@ async def pass_through(request: Request, path: str) -> Response:
     )
 
 
-async def _planned(request: Request, api: Api, endpoint: str) -> Response:
+async def _planned(request: Request, api: Api, endpoint: str, *, here: bool = False) -> Response:
+    """The call planned and forwarded; with peers, first passed to its owner unless ``here``
+    (docs/DESIGN.md, "Proxy peers")."""
     proxy = _proxy(request)
     admitted = await _admit(request, proxy, api, endpoint)
     if isinstance(admitted, Response):
         return admitted
     tenant, raw = admitted
+    if proxy.peers is not None and not here:
+        here_answer = functools.partial(_planned, request, api, endpoint, here=True)
+        hop = await proxy.peers.route(
+            request.scope, raw, api, tenant, _session_header(request), here_answer
+        )
+        if hop is not None:
+            return hop
     prepare = functools.partial(proxy.planning.prepare, raw, api, tenant, _session_header(request))
     try:
         call = await anyio.to_thread.run_sync(prepare, abandon_on_cancel=True)
@@ -347,7 +362,7 @@ async def _planned(request: Request, api: Api, endpoint: str) -> Response:
         api=api,
         endpoint=endpoint,
         counters=proxy.counters,
-        report=report_headers(call),
+        report=report_headers(call) + (proxy.peers.report if proxy.peers is not None else []),
         on_usage=functools.partial(proxy.record_usage, tenant, call.rid),
     )
 

@@ -9,11 +9,13 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import openai
 import uvicorn
+from upstream_standin import SEARCH_RESULT
 
 from contextpilot_integrations.service.app import create_app
 from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
@@ -22,15 +24,18 @@ from contextpilot_integrations.service.service_config import ServiceConfig
 
 @contextmanager
 def serve_proxy(
-    upstream_url: str | None, proxy: dict[str, Any] | None = None, **service: Any
+    upstream_url: str | None,
+    proxy: dict[str, Any] | None = None,
+    *,
+    sock: socket.socket | None = None,
+    **service: Any,
 ) -> Iterator[str]:
     """A proxy in front of ``upstream_url`` (``proxy``: more :class:`ProxyConfig` fields,
-    ``service``: :class:`ServiceConfig` fields); yields its base URL."""
+    ``service``: :class:`ServiceConfig` fields) on ``sock`` (default: a new one on a free
+    port; :func:`bound_socket`); yields its base URL."""
     config = ServiceConfig(proxy=ProxyConfig(upstream_url, **(proxy or {})), **service)
     app = create_app(config)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock = sock or bound_socket()
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -46,6 +51,15 @@ def serve_proxy(
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+def bound_socket() -> socket.socket:
+    """A socket bound to a free port of 127.0.0.1, so its URL is known before the server on
+    it is made (peers name each other)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 def closed_port_url() -> str:
@@ -146,3 +160,40 @@ def dumped(messages: list[dict[str, Any]]) -> list[str]:
 def assert_replayed(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
     """The messages an upstream received on the earlier call lead the later call's, exactly."""
     assert dumped(after[: len(before)]) == dumped(before)
+
+
+AGENT_SYSTEM = "You are a research agent. Use the search tool, then answer."
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the corpus.",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+        },
+    }
+]
+
+
+def agent_loop(clients: Sequence[openai.OpenAI], session: str | None) -> list[Any]:
+    """A tool-using conversation against the stand-in's ``agent`` model, call ``i`` sent by
+    ``clients[i]`` (``session``: the conversation header, or none); the raw responses
+    (headers readable)."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": AGENT_SYSTEM},
+        {"role": "user", "content": [{"type": "text", "text": "What does the cache keep?"}]},
+    ]
+    raws = []
+    for client in clients:
+        raw = client.chat.completions.with_raw_response.create(
+            model="agent",
+            messages=messages,  # type: ignore[arg-type]
+            tools=TOOLS,  # type: ignore[arg-type]
+            extra_headers={"x-contextpilot-session": session} if session else None,
+        )
+        raws.append(raw)
+        message = raw.parse().choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls or ():
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": SEARCH_RESULT})
+    return raws

@@ -11,50 +11,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from proxy_testing import assert_replayed, closed_port_url, serve_proxy
+from proxy_testing import TOOLS, agent_loop, assert_replayed, closed_port_url, serve_proxy
 from service_testing import wait_for
 from upstream_standin import SEARCH_RESULT
-
-SYSTEM = "You are a research agent. Use the search tool, then answer."
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "search",
-            "description": "Search the corpus.",
-            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
-        },
-    }
-]
-
-
-def _agent_loop(client: openai.OpenAI, session: str) -> list[Any]:
-    """Three calls of a tool-using conversation; the raw responses (headers readable)."""
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": [{"type": "text", "text": "What does the cache keep?"}]},
-    ]
-    raws = []
-    for _ in range(3):
-        raw = client.chat.completions.with_raw_response.create(
-            model="agent",
-            messages=messages,  # type: ignore[arg-type]
-            tools=TOOLS,  # type: ignore[arg-type]
-            extra_headers={"x-contextpilot-session": session},
-        )
-        raws.append(raw)
-        message = raw.parse().choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        for call in message.tool_calls or ():
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": SEARCH_RESULT})
-    return raws
 
 
 def test_a_tool_using_conversation_is_planned_and_forwarded(standin) -> None:  # type: ignore[no-untyped-def]
     url, state = standin
     with serve_proxy(url, {"api_key": "upstream-secret"}) as proxy:
         client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="client-secret", max_retries=0)
-        raws = _agent_loop(client, "conversation-1")
+        raws = agent_loop([client] * 3, "conversation-1")
         bodies = state.bodies("/v1/chat/completions")
         assert len(bodies) == 3
         # Every earlier call's messages lead the next call's, byte for byte.
