@@ -10,6 +10,11 @@ without tenant keys, an ``openai-compatible`` upstream, the conversation named b
 engine, and keeps the messages of each body it would forward. So the embedded report prints
 the ``proxy`` row from the same code the engine replay's proxy runs, on the prefix-cache model.
 
+With ``processes`` above one, the calls are spread round-robin over that many plannings that
+know nothing of each other (each its own process's memory): what several proxy processes
+without the peer rule would send (docs/DESIGN.md, "Proxy peers"), the contrast to
+:mod:`~contextpilot_bench.agent_proxy_peers`.
+
 Only the messages are read back: the fields the proxy adds for the engine (rid, session id,
 cache salt) are no prompt tokens, and the tool schemas are the baseline's.
 """
@@ -30,26 +35,27 @@ MODEL = "agent"
 """The ``model`` of each body (the proxy forwards it; planning does not read it)."""
 
 
-def plan_through_proxy(run: AgentRun) -> AgentRun:
-    """``run``'s prompts as one proxy process plans them, in order: the run named
-    :data:`~contextpilot_bench.agent_engine.PROXY_METHOD`, with ``run``'s tool outputs (the
-    tools ran once; the proxy only rewrites what is sent).
+def plan_through_proxy(run: AgentRun, processes: int = 1, method: str = PROXY_METHOD) -> AgentRun:
+    """``run``'s prompts as one proxy process plans them, in order (``processes``: call ``i``
+    planned by the ``i mod processes``-th of that many independent ones): the run named
+    ``method``, with ``run``'s tool outputs (the tools ran once; the proxy only rewrites what is
+    sent).
 
     Raises:
         ValueError: the proxy refused a prompt (:class:`~contextpilot_integrations.service.
             proxy.request_planning.BadRequest`, named with the call's position).
     """
-    planning = ProxyPlanning(Tenancy({}), "openai-compatible")
-    out = AgentRun(PROXY_METHOD, originals=dict(run.originals))
+    plannings = [ProxyPlanning(Tenancy({}), "openai-compatible") for _ in range(processes)]
+    out = AgentRun(method, originals=dict(run.originals))
     for position, prompt in enumerate(run.prompts):
+        planning = plannings[position % processes]
         body = {"model": MODEL, "messages": [dict(m) for m in prompt.messages]}
         raw = json.dumps(body, ensure_ascii=False).encode("utf-8")
         try:
             call = planning.prepare(raw, "openai", None, prompt.session)
         except BadRequest as exc:
             raise ValueError(
-                f"{PROXY_METHOD} call {position}: the proxy refused it ({exc.status}: "
-                f"{exc.message})"
+                f"{method} call {position}: the proxy refused it ({exc.status}: {exc.message})"
             ) from None
         sent = json.loads(call.body)["messages"]
         out.prompts.append(dataclasses.replace(prompt, messages=tuple(sent)))

@@ -12,7 +12,10 @@ targets with ok / MISSED. With the LangChain methods the table has a ``proxy`` r
 plain agent's prompts planned in process by the proxy mode's own planning
 (:mod:`~contextpilot_bench.agent_proxy`), what an unmodified agent sends through
 ``contextpilot-server --upstream``, held to within :data:`PROXY_MATCH_TARGET` of the
-middleware's ratio. With ``--engine vllm-cpu`` the non-hosted methods' prompts are also
+middleware's ratio; beside it the same prompts sent round-robin to two proxy processes that
+plan as one (:mod:`~contextpilot_bench.agent_proxy_peers`), their hit ratio held to at least
+:data:`PEERS_TARGET` of one process's, and to two that know nothing of each other (the
+contrast). With ``--engine vllm-cpu`` the non-hosted methods' prompts are also
 sent to vLLM's CPU build (:mod:`~contextpilot_bench.agent_engine`; with the plain LangChain
 agent's sent once more through the proxy mode, the ``proxy`` row), and its table and targets
 are the engine's own figures. With ``--engine vllm-cpu --engine-model smollm2`` (a search
@@ -48,6 +51,7 @@ from contextpilot_bench.agent_llamaindex import (
     replay_llamaindex,
 )
 from contextpilot_bench.agent_proxy import plan_through_proxy
+from contextpilot_bench.agent_proxy_peers import send_through_peers
 from contextpilot_bench.agent_replay import (
     ANTHROPIC_MODEL,
     HOSTED_AGENT_METHODS,
@@ -90,6 +94,10 @@ HOSTED_TARGET = 0.80
 ``AnthropicPromptCachingMiddleware``'s."""
 PROXY_MATCH_TARGET = 0.02
 """The proxy's engine prefill ratio within this of ContextPilotMiddleware's."""
+PEERS_TARGET = 0.95
+"""Two proxy processes' hit ratio at least this share of one process's (unlimited cache)."""
+PEERS_METHOD, UNPINNED_METHOD = "proxy-2-peers", "proxy-2-unpinned"
+"""Two proxy processes, calls round-robin: peers (the owner rule), and unaware of each other."""
 PRICE_WRITE, PRICE_READ, TTL_S = 1.25, 0.1, 300.0
 SMALL_CACHE = 0.05
 """The small cache: this share of the baseline's unique tokens."""
@@ -126,6 +134,17 @@ _ENGINE_COLUMNS = [
     ("TTFT p50 s", "ttft_p50_s", "s"),
     ("prefix breaks", "prefix_breaks", "int"),
     ("sessions broken", "sessions_with_breaks", "int"),
+]
+_PROCESS_COLUMNS = [
+    ("method", "method", "str"),
+    ("processes", "processes", "int"),
+    ("calls", "calls", "int"),
+    ("prompt tokens", "prompt_tokens", "int"),
+    ("prefill tokens", "prefill_tokens", "int"),
+    ("hit ratio", "hit_ratio", "ratio"),
+    ("vs one process", "hit_vs_one", "ratio"),
+    ("prefix breaks", "prefix_breaks", "int"),
+    ("dangling", "dangling", "int"),
 ]
 _HOSTED_COLUMNS = [
     ("method", "method", "str"),
@@ -197,6 +216,37 @@ def agent_rows(
                 else None
             )
     return totals, sessions
+
+
+def process_rows(
+    runs: Sequence[tuple[AgentRun, int]], counter: TokenCounter
+) -> list[dict[str, Any]]:
+    """One row per ``(run, processes)`` on an unlimited prefix cache: hit ratio (cached
+    tokens over prompt tokens) and its ratio to the first run's (one process)."""
+    rows: list[dict[str, Any]] = []
+    for run, processes in runs:
+        served = prefill_tokens(run.prompts, counter, None)
+        prompt = sum(t for t, _ in served)
+        prefill = sum(p for _, p in served)
+        rows.append(
+            {
+                "method": run.method,
+                "processes": processes,
+                "calls": len(run.prompts),
+                "prompt_tokens": prompt,
+                "prefill_tokens": prefill,
+                "hit_ratio": 1 - prefill / prompt if prompt else None,
+                "prefix_breaks": len(prefix_breaks(run.prompts)),
+                "dangling": sum(
+                    len(dangling_pointers(p, run.originals[p.session])) for p in run.prompts
+                ),
+            }
+        )
+    one = rows[0]["hit_ratio"] if rows else None
+    for row in rows:
+        hit = row["hit_ratio"]
+        row["hit_vs_one"] = hit / one if hit is not None and one else None
+    return rows
 
 
 def hosted_rows(runs: Sequence[AgentRun], counter: TokenCounter) -> list[dict[str, Any]]:
@@ -359,9 +409,16 @@ def run_agent_report(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     runs: list[AgentRun] = []
     proxied: list[AgentRun] = []  # planned from the baseline's prompts: never sent again
+    spread: list[tuple[AgentRun, int]] = []  # the proxy row again over two processes
     if "langchain" in families:
         runs += [replay_langchain(m, sessions, index) for m in LANGCHAIN_AGENT_METHODS]
-        proxied.append(plan_through_proxy(next(r for r in runs if r.method == "baseline")))
+        baseline = next(r for r in runs if r.method == "baseline")
+        proxied.append(plan_through_proxy(baseline))
+        spread = [
+            (proxied[0], 1),
+            (send_through_peers(baseline, 2, PEERS_METHOD), 2),
+            (plan_through_proxy(baseline, 2, UNPINNED_METHOD), 2),
+        ]
     note = None
     if "llamaindex" in families:
         note = llamaindex_unavailable()
@@ -414,7 +471,23 @@ def run_agent_report(args: argparse.Namespace) -> int:
     if "llamaindex-contextpilot" in by_method:
         verdict = _llamaindex_verdict(name, by_method["llamaindex-contextpilot"])
         print(f"llamaindex-contextpilot prefill tokens vs the plain FunctionAgent's = {verdict}")
-    checked = [*totals, *hrows]
+    prows = process_rows(spread, counter)
+    if prows:
+        print(
+            f"\n{PROXY_METHOD} over processes (the plain agent's prompts, call i to process "
+            "i mod n as a round-robin balancer sends them; unlimited cache): "
+            f"{PEERS_METHOD} over HTTP with the peer rule, {UNPINNED_METHOD} planned by two "
+            "that know nothing of each other"
+        )
+        print(format_table(prows, _PROCESS_COLUMNS))
+        peers = next(r for r in prows if r["method"] == PEERS_METHOD)["hit_vs_one"]
+        verdict = "n/a" if peers is None else "ok" if peers >= PEERS_TARGET else "MISSED"
+        shown = "n/a" if peers is None else f"{peers:.3f}"
+        print(
+            f"{PEERS_METHOD} hit ratio vs one process's (unlimited cache) = {shown} "
+            f"(target >= {PEERS_TARGET}: {verdict})"
+        )
+    checked = [*totals, *hrows, *(r for r in prows if r["method"] == PEERS_METHOD)]
     dangling = sum(r["dangling"] for r in checked)
     breaks = sum(r["prefix_breaks"] for r in checked)
     print(f"dangling pointers: {dangling} (target 0: {'ok' if dangling == 0 else 'MISSED'})")
@@ -439,7 +512,8 @@ def run_agent_report(args: argparse.Namespace) -> int:
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"workload": name, "sessions": len(sessions), "totals": totals,
-                   "per_session": per_session, "hosted": hrows, "engine": engine}  # fmt: skip
+                   "per_session": per_session, "hosted": hrows, "engine": engine,
+                   "proxy_processes": prows}  # fmt: skip
         path.write_text(json.dumps(payload, indent=2))
         print(f"wrote {path}")
     return 0

@@ -3,27 +3,21 @@
 proxy"), for the ``contextpilot-proxy-smg`` method of
 :mod:`~contextpilot_bench.vllm_replica_methods`.
 
-In this process (uvicorn on a thread, lifespan on) so that the run reads the router's own
-figures after it (where each request landed, as the replicas' KV events told it); the client
-and the proxy then share the interpreter, which adds to the proxy's latency, never takes from
-it.
+In this process (:mod:`~contextpilot_bench.served_app`) so that the run reads the router's own
+figures after it (where each request landed, as the replicas' KV events told it).
 """
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from contextpilot_bench.served_app import served_app
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.replicas.routing import ReplicaRouter
 
 __all__ = ["proxy_over_gateway"]
-
-STARTUP_S = 30.0
 
 
 @contextmanager
@@ -35,10 +29,9 @@ def proxy_over_gateway(
     root URL and its router (the one of a service without keys), stopped on exit.
 
     Raises:
-        RuntimeError: it did not start within :data:`STARTUP_S`.
+        RuntimeError: it did not start within
+            :data:`~contextpilot_bench.served_app.STARTUP_S`.
     """
-    import uvicorn
-
     from contextpilot_integrations.service.app import create_app
     from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
     from contextpilot_integrations.service.service_config import ServiceConfig
@@ -49,19 +42,5 @@ def proxy_over_gateway(
         proxy=ProxyConfig(f"{gateway_url}/v1", fleet=fleet),  # type: ignore[arg-type]
     )
     app = create_app(config)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError(f"the proxy did not start within {STARTUP_S:.0f} s")
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app.state.proxy.routing.router_of(None)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=STARTUP_S)
-        sock.close()
+    with served_app(app) as url:
+        yield url, app.state.proxy.routing.router_of(None)
