@@ -15,6 +15,8 @@ through unchanged (docs/DESIGN.md, "The proxy"). One job per module:
 - :mod:`.forwarding`: the answer streamed to the client as it arrives, cancelled when the
   client goes;
 - :mod:`.api_errors`: error bodies in the OpenAI and Anthropic shapes;
+- :mod:`.peer_config`: ``PeerConfig``, the proxy processes that plan as one;
+- :mod:`.peers`: each call's owner among them and the hop to it;
 - :mod:`.routes`: the endpoints.
 
 Nothing is imported here, so that the package imports without the ``service`` extra.
