@@ -76,7 +76,9 @@ Message = MutableMapping[str, Any]
 
 Reroute = Callable[[], "tuple[Upstream, Sequence[tuple[bytes, bytes]]] | None"]
 """Blocking (run in a worker thread): another upstream for a request whose upstream could not
-be reached, and the report headers that go with it; ``None``: none left."""
+be reached, and the report headers that go with it; ``None``: none left. An exception it
+raises leaves the answer unsent and propagates out of it (within an exception group): the hop
+to a peer proxy plans the call where it arrived instead (docs/DESIGN.md, "Proxy peers")."""
 
 _REROUTED = object()
 
