@@ -192,8 +192,9 @@ class Peers:
         config: the peers and which one this is.
         proxy: the proxy's settings (the peer connection pool's size, the read timeout).
         registry: where the peer counters go (module docstring):
-            ``contextpilot_proxy_peer_calls_total{outcome}`` (``owned``, ``forwarded``,
-            ``from_peer``, ``fallback``, ``unreadable``, ``bad_mark``), and the hop's answers
+            ``contextpilot_proxy_peer_calls_total{outcome}`` (``owned``, ``forwarded``: a hop
+            begun, ``from_peer``, ``fallback``: planned here as the owner was down,
+            ``unreadable``, ``bad_mark``), and the hop's answers
             and failures as :class:`~.forwarding.ProxyCounters` counts them, under
             ``contextpilot_proxy_peer_``.
         clock: seconds, monotonic (for ``retry_down_s``).
