@@ -83,6 +83,7 @@ class EngineClient:
         model: the model name to send; ``None``: the first id of ``GET /v1/models``.
         timeout_s: per-request timeout in seconds.
         api_key: sent as ``Authorization: Bearer ...`` when given.
+        max_connections: most connections open at once (requests beyond wait for one).
 
     Raises:
         ValueError: ``base_url`` is not an http(s) URL.
@@ -95,6 +96,7 @@ class EngineClient:
         model: str | None = None,
         timeout_s: float = 600.0,
         api_key: str | None = None,
+        max_connections: int = 100,
     ) -> None:
         url = base_url.rstrip("/")
         if not url.startswith(("http://", "https://")):
@@ -103,7 +105,12 @@ class EngineClient:
             url = url[: -len("/v1")]
         self.base_url = url
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=url, timeout=timeout_s, headers=headers)
+        self._http = httpx.Client(
+            base_url=url,
+            timeout=timeout_s,
+            headers=headers,
+            limits=httpx.Limits(max_connections=max_connections),
+        )
         self._model = model
         self._warned_no_cached = False
 

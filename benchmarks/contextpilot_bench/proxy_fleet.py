@@ -11,22 +11,46 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from contextpilot_bench.served_app import served_app
 from contextpilot_integrations.core.rendering import PromptLayout
-from contextpilot_integrations.core.replicas.routing import ReplicaRouter
+from contextpilot_integrations.core.replicas.routing_config import LoadKind
 
-__all__ = ["proxy_over_gateway"]
+if TYPE_CHECKING:
+    from contextpilot_integrations.service.proxy.replica_routing import ReplicaRouting
+
+__all__ = ["ProxySettings", "proxy_over_gateway"]
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """How the benchmark starts the proxy.
+
+    Attributes:
+        window_ms: its planning window (``contextpilot-server --window-ms``); 0: each call
+            planned alone as it comes.
+        load, max_imbalance: its router's rule (the fleet's ``load`` and ``max_imbalance``);
+            ``None``: the fleet's defaults.
+    """
+
+    window_ms: float = 0.0
+    load: LoadKind | None = None
+    max_imbalance: float | None = None
 
 
 @contextmanager
 def proxy_over_gateway(
-    gateway_url: str, replicas: Sequence[Mapping[str, Any]], layout: PromptLayout
-) -> Iterator[tuple[str, ReplicaRouter]]:
+    gateway_url: str,
+    replicas: Sequence[Mapping[str, Any]],
+    layout: PromptLayout,
+    settings: ProxySettings | None = None,
+) -> Iterator[tuple[str, ReplicaRouting]]:
     """The proxy in front of ``gateway_url`` (its root), routing over ``replicas`` (their
     ``ReplicaSpec`` mappings, KV events included) with the gateway's routing key; yields its
-    root URL and its router (the one of a service without keys), stopped on exit.
+    root URL and its replica routing (its router of a service without keys:
+    ``router_of(None)``), stopped on exit.
 
     Raises:
         RuntimeError: it did not start within
@@ -36,11 +60,17 @@ def proxy_over_gateway(
     from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
     from contextpilot_integrations.service.service_config import ServiceConfig
 
-    fleet = {"mode": "gateway", "replicas": [dict(r) for r in replicas]}
+    settings = settings or ProxySettings()
+    fleet: dict[str, Any] = {"mode": "gateway", "replicas": [dict(r) for r in replicas]}
+    if settings.load is not None:
+        fleet["load"] = settings.load
+    if settings.max_imbalance is not None:
+        fleet["max_imbalance"] = settings.max_imbalance
     config = ServiceConfig(
         layout=layout,
         proxy=ProxyConfig(f"{gateway_url}/v1", fleet=fleet),  # type: ignore[arg-type]
+        window_ms=settings.window_ms,
     )
     app = create_app(config)
     with served_app(app) as url:
-        yield url, app.state.proxy.routing.router_of(None)
+        yield url, app.state.proxy.routing

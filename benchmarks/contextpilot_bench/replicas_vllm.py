@@ -12,6 +12,11 @@ replicas behind the real Shepherd Model Gateway, the methods of
    are warmed up, and each method runs on emptied caches behind a gateway of its own
    (``smg launch`` on loopback, :mod:`~contextpilot_bench.smg_gateway`;
    ``scripts/setup-smg-env.sh``).
+   Requests go one at a time, or with ``--arrival poisson --rate R`` (``--seed``) at those
+   arrival times, at most ``MAX_USERS`` in flight, the same times for every method (a rate far
+   above the fleet's, 10000, sends the workload as one batch of concurrent calls); the proxy
+   method's proxy plans in windows of ``--window-ms`` (default
+   :data:`DEFAULT_PROXY_WINDOW_MS` with ``--arrival``, else 0).
 4. The table: engine hit ratio in total and per replica, requests and prompt tokens per replica
    with max/min, TTFT p50/p90, and the same stream on one paged model of the fleet's total KV
    (:mod:`~contextpilot_bench.vllm_replica_report`); the targets; ``--out``
@@ -33,10 +38,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from contextpilot_bench.arrivals import Arrivals, arrivals_for
+from contextpilot_bench.cli_option_values import parse_numbers
 from contextpilot_bench.kv_cache_size import max_model_len_for, size_kv_cache
 from contextpilot_bench.methods import prepare_workload
+from contextpilot_bench.proxy_fleet import ProxySettings
 from contextpilot_bench.report import format_table
-from contextpilot_bench.vllm_replica_methods import methods_for, run_vllm_replica_method
+from contextpilot_bench.vllm_replica_methods import (
+    MAX_USERS,
+    PROXY_METHOD,
+    ReplicaMethodRun,
+    methods_for,
+    run_vllm_replica_method,
+)
 from contextpilot_bench.vllm_replica_report import (
     VLLM_REPLICA_COLUMNS,
     vllm_replica_rows,
@@ -44,7 +58,10 @@ from contextpilot_bench.vllm_replica_report import (
 )
 from contextpilot_bench.workloads import load_workload
 
-__all__ = ["replica_blocks", "run_vllm_replicas"]
+__all__ = ["DEFAULT_PROXY_WINDOW_MS", "replica_blocks", "run_vllm_replicas"]
+
+DEFAULT_PROXY_WINDOW_MS = 100.0
+"""The proxy's planning window with ``--arrival`` (milliseconds)."""
 
 
 def replica_blocks(total_blocks: int, replicas: int, minimum_blocks: int) -> tuple[int, bool]:
@@ -71,11 +88,66 @@ def _check(args: argparse.Namespace) -> int:
         raise ValueError("--replicas with --engine vllm-cpu runs the random-weights model only")
     if args.engine_url or args.cache_tokens is not None:
         raise ValueError("--replicas with --engine vllm-cpu: drop --engine-url/--cache-tokens")
-    if args.mode == "online" or args.arrival is not None:
-        raise ValueError("--replicas with --engine vllm-cpu plans the workload as one batch")
+    if args.mode == "online":
+        raise ValueError(
+            "--replicas with --engine vllm-cpu: drop --mode online (--arrival poisson sends the "
+            "requests at arrival times)"
+        )
+    if args.max_batch is not None or args.window_adaptive is not None:
+        raise ValueError(
+            "--replicas with --engine vllm-cpu: the proxy's window takes the core's "
+            "max_batch and adaptive rule; drop --max-batch/--window-adaptive"
+        )
+    if args.arrival is None and (args.rate is not None or args.seed is not None):
+        raise ValueError("--rate and --seed need --arrival poisson")
     if args.block_size <= 0 or args.block_size % 32:
         raise ValueError(f"--block-size must be a positive multiple of 32, got {args.block_size}")
     return counts[0]
+
+
+def _proxy_window_ms(args: argparse.Namespace) -> float:
+    """The proxy's planning window: one ``--window-ms`` value.
+
+    Raises:
+        ValueError: more than one value, or a negative one.
+    """
+    if args.window_ms is None:
+        return DEFAULT_PROXY_WINDOW_MS if args.arrival is not None else 0.0
+    values = parse_numbers(args.window_ms, "--window-ms", positive=False)
+    if len(values) != 1:
+        raise ValueError(
+            f"--window-ms with --replicas --engine vllm-cpu is the proxy's one window, got "
+            f"{args.window_ms!r}"
+        )
+    return float(values[0])
+
+
+def _sending(arrivals: Arrivals | None) -> str:
+    if arrivals is None:
+        return "one at a time"
+    return (
+        f"at Poisson arrival times ({arrivals.rate_per_s:g}/s, {arrivals.times_s[-1]:.2f} s "
+        f"from first to last), at most {MAX_USERS} in flight"
+    )
+
+
+def _proxy_line(run: ReplicaMethodRun) -> str | None:
+    """What the proxy's router and window did (the proxy method), for the report."""
+    figures = run.router
+    if run.method != PROXY_METHOD or figures is None:
+        return None
+    window = figures.get("window")
+    planned = (
+        f"window {figures['window_ms']:g} ms: {window['windows']} windows, "
+        f"{window['requests']} calls, mean batch {window['mean_batch']:.1f}, "
+        f"{window['batch_failures']} batches planned again one by one"
+        if window
+        else "no window: each call planned alone"
+    )
+    return (
+        f"{PROXY_METHOD}: the proxy's {planned}; router load {figures['load']}, "
+        f"max_imbalance {figures['max_imbalance']:g}, {figures['remapped']} requests re-mapped"
+    )
 
 
 def run_vllm_replicas(args: argparse.Namespace) -> int:
@@ -97,6 +169,7 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         args.block_size = 32
     count = _check(args)
     methods = methods_for(args.router or "smg", args.methods)
+    settings = ProxySettings(window_ms=_proxy_window_ms(args))
     python = require_vllm_python(args.engine_python)
     smg = str(require_smg(getattr(args, "smg_binary", None)))
     model_dir = ensure_model_dir(args.engine_model_dir)
@@ -105,6 +178,10 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     workload = load_workload(args.workload, args.data_dir).head(args.limit)
     prepared = prepare_workload(workload, args.k, counter=TokenizerCounter(tokenizer))
+    arrivals = None
+    if args.arrival is not None:
+        rate = parse_numbers(args.rate, "--rate", positive=True)[0] if args.rate else None
+        arrivals = arrivals_for(args.arrival, workload, rate, args.seed or 0)
     max_model_len, longest = max_model_len_for(
         prepared,
         lambda messages: tokenize_prompt(tokenizer, messages),
@@ -128,6 +205,8 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         "replicas": count,
         "router": args.router or "smg",
         "methods": methods,
+        "sending": _sending(arrivals),
+        "proxy_window_ms": settings.window_ms,
         "model_dir": str(model_dir),
         "block_size": args.block_size,
         "max_model_len": max_model_len,
@@ -165,8 +244,11 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         for method in methods:
             tick = _progress(method, len(workload.requests)) if progress else None
             runs.append(
-                run_vllm_replica_method(method, prepared, fleet, smg_binary=smg, progress=tick)
-            )
+                run_vllm_replica_method(
+                    method, prepared, fleet, smg_binary=smg, progress=tick, arrivals=arrivals,
+                    proxy_settings=settings,
+                )
+            )  # fmt: skip
             done = runs[-1]
             prompt = sum(r.prompt_tokens for r in done.requests)
             cached = sum(r.cached_tokens for r in done.requests)
@@ -182,7 +264,8 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
     note = " (raised to hold one request: the fleet holds more than asked)" if raised else ""
     print(
         f"workload {workload.name}: {len(workload.requests):,} requests, BM25 top-{args.k}, "
-        "offline (one batch)"
+        f"sent {_sending(arrivals)}; load average {run['load_average_start'][0]:.1f} at the "
+        f"start, {run['load_average_end'][0]:.1f} at the end"
     )
     print(
         f"engine: {count} x vLLM CPU ({config['num_hidden_layers']}-layer/"
@@ -196,6 +279,10 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
     targets = vllm_replica_target_lines(rows)
     for line in targets:
         print(line)
+    for done in runs:
+        proxy_line = _proxy_line(done)
+        if proxy_line is not None:
+            print(proxy_line)
     print(
         f"one-replica model: the method's token stream on one paged prefix-cache model of "
         f"{fleet_tokens:,} tokens (the fleet's total KV); {run['seconds']:.0f} s in all"

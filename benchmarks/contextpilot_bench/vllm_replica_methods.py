@@ -20,29 +20,38 @@
 ``contextpilot-proxy-smg``
     The router hosted in the proxy (:mod:`~contextpilot_bench.proxy_fleet`) in front of the
     same SMG as ``contextpilot-routed-smg``: each request goes to the proxy with its documents
-    marked in the body (``contextpilot.documents``); the proxy plans them on the replica it
-    picks (its in-flight load, its KV events) and forwards to SMG with the routing key. The
-    requests go in the order a batch app sends them, the schedule of a replica-blind
-    ``plan_batch`` (as the other ContextPilot methods), so that the methods differ in where
-    requests go, not in their order; the proxy plans each one as it comes.
+    marked in the body (``contextpilot.documents``), in the workload's order, as an app's
+    users send them (it knows no schedule); the proxy plans them on the replica it picks (its
+    KV events, its load) and forwards to SMG with the routing key. With a planning window
+    (``window_ms``) the calls arriving within it are planned as one batch by the router
+    (``plan_batch``: partitioned, ordered, scheduled) and forwarded in its schedule order;
+    without one each is planned alone as it comes.
 
 Each method starts with every replica's prefix cache emptied
 (:meth:`~contextpilot_bench.vllm_replica_fleet.VllmCpuFleet.reset`) and, behind SMG, a
-gateway of its own (nothing it learnt from an earlier method carries over). Requests go one at
-a time, streamed (TTFT), with the plan's rid as ``session_id``/``request_id``. Per replica the
+gateway of its own (nothing it learnt from an earlier method carries over). Requests are
+streamed (TTFT), with the plan's rid as ``session_id``/``request_id``, one at a time, or, with
+an arrival process (:class:`~contextpilot_bench.arrivals.Arrivals`), each at its arrival time
+with at most :data:`MAX_USERS` in flight, the same times for every method: the k-th arrival is
+the k-th request of the method's order (the batch schedule of a method that planned the
+workload as one batch beforehand, the workload's order for the others). Per replica the
 figures are the differences of the workers' ``/metrics`` counters over the method
 (:mod:`~contextpilot_bench.vllm_metrics`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from contextpilot_bench.arrivals import Arrivals
 from contextpilot_bench.engine_client import EngineClient
 from contextpilot_bench.methods import PreparedWorkload
+from contextpilot_bench.proxy_fleet import ProxySettings, proxy_over_gateway
 from contextpilot_bench.smg_gateway import SmgGateway
 from contextpilot_bench.vllm_metrics import WorkerCounters
 from contextpilot_bench.vllm_replica_fleet import VllmCpuFleet
@@ -58,6 +67,7 @@ from contextpilot_integrations.llm_call.engine_fields import (
 
 __all__ = [
     "BASELINE_METHODS",
+    "MAX_USERS",
     "PROXY_METHOD",
     "VLLM_REPLICA_METHODS",
     "ROUTED_METHODS",
@@ -65,6 +75,7 @@ __all__ = [
     "AnsweredRequest",
     "methods_for",
     "run_vllm_replica_method",
+    "send_requests",
 ]
 
 BASELINE_METHODS = ("baseline-round_robin", "baseline-cache_aware")
@@ -76,6 +87,11 @@ VLLM_REPLICA_METHODS = (
     *ROUTED_METHODS.values(),
     PROXY_METHOD,
 )
+
+MAX_USERS = 256
+"""Most requests in flight at once under an arrival process: a request arriving while as many
+wait for their answers is sent when one ends (users who wait for their answer); the clients'
+connection pools hold as many."""
 
 _GATEWAYS = {
     "baseline-round_robin": "smg round_robin",
@@ -183,8 +199,15 @@ def run_vllm_replica_method(
     *,
     smg_binary: str | None = None,
     progress: Callable[[], None] | None = None,
+    arrivals: Arrivals | None = None,
+    proxy_settings: ProxySettings | None = None,
 ) -> ReplicaMethodRun:
     """Run ``method`` (:data:`VLLM_REPLICA_METHODS`) over ``fleet`` on emptied caches.
+
+    Args:
+        arrivals: when each request is sent (module docstring); ``None``: one at a time.
+        proxy_settings: the proxy's planning window and routing rule
+            (``contextpilot-proxy-smg``).
 
     Raises:
         ValueError: an unknown method.
@@ -197,7 +220,10 @@ def run_vllm_replica_method(
     fleet.reset()
     before = fleet.counters()
     if method == PROXY_METHOD:
-        return _run_through_proxy(prepared, fleet, before, began, smg_binary, progress)
+        return _run_through_proxy(
+            prepared, fleet, before, began, smg_binary, progress, arrivals,
+            proxy_settings or ProxySettings(),
+        )  # fmt: skip
     tokenize = fleet.instances[0].server.tokenize
     router: ReplicaRouter | None = None
     gateway: SmgGateway | None = None
@@ -240,36 +266,34 @@ def run_vllm_replica_method(
                     binary=smg_binary,
                 ).start()
         through = (
-            EngineClient(gateway.base_url, model=fleet.model_name) if gateway is not None else None
+            EngineClient(gateway.base_url, model=fleet.model_name, max_connections=MAX_USERS)
+            if gateway is not None
+            else None
         )
-        sent = []
+
+        def send(i: int) -> AnsweredRequest:
+            plan, prompt = plans[i], messages[i]
+            rid = plan.rid if plan is not None else f"{method}-{prepared.workload.requests[i].id}"
+            client = through or fleet.client_for(engine_base_url(plan) or "")
+            answer = client.chat(
+                prompt,
+                rid=rid,
+                max_tokens=fleet.instances[0].answer_tokens,
+                headers=engine_headers(plan) if plan is not None else None,
+            )
+            replica = plan.replica if plan is not None else None
+            return AnsweredRequest(
+                i,
+                rid,
+                answer.prompt_tokens,
+                answer.cached_tokens or 0,
+                answer.ttft_s,
+                replica,
+                tuple(tokenize(prompt)),
+            )
+
         try:
-            for i in order:
-                plan, prompt = plans[i], messages[i]
-                rid = (
-                    plan.rid if plan is not None else f"{method}-{prepared.workload.requests[i].id}"
-                )
-                client = through or fleet.client_for(engine_base_url(plan) or "")
-                answer = client.chat(
-                    prompt,
-                    rid=rid,
-                    max_tokens=fleet.instances[0].answer_tokens,
-                    headers=engine_headers(plan) if plan is not None else None,
-                )
-                replica = plan.replica if plan is not None else None
-                sent.append(
-                    AnsweredRequest(
-                        i,
-                        rid,
-                        answer.prompt_tokens,
-                        answer.cached_tokens or 0,
-                        answer.ttft_s,
-                        replica,
-                        tuple(tokenize(prompt)),
-                    )
-                )
-                if progress is not None:
-                    progress()
+            sent = send_requests(order, send, arrivals, progress)
         finally:
             if through is not None:
                 through.close()
@@ -303,16 +327,15 @@ def _run_through_proxy(
     began: float,
     smg_binary: str | None,
     progress: Callable[[], None] | None,
+    arrivals: Arrivals | None,
+    settings: ProxySettings,
 ) -> ReplicaMethodRun:
     """The ``contextpilot-proxy-smg`` method (module docstring). The prompt the proxy sends is
     not seen here, so its requests carry no token ids (the one-replica model is the
     reference row's)."""
-    from contextpilot_bench.proxy_fleet import proxy_over_gateway
-
     layout = prepared.layout
-    blind = ContextPilot(layout=layout, token_counter=prepared.counter)
-    order = list(blind.plan_batch(_batch(prepared, "schedule")).schedule)
-    sent = []
+    requests = prepared.workload.requests
+    order = list(arrivals.order) if arrivals is not None else list(range(len(requests)))
     with (
         SmgGateway(
             fleet.urls,
@@ -321,11 +344,16 @@ def _run_through_proxy(
             assignment_mode="delegate",
             binary=smg_binary,
         ) as gateway,
-        proxy_over_gateway(gateway.base_url, fleet.replica_specs(), layout) as (url, router),
-        EngineClient(url, model=fleet.model_name) as client,
+        proxy_over_gateway(gateway.base_url, fleet.replica_specs(), layout, settings) as (
+            url,
+            routing,
+        ),
+        EngineClient(url, model=fleet.model_name, max_connections=MAX_USERS) as client,
     ):
-        for i in order:
-            request = prepared.workload.requests[i]
+        router = routing.router_of(None)
+
+        def send(i: int) -> AnsweredRequest:
+            request = requests[i]
             rid = f"{PROXY_METHOD}-{request.id}"
             answer = client.chat(
                 [{"role": "system", "content": layout.system_prompt},
@@ -334,16 +362,18 @@ def _run_through_proxy(
                 max_tokens=fleet.instances[0].answer_tokens,
                 extra_body={"contextpilot": {"documents": prepared.block_texts(i)}},
             )  # fmt: skip
-            sent.append(
-                AnsweredRequest(
-                    i, rid, answer.prompt_tokens, answer.cached_tokens or 0, answer.ttft_s, None, ()
-                )
+            return AnsweredRequest(
+                i, rid, answer.prompt_tokens, answer.cached_tokens or 0, answer.ttft_s, None, ()
             )
-            if progress is not None:
-                progress()
+
+        sent = send_requests(order, send, arrivals, progress)
         fleet.wait_for_events()
         _wait_quiet(router)
         figures = _router_figures(router)
+        figures["window"] = routing.stats()[""]["window"]
+        figures["window_ms"] = settings.window_ms
+        figures["load"] = router.config.load
+        figures["max_imbalance"] = router.config.max_imbalance
         startup = gateway.startup_seconds
     after = fleet.counters()
     return ReplicaMethodRun(
@@ -355,6 +385,52 @@ def _run_through_proxy(
         gateway_startup_s=startup,
         router=figures,
     )
+
+
+def send_requests(
+    order: Sequence[int],
+    send: Callable[[int], AnsweredRequest],
+    arrivals: Arrivals | None,
+    progress: Callable[[], None] | None,
+) -> list[AnsweredRequest]:
+    """``send`` each request of ``order``: one at a time (``arrivals`` None), or the k-th at
+    the k-th arrival time from now, at most :data:`MAX_USERS` in flight. Returns the answers
+    in ``order``.
+
+    Raises:
+        EngineError: a request failed (the others sent are waited for first).
+    """
+    if arrivals is None:
+        out = []
+        for i in order:
+            out.append(send(i))
+            if progress is not None:
+                progress()
+        return out
+    times = [float(t) - float(arrivals.times_s[0]) for t in arrivals.times_s]
+    users = threading.BoundedSemaphore(MAX_USERS)
+    lock = threading.Lock()
+    start = time.perf_counter()
+
+    def user(i: int) -> AnsweredRequest:
+        try:
+            answer = send(i)
+        finally:
+            users.release()
+        if progress is not None:
+            with lock:
+                progress()
+        return answer
+
+    with ThreadPoolExecutor(max_workers=MAX_USERS) as pool:
+        futures = []
+        for i, at in zip(order, times):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            users.acquire()
+            futures.append(pool.submit(user, i))
+        return [future.result() for future in futures]
 
 
 def _wait_quiet(router: ReplicaRouter, quiet_s: float = 0.4, timeout_s: float = 15.0) -> None:

@@ -136,6 +136,12 @@ class IndexService:
         """
         return self._partitions.of(caller).pilot
 
+    def planner_of(self, caller: str | None = None) -> ContextPilot | PlanningWindow:
+        """What plans ``caller``'s single requests: the planning window in front of its pilot
+        (``window_ms`` > 0), else the pilot (errors as :meth:`pilot_of`)."""
+        pilot = self._partitions.of(caller).pilot
+        return self._windows.get(pilot, pilot)
+
     def plan(
         self, request: PlanRequest, *, caller: str | None = None, ticket: int | None = None
     ) -> Plan:
@@ -156,7 +162,7 @@ class IndexService:
         """
         tenant = self._partitions.of(caller)
         request = tenant.admit(request)
-        planner = self._windows.get(tenant.pilot, tenant.pilot)
+        planner = self.planner_of(caller)
         with self.in_flight.planning(_conversations([request]), ticket), self._planning():
             plan = planner.plan(request.query, request.blocks, rid=request.rid, scope=request.scope)
         self.metrics.plans.labels("single").inc()

@@ -95,3 +95,46 @@ def test_the_proxy_method_is_judged_on_hit_ratio_and_median_ttft() -> None:
     assert lines[0].endswith("(<= 1: MISSED)")
     assert "= 0.95 of one-replica ContextPilot 0.4000" in lines[1] and lines[1].endswith("ok)")
     assert "contextpilot-proxy-smg" in methods_for("smg", "contextpilot-proxy-smg")
+
+
+def test_requests_go_at_their_arrival_times_with_a_bounded_number_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+    import time
+
+    from contextpilot_bench import vllm_replica_methods
+    from contextpilot_bench.arrivals import poisson_arrivals
+    from contextpilot_bench.vllm_replica_methods import AnsweredRequest, send_requests
+
+    monkeypatch.setattr(vllm_replica_methods, "MAX_USERS", 3)
+    lock = threading.Lock()
+    in_flight, most, sent_at = [0], [0], {}
+    start = time.perf_counter()
+
+    def send(i: int) -> AnsweredRequest:
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            sent_at[i] = time.perf_counter() - start
+        time.sleep(0.05)
+        with lock:
+            in_flight[0] -= 1
+        return AnsweredRequest(i, f"r{i}", 10, 0, 0.01, None, ())
+
+    ticks = []
+    order = [4, 0, 3, 1, 2, 5, 7, 6]
+    # A burst: every request at once, at most 3 in flight; answers in the order given.
+    burst = send_requests(order, send, poisson_arrivals(8, 1e6), lambda: ticks.append(1))
+    assert [a.request_index for a in burst] == order and len(ticks) == 8
+    assert most[0] == 3
+    # One at a time without an arrival process.
+    most[0] = 0
+    alone = send_requests(order[:3], send, None, None)
+    assert [a.request_index for a in alone] == order[:3] and most[0] == 1
+    # A slow process: each request waits for its time.
+    arrivals = poisson_arrivals(3, 10.0, seed=1)
+    start = time.perf_counter()
+    send_requests([0, 1, 2], send, arrivals, None)
+    due = [float(t - arrivals.times_s[0]) for t in arrivals.times_s]
+    assert all(sent_at[i] >= due[i] - 0.005 for i in range(3)), (sent_at, due)

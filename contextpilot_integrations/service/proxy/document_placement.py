@@ -53,6 +53,7 @@ from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import PlacementStatus, Plan
 from contextpilot_integrations.core.replicas.routing import ReplicaRouter
 from contextpilot_integrations.core.request import Scope
+from contextpilot_integrations.core.window.planning_window import PlanningWindow
 
 __all__ = [
     "DOCUMENTS_FIELD",
@@ -311,12 +312,22 @@ class PlacedDocuments:
 
 
 class DocumentPlacer:
-    """Places documents for one tenant (its pilot, or its replica router behind a fleet, and
-    its :class:`DocumentMemory`)."""
+    """Places documents for one tenant (its pilot, or its replica router behind a fleet,
+    either behind a planning window that plans calls arriving together as one batch, and its
+    :class:`DocumentMemory`)."""
 
-    def __init__(self, pilot: ContextPilot | ReplicaRouter, memory: DocumentMemory) -> None:
+    def __init__(
+        self, pilot: ContextPilot | ReplicaRouter | PlanningWindow, memory: DocumentMemory
+    ) -> None:
         self.pilot = pilot
         self.memory = memory
+        owner = pilot.planner if isinstance(pilot, PlanningWindow) else pilot
+        if not isinstance(owner, (ContextPilot, ReplicaRouter)):
+            raise TypeError(
+                f"pilot must be a ContextPilot or ReplicaRouter (or a PlanningWindow in front "
+                f"of one), got {type(owner).__name__}"
+            )
+        self._wording = owner.deduplicator.wording
 
     def restore(
         self,
@@ -441,7 +452,7 @@ class DocumentPlacer:
     ) -> _Places:
         """Where each hint or pointer the plan may show names a block: an earlier turn's
         message as sent, or this call's context, which must hold the block under the label."""
-        wording = self.pilot.deduplicator.wording
+        wording = self._wording
         layout = plan.layout
         head, _, _ = layout.block_template.partition("{text}")
         places = _Places({}, {})

@@ -17,7 +17,12 @@ view of the fleet (docs/DESIGN.md, "The proxy", "Replicas and routing").
 
 Per call: :meth:`ReplicaRouting.route` (a call without documents: its conversation's replica,
 else the least loaded) or the tenant's router planning the call's documents (the replica
-holding their longest cached prefix) chooses the replica; the proxy forwards there (direct) or
+holding their longest cached prefix) chooses the replica. With ``window_ms`` > 0 a tenant's
+document calls go through a
+:class:`~contextpilot_integrations.core.window.planning_window.PlanningWindow` in front of its
+router (:meth:`ReplicaRouting.planner_of`): calls arriving together are partitioned, ordered
+and scheduled as one batch (``ReplicaRouter.plan_batch``) and each is handed its plan in the
+batch's schedule order; the proxy forwards there (direct) or
 to the gateway with the routing key header (gateway); :meth:`ReplicaRouting.reroute` routes
 around a replica that refused the connection (it is left out for ``retry_down_s``, its
 requests evicted) and :meth:`ReplicaRouting.ended` ends the call's in-flight load.
@@ -43,6 +48,7 @@ from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.replicas.replica_planning import ReplicaChoice
 from contextpilot_integrations.core.replicas.routing import ReplicaRouter
 from contextpilot_integrations.core.request import Scope
+from contextpilot_integrations.core.window.planning_window import PlanningWindow
 from contextpilot_integrations.llm_call.engine_fields import ROUTING_HEADER, Usage
 from contextpilot_integrations.service.proxy.fleet_config import FleetConfig
 from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
@@ -169,6 +175,8 @@ class ReplicaRouting:
         registry: the service's Prometheus registry.
         layout: the prompt layout the routers' pilots render documents with.
         max_requests: the LRU bound of each replica index.
+        window_ms: the planning window in front of each router for calls with documents
+            (milliseconds; 0: each planned alone as it comes).
         clock: seconds (the time a replica is left out after it refused a connection).
 
     Raises:
@@ -183,6 +191,7 @@ class ReplicaRouting:
         *,
         layout: PromptLayout | None = None,
         max_requests: int = 100_000,
+        window_ms: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if config.fleet is None:
@@ -212,6 +221,10 @@ class ReplicaRouting:
                 max_requests=max_requests,
                 cache_salt=salt,
             )
+        self._windows: dict[str | None, PlanningWindow] = {}
+        if window_ms > 0:
+            for owner, router in self._routers.items():
+                self._windows[owner] = PlanningWindow(router, window_ms=window_ms)
         self._upstreams: dict[str, Upstream] = {}
         if self.fleet.direct:
             for spec in specs:
@@ -242,6 +255,17 @@ class ReplicaRouting:
         """
         self._bring_back()
         return self._routers[tenant if self._tenancy.partitioned else None]
+
+    def planner_of(self, tenant: str | None) -> ReplicaRouter | PlanningWindow:
+        """What plans ``tenant``'s calls with documents: the planning window in front of its
+        router (``window_ms`` > 0), else the router (:meth:`router_of`).
+
+        Raises:
+            KeyError: an unknown tenant.
+        """
+        router = self.router_of(tenant)
+        owner = tenant if self._tenancy.partitioned else None
+        return self._windows.get(owner, router)
 
     def route(
         self, tenant: str | None, rid: str, scope: Scope, prompt_tokens: int
@@ -333,8 +357,16 @@ class ReplicaRouting:
 
     def stats(self) -> dict[str, Any]:
         """Per router (``tenant`` name or ``""`` for the shared one) its
-        ``ReplicaRouter.stats()``, for monitoring."""
-        return {owner or "": router.stats() for owner, router in self._routers.items()}
+        ``ReplicaRouter.stats()``, with its planning window's ``PlanningWindow.stats()`` as
+        ``window`` (``None`` without one), for monitoring."""
+        out = {}
+        for owner, router in self._routers.items():
+            window = self._windows.get(owner)
+            out[owner or ""] = {
+                **router.stats(),
+                "window": window.stats() if window is not None else None,
+            }
+        return out
 
     # ------------------------------------------------------------------ internals
     def _link_factory(self, owner: str | None) -> Callable[[Mapping[str, Any]], _TenantLinkView]:

@@ -59,6 +59,7 @@ from contextpilot_integrations.core.plan import Plan
 from contextpilot_integrations.core.replicas.replica_planning import ReplicaChoice
 from contextpilot_integrations.core.replicas.routing import ReplicaRouter
 from contextpilot_integrations.core.request import Scope, new_rid
+from contextpilot_integrations.core.window.planning_window import PlanningWindow
 from contextpilot_integrations.llm_call.anthropic_breakpoints import (
     AnthropicCachePolicy,
     anthropic_prompt,
@@ -154,7 +155,8 @@ class ProxyPlanning:
             raised.
         pilot_of: a tenant's pilot, which plans the documents marked in a body (``None``:
             documents are refused, 422); with a fleet, the tenant's replica router (the
-            documents' plan then names the replica).
+            documents' plan then names the replica); either behind a planning window when
+            the service has one.
         new_memory: makes a tenant's memory of messages sent with documents.
         route: with a fleet, the replica of a call without documents, ``(tenant, rid,
             scope, prompt tokens) -> ReplicaChoice`` (:mod:`.replica_routing`).
@@ -167,7 +169,8 @@ class ProxyPlanning:
         *,
         new_planner: Callable[[], MessagePlanner] = MessagePlanner,
         record: Callable[[str | None, str, Scope, MessagePlan, Plan | None], None] | None = None,
-        pilot_of: Callable[[str | None], ContextPilot | ReplicaRouter] | None = None,
+        pilot_of: Callable[[str | None], ContextPilot | ReplicaRouter | PlanningWindow]
+        | None = None,
         new_memory: Callable[[], DocumentMemory] = DocumentMemory,
         route: Callable[[str | None, str, Scope, int], ReplicaChoice] | None = None,
     ) -> None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import quote
@@ -68,6 +69,7 @@ from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
 from contextpilot_integrations.service.proxy.replica_routing import REPLICA_HEADER, ReplicaRouting
 from contextpilot_integrations.service.proxy.request_planning import (
     BadRequest,
+    PreparedCall,
     ProxyPlanning,
     report_headers,
 )
@@ -107,6 +109,7 @@ class Proxy:
                 service.metrics.registry,
                 layout=service.config.layout,
                 max_requests=service.config.max_requests,
+                window_ms=service.config.window_ms,
             )
         # Behind a gateway, or a direct fleet's first replica (credentials, headers).
         first = config.fleet.router.replicas[0].base_url if config.fleet is not None else None
@@ -119,7 +122,7 @@ class Proxy:
             service.tenancy,
             config.upstream_kind,
             record=self._record_plan,
-            pilot_of=routing.router_of if routing is not None else service.pilot_of,
+            pilot_of=routing.planner_of if routing is not None else service.planner_of,
             route=routing.route if routing is not None else None,
         )
         self.counters = ProxyCounters(service.metrics.registry)
@@ -236,6 +239,18 @@ class Proxy:
             return answer
         return _Ended(answer, functools.partial(routing.ended, tenant, rid))
 
+    def abandoned(self, tenant: str | None, call: PreparedCall) -> None:
+        """``call`` was prepared for a client that left before it was forwarded (while it
+        waited in a planning window, say): its documents' plan is undone (the rid evicted
+        from the index that planned it, so no later call counts on a prefix never sent) and
+        its in-flight load ended. Blocking."""
+        if call.documents is not None:
+            routing = self.routing
+            owner = routing.router_of(tenant) if routing is not None else None
+            (owner or self.service.pilot_of(tenant)).evict(call.rid)
+        if self.routing is not None and call.replica is not None:
+            self.routing.ended(tenant, call.rid)
+
     def start(self) -> None:
         """Start the replicas' engine links (with a fleet)."""
         if self.routing is not None:
@@ -249,6 +264,39 @@ class Proxy:
         if self.routing is not None:
             await self.routing.aclose()
             await anyio.to_thread.run_sync(self.routing.stop)
+
+
+class _Preparing:
+    """A call being prepared in a worker thread whose client may leave meanwhile: the thread
+    runs on (it cannot be stopped), and a call prepared for nobody is handed to ``on_abandoned``
+    in that thread."""
+
+    def __init__(
+        self, prepare: Callable[[], PreparedCall], on_abandoned: Callable[[PreparedCall], None]
+    ) -> None:
+        self._prepare = prepare
+        self._on_abandoned = on_abandoned
+        self._lock = threading.Lock()
+        self._call: PreparedCall | None = None
+        self._gone = False
+
+    def run(self) -> PreparedCall:
+        call = self._prepare()
+        with self._lock:
+            self._call = call
+            gone = self._gone
+        if gone:
+            self._on_abandoned(call)
+        return call
+
+    def give_up(self) -> None:
+        """The client left (on the event loop): a call already prepared is undone in a thread
+        of its own, one still being prepared when it is."""
+        with self._lock:
+            self._gone = True
+            call = self._call
+        if call is not None:
+            threading.Thread(target=self._on_abandoned, args=(call,), daemon=True).start()
 
 
 class _Ended(Response):
@@ -341,9 +389,15 @@ async def _planned(request: Request, api: Api, endpoint: str, *, here: bool = Fa
         )
         if hop is not None:
             return hop
-    prepare = functools.partial(proxy.planning.prepare, raw, api, tenant, _session_header(request))
+    prepare = _Preparing(
+        functools.partial(proxy.planning.prepare, raw, api, tenant, _session_header(request)),
+        functools.partial(proxy.abandoned, tenant),
+    )
     try:
-        call = await anyio.to_thread.run_sync(prepare, abandon_on_cancel=True)
+        call = await anyio.to_thread.run_sync(prepare.run, abandon_on_cancel=True)
+    except anyio.get_cancelled_exc_class():
+        prepare.give_up()
+        raise
     except BadRequest as exc:
         proxy.counters.requests.labels(endpoint, str(exc.status)).inc()
         return error_answer(api, exc.status, exc.message, exc.field)

@@ -349,3 +349,101 @@ def test_each_replicas_one_link_gives_each_tenant_its_own_evictions(tmp_path: Pa
                 time.sleep(0.01)
         finally:
             routing.stop()
+
+
+def _burst(proxy: str, documents: list[list[str]]) -> list[Any]:
+    """One warm-up call (so the window's arrival rate expects company), then one call per
+    entry of ``documents``, all at once, each in a conversation of its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    opening = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What?"}]
+    _ask(_client(proxy, "warm-up"), opening, [_doc("warm")])
+    with ThreadPoolExecutor(len(documents)) as pool:
+        futures = [
+            pool.submit(_ask, _client(proxy, f"burst-{n}"), opening, docs)
+            for n, docs in enumerate(documents)
+        ]
+        return [future.result() for future in futures]
+
+
+# D1 and D2 are shared, but never first: planned one at a time, each call keeps its own
+# first document (nothing of it is cached yet); planned jointly, the shared pair goes first.
+_SHARED = [[D3, D1, D2], [D4, D2, D1], [D5, D1, D2]]
+_APART = [[E1, E2, D6], [E2, E1, E3], [E3, E1, E2]]
+
+
+def _documents_order(state: StandIn, rid: str) -> list[str]:
+    """The documents ``rid`` was sent with, in the order shown (by each one's first words)."""
+    [body] = [b for b in state.bodies("/v1/chat/completions") if b.get("rid") == rid]
+    content = body["messages"][-1]["content"]
+    shown = [(content.find(d), d) for d in (D1, D2, D3, D4, D5, D6, E1, E2, E3) if d in content]
+    return [d for _, d in sorted(shown)]
+
+
+def test_calls_arriving_together_are_planned_as_one_batch_across_the_fleet(two_standins) -> None:  # type: ignore[no-untyped-def]
+    from contextpilot_integrations.service.app import create_app
+    from contextpilot_integrations.service.service_config import ServiceConfig
+
+    urls, states = two_standins
+    config = ServiceConfig(proxy=ProxyConfig(None, **_direct(urls)), window_ms=1500)  # type: ignore[arg-type]
+    app = create_app(config)
+    with serve_in_thread(app, lifespan="on") as proxy:
+        answers = _burst(proxy, _SHARED + _APART)
+        window = app.state.proxy.routing.stats()[""]["window"]
+    assert window["requests"] == 7 and window["windows"] == 2, window  # warm-up, then the burst
+    where = [a.headers["x-contextpilot-replica"] for a in answers]
+    # Each group on one replica, the two groups on the two replicas (balanced as a whole).
+    assert len(set(where[:3])) == 1 and len(set(where[3:])) == 1 and where[0] != where[3], where
+    orders = [
+        _documents_order(states[["a", "b"].index(name)], a.headers["x-contextpilot-rid"])
+        for a, name in zip(answers, where)
+    ]
+    heads = {tuple(order[:2]) for order in orders[:3]}
+    assert len(heads) == 1 and set(next(iter(heads))) == {D1, D2}, orders
+
+
+def test_without_a_fleet_the_services_window_plans_document_calls_jointly(standin) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    with serve_proxy(url, window_ms=1500) as proxy:
+        answers = _burst(proxy, _SHARED)
+        window = httpx.get(f"{proxy}/v1/stats").json()["service"]["window"]
+    assert window["requests"] == 4 and window["windows"] == 2, window
+    orders = [_documents_order(state, a.headers["x-contextpilot-rid"]) for a in answers]
+    heads = {tuple(order[:2]) for order in orders}
+    assert len(heads) == 1 and set(next(iter(heads))) == {D1, D2}, orders
+
+
+def test_a_call_whose_client_left_while_it_waited_in_the_window_is_undone(standin) -> None:  # type: ignore[no-untyped-def]
+    import anyio
+
+    from contextpilot_integrations.service.app import create_app
+    from contextpilot_integrations.service.service_config import ServiceConfig
+
+    url, state = standin
+    app = create_app(ServiceConfig(proxy=ProxyConfig(url), window_ms=2000))
+    opening = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What?"}]
+
+    def body(documents: list[str]) -> dict[str, Any]:
+        return {"model": "plain", "messages": opening, "contextpilot": {"documents": documents}}
+
+    async def scenario() -> None:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+                answer = await client.post("/v1/chat/completions", json=body([D1, D2]))
+                assert answer.status_code == 200
+                # Right after another call: the window waits for company, and the client
+                # leaves first.
+                with anyio.move_on_after(0.3) as scope:
+                    await client.post("/v1/chat/completions", json=body([D3, D4]))
+                assert scope.cancelled_caught
+                index = app.state.service.pilot_of(None).index
+                deadline = time.monotonic() + 10
+                # Planned once its window closed, then undone: evicted, never forwarded.
+                while index.stats().inserts != 2 or index.stats().requests != 1:
+                    assert time.monotonic() < deadline, index.stats()
+                    await anyio.sleep(0.05)
+                await anyio.sleep(0.5)
+                assert index.stats().requests == 1 and len(state.received) == 1
+
+    anyio.run(scenario)
