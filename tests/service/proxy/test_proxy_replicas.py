@@ -220,9 +220,16 @@ def test_tenants_keep_their_own_replica_indexes(two_standins) -> None:  # type: 
             {"name": "a", "base_url": "http://x", "cache_sync": {"kind": "kv-events"}}]},
          None, "fleet.replicas[0].cache_sync"),
         ({"mode": "direct", "replicas": [
-            {"name": n, "base_url": "http://x",
+            {"name": n, "base_url": f"http://{n}",
              "cache_sync": {"kind": "kv-events", "endpoint": "tcp://127.0.0.1:5557"}}
             for n in ("a", "b")]}, None, "fleet.replicas[1].cache_sync.endpoint"),
+        ({"mode": "direct", "replicas": [
+            {"name": "a", "base_url": "http://x:8000/v1"},
+            {"name": "b", "base_url": "HTTP://X:8000/"}]}, None,
+         "fleet.replicas[1].base_url 'HTTP://X:8000/' is also replica 'a''s"),
+        ({"mode": "gateway", "replicas": [
+            {"name": "a", "base_url": "http://x"}, {"name": "b", "base_url": "http://x"}]},
+         "http://gateway", "fleet.replicas[1].base_url 'http://x' is also replica 'a''s"),
     ],
 )  # fmt: skip
 def test_a_bad_fleet_is_refused_naming_the_field(
