@@ -159,6 +159,10 @@ def test_a_dead_replica_is_routed_around(standin) -> None:  # type: ignore[no-un
         metrics = httpx.get(f"{proxy}/metrics").text
         # Refused once, then left out: later calls do not try it.
         assert 'contextpilot_proxy_replica_unreachable_total{replica="a"} 1.0' in metrics
+        health = httpx.get(f"{proxy}/health")  # one replica up: still in rotation
+        assert health.status_code == 200
+        assert health.json()["status"] == "ok"
+        assert (health.json()["replicas"], health.json()["replicas_up"]) == (2, 1)
 
 
 def test_with_every_replica_dead_the_call_fails_at_once_naming_the_upstream() -> None:
@@ -169,6 +173,22 @@ def test_with_every_replica_dead_the_call_fails_at_once_naming_the_upstream() ->
         assert caught.value.status_code == 502
         assert "cannot be reached" in caught.value.message
         assert time.monotonic() - began < 10
+
+
+def test_health_says_when_every_replica_is_down() -> None:
+    fleet = _direct([closed_port_url(), closed_port_url()], retry_down_s=0.5)
+    with serve_proxy(None, fleet) as proxy:
+        assert httpx.get(f"{proxy}/health").json()["replicas_up"] == 2
+        with pytest.raises(openai.InternalServerError):
+            _ask(_client(proxy, "s"), [{"role": "user", "content": "Hello"}])
+        health = httpx.get(f"{proxy}/health")
+        # A load balancer takes the proxy out of rotation ...
+        assert health.status_code == 503
+        assert health.json()["status"] == "replicas_down"
+        assert (health.json()["replicas"], health.json()["replicas_up"]) == (2, 0)
+        time.sleep(0.6)
+        # ... and, once retry_down_s has passed, tries it again.
+        assert httpx.get(f"{proxy}/health").status_code == 200
 
 
 def test_behind_a_gateway_calls_carry_the_routing_key(standin) -> None:  # type: ignore[no-untyped-def]
