@@ -95,7 +95,7 @@ import json
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -176,6 +176,27 @@ class _SentCheck(BaseCallbackHandler):
 
 _SENT_CHECK: ContextVar[_SentCheck | None] = ContextVar("contextpilot_sent_check", default=None)
 register_configure_hook(_SENT_CHECK, inheritable=True)
+
+
+class _Watching:
+    """``with``: the model calls inside are checked by ``check`` (``None``: not checked);
+    ``changed`` says whether one was stopped (its exception is absorbed)."""
+
+    def __init__(self, check: _SentCheck | None) -> None:
+        self._check = check
+        self._token: Token[_SentCheck | None] | None = None
+        self.changed = False
+
+    def __enter__(self) -> _Watching:
+        if self._check is not None:
+            self._token = _SENT_CHECK.set(self._check)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> bool:
+        if self._token is not None:
+            _SENT_CHECK.reset(self._token)
+        self.changed = kind is not None and issubclass(kind, _ChangedAfterPlanning)
+        return self.changed
 
 
 class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
@@ -261,23 +282,11 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
         messages instead, from then on, when a middleware inside changes the planned ones:
         module docstring)."""
         planned, check, plan = self._planned(request)
-        if check is None:
-            if plan is not None:
-                self._record(*plan)
-            return handler(planned)
-        token = _SENT_CHECK.set(check)
-        try:
+        with _Watching(check) as watch:
             answer = handler(planned)
-        except _ChangedAfterPlanning:
-            changed = True
-        else:
-            changed = False
-        finally:
-            _SENT_CHECK.reset(token)
-        if changed:
+        if watch.changed:
             return handler(self._stop_planning(request))
-        assert plan is not None  # a check comes with a plan
-        self._record(*plan)  # counted once sent as planned
+        self._record(plan)  # counted once sent as planned
         return answer
 
     async def awrap_model_call(
@@ -287,23 +296,11 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
     ) -> ModelCallResult:
         """:meth:`wrap_model_call` for the async agent (planning is bounded work, done inline)."""
         planned, check, plan = self._planned(request)
-        if check is None:
-            if plan is not None:
-                self._record(*plan)
-            return await handler(planned)
-        token = _SENT_CHECK.set(check)
-        try:
+        with _Watching(check) as watch:
             answer = await handler(planned)
-        except _ChangedAfterPlanning:
-            changed = True
-        else:
-            changed = False
-        finally:
-            _SENT_CHECK.reset(token)
-        if changed:
+        if watch.changed:
             return await handler(self._stop_planning(request))
-        assert plan is not None  # a check comes with a plan
-        self._record(*plan)  # counted once sent as planned
+        self._record(plan)  # counted once sent as planned
         return answer
 
     # ------------------------------------------------------------------ one call
@@ -311,8 +308,7 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
         """The request as it is sent: planned messages and the engine's fields (the given
         messages once planning stopped: module docstring)."""
         planned, _check, plan = self._planned(request)
-        if plan is not None:
-            self._record(*plan)
+        self._record(plan)
         return planned
 
     @property
@@ -435,7 +431,11 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
             used += 1
         return sent
 
-    def _record(self, scope: Scope | None, plan: MessagePlan) -> None:
+    def _record(self, planned: tuple[Scope | None, MessagePlan] | None) -> None:
+        """Count a call sent as planned (``None``: sent unplanned, not counted)."""
+        if planned is None:
+            return
+        scope, plan = planned
         pointers = plan.pointers
         figures = {
             "calls": 1,
