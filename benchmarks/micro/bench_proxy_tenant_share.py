@@ -42,13 +42,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-_ANSWER = {
-    "id": "chatcmpl-1",
-    "object": "chat.completion",
-    "created": 0,
-    "model": "m",
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
-}
+_ANSWER = {"object": "chat.completion", "choices": []}
+"""What every call gets (the proxy passes it on unread but for its absent usage)."""
 _KEYS = {"alice": "alice-key", "bob": "bob-key"}
 _POOL = 512
 """The proxy's default ``--upstream-connections``."""
