@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from proxy_testing import closed_port_url, serve_proxy
+from proxy_testing import closed_port_url, closed_port_urls, serve_proxy
 from support.asgi_server import serve_in_thread
 from upstream_standin import StandIn, standin_app
 
@@ -166,7 +166,7 @@ def test_a_dead_replica_is_routed_around(standin) -> None:  # type: ignore[no-un
 
 
 def test_with_every_replica_dead_the_call_fails_at_once_naming_the_upstream() -> None:
-    with serve_proxy(None, _direct([closed_port_url(), closed_port_url()])) as proxy:
+    with serve_proxy(None, _direct(closed_port_urls(2))) as proxy:
         began = time.monotonic()
         with pytest.raises(openai.InternalServerError) as caught:
             _ask(_client(proxy, "s"), [{"role": "user", "content": "Hello"}])
@@ -176,7 +176,7 @@ def test_with_every_replica_dead_the_call_fails_at_once_naming_the_upstream() ->
 
 
 def test_health_says_when_every_replica_is_down() -> None:
-    fleet = _direct([closed_port_url(), closed_port_url()], retry_down_s=0.5)
+    fleet = _direct(closed_port_urls(2), retry_down_s=0.5)
     with serve_proxy(None, fleet) as proxy:
         assert httpx.get(f"{proxy}/health").json()["replicas_up"] == 2
         with pytest.raises(openai.InternalServerError):
