@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
             'upstreams into the cache (see docs/DESIGN.md, "Datasets"))'
         ),
     )
-    parser.add_argument("-k", "--top-k", dest="k", type=int, default=10, help="blocks per request")
+    parser.add_argument(
+        "-k", "--top-k", dest="k", type=_count, default=10, help="blocks per request"
+    )
     parser.add_argument(
         "--retriever",
         choices=("bm25", "mem0"),
@@ -162,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="multi-turn workloads: retrieve for the new user turn (default) or for the user "
         "turns so far, joined",
     )
-    parser.add_argument("--limit", type=int, help="only the first N requests")
+    parser.add_argument("--limit", type=_count, help="only the first N requests")
     parser.add_argument(
         "--engine-url", help="OpenAI-compatible SGLang/vLLM server instead of the embedded model"
     )
@@ -189,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     replicas = parser.add_argument_group("engine replicas (--replicas)")
     replicas.add_argument(
         "--replicas",
-        type=parse_replica_counts,
+        type=_replica_counts,
         help="comma-separated replica counts, e.g. 1,2,8,32: the embedded model compares, per "
         "count, baseline prompts via SMG's round_robin, cache_aware and prefix_hash, ContextPilot "
         "prompts via cache_aware and ContextPilot routing, the total --cache-tokens split "
@@ -226,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     agents.add_argument(
         "--agent-sessions",
-        type=_session_count,
+        type=_count,
         help="the first N sessions (default 8 for agentic-multihop-rag, 4 questions each; 32 "
         "for agentic-mtrag, one conversation each; 8 for agentic-file-edits, 5 turns each)",
     )
@@ -267,8 +269,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _session_count(text: str) -> int:
-    """``--agent-sessions``: an int >= 1."""
+def _replica_counts(text: str) -> list[int]:
+    """``--replicas`` for argparse, which shows an ``ArgumentTypeError``'s message (a
+    ``ValueError`` it reports by the function's name)."""
+    try:
+        return parse_replica_counts(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _count(text: str) -> int:
+    """An int >= 1 (``-k``, ``--limit``, ``--agent-sessions``; argparse names the flag)."""
     try:
         value = int(text)
     except ValueError:

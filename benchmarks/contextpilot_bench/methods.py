@@ -248,10 +248,11 @@ def parse_cache_tokens(text: str) -> int | float | None:
         exponent.
 
     Raises:
-        ValueError: not a number, or not > 0 (the message names the value).
+        ValueError: not a number, not finite (``inf``: spell no limit ``unlimited``), or not
+            > 0 (the message names the value).
     """
     value = text.strip().lower()
-    if value in ("unlimited", "none", "inf"):
+    if value in ("unlimited", "none"):
         return None
     try:
         parsed: int | float = int(value)
@@ -264,7 +265,9 @@ def parse_cache_tokens(text: str) -> int | float | None:
                 f"'unlimited'; got {text!r}"
             ) from None
     if not (parsed > 0 and math.isfinite(parsed)):
-        raise ValueError(f"--cache-tokens must be > 0, got {text!r}")
+        raise ValueError(
+            f"--cache-tokens must be a finite number > 0 (no limit: 'unlimited'), got {text!r}"
+        )
     return parsed
 
 

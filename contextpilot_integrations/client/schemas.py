@@ -479,9 +479,10 @@ class SnapshotResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    """Liveness and the state of the engine link."""
+    """Liveness and the state of the engine link; in the proxy mode with a fleet, the replicas
+    up (``status`` ``"replicas_down"`` and HTTP 503 when none is)."""
 
-    status: Literal["ok"]
+    status: Literal["ok", "replicas_down"]
     version: str
     boot_id: str = Field(
         description="Random per service start (also the x-contextpilot-boot header of every "
@@ -492,6 +493,15 @@ class HealthResponse(BaseModel):
         description="KV-event publisher connected (null: no event stream configured)."
     )
     resync_pending: bool
+    replicas: int | None = Field(
+        default=None, description="Proxy with a fleet: its replicas (null: no fleet)."
+    )
+    replicas_up: int | None = Field(
+        default=None,
+        description="Proxy with a fleet: replicas up, neither refusing connections nor "
+        "reported down by their KV events (null: no fleet). 0: every replica is down, the "
+        "status is replicas_down and the answer a 503.",
+    )
 
 
 class FieldError(BaseModel):

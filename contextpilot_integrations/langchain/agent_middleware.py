@@ -69,7 +69,13 @@ everything that changes them runs before it.
 - ``ContextEditingMiddleware`` edits the request in ``wrap_model_call``: list it **before**
   this middleware (outer). Then a cleared tool result is a divergence, and a later result that
   pointed at it is sent in full. Listed after (inner), it would clear the result a pointer
-  names after the pointer was checked: the pointer would dangle.
+  names after the pointer was checked: the pointer would dangle. So every model call that
+  carries a pointer is watched (a callback handler on the call, :class:`_SentCheck`): when
+  the messages the model is about to get are not the ones planned, the call is stopped
+  before it is sent, a warning names the order, and this middleware plans nothing more: the
+  call and every later one go out with the messages the agent gave (docs/DESIGN.md,
+  "LangChain"). Any middleware listed after it that changes the messages is caught the same
+  way.
 - ``AnthropicPromptCachingMiddleware`` (``engine="anthropic"``): list it **before** this
   middleware (outer). Its markers (system message, last tool, the ``cache_control`` keyword
   for the message tail) are then in the request this middleware counts against the limit of
@@ -89,6 +95,7 @@ import json
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -98,6 +105,7 @@ from langchain.agents.middleware.types import (
     ModelRequest,
     ModelResponse,
 )
+from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import (
     AIMessage,
     BaseMessage,
@@ -106,6 +114,7 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.tools import BaseTool
+from langchain_core.tracers.context import register_configure_hook
 
 from contextpilot_integrations.core.lru import LRU
 from contextpilot_integrations.core.messages import MessagePlan, MessagePlanner
@@ -134,6 +143,60 @@ class _CallIds:
 
     rid: str
     cache_salt: str | None
+
+
+class _ChangedAfterPlanning(Exception):
+    """A middleware inside this one changed the planned messages (module docstring)."""
+
+
+class _SentCheck(BaseCallbackHandler):
+    """Stops the model call that carries the planned messages when they are not what the
+    model is about to get. ``sent``: the planned messages (the system message first);
+    ``changed``: those the plan rewrote (pointers), by which the agent's call is told from
+    any other model call made inside it."""
+
+    raise_error = True
+    run_inline = True
+
+    def __init__(self, sent: Sequence[BaseMessage], changed: Sequence[BaseMessage]) -> None:
+        self.sent = list(sent)
+        self.changed = list(changed)
+
+    def on_chat_model_start(
+        self, serialized: dict[str, Any], messages: list[list[BaseMessage]], **kwargs: Any
+    ) -> None:
+        for batch in messages:
+            if not any(_holds(batch, message) for message in self.changed):
+                continue  # another model's call, or no pointer left in it
+            if len(batch) != len(self.sent) or not all(
+                _same(given, planned) for given, planned in zip(batch, self.sent, strict=True)
+            ):
+                raise _ChangedAfterPlanning
+
+
+_SENT_CHECK: ContextVar[_SentCheck | None] = ContextVar("contextpilot_sent_check", default=None)
+register_configure_hook(_SENT_CHECK, inheritable=True)
+
+
+class _Watching:
+    """``with``: the model calls inside are checked by ``check`` (``None``: not checked);
+    ``changed`` says whether one was stopped (its exception is absorbed)."""
+
+    def __init__(self, check: _SentCheck | None) -> None:
+        self._check = check
+        self._token: Token[_SentCheck | None] | None = None
+        self.changed = False
+
+    def __enter__(self) -> _Watching:
+        if self._check is not None:
+            self._token = _SENT_CHECK.set(self._check)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> bool:
+        if self._token is not None:
+            _SENT_CHECK.reset(self._token)
+        self.changed = kind is not None and issubclass(kind, _ChangedAfterPlanning)
+        return self.changed
 
 
 class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
@@ -207,6 +270,7 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
         self._totals = dict.fromkeys(_STAT_KEYS, 0)
         # Keyed by (tenant, thread id): the same thread id of two tenants is two conversations.
         self._conversations: LRU[tuple[str, str], dict[str, int]] = LRU(max_conversations)
+        self._stopped = False
 
     # ------------------------------------------------------------------ hooks
     def wrap_model_call(
@@ -214,8 +278,16 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
         request: ModelRequest,
         handler: Callable[[ModelRequest], ModelResponse],
     ) -> ModelCallResult:
-        """Plan ``request``'s messages, add the engine fields, call ``handler``."""
-        return handler(self.prepare(request))
+        """Plan ``request``'s messages, add the engine fields, call ``handler`` (the given
+        messages instead, from then on, when a middleware inside changes the planned ones:
+        module docstring)."""
+        planned, check, plan = self._planned(request)
+        with _Watching(check) as watch:
+            answer = handler(planned)
+        if watch.changed:
+            return handler(self._stop_planning(request))
+        self._record(plan)  # counted once sent as planned
+        return answer
 
     async def awrap_model_call(
         self,
@@ -223,11 +295,56 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
         handler: Callable[[ModelRequest], Awaitable[ModelResponse]],
     ) -> ModelCallResult:
         """:meth:`wrap_model_call` for the async agent (planning is bounded work, done inline)."""
-        return await handler(self.prepare(request))
+        planned, check, plan = self._planned(request)
+        with _Watching(check) as watch:
+            answer = await handler(planned)
+        if watch.changed:
+            return await handler(self._stop_planning(request))
+        self._record(plan)  # counted once sent as planned
+        return answer
 
     # ------------------------------------------------------------------ one call
     def prepare(self, request: ModelRequest) -> ModelRequest:
-        """The request as it is sent: planned messages and the engine's fields."""
+        """The request as it is sent: planned messages and the engine's fields (the given
+        messages once planning stopped: module docstring)."""
+        planned, _check, plan = self._planned(request)
+        self._record(plan)
+        return planned
+
+    @property
+    def planning(self) -> bool:
+        """Whether calls are planned: False once a middleware inside this one was found
+        changing the planned messages (module docstring)."""
+        return not self._stopped
+
+    def _stop_planning(self, request: ModelRequest) -> ModelRequest:
+        """Plan nothing more (a middleware inside changed the planned messages, so a pointer
+        could name text the model does not get); ``request`` as given, with the engine's
+        fields."""
+        with self._lock:
+            first, self._stopped = not self._stopped, True
+        if first:
+            logger.warning(
+                "contextpilot: a middleware listed after ContextPilotMiddleware changed the "
+                "planned messages before the model call (ContextEditingMiddleware? list it "
+                "before ContextPilotMiddleware); planning is off for this middleware: its calls "
+                "go out with the messages the agent gave"
+            )
+        return self._unplanned(request)
+
+    def _unplanned(self, request: ModelRequest) -> ModelRequest:
+        thread = _thread_id(request)
+        scope = Scope(conversation_id=thread, tenant=self.tenant) if thread else None
+        return request.override(model_settings=self._fields(request, scope))
+
+    def _planned(
+        self, request: ModelRequest
+    ) -> tuple[ModelRequest, _SentCheck | None, tuple[Scope | None, MessagePlan] | None]:
+        """:meth:`prepare` unrecorded: the request, the check of the model call when the plan
+        rewrote a message (``None``: nothing to check) and the plan to record once sent
+        (``None``: not planned)."""
+        if self._stopped:
+            return self._unplanned(request), None, None
         thread = _thread_id(request)
         scope = Scope(conversation_id=thread, tenant=self.tenant) if thread else None
         given: list[BaseMessage] = list(request.messages)
@@ -240,14 +357,16 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
             logger.warning(
                 "contextpilot: conversation %r sent unplanned: %s", thread, error, exc_info=False
             )
-            return request.override(model_settings=self._fields(request, scope))
+            return request.override(model_settings=self._fields(request, scope)), None, None
         sent = [
             _sent_message(message, before, after)
             for message, before, after in zip(combined, dicts, plan.messages, strict=True)
         ]
         if self.engine == "anthropic":
             sent = self._mark_stable_prefix(request, sent, plan)
-        self._record(scope, plan)
+        rewritten = [
+            after for before, after in zip(combined, sent, strict=True) if after is not before
+        ]
         overrides: dict[str, Any] = {}
         sent_system = sent[0] if system is not None else None
         sent_messages = sent[1:] if system is not None else sent
@@ -256,7 +375,8 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
         if sent_system is not system:
             overrides["system_message"] = sent_system
         overrides["model_settings"] = self._fields(request, scope)
-        return request.override(**overrides)
+        check = _SentCheck(sent, rewritten) if rewritten else None
+        return request.override(**overrides), check, (scope, plan)
 
     def _fields(self, request: ModelRequest, scope: Scope | None) -> dict[str, Any]:
         """``request.model_settings`` with the engine's fields added."""
@@ -311,7 +431,11 @@ class ContextPilotMiddleware(AgentMiddleware):  # type: ignore[type-arg]
             used += 1
         return sent
 
-    def _record(self, scope: Scope | None, plan: MessagePlan) -> None:
+    def _record(self, planned: tuple[Scope | None, MessagePlan] | None) -> None:
+        """Count a call sent as planned (``None``: sent unplanned, not counted)."""
+        if planned is None:
+            return
+        scope, plan = planned
         pointers = plan.pointers
         figures = {
             "calls": 1,
@@ -444,6 +568,15 @@ def _sent_message(message: BaseMessage, given: dict[str, Any], sent: dict[str, A
         part = content[0]
         new = [text] if isinstance(part, str) else [{**part, "text": text}]
     return message.model_copy(update={"content": new})
+
+
+def _same(given: BaseMessage, planned: BaseMessage) -> bool:
+    """Whether the model gets ``planned`` as it was planned."""
+    return given.type == planned.type and given.content == planned.content
+
+
+def _holds(batch: Sequence[BaseMessage], message: BaseMessage) -> bool:
+    return any(_same(given, message) for given in batch)
 
 
 def _plain_text(content: Any) -> str | None:

@@ -18,7 +18,8 @@ POST     ``/v1/snapshot``              save the snapshot now
 GET      ``/v1/layout``                the prompt layout plans are rendered with
 GET      ``/v1/stats``                 index, conversation, sync and usage statistics
 GET      ``/metrics``                  Prometheus text exposition
-GET      ``/health``                   liveness and the engine link (never authenticated)
+GET      ``/health``                   liveness, the engine link, a proxy's replicas up (never
+                                       authenticated; 503 when every replica is down)
 =======  ============================  ======================================================
 
 With ``config.proxy`` (the proxy mode, :mod:`.proxy.routes`) the app also serves

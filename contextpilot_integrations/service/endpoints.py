@@ -254,18 +254,29 @@ async def metrics(request: Request, caller: Caller) -> Response:
     return Response(content=body, media_type=content_type)
 
 
-async def health(request: Request) -> HealthResponse:
+async def health(request: Request) -> Response:
     """Liveness and the engine link (never authenticated; takes no lock that an event could
-    hold)."""
+    hold). A proxy whose every replica is down answers 503 ``replicas_down``, so a load
+    balancer takes it out of rotation (docs/DESIGN.md, "The proxy")."""
     service = _calls(request).service
-    return HealthResponse(
-        status="ok",
+    proxy = request.app.state.proxy
+    routing = proxy.routing if proxy is not None else None
+    replicas = replicas_up = None
+    if routing is not None:
+        replicas = len(routing.fleet.router.replicas)
+        replicas_up = len(routing.replicas_up())
+    down = replicas_up == 0
+    health = HealthResponse(
+        status="replicas_down" if down else "ok",
         version=__version__,
         boot_id=service.boot_id,
         cache_model=service.cache_model,
         engine_connected=service.engine_connected,
         resync_pending=service.resync_pending,
+        replicas=replicas,
+        replicas_up=replicas_up,
     )
+    return json_response(health.model_dump(), status_code=503 if down else 200)
 
 
 async def openapi_document(request: Request, caller: Caller) -> Response:
@@ -367,6 +378,7 @@ def api_router(*, keyed: bool) -> APIRouter:
         methods=["GET"],
         response_model=HealthResponse,
         summary="Liveness and engine link",
+        responses={503: {"model": HealthResponse, "description": "Every replica is down."}},
     )
     if keyed:
         router.add_api_route(

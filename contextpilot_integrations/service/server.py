@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -111,6 +112,52 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be from 0 to 65535, got {port}")
     return port
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0 (argparse names the flag)."""
+    value = _finite(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def _milliseconds(text: str) -> float:
+    """argparse type: a finite number of milliseconds >= 0."""
+    value = _finite(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    """argparse type: an int >= 1."""
+    return _int_at_least(text, 1)
+
+
+def _count_or_zero(text: str) -> int:
+    """argparse type: an int >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}")
+    return value
 
 
 def _zmq_endpoint(text: str) -> str:
@@ -152,19 +199,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-events-replay", metavar="ENDPOINT", type=_zmq_endpoint, help="its replay_endpoint"
     )
     sync.add_argument("--kv-events-topic", default="", help="its topic (vLLM: kv-events)")
-    sync.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks to follow")
-    sync.add_argument("--page-size", type=int, help="engine page size (default: from events)")
-    sync.add_argument("--capacity-tokens", type=int, help="capacity model: KV cache tokens")
+    sync.add_argument("--dp-size", type=_count, default=1, help="data-parallel ranks to follow")
+    sync.add_argument("--page-size", type=_count, help="engine page size (default: from events)")
+    sync.add_argument("--capacity-tokens", type=_count, help="capacity model: KV cache tokens")
     sync.add_argument(
         "--ttl-provider",
         choices=["openai", "anthropic", "anthropic-1h"],
         help="TTL model: the provider's documented cache lifetime",
     )
-    sync.add_argument("--ttl-seconds", type=float, help="TTL model: lifetime in seconds")
-    sync.add_argument("--min-cached-tokens", type=int, help="TTL model: shortest cached prompt")
+    sync.add_argument("--ttl-seconds", type=_seconds, help="TTL model: lifetime in seconds")
+    sync.add_argument(
+        "--min-cached-tokens", type=_count_or_zero, help="TTL model: shortest cached prompt"
+    )
     sync.add_argument(
         "--engine-grace",
-        type=float,
+        type=_seconds,
         metavar="SECONDS",
         help="events: seconds the publisher may stay unconnected before it counts as "
         "unreachable (default 5)",
@@ -179,12 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     state.add_argument(
         "--snapshot-interval",
-        type=float,
+        type=_seconds,
         metavar="SECONDS",
         help="also save a checkpoint every SECONDS (survives a hard kill; conversations "
         "restored from a checkpoint keep their turn numbers, not their records)",
     )
-    state.add_argument("--max-requests", type=int, default=100_000, help="index LRU bound")
+    state.add_argument("--max-requests", type=_count, default=100_000, help="index LRU bound")
     state.add_argument(
         "--layout",
         type=Path,
@@ -246,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proxy.add_argument(
         "--upstream-timeout",
-        type=float,
+        type=_seconds,
         default=600.0,
         metavar="SECONDS",
         help="longest wait for the upstream's next bytes (default 600)",
@@ -263,6 +312,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--peer-self",
         metavar="URL",
         help="which of the --peer URLs this process is",
+    )
+    proxy.add_argument(
+        "--upstream-connections",
+        type=_count,
+        default=512,
+        metavar="N",
+        help="connections to the upstream at most (a pool; one per replica with --replica; "
+        "default 512)",
+    )
+    proxy.add_argument(
+        "--upstream-tenant-connections",
+        type=_count,
+        metavar="N",
+        help="with several tenants, the most of those connections one tenant's calls hold "
+        "(default: three quarters of --upstream-connections), so one tenant never takes the "
+        "last ones another needs; a freed connection goes to the waiting tenant holding the "
+        "fewest",
+    )
+    proxy.add_argument(
+        "--upstream-pool-timeout",
+        type=_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="longest wait of a call for a free upstream connection; then a 503 with "
+        "Retry-After, nothing sent (default 10)",
     )
 
     serving = parser.add_argument_group("serving")
@@ -292,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serving.add_argument(
         "--window-ms",
-        type=float,
+        type=_milliseconds,
         default=0.0,
         metavar="MS",
         help="plan single requests arriving within MS milliseconds of each other jointly "
@@ -300,13 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serving.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=_seconds,
         default=10.0,
         metavar="SECONDS",
         help="on SIGTERM: for in-flight requests, then again for the final save (default 10)",
     )
     serving.add_argument(
-        "--max-body-bytes", type=int, default=64 * 1024 * 1024, help="largest request body"
+        "--max-body-bytes", type=_count, default=64 * 1024 * 1024, help="largest request body"
     )
     serving.add_argument(
         "--log-level",
@@ -394,6 +468,7 @@ def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | N
             ("--upstream-api-key-file", args.upstream_api_key_file is not None),
             ("--pass-client-key", args.pass_client_key),
             ("--peer", bool(args.peer) or args.peer_self is not None),
+            ("--upstream-tenant-connections", args.upstream_tenant_connections is not None),
         )
         if present
     ]
@@ -433,6 +508,12 @@ def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | N
             "--upstream-api-key-file"
         )
     peers = PeerConfig.from_arguments(args.peer or [], args.peer_self, environ)
+    tenant_connections = args.upstream_tenant_connections
+    if tenant_connections is not None and tenant_connections > args.upstream_connections:
+        raise ValueError(
+            f"--upstream-tenant-connections {tenant_connections} is over "
+            f"--upstream-connections {args.upstream_connections}"
+        )
     try:
         return ProxyConfig(
             args.upstream,
@@ -440,6 +521,9 @@ def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | N
             api_key=key,
             pass_client_key=args.pass_client_key,
             read_timeout_s=args.upstream_timeout,
+            max_connections=args.upstream_connections,
+            max_tenant_connections=tenant_connections,
+            pool_timeout_s=args.upstream_pool_timeout,
             fleet=fleet,  # type: ignore[arg-type]  # the mapping is checked there
             peers=peers,
         )

@@ -84,8 +84,7 @@ def test_engine_url_runs_methods_on_a_real_http_engine(
     [
         (["--cache-tokens", "lots"], "--cache-tokens must be"),
         (["--methods", "baseline,fast"], "unknown ['fast']"),
-        (["-k", "0"], "k must be >= 1"),
-        (["--limit", "0"], "limit must be a positive integer"),
+        (["--cache-tokens", "inf"], "--cache-tokens must be a finite number > 0"),
         (["--tokenizer", "/nonexistent/tokenizer.json"], "/nonexistent/tokenizer.json"),
         (["--block-size", "0"], "--block-size must be >= 1"),
     ],
@@ -94,6 +93,23 @@ def test_bad_arguments_exit_2_with_a_message(
     data_dir: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["--data-dir", str(data_dir), "--no-plot", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-k", "0"], "argument -k/--top-k: must be an int >= 1, got '0'"),
+        (["--limit", "0"], "argument --limit: must be an int >= 1, got '0'"),
+        (["--replicas", "0"], "argument --replicas: --replicas must be integers >= 1, got '0'"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_flag(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--no-plot", *args])
+    assert exited.value.code == 2
     assert message in capsys.readouterr().err
 
 

@@ -100,7 +100,7 @@ def test_parse_cache_tokens(text: str, value: object) -> None:
     assert type(parse_cache_tokens(text)) is type(value)
 
 
-@pytest.mark.parametrize("text", ["0", "-0.5", "lots", "nan", ""])
+@pytest.mark.parametrize("text", ["0", "-0.5", "lots", "nan", "", "inf", "-inf", "1e999"])
 def test_parse_cache_tokens_rejects(text: str) -> None:
     with pytest.raises(ValueError, match="--cache-tokens"):
         parse_cache_tokens(text)

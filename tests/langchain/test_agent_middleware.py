@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 from agent_support import (
-    POINTER,
     SYSTEM,
     ScriptedChatModel,
     artifacts_of,
@@ -384,16 +383,34 @@ def test_context_editing_first_leaves_no_dangling_pointer(
     assert pilot.stats()["new_pointers"] == 3
 
 
-def test_context_editing_after_the_library_would_leave_a_pointer_dangling(
-    topic_documents: list[Document],
+@pytest.mark.parametrize("run", ["sync", "async"])
+def test_context_editing_after_the_library_turns_planning_off(
+    topic_documents: list[Document], run: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Why ContextEditingMiddleware goes first: listed after, it clears a result that a
-    checked pointer names."""
-    model, _pilot, agent = _editing_agent(topic_documents, "editing inner")
-    agent.invoke({"messages": [HumanMessage("KV cache?")]}, thread("t"))
+    """Listed after, ContextEditingMiddleware would clear a result that a checked pointer
+    names (call 4: the first result cleared, the second a pointer to it). The call is stopped
+    before it is sent, and it and every later call go out as the agent gave them."""
+    model, pilot, agent = _editing_agent(topic_documents, "editing inner")
+    given = {"messages": [HumanMessage("KV cache?")]}
+    with caplog.at_level(logging.WARNING, "contextpilot_integrations.langchain"):
+        if run == "sync":
+            state = agent.invoke(given, thread("t"))
+        else:
+            state = asyncio.run(agent.ainvoke(given, thread("t")))
 
-    results = [m.content for m in model.calls[3][0] if isinstance(m, ToolMessage)]
-    assert results[0] == "[cleared]" and POINTER.fullmatch(results[1])
+    received = [messages for messages, _ in model.calls]
+    assert len(received) == 5  # the stopped attempt never reached the model
+    artifacts = artifacts_of(state["messages"])
+    assert [assert_no_dangling(m, artifacts) for m in received] == [0, 0, 1, 0, 0]
+    results = [m.content for m in received[3] if isinstance(m, ToolMessage)]
+    assert results[0] == "[cleared]" and "[Doc 1]" in results[1]
+    assert not any(pointers_in(m) for m in received[3:])
+    assert not pilot.planning
+    # Counted: the three calls sent as planned, never the stopped one's pointer.
+    assert (pilot.stats()["calls"], pilot.stats()["new_pointers"]) == (3, 1)
+    assert "list it before ContextPilotMiddleware" in caplog.text
+    # The engine's fields still go with every call.
+    assert all("rid" in keywords["extra_body"] for _, keywords in model.calls)
 
 
 def test_summarization_leaves_no_dangling_pointer(topic_documents: list[Document]) -> None:

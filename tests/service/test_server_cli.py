@@ -87,13 +87,47 @@ def test_layout_from_a_json_file(tmp_path: Path) -> None:
             "--kv-events options",
         ),
         (["--engine-grace", "2"], "--engine-grace need --cache-model events"),
-        (["--kv-events", "tcp://h:1", "--engine-grace", "0"], "engine_grace_s must be > 0"),
-        (["--snapshot-interval", "0"], "snapshot_interval_s must be positive"),
-        (["--max-requests", "0"], "max_requests"),
+        (
+            ["--kv-events", "tcp://h:1", "--engine-grace", "0"],
+            "--engine-grace: must be a number > 0",
+        ),
+        (["--snapshot-interval", "0"], "--snapshot-interval: must be a number > 0, got '0'"),
+        (["--snapshot-interval", "inf"], "--snapshot-interval: must be a finite number"),
+        (["--max-requests", "0"], "--max-requests: must be an int >= 1, got '0'"),
+        (["--window-ms", "nan"], "--window-ms: must be a finite number, got 'nan'"),
+        (["--cache-model", "ttl", "--ttl-seconds", "inf"], "--ttl-seconds: must be a finite"),
+        (["--kv-events", "tcp://h:1", "--dp-size", "0"], "--dp-size: must be an int >= 1"),
+        (
+            ["--upstream", "http://h", "--upstream-timeout", "0"],
+            "--upstream-timeout: must be a number > 0, got '0'",
+        ),
+        (
+            ["--upstream", "http://h", "--upstream-connections", "0"],
+            "--upstream-connections: must be an int >= 1",
+        ),
+        (
+            ["--upstream", "http://h", "--upstream-pool-timeout", "inf"],
+            "--upstream-pool-timeout: must be a finite",
+        ),
+        (
+            [
+                "--upstream",
+                "http://h",
+                "--upstream-connections",
+                "8",
+                "--upstream-tenant-connections",
+                "9",
+            ],
+            "--upstream-tenant-connections 9 is over --upstream-connections 8",
+        ),
+        (
+            ["--replica", "http://h:1/v1", "--replica", "http://h:1"],
+            "--replica: fleet.replicas[1].base_url 'http://h:1' is also replica 'replica-0''s",
+        ),
         (["--kv-events", "tcp://127.0.0.1:x"], "tcp://host:port"),
         (["--api-keys", "/nonexistent/keys.json"], "key file '/nonexistent/keys.json'"),
         (["--share-prefixes-across-tenants"], "needs tenant keys"),
-        (["--shutdown-timeout", "0"], "shutdown_timeout_s must be positive"),
+        (["--shutdown-timeout", "0"], "--shutdown-timeout: must be a number > 0, got '0'"),
     ],
 )
 def test_inconsistent_options_exit_with_a_message(argv, words, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -11,6 +11,8 @@ through unchanged (docs/DESIGN.md, "The proxy"). One job per module:
   index and put in front of the newest user message; the messages sent with them put back on
   later calls;
 - :mod:`.upstream`: the pooled HTTP client to the upstream, URLs and headers;
+- :mod:`.connection_gate`: the pool's connections shared fairly between tenants, with a
+  bounded wait;
 - :mod:`.usage_watch`: usage read from an answer's bytes as they pass (JSON or SSE);
 - :mod:`.forwarding`: the answer streamed to the client as it arrives, cancelled when the
   client goes;

@@ -29,6 +29,7 @@ _OPENAI_TYPES = {
     413: "invalid_request_error",
     422: "invalid_request_error",
     502: "upstream_error",
+    503: "upstream_busy",
     504: "upstream_timeout",
 }
 _ANTHROPIC_TYPES = {
@@ -40,6 +41,7 @@ _ANTHROPIC_TYPES = {
     413: "request_too_large",
     422: "invalid_request_error",
     502: "api_error",
+    503: "overloaded_error",
     504: "timeout_error",
 }
 

@@ -83,6 +83,7 @@ class FleetConfig:
         )
         object.__setattr__(self, "router", dataclasses.replace(self.router, replicas=copied))
         endpoints: dict[str, str] = {}
+        urls: dict[str, str] = {}
         for i, spec in enumerate(self.router.replicas):
             where = f"fleet.replicas[{i}]"
             url = spec.base_url
@@ -94,6 +95,13 @@ class FleetConfig:
                     )
                 if parts.query or parts.fragment:
                     raise ValueError(f"{where}.base_url must have no query or fragment: {url!r}")
+                other = urls.setdefault(_same_upstream(url), spec.name)
+                if other != spec.name:
+                    raise ValueError(
+                        f"{where}.base_url {url!r:.200} is also replica {other!r}'s: each "
+                        "replica is its own engine (one engine listed twice would count its "
+                        "cache twice)"
+                    )
             elif self.router.mode == "direct":
                 raise ValueError(
                     f"{where}.base_url is needed in the direct mode (the proxy forwards there)"
@@ -144,3 +152,12 @@ class FleetConfig:
     def load(self) -> LoadKind:
         """What counts as a replica's load."""
         return self.router.load
+
+
+def _same_upstream(url: str) -> str:
+    """``url`` as the engine it names: scheme and host lower-cased, no trailing ``/`` or
+    ``/v1`` (the proxy adds ``/v1`` itself)."""
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    path = path[: -len("/v1")] if path.endswith("/v1") else path
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}{path.rstrip('/')}"

@@ -29,6 +29,11 @@ A client that goes before the answer started gets no answer; the request is mete
 status :data:`CLIENT_GONE` (nginx's "client closed request"), never as a server error: the
 answer's start goes to the server, which drops it for a closed connection.
 
+A call holds a slot of its upstream's :class:`~.connection_gate.ConnectionGate` from before
+its request goes out until its answer is over, however it ends (streamed, broken off, the
+client gone, cancelled); one that finds no slot within the pool timeout is a 503 with
+``Retry-After`` in the API's error shape, counted ``pool_timeout``, and nothing is sent.
+
 After the answer, the usage read from it (:mod:`.usage_watch`) goes to ``on_usage``, off the
 event loop.
 """
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
@@ -48,6 +54,7 @@ from yarl import URL
 
 from contextpilot_integrations.llm_call.engine_fields import Usage
 from contextpilot_integrations.service.proxy.api_errors import ErrorApi, error_bytes
+from contextpilot_integrations.service.proxy.connection_gate import PoolBusy
 from contextpilot_integrations.service.proxy.upstream import Upstream, answer_headers
 from contextpilot_integrations.service.proxy.usage_watch import UsageWatch
 
@@ -91,7 +98,8 @@ class ProxyCounters:
       (:data:`CLIENT_GONE` for a client that went before the answer started);
     - ``contextpilot_proxy_upstream_failures_total{kind}``: ``unreachable``, ``timeout``,
       ``broken`` (failed after its answer started), ``cancelled`` (the client went before the
-      answer ended).
+      answer ended), ``pool_timeout`` (no connection of the pool free within the pool
+      timeout: a 503, nothing sent).
 
     ``prefix`` replaces ``contextpilot_proxy`` in the names (the hop to a peer proxy counts
     its own: docs/DESIGN.md, "Proxy peers").
@@ -132,6 +140,8 @@ class ForwardedAnswer(Response):
             (:data:`Reroute`; module docstring).
         pass_headers: the upstream answer's raw headers as the client gets them (default
             :func:`~.upstream.answer_headers`).
+        pool_tenant: whose share of the pool's connections the call takes (``None``: a
+            service without tenants, or with one: the whole pool; :mod:`.connection_gate`).
     """
 
     def __init__(
@@ -152,9 +162,11 @@ class ForwardedAnswer(Response):
         pass_headers: Callable[[Sequence[tuple[bytes, bytes]]], list[tuple[bytes, bytes]]] = (
             answer_headers
         ),
+        pool_tenant: str | None = None,
     ) -> None:
         super().__init__(status_code=200)
         self._pass_headers = pass_headers
+        self._pool_tenant = pool_tenant
         self._reroute = reroute
         self._path_query = (path, query)
         self._upstream = upstream
@@ -242,7 +254,26 @@ class ForwardedAnswer(Response):
         return True
 
     async def _forward_once(self, send: Any) -> Usage | None | object:
-        """One upstream's try of :meth:`_forward` (:data:`_REROUTED`: try the next)."""
+        """One upstream's try of :meth:`_forward` (:data:`_REROUTED`: try the next), holding
+        a slot of its pool while it runs."""
+        gate = self._upstream.gate
+        try:
+            await gate.acquire(self._pool_tenant)
+        except PoolBusy as exc:
+            self._counters.failures.labels("pool_timeout").inc()
+            where = self._upstream.config.upstream_url
+            retry_after = str(max(1, math.ceil(gate.timeout_s))).encode("ascii")
+            await self._error(
+                send, 503, f"upstream {where} is busy: {exc}", [(b"retry-after", retry_after)]
+            )
+            return None
+        try:
+            return await self._forward_held(send)
+        finally:
+            gate.release(self._pool_tenant)
+
+    async def _forward_held(self, send: Any) -> Usage | None | object:
+        """:meth:`_forward_once` once its slot is held."""
         where = self._upstream.config.upstream_url
         try:
             try:
@@ -323,7 +354,13 @@ class ForwardedAnswer(Response):
             allow_redirects=False,
         )
 
-    async def _error(self, send: Any, status: int, message: str) -> None:
+    async def _error(
+        self,
+        send: Any,
+        status: int,
+        message: str,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+    ) -> None:
         body = error_bytes(self._api, status, message)
         await send(
             {
@@ -332,6 +369,7 @@ class ForwardedAnswer(Response):
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode("ascii")),
+                    *headers,
                     *self._report,
                 ],
             }

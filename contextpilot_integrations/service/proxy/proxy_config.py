@@ -53,7 +53,16 @@ class ProxyConfig:
         read_timeout_s: longest wait for the upstream's next bytes (``None``: no limit; a
             model may think for minutes before its first token).
         max_connections: connections kept to the upstream at most (a pool; one per replica
-            in the ``"direct"`` mode).
+            in the ``"direct"`` mode); CLI ``--upstream-connections``.
+        max_tenant_connections: the most of them one tenant's calls hold while they run
+            (:class:`~.connection_gate.ConnectionGate`), so that one tenant never takes the
+            last connections another tenant's call needs; ``None``: ``max_connections`` less a
+            quarter of it (at least 1). Applies with several tenants; calls of a service
+            without tenant keys, or with one, may use the whole pool. CLI
+            ``--upstream-tenant-connections``.
+        pool_timeout_s: longest wait of a call for a free connection of the pool; past it
+            the call is a 503 with ``Retry-After`` and nothing is sent. CLI
+            ``--upstream-pool-timeout``.
         fleet: the engine replicas behind the proxy and the routing rule
             (:class:`~.fleet_config.FleetConfig`, or its mapping): the proxy hosts the replica
             router; ``None``: one upstream, no router.
@@ -74,6 +83,8 @@ class ProxyConfig:
     connect_timeout_s: float = 5.0
     read_timeout_s: float | None = 600.0
     max_connections: int = 512
+    max_tenant_connections: int | None = None
+    pool_timeout_s: float = 10.0
     fleet: FleetConfig | None = None
     peers: PeerConfig | None = None
 
@@ -126,7 +137,7 @@ class ProxyConfig:
                 "api_key and pass_client_key exclude each other: the upstream gets either the "
                 "proxy's key or the client's"
             )
-        for name in ("connect_timeout_s", "read_timeout_s"):
+        for name in ("connect_timeout_s", "read_timeout_s", "pool_timeout_s"):
             value = getattr(self, name)
             if value is None and name == "read_timeout_s":
                 continue
@@ -144,6 +155,23 @@ class ProxyConfig:
             raise ValueError(
                 f"max_connections must be a positive int, got {self.max_connections!r}"
             )
+        cap = self.max_tenant_connections
+        if cap is not None and (
+            isinstance(cap, bool)
+            or not isinstance(cap, int)
+            or not 1 <= cap <= self.max_connections
+        ):
+            raise ValueError(
+                f"max_tenant_connections must be an int from 1 to max_connections "
+                f"({self.max_connections}) or None, got {cap!r}"
+            )
+
+    @property
+    def tenant_connections(self) -> int:
+        """``max_tenant_connections`` as set, or its default (Attributes)."""
+        if self.max_tenant_connections is not None:
+            return self.max_tenant_connections
+        return max(1, self.max_connections - self.max_connections // 4)
 
     @property
     def upstream_kind(self) -> UpstreamKind:

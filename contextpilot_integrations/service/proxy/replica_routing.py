@@ -73,6 +73,8 @@ class _SharedLink:
         self._tenancy = tenancy
         self._views: dict[str | None, _TenantLinkView] = {}
         self._by_tag: dict[str, _TenantLinkView] = {}
+        self.up = True
+        """What the link last said of the replica's KV-event publisher."""
         self.link.bind(self._evicted, on_session=self._session, on_health=self._health)
 
     def view(self, tenant: str | None) -> _TenantLinkView:
@@ -98,6 +100,7 @@ class _SharedLink:
             view.session(rid)
 
     def _health(self, up: bool) -> None:
+        self.up = up
         for view in list(self._views.values()):
             view.health(up)
 
@@ -338,6 +341,20 @@ class ReplicaRouting:
     def ended(self, tenant: str | None, rid: str) -> None:
         """The call's answer ended (usage read or not): no longer in flight."""
         self.router_of(tenant).complete(rid)
+
+    def replicas_up(self) -> list[str]:
+        """The replicas taken as up now (``GET /health``): neither refused a connection within
+        ``retry_down_s`` nor reported down by their KV-event link. Takes only this object's
+        own short lock."""
+        now = self._clock()
+        with self._lock:
+            refused = {name for name, until in self._down_until.items() if until > now}
+        return [
+            spec.name
+            for spec in self.fleet.router.replicas
+            if spec.name not in refused
+            and (spec.name not in self._links or self._links[spec.name].up)
+        ]
 
     # ------------------------------------------------------------------ Public API: lifecycle
     def start(self) -> None:

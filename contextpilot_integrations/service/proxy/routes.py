@@ -126,6 +126,8 @@ class Proxy:
             route=routing.route if routing is not None else None,
         )
         self.counters = ProxyCounters(service.metrics.registry)
+        # One tenant (or none) has the whole pool; several share it (:mod:`.connection_gate`).
+        self._pool_by_tenant = len(service.tenancy.tenants) > 1
         self.service_paths = dict(service_paths)
         self.peers: Peers | None = None
         if config.peers is not None:
@@ -212,6 +214,7 @@ class Proxy:
         without a fleet): its routing key header added, ``x-contextpilot-replica`` reported,
         a replica that refuses the connection routed around, the in-flight load ended."""
         routing = self.routing
+        options["pool_tenant"] = tenant if self._pool_by_tenant else None
         if routing is None:
             return ForwardedAnswer(self.upstream, method, path, query, headers, body, **options)
         report = list(options.pop("report", ()))

@@ -21,6 +21,9 @@ own ``cookie`` header is forwarded as sent. It follows no redirects (a ``3xx`` g
 client as it is), reads answers raw (no decompression: the bytes pass as the upstream sent
 them) and keeps an idle connection :data:`KEEPALIVE_S` at most.
 
+A call holds a slot of the pool's :class:`~.connection_gate.ConnectionGate` while it runs
+(:mod:`.forwarding`): the gate shares the pool's connections fairly between tenants.
+
 The client is made on first use inside the running event loop and closed by
 :meth:`Upstream.aclose` (the app's lifespan): a pool serves one loop.
 """
@@ -31,6 +34,7 @@ from collections.abc import Iterable
 
 import aiohttp
 
+from contextpilot_integrations.service.proxy.connection_gate import ConnectionGate
 from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
 
 __all__ = ["KEEPALIVE_S", "TENANT_KEY_HEADER", "Upstream", "answer_headers"]
@@ -81,6 +85,10 @@ class Upstream:
         if base is None:  # a direct fleet: one Upstream per replica URL
             raise ValueError("an Upstream needs config.upstream_url, got None")
         self._base = base[: -len("/v1")] if base.endswith("/v1") else base
+        self.gate = ConnectionGate(
+            config.max_connections, config.tenant_connections, config.pool_timeout_s
+        )
+        """The fair admission to the pool's connections."""
 
     @property
     def client(self) -> aiohttp.ClientSession:
@@ -93,7 +101,7 @@ class Upstream:
             )
             timeout = aiohttp.ClientTimeout(
                 total=None,
-                connect=None,  # the wait for a pooled connection: none
+                connect=None,  # the wait for a pooled connection: the gate's
                 sock_connect=self.config.connect_timeout_s,
                 sock_read=self.config.read_timeout_s,
             )

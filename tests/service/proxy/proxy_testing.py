@@ -64,10 +64,20 @@ def bound_socket() -> socket.socket:
 
 def closed_port_url() -> str:
     """An http URL on 127.0.0.1 where nothing listens (right now)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return closed_port_urls(1)[0]
+
+
+def closed_port_urls(count: int) -> list[str]:
+    """``count`` distinct http URLs on 127.0.0.1 where nothing listens (right now): the
+    ports are bound together, so no two are the same (a fleet refuses one engine twice)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [f"http://127.0.0.1:{sock.getsockname()[1]}" for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 _CHAT_ANSWER = json.dumps(

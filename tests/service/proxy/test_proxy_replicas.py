@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from proxy_testing import closed_port_url, serve_proxy
+from proxy_testing import closed_port_url, closed_port_urls, serve_proxy
 from support.asgi_server import serve_in_thread
 from upstream_standin import StandIn, standin_app
 
@@ -159,16 +159,36 @@ def test_a_dead_replica_is_routed_around(standin) -> None:  # type: ignore[no-un
         metrics = httpx.get(f"{proxy}/metrics").text
         # Refused once, then left out: later calls do not try it.
         assert 'contextpilot_proxy_replica_unreachable_total{replica="a"} 1.0' in metrics
+        health = httpx.get(f"{proxy}/health")  # one replica up: still in rotation
+        assert health.status_code == 200
+        assert health.json()["status"] == "ok"
+        assert (health.json()["replicas"], health.json()["replicas_up"]) == (2, 1)
 
 
 def test_with_every_replica_dead_the_call_fails_at_once_naming_the_upstream() -> None:
-    with serve_proxy(None, _direct([closed_port_url(), closed_port_url()])) as proxy:
+    with serve_proxy(None, _direct(closed_port_urls(2))) as proxy:
         began = time.monotonic()
         with pytest.raises(openai.InternalServerError) as caught:
             _ask(_client(proxy, "s"), [{"role": "user", "content": "Hello"}])
         assert caught.value.status_code == 502
         assert "cannot be reached" in caught.value.message
         assert time.monotonic() - began < 10
+
+
+def test_health_says_when_every_replica_is_down() -> None:
+    fleet = _direct(closed_port_urls(2), retry_down_s=0.5)
+    with serve_proxy(None, fleet) as proxy:
+        assert httpx.get(f"{proxy}/health").json()["replicas_up"] == 2
+        with pytest.raises(openai.InternalServerError):
+            _ask(_client(proxy, "s"), [{"role": "user", "content": "Hello"}])
+        health = httpx.get(f"{proxy}/health")
+        # A load balancer takes the proxy out of rotation ...
+        assert health.status_code == 503
+        assert health.json()["status"] == "replicas_down"
+        assert (health.json()["replicas"], health.json()["replicas_up"]) == (2, 0)
+        time.sleep(0.6)
+        # ... and, once retry_down_s has passed, tries it again.
+        assert httpx.get(f"{proxy}/health").status_code == 200
 
 
 def test_behind_a_gateway_calls_carry_the_routing_key(standin) -> None:  # type: ignore[no-untyped-def]
@@ -220,9 +240,16 @@ def test_tenants_keep_their_own_replica_indexes(two_standins) -> None:  # type: 
             {"name": "a", "base_url": "http://x", "cache_sync": {"kind": "kv-events"}}]},
          None, "fleet.replicas[0].cache_sync"),
         ({"mode": "direct", "replicas": [
-            {"name": n, "base_url": "http://x",
+            {"name": n, "base_url": f"http://{n}",
              "cache_sync": {"kind": "kv-events", "endpoint": "tcp://127.0.0.1:5557"}}
             for n in ("a", "b")]}, None, "fleet.replicas[1].cache_sync.endpoint"),
+        ({"mode": "direct", "replicas": [
+            {"name": "a", "base_url": "http://x:8000/v1"},
+            {"name": "b", "base_url": "HTTP://X:8000/"}]}, None,
+         "fleet.replicas[1].base_url 'HTTP://X:8000/' is also replica 'a''s"),
+        ({"mode": "gateway", "replicas": [
+            {"name": "a", "base_url": "http://x"}, {"name": "b", "base_url": "http://x"}]},
+         "http://gateway", "fleet.replicas[1].base_url 'http://x' is also replica 'a''s"),
     ],
 )  # fmt: skip
 def test_a_bad_fleet_is_refused_naming_the_field(
