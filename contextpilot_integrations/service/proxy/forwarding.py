@@ -29,8 +29,8 @@ A client that goes before the answer started gets no answer; the request is mete
 status :data:`CLIENT_GONE` (nginx's "client closed request"), never as a server error: the
 answer's start goes to the server, which drops it for a closed connection.
 
-After the answer, the usage read from it (:mod:`.usage_watch`) goes to ``on_usage``, off the
-event loop.
+After the answer, the usage read from it (:mod:`.usage_watch`) goes to ``on_usage``, which hands
+it to a thread and returns at once.
 """
 
 from __future__ import annotations
@@ -121,8 +121,8 @@ class ForwardedAnswer(Response):
         endpoint: the metrics' endpoint label.
         counters: the proxy's counters.
         report: headers added to the answer (what the proxy found and changed).
-        on_usage: called with the usage read from a successful answer, in a worker thread
-            (``None``: the answer is not watched).
+        on_usage: called with the usage read from a successful answer, on the event loop,
+            so it must return at once (``None``: the answer is not watched).
         reroute: another upstream for a request whose upstream cannot be reached
             (:data:`Reroute`; module docstring).
     """
@@ -196,7 +196,7 @@ class ForwardedAnswer(Response):
             found = self._watch.usage()
         if found is not None and self._on_usage is not None:
             try:
-                await anyio.to_thread.run_sync(self._on_usage, found)
+                self._on_usage(found)
             except Exception:
                 logger.exception("recording the upstream's usage failed")
 
