@@ -51,7 +51,12 @@ from contextpilot_integrations.service.endpoints import ServiceCalls, add_body_s
 from contextpilot_integrations.service.errors import install_error_handlers
 from contextpilot_integrations.service.index_service import IndexService
 from contextpilot_integrations.service.middleware import BootIdMiddleware, MeteringMiddleware
-from contextpilot_integrations.service.proxy.routes import PROXY_PATHS, Proxy, proxy_router
+from contextpilot_integrations.service.proxy.routes import (
+    PROXY_PATHS,
+    PlannedRoutes,
+    Proxy,
+    proxy_router,
+)
 from contextpilot_integrations.service.service_config import ServiceConfig
 
 __all__ = ["create_app"]
@@ -103,6 +108,8 @@ def create_app(
         app.include_router(proxy_router())
         known_paths |= frozenset(PROXY_PATHS)
     add_body_schemas(app)
+    if app.state.proxy is not None:  # innermost: beneath the metering, ahead of the router
+        app.add_middleware(PlannedRoutes, proxy=app.state.proxy)  # type: ignore[arg-type]
     app.add_middleware(
         MeteringMiddleware,  # type: ignore[arg-type]
         metrics=service.metrics,

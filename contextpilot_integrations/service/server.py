@@ -71,6 +71,7 @@ gives the replicas' KV-event endpoints, in the same order (topic ``--kv-events-t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -662,6 +663,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         app = create_app(config)
     except ValueError as exc:
         parser.error(str(exc))
+    # The modules and the app live as long as the process: out of the collector's full
+    # passes, which stop every request (docs/DESIGN.md, "The proxy").
+    gc.collect()
+    gc.freeze()
     uvicorn.run(
         app,
         host=args.host,

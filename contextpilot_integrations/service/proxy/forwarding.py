@@ -34,8 +34,8 @@ its request goes out until its answer is over, however it ends (streamed, broken
 client gone, cancelled); one that finds no slot within the pool timeout is a 503 with
 ``Retry-After`` in the API's error shape, counted ``pool_timeout``, and nothing is sent.
 
-After the answer, the usage read from it (:mod:`.usage_watch`) goes to ``on_usage``, off the
-event loop.
+After the answer, the usage read from it (:mod:`.usage_watch`) goes to ``on_usage``, which hands
+it to a thread and returns at once.
 """
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ class ForwardedAnswer(Response):
         endpoint: the metrics' endpoint label.
         counters: the proxy's counters.
         report: headers added to the answer (what the proxy found and changed).
-        on_usage: called with the usage read from a successful answer, in a worker thread
-            (``None``: the answer is not watched).
+        on_usage: called with the usage read from a successful answer, on the event loop,
+            so it must return at once (``None``: the answer is not watched).
         reroute: another upstream for a request whose upstream cannot be reached
             (:data:`Reroute`; module docstring).
         pass_headers: the upstream answer's raw headers as the client gets them (default
@@ -219,7 +219,7 @@ class ForwardedAnswer(Response):
             found = self._watch.usage()
         if found is not None and self._on_usage is not None:
             try:
-                await anyio.to_thread.run_sync(self._on_usage, found)
+                self._on_usage(found)
             except Exception:
                 logger.exception("recording the upstream's usage failed")
 

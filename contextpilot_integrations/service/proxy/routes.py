@@ -29,6 +29,10 @@ chooses (its base URL, or the gateway with the routing key header), ``x-contextp
 names it, a replica that refuses the connection is routed around, and passed-through requests
 go to the first replica up (or the gateway).
 
+The two planned paths are served by :class:`PlannedRoutes`, plain ASGI beneath the service's
+middleware and ahead of FastAPI's router (their FastAPI routes answer the same); the usage of
+each answer is handed to one usage thread without waiting (docs/DESIGN.md, "The proxy").
+
 Each answer carries what the proxy found and changed (:func:`.request_planning.
 report_headers`); the usage read from it is recorded as ``POST /v1/usage`` records it, under
 the call's rid, for the tenant (its totals in ``GET /v1/usage``, the usage counters of
@@ -39,8 +43,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import quote
 
@@ -48,6 +54,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response
 from fastapi.routing import APIRouter
+from starlette.datastructures import Headers
 
 from contextpilot_integrations.core.messages import MessagePlan
 from contextpilot_integrations.core.messages.message_shapes import Api
@@ -60,6 +67,7 @@ from contextpilot_integrations.service.index_service import IndexService
 from contextpilot_integrations.service.proxy.api_errors import ErrorApi, error_answer
 from contextpilot_integrations.service.proxy.conversation_key import SESSION_HEADER
 from contextpilot_integrations.service.proxy.forwarding import (
+    CLIENT_GONE,
     ForwardedAnswer,
     ProxyCounters,
     Reroute,
@@ -75,12 +83,24 @@ from contextpilot_integrations.service.proxy.request_planning import (
 )
 from contextpilot_integrations.service.proxy.upstream import TENANT_KEY_HEADER, Upstream
 
-__all__ = ["PROXY_PATHS", "Proxy", "proxy_router"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["PROXY_PATHS", "PlannedRoutes", "Proxy", "proxy_router"]
 
 PROXY_PATHS = ("/v1/chat/completions", "/v1/messages")
 """The paths the proxy plans (metered under their own names)."""
 
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+_PLANNED: dict[str, tuple[Api, str]] = {
+    "/v1/chat/completions": ("openai", "chat_completions"),
+    "/v1/messages": ("anthropic", "messages"),
+}
+"""The planned paths: the client's API (its error shape) and the metrics' endpoint label."""
+
+ASGIScope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 class Proxy:
@@ -132,9 +152,13 @@ class Proxy:
         self.peers: Peers | None = None
         if config.peers is not None:
             self.peers = Peers(config.peers, config, service.metrics.registry)
+        # One thread records every answer's usage in arrival order; the event loop hands a
+        # record over without waiting for it (docs/DESIGN.md, "The proxy").
+        self._usage_thread = _usage_thread()
 
-    def tenant_of(self, request: Request) -> str | None:
-        """The tenant of the request's key (``None`` on a service without keys).
+    def tenant_of(self, headers: Mapping[str, str]) -> str | None:
+        """The tenant of the key in a request's ``headers`` (``None`` on a service without
+        keys).
 
         Raises:
             PermissionError: a missing or unknown key.
@@ -142,7 +166,6 @@ class Proxy:
         tenancy = self.service.tenancy
         if not tenancy.keyed:
             return None
-        headers = request.headers
         key = headers.get(TENANT_KEY_HEADER)
         if key is None:
             scheme, _, token = headers.get("authorization", "").partition(" ")
@@ -185,6 +208,21 @@ class Proxy:
             + (figures.sub_blocks_replaced if figures else 0),
             plans=0 if counted else 1,
         )
+
+    def usage_recorder(self, tenant: str | None, rid: str) -> Callable[[Usage], None]:
+        """What records the usage of the call ``rid``: it returns at once (called on the
+        event loop); the usage thread runs :meth:`record_usage`."""
+
+        def hand_over(usage: Usage) -> None:
+            self._usage_thread.submit(self._record_logged, tenant, rid, usage)
+
+        return hand_over
+
+    def _record_logged(self, tenant: str | None, rid: str, usage: Usage) -> None:
+        try:
+            self.record_usage(tenant, rid, usage)
+        except Exception:
+            logger.exception("recording the upstream's usage of %s failed", rid)
 
     def record_usage(self, tenant: str | None, rid: str, usage: Usage) -> None:
         """``usage`` of the call ``rid`` into the tenant's figures (blocking)."""
@@ -260,10 +298,13 @@ class Proxy:
             self.routing.start()
 
     async def aclose(self) -> None:
-        """Close the upstreams' pools and stop the replicas' engine links."""
+        """Close the upstreams' pools, record the usage handed over, and stop the replicas'
+        engine links."""
         await self.upstream.aclose()
         if self.peers is not None:
             await self.peers.aclose()
+        used, self._usage_thread = self._usage_thread, _usage_thread()
+        await anyio.to_thread.run_sync(used.shutdown)
         if self.routing is not None:
             await self.routing.aclose()
             await anyio.to_thread.run_sync(self.routing.stop)
@@ -318,6 +359,11 @@ class _Ended(Response):
                 await anyio.to_thread.run_sync(self._on_end)
 
 
+def _usage_thread() -> ThreadPoolExecutor:
+    """The proxy's usage thread (started on its first record)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="contextpilot-usage")
+
+
 def _replica_header(choice: ReplicaChoice) -> tuple[bytes, bytes]:
     return (REPLICA_HEADER.encode("ascii"), choice.replica.encode("ascii"))
 
@@ -327,14 +373,56 @@ def _proxy(request: Request) -> Proxy:
     return proxy
 
 
+class PlannedRoutes:
+    """The planned paths (``POST /v1/chat/completions`` and ``/v1/messages``) served as plain
+    ASGI beneath the app's middleware, ahead of its router: the hot path skips the
+    framework's route matching, dependency layer and request objects (docs/DESIGN.md, "The
+    proxy"). Every other request goes to ``app``, which serves these paths too, with the same
+    answers, for a stack without this layer.
+
+    Args:
+        app: the ASGI app to wrap (the service's router stack).
+        proxy: the proxy.
+    """
+
+    def __init__(self, app: Any, *, proxy: Proxy) -> None:
+        self.app = app
+        self.proxy = proxy
+
+    async def __call__(self, scope: ASGIScope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            planned = _PLANNED.get(_route_path(scope))
+            if planned is not None:
+                answer = await _planned(self.proxy, scope, receive, *planned)
+                if answer is not None:
+                    await answer(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _route_path(scope: ASGIScope) -> str:
+    """The path the app's router matches: the scope's, less the ``root_path`` it starts
+    with (as Starlette's router reads it)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root + "/"):
+        return path[len(root) :]
+    return path
+
+
 async def chat_completions(request: Request) -> Response:
     """OpenAI's chat completions, planned and forwarded."""
-    return await _planned(request, "openai", "chat_completions")
+    return await _planned_answer(request, "openai", "chat_completions")
 
 
 async def messages(request: Request) -> Response:
     """Anthropic's messages, planned and forwarded."""
-    return await _planned(request, "anthropic", "messages")
+    return await _planned_answer(request, "anthropic", "messages")
+
+
+async def _planned_answer(request: Request, api: Api, endpoint: str) -> Response:
+    answer = await _planned(_proxy(request), request.scope, request.receive, api, endpoint)
+    return answer if answer is not None else Response(status_code=CLIENT_GONE)
 
 
 async def pass_through(request: Request, path: str) -> Response:
@@ -353,10 +441,12 @@ async def pass_through(request: Request, path: str) -> Response:
             "openai", 405, f"{request.method} is not served on {request.url.path}", None,
             {"Allow": allow},
         )  # fmt: skip
-    refused = await _admit(request, proxy, "openai", "pass_through")
-    if isinstance(refused, Response):
-        return refused
-    tenant, body = refused
+    admitted = await _admit(proxy, request.headers, request.receive, "openai", "pass_through")
+    if isinstance(admitted, Response):
+        return admitted
+    if admitted is None:
+        return Response(status_code=CLIENT_GONE)
+    tenant, body = admitted
     headers = proxy.upstream.request_headers(request.scope["headers"])
     raw_path = request.scope.get("raw_path")
     choice = None
@@ -377,23 +467,37 @@ async def pass_through(request: Request, path: str) -> Response:
     )
 
 
-async def _planned(request: Request, api: Api, endpoint: str, *, here: bool = False) -> Response:
-    """The call planned and forwarded; with peers, first passed to its owner unless ``here``
-    (docs/DESIGN.md, "Proxy peers")."""
-    proxy = _proxy(request)
-    admitted = await _admit(request, proxy, api, endpoint)
-    if isinstance(admitted, Response):
+async def _planned(
+    proxy: Proxy, scope: ASGIScope, receive: Receive, api: Api, endpoint: str
+) -> Response | None:
+    """The answer of a planned call (``None``: the client went before its body was read); with
+    peers, passed to its owner first (docs/DESIGN.md, "Proxy peers")."""
+    request_headers = Headers(scope=scope)
+    admitted = await _admit(proxy, request_headers, receive, api, endpoint)
+    if admitted is None or isinstance(admitted, Response):
         return admitted
     tenant, raw = admitted
-    if proxy.peers is not None and not here:
-        here_answer = functools.partial(_planned, request, api, endpoint, here=True)
-        hop = await proxy.peers.route(
-            request.scope, raw, api, tenant, _session_header(request), here_answer
-        )
+    session = _session_header(request_headers)
+    here = functools.partial(_planned_here, proxy, scope, api, endpoint, tenant, raw, session)
+    if proxy.peers is not None:
+        hop = await proxy.peers.route(scope, raw, api, tenant, session, here)
         if hop is not None:
             return hop
+    return await here()
+
+
+async def _planned_here(
+    proxy: Proxy,
+    scope: ASGIScope,
+    api: Api,
+    endpoint: str,
+    tenant: str | None,
+    raw: bytes,
+    session: str | None,
+) -> Response:
+    """The call planned in this process and forwarded."""
     prepare = _Preparing(
-        functools.partial(proxy.planning.prepare, raw, api, tenant, _session_header(request)),
+        functools.partial(proxy.planning.prepare, raw, api, tenant, session),
         functools.partial(proxy.abandoned, tenant),
     )
     try:
@@ -404,7 +508,7 @@ async def _planned(request: Request, api: Api, endpoint: str, *, here: bool = Fa
     except BadRequest as exc:
         proxy.counters.requests.labels(endpoint, str(exc.status)).inc()
         return error_answer(api, exc.status, exc.message, exc.field)
-    headers = proxy.upstream.request_headers(request.scope["headers"], identity=True)
+    headers = proxy.upstream.request_headers(scope["headers"], identity=True)
     headers = [(k, v) for k, v in headers if k != "content-type"]
     headers.append(("content-type", "application/json"))
     return proxy.forwarded(
@@ -412,22 +516,22 @@ async def _planned(request: Request, api: Api, endpoint: str, *, here: bool = Fa
         tenant,
         call.rid,
         "POST",
-        request.url.path,
-        request.scope.get("query_string", b""),
+        scope["path"],
+        scope.get("query_string", b""),
         headers,
         call.body,
         api=api,
         endpoint=endpoint,
         counters=proxy.counters,
         report=report_headers(call) + (proxy.peers.report if proxy.peers is not None else []),
-        on_usage=functools.partial(proxy.record_usage, tenant, call.rid),
+        on_usage=proxy.usage_recorder(tenant, call.rid),
     )
 
 
-def _session_header(request: Request) -> str | None:
+def _session_header(headers: Mapping[str, str]) -> str | None:
     """The conversation header as text: its bytes as UTF-8 where they are (module docstring),
     else as the Latin-1 text the framework read."""
-    value = request.headers.get(SESSION_HEADER)
+    value = headers.get(SESSION_HEADER)
     if value is None or value.isascii():
         return value
     try:
@@ -437,20 +541,28 @@ def _session_header(request: Request) -> str | None:
 
 
 async def _admit(
-    request: Request, proxy: Proxy, api: ErrorApi, endpoint: str
-) -> tuple[str | None, bytes] | Response:
-    """The request's tenant and body, or the error answer that refuses it (401, 413)."""
+    proxy: Proxy, headers: Mapping[str, str], receive: Receive, api: ErrorApi, endpoint: str
+) -> tuple[str | None, bytes] | Response | None:
+    """The request's tenant and body, the error answer that refuses it (401, 413), or
+    ``None``: the client went before its body was read."""
     try:
-        tenant = proxy.tenant_of(request)
+        tenant = proxy.tenant_of(headers)
     except PermissionError as exc:
         proxy.counters.requests.labels(endpoint, "401").inc()
         return error_answer(api, 401, str(exc), None, {"WWW-Authenticate": "Bearer"})
+    chunks: list[bytes] = []
     try:
-        body = await request.body()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
     except BodyTooLarge as exc:
         proxy.counters.requests.labels(endpoint, "413").inc()
         return error_answer(api, 413, str(exc), "body")
-    return tenant, body
+    return tenant, b"".join(chunks)
 
 
 def proxy_router() -> APIRouter:
