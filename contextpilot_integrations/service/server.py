@@ -415,8 +415,12 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Servi
         if args.engine_grace is not None:
             cache_sync["engine_grace_s"] = args.engine_grace
     elif model == "capacity":
+        if args.capacity_tokens is None:
+            raise ValueError("--cache-model capacity needs --capacity-tokens N")
         cache_sync = {"kind": "capacity", "capacity_tokens": args.capacity_tokens}
     elif model == "ttl":
+        if args.ttl_provider is None and args.ttl_seconds is None:
+            raise ValueError("--cache-model ttl needs --ttl-provider or --ttl-seconds")
         cache_sync = {
             "kind": "ttl",
             "provider": args.ttl_provider,

@@ -80,8 +80,8 @@ def test_layout_from_a_json_file(tmp_path: Path) -> None:
     ("argv", "words"),
     [
         (["--cache-model", "events"], "--cache-model events needs --kv-events"),
-        (["--cache-model", "capacity"], "capacity_tokens"),
-        (["--cache-model", "ttl"], "'provider' or 'ttl_s'"),
+        (["--cache-model", "capacity"], "--cache-model capacity needs --capacity-tokens N"),
+        (["--cache-model", "ttl"], "--cache-model ttl needs --ttl-provider or --ttl-seconds"),
         (
             ["--cache-model", "capacity", "--capacity-tokens", "5", "--kv-events", "tcp://h:1"],
             "--kv-events options",
