@@ -68,6 +68,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.block_size = DEFAULT_BLOCK_SIZE if args.engine == VLLM_ENGINE else 1
     try:
         with StopSignals() as stop:
+            if args.online_bounds is not None and (
+                args.workload in AGENT_WORKLOADS
+                or args.workload in MULTITURN_WORKLOADS
+                or args.replicas
+                or args.engine in HOSTED_ENGINES
+                or args.mode != "online"
+                or args.arrival is not None
+            ):
+                raise ValueError(
+                    "--online-bounds are references for --mode online on a single-turn "
+                    "workload with one embedded or vLLM engine and no --arrival"
+                )
             if args.warm_start is not None and (
                 args.workload in AGENT_WORKLOADS
                 or args.workload in MULTITURN_WORKLOADS

@@ -13,6 +13,7 @@ import argparse
 from contextpilot_bench.arrivals import ARRIVALS
 from contextpilot_bench.methods import METHODS, MODES
 from contextpilot_bench.multiturn import MULTITURN_METHODS
+from contextpilot_bench.online_bounds import DEFAULT_LOOKAHEADS
 from contextpilot_bench.prepared_conversations import RETRIEVAL_QUERIES
 from contextpilot_bench.replica_model import parse_replica_counts
 from contextpilot_bench.vllm_setup import (
@@ -125,6 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="single-turn workloads without --arrival: every method serves the second half of "
         "the requests (by arrival), and ContextPilot is also run warm-started on the first half "
         "(learned, not indexed or sent), beside clairvoyant-arrival of the second half",
+    )
+    parser.add_argument(
+        "--online-bounds",
+        nargs="?",
+        const=",".join(str(k) for k in DEFAULT_LOOKAHEADS),
+        metavar="K,...",
+        help="with --mode online on a single-turn workload: also run the references that say "
+        "what part of the gap to clairvoyant-arrival an online planner could close: "
+        "ContextPilot warm-started on the very requests it serves (oracle history) and an "
+        "aligner that knows the next K requests, one run per K (default "
+        f"{','.join(str(k) for k in DEFAULT_LOOKAHEADS)})",
     )
     parser.add_argument(
         "--cache-tokens",

@@ -32,6 +32,7 @@ from contextpilot_bench.methods import (
     run_methods,
     run_warm_started,
 )
+from contextpilot_bench.online_bounds import is_online_bound, parse_lookaheads, run_online_bounds
 from contextpilot_bench.report import (
     WINDOW_COLUMNS,
     WINDOW_TARGET_CACHE,
@@ -137,6 +138,13 @@ def run_single_turn_report(
                     prepared, sample, mode=args.mode, engine_factory=engines, progress=progress
                 )
             )
+        if args.online_bounds is not None:
+            results += run_online_bounds(
+                prepared,
+                parse_lookaheads(args.online_bounds),
+                engine_factory=engines,
+                progress=progress,
+            )
         if windows:
             offline = run_method(
                 "contextpilot", prepared, mode="offline", engine_factory=engines, progress=progress
@@ -168,8 +176,9 @@ def run_single_turn_report(
     print(engine_line)
     print()
     closing = ("upper-bound", CLAIRVOYANT_ARRIVAL)  # the references close the table
-    shown = [r for r in results if r.method not in closing]
+    shown = [r for r in results if r.method not in closing and not is_online_bound(r.method)]
     shown += ([offline] if offline else []) + [w.result for w in window_results]
+    shown += [r for r in results if is_online_bound(r.method)]
     shown += [r for r in results if r.method == CLAIRVOYANT_ARRIVAL]
     shown += [r for r in results if r.method == "upper-bound"]
     rows = summarize(shown)

@@ -59,6 +59,7 @@ from contextpilot_bench.prefix_cache_model import CacheStats
 from contextpilot_bench.retrieval import retrieve_top_k
 from contextpilot_bench.workloads import Document, Workload
 from contextpilot_integrations.core.blocks import TokenCounter, block_id
+from contextpilot_integrations.core.ordering.ordering_config import OrderingConfig
 from contextpilot_integrations.core.pilot import ContextPilot
 from contextpilot_integrations.core.plan import BatchPlan
 from contextpilot_integrations.core.rendering import PromptLayout
@@ -309,13 +310,17 @@ def pilot_link(pilot: ContextPilot | None) -> EngineLink | None:
     return cast("EngineLink | None", pilot.engine if pilot is not None else None)
 
 
-def new_pilot(prepared: PreparedWorkload, engine: Engine) -> ContextPilot:
+def new_pilot(
+    prepared: PreparedWorkload, engine: Engine, ordering: OrderingConfig | None = None
+) -> ContextPilot:
     """The ContextPilot a method runs with: the workload's layout and counter, following
-    ``engine`` through ``engine=engine_link(engine.cache_sync)``; the caller closes it."""
+    ``engine`` through ``engine=engine_link(engine.cache_sync)``, ordering as ``ordering``
+    says (default the library's); the caller closes it."""
     return ContextPilot(
         layout=prepared.layout,
         token_counter=prepared.counter,
         engine=engine_link(engine.cache_sync),
+        ordering=ordering,
     )
 
 
@@ -390,10 +395,13 @@ def run_warm_started(
     mode: str,
     engine_factory: Callable[[], Engine],
     progress: bool = False,
+    ordering: OrderingConfig | None = None,
+    method: str = WARM_START,
 ) -> MethodResult:
     """ContextPilot (``mode`` as :func:`run_method`) on ``prepared`` through a fresh engine, its
-    pilot first warm-started (:meth:`ContextPilot.warm_start`) on ``sample``'s requests, which
-    are neither indexed nor sent: method :data:`WARM_START`.
+    pilot (ordering as ``ordering`` says) first warm-started (:meth:`ContextPilot.warm_start`)
+    on ``sample``'s requests, which are neither indexed nor sent: named ``method`` (default
+    :data:`WARM_START`).
 
     Raises:
         ValueError: an unknown mode.
@@ -401,7 +409,7 @@ def run_warm_started(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     engine = engine_factory()
-    with new_pilot(prepared, engine) as pilot:
+    with new_pilot(prepared, engine, ordering) as pilot:
         pilot.warm_start(
             [
                 PlanRequest(r.query, sample.block_texts(i))
@@ -409,7 +417,7 @@ def run_warm_started(
             ]
         )
         result = _run_contextpilot(prepared, engine, mode, pilot, progress)
-    result.method = WARM_START
+    result.method = method
     if isinstance(engine, EmbeddedEngine):
         result.cache = engine.model.stats()
     return result

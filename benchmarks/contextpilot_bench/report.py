@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from contextpilot_bench.methods import CLAIRVOYANT_ARRIVAL, MethodResult
+from contextpilot_bench.online_bounds import is_online_bound
 from contextpilot_bench.window_runner import WindowResult
 
 __all__ = [
@@ -150,7 +151,11 @@ def prefill_check(rows: Sequence[Mapping[str, Any]], *, group: str | None = None
     for value, members in groups.items():
         label = "prefill tokens vs baseline" + (f" ({group} {value})" if group else "")
         base = next((r["prefill_tokens"] for r in members if r["method"] == BASELINE), None)
-        others = [r for r in members if r["method"] not in (BASELINE, *REFERENCES)]
+        others = [
+            r
+            for r in members
+            if r["method"] not in (BASELINE, *REFERENCES) and not is_online_bound(r["method"])
+        ]
         if base is None or not others:
             lines.append(f"{label}: n/a (needs the baseline and a method beside it)")
             continue

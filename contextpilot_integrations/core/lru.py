@@ -139,13 +139,14 @@ class LRU(Generic[K, V]):
         entries never include the items put)."""
         entries, weight = self._entries, self._weight
         keys = []
+        move_to_end = entries.move_to_end
         for key, value in items:
-            if key in entries:
-                self._forget_weight(entries[key])
-            entries[key] = value
-            entries.move_to_end(key)
             if weight is not None:
+                if key in entries:
+                    self._total -= weight(entries[key])
                 self._total += weight(value)
+            entries[key] = value
+            move_to_end(key)
             keys.append(key)
         evicted: list[tuple[K, V]] = []
         fresh = len(set(keys))

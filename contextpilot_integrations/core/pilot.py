@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from contextpilot_integrations.core.blocks import ApproxTokenCounter, TokenCounter, block_id
@@ -202,8 +202,8 @@ class ContextPilot(ThreadedAsyncTwins):
                 prepared.ids,
                 found.prefix,
                 rest_order=self.ordering.rest_order,
-                popularity=self._popularity,
-                holders=self._cooccurrence.holders,
+                popularity=self._popularities(prepared.ids),
+                holders=self._cooccurrence.held_by,
             )
             if self.ordering.reorder == "cost-aware" and not self._reordering_pays(
                 prepared, order, found
@@ -566,8 +566,21 @@ class ContextPilot(ThreadedAsyncTwins):
             figures.tokens_saved,
         )
 
-    def _popularity(self, block: int) -> float:
-        return self.index.block_popularity(block) + self._history.get(block)
+    def _popularities(self, blocks: Sequence[int]) -> Callable[[int], float]:
+        """Block -> popularity (the indexed requests holding it plus its decayed count) for
+        ``blocks``, each read once for the whole alignment."""
+        scores = dict(
+            zip(
+                blocks,
+                [
+                    held + recent
+                    for held, recent in zip(
+                        self.index.block_popularities(blocks), self._history.get_many(blocks)
+                    )
+                ],
+            )
+        )
+        return scores.__getitem__
 
     def _annotation_tokens_uncached(self, blocks: int) -> int:
         """Tokens of the order annotation of a prompt showing ``blocks`` blocks (its labels are

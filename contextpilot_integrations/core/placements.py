@@ -147,10 +147,23 @@ def place_blocks(
         shown.append(placement)
 
     if scope.conversation_id is None:
-        for p in aligned:
-            show(p, blocks.texts[p])
-            references[blocks.indices[p]] = shown[-1].label or ""
-        figures = DedupFigures(len(shown), 0, 0, sum(blocks.tokens), 0)
+        # Every block is shown as given: :func:`show` inlined (docs/DESIGN.md, "Hot path").
+        texts, ids, tokens, indices, label = (
+            blocks.texts,
+            blocks.ids,
+            blocks.tokens,
+            blocks.indices,
+            layout.label,
+        )
+        for position, p in enumerate(aligned):
+            index, text, name = indices[p], texts[p], label(position)
+            placement = Placement(
+                index, PlacementStatus.SHOWN, text, ids[p], tokens[p], position, name, text
+            )
+            placements[index] = placement
+            shown.append(placement)
+            references[index] = name
+        figures = DedupFigures(len(shown), 0, 0, sum(tokens), 0)
     else:
         dedup = deduplicator.plan(
             scope.tenant,

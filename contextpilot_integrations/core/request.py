@@ -159,7 +159,8 @@ class PlanRequest:
                 raise TypeError(
                     f"blocks[{i}] must be a str, got {type(text).__name__}: {text!r:.80}"
                 )
-            _check_utf8(f"blocks[{i}]", text)
+            if not text.isascii():  # ASCII is UTF-8: the common case needs no call
+                _check_utf8(f"blocks[{i}]", text)
         if not isinstance(blocks, tuple):
             object.__setattr__(self, "blocks", tuple(blocks))
         _check_id("rid", self.rid, optional=True)

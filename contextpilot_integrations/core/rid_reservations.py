@@ -25,16 +25,18 @@ class RidReservations:
         self._planning: set[str] = set()
         self._lock = threading.Lock()
 
-    @contextlib.contextmanager
-    def hold(self, rids: Sequence[str], indexed: Container[str]) -> Iterator[None]:
+    def hold(
+        self, rids: Sequence[str], indexed: Container[str]
+    ) -> contextlib.AbstractContextManager[None]:
         """Hold ``rids`` for the ``with`` block (none: nothing is checked or held).
 
         Raises:
             RidConflictError: a rid is held by a concurrent call, or is in ``indexed``.
         """
-        if not rids:
-            yield
-            return
+        return self._held(rids, indexed) if rids else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _held(self, rids: Sequence[str], indexed: Container[str]) -> Iterator[None]:
         with self._lock:
             busy = next((rid for rid in rids if rid in self._planning), None)
             if busy is not None:

@@ -46,7 +46,7 @@ def test_the_rest_follows_what_requests_holding_the_prefix_held_next() -> None:
         [10],
         rest_order="co-occurrence",
         popularity=lambda b: float(popularity(b) or 0),
-        holders=memory.holders,
+        holders=memory.held_by,
     )
     assert order[:3] == [10, 20, 30] and order[3:] == [50, 40]
     no_prefix = align(
@@ -54,7 +54,7 @@ def test_the_rest_follows_what_requests_holding_the_prefix_held_next() -> None:
         [],
         rest_order="co-occurrence",
         popularity=lambda b: float(popularity(b) or 0),
-        holders=memory.holders,
+        holders=memory.held_by,
     )
     assert no_prefix == [40, 50, 30]  # the most popular leads, then what it co-occurs with
     with pytest.raises(ValueError, match="needs a holders function"):

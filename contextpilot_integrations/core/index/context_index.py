@@ -204,6 +204,12 @@ class ContextIndex:
         with self._lock:
             return self._block_requests.get(block, 0)
 
+    def block_popularities(self, blocks: Sequence[int]) -> list[int]:
+        """:meth:`block_popularity` of each of ``blocks``, read in one step."""
+        with self._lock:
+            get = self._block_requests.get
+            return [get(block, 0) for block in blocks]
+
     def rids(self) -> list[str]:
         """Indexed request ids, least recently used first."""
         with self._lock:
@@ -235,7 +241,7 @@ class ContextIndex:
         if not weight:
             raise ValueError(f"cannot index an empty context (rid={rid!r})")
         seq = tuple(blocks)
-        toks = tuple(weight[b] for b in seq)
+        toks = tuple(weight.values())  # in block order: no block repeats
         with self._lock:
             if rid in self._requests:
                 raise ValueError(f"rid {rid!r} is already indexed")

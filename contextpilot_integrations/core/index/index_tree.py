@@ -17,7 +17,7 @@ Public API: :class:`IndexNode`, :class:`IndexTree`, :func:`path_of`, :func:`comm
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 __all__ = ["IndexNode", "IndexTree", "common_prefix", "path_of"]
 
@@ -132,44 +132,52 @@ class IndexTree:
             ``(tokens matched, prefix block ids, path of node ids, whether the match ends
             inside an edge)``. Read-only.
         """
-        best: tuple[tuple[int, bool, float, int], list[int], list[int], bool] = (
-            (0, False, 0.0, 0),
-            [],
-            [],
-            False,
-        )
-        # Stack entries: node, matched prefix, path of node ids, tokens gained so far.
-        stack: list[tuple[IndexNode, list[int], list[int], int]] = [(self.root, [], [], 0)]
+        # The best match so far: its key, the node it ends in and how far into that node's edge.
+        best_key: tuple[int, bool, float, int] = (0, False, 0.0, 0)
+        best_node: IndexNode | None = None
+        best_length = 0
+        # Every path holds a block at most once (a context repeats none), so a child never
+        # starts with, nor an edge holds, a block of the prefix above it: only ``weight`` is
+        # read. Stack entries: node, blocks of its prefix, tokens gained so far.
+        stack: list[tuple[IndexNode, int, int]] = [(self.root, 0, 0)]
+        get = weight.get
         while stack and budget > 0:
-            node, prefix, path, gained = stack.pop()
+            node, depth, gained = stack.pop()
             budget -= 1
-            in_prefix = set(prefix)
             children = node.children
-            if len(children) <= len(blocks) - len(prefix):
-                candidates = [c for b, c in children.items() if b in weight and b not in in_prefix]
-            else:
-                candidates = [children[b] for b in blocks if b in children and b not in in_prefix]
+            # A child whose first block the request lacks matches nothing (length 0 below).
+            candidates: Iterable[IndexNode] = (
+                children.values()
+                if len(children) <= len(blocks) - depth
+                else [children[b] for b in blocks if b in children]
+            )
             for child in candidates:
+                edge = child.blocks
                 length = 0
                 gain = gained
-                for edge_block in child.blocks:
-                    w = weight.get(edge_block)
-                    if w is None or edge_block in in_prefix:
+                for edge_block in edge:
+                    w = get(edge_block)
+                    if w is None:
                         break
                     length += 1
                     gain += w
-                full = length == len(child.blocks)
-                key = (gain, full, child.last_access, -child.node_id)
-                if key > best[0]:
-                    best = (
-                        key,
-                        prefix + list(child.blocks[:length]),
-                        path + [child.node_id],
-                        not full,
-                    )
+                if not length:
+                    continue
+                full = length == len(edge)
+                if gain >= best_key[0]:
+                    key = (gain, full, child.last_access, -child.node_id)
+                    if key > best_key:
+                        best_key, best_node, best_length = key, child, length
                 if full and child.children:
-                    stack.append((child, prefix + list(child.blocks), path + [child.node_id], gain))
-        return best[0][0], best[1], best[2], best[3]
+                    stack.append((child, depth + length, gain))
+        if best_node is None:
+            return 0, [], [], False
+        path = path_of(best_node)
+        prefix: list[int] = []
+        for node_id in path[:-1]:
+            prefix.extend(self.nodes[node_id].blocks)
+        prefix.extend(best_node.blocks[:best_length])
+        return best_key[0], prefix, list(path), best_length < len(best_node.blocks)
 
     def prefix_in_order(self, blocks: Sequence[int], tokens: Sequence[int]) -> tuple[int, int]:
         """``(blocks, tokens)`` of the longest prefix of ``blocks``, in exactly this order, that

@@ -24,8 +24,9 @@ __all__ = ["RestOrder", "align"]
 
 RestOrder = Literal["retriever", "popularity", "co-occurrence"]
 
-Holders = Callable[[int], "frozenset[int] | set[int]"]
-"""``holders(block)``: the recent requests holding the block (:class:`CooccurrenceMemory`)."""
+Holders = Callable[[int], int]
+"""``holders(block)``: the recent requests holding the block, as a bit set (an int, bit ``i``
+for the ``i``-th request; :meth:`.popularity.CooccurrenceMemory.held_by`)."""
 
 CONDITIONAL_STEPS = 3
 """Blocks placed by co-occurrence before the rest goes by popularity: deeper shared prefixes are
@@ -48,7 +49,7 @@ def align(
         rest_order: ``"retriever"``, ``"popularity"`` (needs ``popularity``) or
             ``"co-occurrence"`` (needs ``popularity`` and ``holders``).
         popularity: block id -> popularity score (higher first).
-        holders: block id -> the recent requests holding it.
+        holders: block id -> the recent requests holding it, as a bit set (:data:`Holders`).
 
     Returns:
         A permutation of ``blocks`` that starts with ``prefix``.
@@ -81,7 +82,7 @@ def align(
 def _by_cooccurrence(prefix: Sequence[int], rest: list[int], holders: Holders) -> list[int]:
     """``rest`` (already in popularity order) with up to :data:`CONDITIONAL_STEPS` blocks
     chosen first, each the one most recent requests holding everything placed so far hold."""
-    together: set[int] | frozenset[int] | None = None  # recent requests holding all placed
+    together: int | None = None  # recent requests holding all placed, as a bit set
     for block in prefix:
         held = holders(block)
         together = held if together is None else together & held
@@ -92,7 +93,7 @@ def _by_cooccurrence(prefix: Sequence[int], rest: list[int], holders: Holders) -
         if together is None:  # nothing placed yet: the most popular block leads
             best = rest[0]
         else:
-            counts = [len(together & holders(b)) for b in rest]
+            counts = [(together & holders(b)).bit_count() for b in rest]
             top = max(counts)
             if top == 0:
                 break

@@ -15,8 +15,6 @@ from collections.abc import Sequence
 
 from contextpilot_integrations.core.lru import LRU
 
-_NO_REQUESTS: frozenset[int] = frozenset()
-
 __all__ = ["CooccurrenceMemory", "PopularityMemory"]
 
 
@@ -62,6 +60,12 @@ class PopularityMemory:
         """The block's decayed score (0.0 when not remembered)."""
         return self._scores.peek(block, 0.0) / self._unit
 
+    def get_many(self, blocks: Sequence[int]) -> list[float]:
+        """:meth:`get` of each of ``blocks``."""
+        with self._lock:
+            peek, unit = self._scores.peek, self._unit
+            return [peek(block, 0.0) / unit for block in blocks]
+
     def _rebase(self) -> None:
         unit = self._unit
         self._scores.map_values(lambda score: score / unit)
@@ -75,12 +79,15 @@ class CooccurrenceMemory:
     prefix's blocks, so the block most worth placing next is the one the most recent requests
     holding the prefix so far also held (a conditional frequency, the online counterpart of
     the frequency tree of :mod:`.clustering`). The memory keeps, for the last ``horizon``
-    planned requests, each block's set of request numbers.
+    planned requests, each block's holders as a bit set (:meth:`held_by`): request number
+    ``n`` is bit ``n % horizon``, which no other remembered request shares, so the requests
+    holding a whole prefix are one ``&`` of ints and their count one ``bit_count``, where a
+    set of numbers would cost a hash probe per holder (docs/DESIGN.md, "Hot path").
 
     Args:
         horizon: recent requests remembered (>= 0; 0 remembers nothing).
 
-    ``add`` costs ``O(k)``; thread-safe.
+    ``add`` costs ``O(k)`` int operations of ``horizon`` bits; thread-safe.
     """
 
     def __init__(self, horizon: int) -> None:
@@ -90,7 +97,8 @@ class CooccurrenceMemory:
         self._lock = threading.Lock()
         self._clock = 0
         self._requests: LRU[int, tuple[int, ...]] = LRU(max(horizon, 1))
-        self._holders: dict[int, set[int]] = {}
+        self._masks: dict[int, int] = {}
+        self._every_bit = (1 << horizon) - 1
 
     def add(self, blocks: Sequence[int]) -> None:
         """One more planned request holds ``blocks``."""
@@ -100,15 +108,21 @@ class CooccurrenceMemory:
             self._clock += 1
             number = self._clock
             held = tuple(blocks)
-            for block in held:
-                self._holders.setdefault(block, set()).add(number)
+            masks = self._masks
+            # The request leaving the horizon held the bit the new one takes: clear it first.
             for old, old_blocks in self._requests.put(number, held):
+                keep = self._every_bit ^ (1 << (old % self.horizon))
                 for block in old_blocks:
-                    holders = self._holders.get(block)
-                    if holders is not None:
-                        holders.discard(old)
-                        if not holders:
-                            del self._holders[block]
+                    mask = masks.get(block)
+                    if mask is not None:
+                        mask &= keep
+                        if mask:
+                            masks[block] = mask
+                        else:
+                            del masks[block]
+            bit = 1 << (number % self.horizon)
+            for block in held:
+                masks[block] = masks.get(block, 0) | bit
 
     def __len__(self) -> int:
         """Recent requests remembered."""
@@ -123,17 +137,31 @@ class CooccurrenceMemory:
         remembered = len(self._requests)
         if remembered == 0 or lifetime <= 0:
             return 0.0
-        together: set[int] | frozenset[int] | None = None
+        masks = self._masks
+        together = -1  # every bit: the holders of the empty prefix
         value = 0.0
         for block, count in zip(blocks[:depth], tokens[:depth]):
-            held = self.holders(block)
-            together = held if together is None else together & held
+            together &= masks.get(block, 0)
             if not together:
                 break
-            frequency = len(together) / remembered
+            frequency = together.bit_count() / remembered
             value += count * (1.0 - (1.0 - frequency) ** lifetime)
         return value
 
-    def holders(self, block: int) -> frozenset[int] | set[int]:
-        """The recent requests holding ``block`` (do not change the returned set)."""
-        return self._holders.get(block, _NO_REQUESTS)
+    def held_by(self, block: int) -> int:
+        """The recent requests holding ``block`` as a bit set (0: none; the class docstring
+        says which bit is which request): what :func:`.alignment.align` intersects."""
+        return self._masks.get(block, 0)
+
+    def holders(self, block: int) -> frozenset[int]:
+        """The numbers (1 for the first request added) of the recent requests holding
+        ``block``."""
+        with self._lock:
+            mask, clock, horizon = self._masks.get(block, 0), self._clock, self.horizon
+        numbers = []
+        while mask:
+            low = mask & -mask
+            slot = low.bit_length() - 1
+            numbers.append(clock - (clock - slot) % horizon)
+            mask ^= low
+        return frozenset(numbers)
