@@ -555,6 +555,7 @@ async def _admit(
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
+                proxy.counters.requests.labels(endpoint, str(CLIENT_GONE)).inc()
                 return None
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):

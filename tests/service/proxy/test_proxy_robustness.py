@@ -6,6 +6,7 @@ paths, conversation ids that cannot be ids (docs/DESIGN.md, "The proxy")."""
 from __future__ import annotations
 
 import json
+import socket
 
 import anthropic
 import httpx
@@ -64,6 +65,28 @@ def test_a_client_gone_before_the_answer_is_metered_499_never_500(standin) -> No
         'contextpilot_proxy_requests_total{endpoint="chat_completions",status="499"} 1.0'
     ]
     assert cancelled == ['contextpilot_proxy_upstream_failures_total{kind="cancelled"} 1.0']
+
+
+def test_a_client_gone_before_its_body_ends_is_metered_499_and_nothing_forwarded(standin) -> None:  # type: ignore[no-untyped-def]
+    url, upstream = standin
+    with serve_proxy(url) as proxy:
+        host, port = proxy.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as raw:
+            raw.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+                b'{"model": "plain", "messages": ['
+            )
+        served = 'contextpilot_http_requests_total{endpoint="/v1/chat/completions",status="499"}'
+        wait_for(
+            lambda: any(line.startswith(served) for line in _metric_lines(proxy, served)),
+            what="the abandoned request metered as 499",
+        )
+        proxied = _metric_lines(proxy, "contextpilot_proxy_requests_total")
+    assert proxied == [
+        'contextpilot_proxy_requests_total{endpoint="chat_completions",status="499"} 1.0'
+    ]
+    assert upstream.received == []
 
 
 @pytest.mark.parametrize("reset", [True, False], ids=["reset", "orderly-close"])
