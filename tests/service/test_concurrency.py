@@ -133,7 +133,9 @@ def test_a_long_batch_build_does_not_hold_up_single_plans(server_factory) -> Non
 
     runner = threading.Thread(target=batch)
     latencies: list[float] = []
-    with ContextPilotClient(server.base_url, fallback=False) as client:
+    # A generous read timeout: on a loaded machine a single plan can take over the client's
+    # default second while the build runs; the assertion below, not the timeout, judges it.
+    with ContextPilotClient(server.base_url, fallback=False, timeout=60) as client:
         client.plan("warm up", ["a block"])
         runner.start()
         while not finished.is_set():
