@@ -17,7 +17,7 @@ Public API: :class:`IndexNode`, :class:`IndexTree`, :func:`path_of`, :func:`comm
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = ["IndexNode", "IndexTree", "common_prefix", "path_of"]
 
@@ -145,9 +145,9 @@ class IndexTree:
             node, depth, gained = stack.pop()
             budget -= 1
             children = node.children
-            # A child whose first block the request lacks matches nothing (length 0 below).
-            candidates: Iterable[IndexNode] = (
-                children.values()
+            # Only a child whose first block (its key) the request holds matches anything.
+            candidates = (
+                [child for first, child in children.items() if first in weight]
                 if len(children) <= len(blocks) - depth
                 else [children[b] for b in blocks if b in children]
             )
@@ -161,8 +161,6 @@ class IndexTree:
                         break
                     length += 1
                     gain += w
-                if not length:
-                    continue
                 full = length == len(edge)
                 if gain >= best_key[0]:
                     key = (gain, full, child.last_access, -child.node_id)
