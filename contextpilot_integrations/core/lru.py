@@ -82,6 +82,11 @@ class LRU(Generic[K, V]):
         """The value of ``key`` without marking it used, or ``default``."""
         return self._entries.get(key, default)
 
+    def peek_many(self, keys: Iterable[K], default: D) -> list[V | D]:
+        """:meth:`peek` of each of ``keys``."""
+        get = self._entries.get
+        return [get(key, default) for key in keys]
+
     def touch(self, key: K) -> bool:
         """Mark ``key`` as just used; False when it is not held."""
         if key not in self._entries:

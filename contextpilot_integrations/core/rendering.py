@@ -162,7 +162,9 @@ class PromptLayout:
             annotation_labels = (
                 [self.label(p) for p in annotation_order] if annotation_order is not None else []
             )
-        rendered = [self.render_block(i, text) for i, text in enumerate(blocks)]
+        # :meth:`render_block` of each, its pieces looked up once (docs/DESIGN.md, "Hot path").
+        block_format, label = self.block_template.format, self.label
+        rendered = [block_format(label=label(i), text=text) for i, text in enumerate(blocks)]
         tail = self.tail(question, annotation_labels=annotation_labels, hints=hints)
         return [self.system_segment(), *rendered, tail]
 

@@ -266,8 +266,9 @@ class ContextIndex:
             node.access_count += 1
             node.last_access = now
             self._requests.put(rid, _Request(node, seq, toks))
+            held = self._block_requests
             for block in seq:
-                self._block_requests[block] = self._block_requests.get(block, 0) + 1
+                held[block] = held.get(block, 0) + 1
             self._inserts += 1
             self._enforce_bounds(keep=rid)
             return node.node_id

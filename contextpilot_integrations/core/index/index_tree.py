@@ -17,7 +17,7 @@ Public API: :class:`IndexNode`, :class:`IndexTree`, :func:`path_of`, :func:`comm
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = ["IndexNode", "IndexTree", "common_prefix", "path_of"]
 
@@ -140,17 +140,21 @@ class IndexTree:
         # starts with, nor an edge holds, a block of the prefix above it: only ``weight`` is
         # read. Stack entries: node, blocks of its prefix, tokens gained so far.
         stack: list[tuple[IndexNode, int, int]] = [(self.root, 0, 0)]
-        get = weight.get
+        get, requested = weight.get, weight.keys()
         while stack and budget > 0:
             node, depth, gained = stack.pop()
             budget -= 1
             children = node.children
-            # A child whose first block the request lacks matches nothing (length 0 below).
-            candidates: Iterable[IndexNode] = (
-                children.values()
-                if len(children) <= len(blocks) - depth
-                else [children[b] for b in blocks if b in children]
-            )
+            # Only a child whose first block (its key) the request holds matches anything. The
+            # budget walks them in one order: the children's own, or the request's when it has
+            # fewer blocks left; found in one set intersection, an order is needed for two.
+            entered = children.keys() & requested
+            if len(entered) < 2:
+                candidates = [children[b] for b in entered]
+            elif len(children) <= len(blocks) - depth:
+                candidates = [child for first, child in children.items() if first in entered]
+            else:
+                candidates = [children[b] for b in blocks if b in entered]
             for child in candidates:
                 edge = child.blocks
                 length = 0
@@ -161,8 +165,6 @@ class IndexTree:
                         break
                     length += 1
                     gain += w
-                if not length:
-                    continue
                 full = length == len(edge)
                 if gain >= best_key[0]:
                     key = (gain, full, child.last_access, -child.node_id)

@@ -70,8 +70,7 @@ def align(
         )
     if popularity is None:
         raise ValueError(f"rest_order={rest_order!r} needs a popularity function")
-    rank = {b: r for r, b in enumerate(rest)}
-    rest.sort(key=lambda b: (-popularity(b), rank[b]))
+    rest.sort(key=popularity, reverse=True)  # a stable sort: ties keep retriever order
     if rest_order == "popularity":
         return [*prefix, *rest]
     if holders is None:
@@ -89,18 +88,18 @@ def _by_cooccurrence(prefix: Sequence[int], rest: list[int], holders: Holders) -
         if not together:
             return rest
     placed: list[int] = []
+    rest_holders = [holders(b) for b in rest]  # read once, kept beside ``rest``
     for _ in range(min(CONDITIONAL_STEPS, len(rest))):
         if together is None:  # nothing placed yet: the most popular block leads
-            best = rest[0]
+            best = 0
         else:
-            counts = [(together & holders(b)).bit_count() for b in rest]
+            counts = [(together & held).bit_count() for held in rest_holders]
             top = max(counts)
             if top == 0:
                 break
-            best = rest[counts.index(top)]  # ties: the more popular (rest is in that order)
-        rest.remove(best)
-        placed.append(best)
-        held = holders(best)
+            best = counts.index(top)  # ties: the more popular (rest is in that order)
+        placed.append(rest.pop(best))
+        held = rest_holders.pop(best)
         together = held if together is None else together & held
         if not together:
             break

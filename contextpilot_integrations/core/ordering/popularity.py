@@ -45,7 +45,7 @@ class PopularityMemory:
         self._lock = threading.Lock()
 
     def add(self, blocks: Sequence[int]) -> None:
-        """One more planned request holds ``blocks``."""
+        """One more planned request holds ``blocks`` (distinct ids, as an indexed context's)."""
         if self.capacity == 0:
             return
         with self._lock:
@@ -54,7 +54,7 @@ class PopularityMemory:
             if self._unit > self._REBASE_AT:
                 self._rebase()
             unit, scores = self._unit, self._scores
-            scores.put_many((block, scores.peek(block, 0.0) + unit) for block in blocks)
+            scores.put_many(zip(blocks, [score + unit for score in scores.peek_many(blocks, 0.0)]))
 
     def get(self, block: int) -> float:
         """The block's decayed score (0.0 when not remembered)."""
@@ -63,8 +63,8 @@ class PopularityMemory:
     def get_many(self, blocks: Sequence[int]) -> list[float]:
         """:meth:`get` of each of ``blocks``."""
         with self._lock:
-            peek, unit = self._scores.peek, self._unit
-            return [peek(block, 0.0) / unit for block in blocks]
+            unit = self._unit
+            return [score / unit for score in self._scores.peek_many(blocks, 0.0)]
 
     def _rebase(self) -> None:
         unit = self._unit
