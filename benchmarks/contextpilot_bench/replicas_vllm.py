@@ -144,9 +144,18 @@ def _proxy_line(run: ReplicaMethodRun) -> str | None:
         if window
         else "no window: each call planned alone"
     )
+    door = figures.get("door")
+    sent = (
+        f"; sent {'in schedule order' if door['ordered'] else 'as they came'}, at most "
+        f"{door['max_in_flight']} in flight per replica ({door['waited']} calls waited at the "
+        f"door, {door['stale']} stale tickets)"
+        if door
+        else ""
+    )
     return (
         f"{PROXY_METHOD}: the proxy's {planned}; router load {figures['load']}, "
         f"max_imbalance {figures['max_imbalance']:g}, {figures['remapped']} requests re-mapped"
+        f"{sent}"
     )
 
 

@@ -371,6 +371,11 @@ def _run_through_proxy(
         _wait_quiet(router)
         figures = _router_figures(router)
         figures["window"] = routing.stats()[""]["window"]
+        figures["door"] = {
+            "ordered": routing.order.ordered,
+            "max_in_flight": routing.order.max_in_flight,
+            **routing.order.stats(),
+        }
         figures["window_ms"] = settings.window_ms
         figures["load"] = router.config.load
         figures["max_imbalance"] = router.config.max_imbalance

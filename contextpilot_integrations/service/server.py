@@ -292,7 +292,22 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="JSON",
         help="a JSON file of the fleet: mode (direct, gateway), replicas (name, base_url, "
-        "cache_sync), load, max_imbalance, retry_down_s",
+        "cache_sync), load, max_imbalance, retry_down_s, ordered, max_in_flight",
+    )
+    proxy.add_argument(
+        "--replica-order",
+        choices=("schedule", "arrival"),
+        default=None,
+        help="how calls with documents go out to each replica: schedule (default: in the "
+        "order their plans were handed out, each once the previous one started its answer) "
+        "or arrival (as they come)",
+    )
+    proxy.add_argument(
+        "--replica-max-in-flight",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="most calls with documents out at once per replica (default 4)",
     )
     proxy.add_argument(
         "--upstream-timeout",
@@ -560,13 +575,23 @@ def _fleet(args: argparse.Namespace) -> dict[str, Any] | None:
                 f"--replicas-config {str(args.replicas_config)!r}: must hold a JSON object"
             )
         fleet.setdefault("mode", "gateway" if args.upstream is not None else "direct")
-        return fleet
+        return _with_door(fleet, args)
     if endpoints and len(endpoints) != len(urls):
         raise ValueError(
             f"--replica-kv-events: {len(endpoints)} given for {len(urls)} --replica; give one "
             "per replica, in the same order"
         )
     if not urls:
+        door = [
+            name
+            for name, value in (
+                ("--replica-order", args.replica_order),
+                ("--replica-max-in-flight", args.replica_max_in_flight),
+            )
+            if value is not None
+        ]
+        if door:
+            raise ValueError(f"{door[0]} needs replicas (--replica or --replicas-config)")
         return None
     replicas: list[dict[str, Any]] = []
     for i, url in enumerate(urls):
@@ -578,7 +603,17 @@ def _fleet(args: argparse.Namespace) -> dict[str, Any] | None:
                 "topic": args.kv_events_topic,
             }
         replicas.append(replica)
-    return {"mode": "gateway" if args.upstream is not None else "direct", "replicas": replicas}
+    mode = "gateway" if args.upstream is not None else "direct"
+    return _with_door({"mode": mode, "replicas": replicas}, args)
+
+
+def _with_door(fleet: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """``fleet`` with ``--replica-order`` and ``--replica-max-in-flight`` where given."""
+    if args.replica_order is not None:
+        fleet["ordered"] = args.replica_order == "schedule"
+    if args.replica_max_in_flight is not None:
+        fleet["max_in_flight"] = args.replica_max_in_flight
+    return fleet
 
 
 def _keys(

@@ -129,14 +129,17 @@ def test_a_bad_request_fails_alone() -> None:
         window.plan("q", [3])  # refused before it joins a window
 
 
-def test_plans_are_released_in_schedule_order() -> None:
-    class Recording(ContextPilot):
-        def plan_batch(self, requests):  # type: ignore[no-untyped-def]
-            batch = super().plan_batch(requests)
-            self.schedule = [batch.plans[i].rid for i in batch.schedule]
-            return batch
+class _Recording(ContextPilot):
+    """Records the schedule of the batches it plans (rids in schedule order)."""
 
-    pilot = Recording()
+    def plan_batch(self, requests):  # type: ignore[no-untyped-def]
+        batch = super().plan_batch(requests)
+        self.schedule = [batch.plans[i].rid for i in batch.schedule]
+        return batch
+
+
+def test_plans_are_released_in_schedule_order() -> None:
+    pilot = _Recording()
     window = PlanningWindow(pilot, window_ms=200, adaptive=False)
     groups = ["first group " * 30, "second group " * 30]
     requests = [(f"q{i}", [groups[i % 2], _own(i)], {"rid": f"r{i}"}) for i in range(6)]
@@ -151,6 +154,31 @@ def test_plans_are_released_in_schedule_order() -> None:
         _in_threads(window, requests)
     assert released == pilot.schedule
     assert {r[1:] for r in released[:3]} in ({"0", "2", "4"}, {"1", "3", "5"})  # grouped
+
+
+def test_on_handed_sees_every_plan_in_schedule_order_before_any_caller_has_it() -> None:
+    pilot = _Recording()
+    handed: list[str] = []
+    early: list[int] = []
+
+    def on_handed(plan):  # type: ignore[no-untyped-def]
+        handed.append(plan.rid)
+        if plan.rid == "r0":
+            raise RuntimeError("a hook that fails hands the plans out all the same")
+
+    window = PlanningWindow(pilot, window_ms=200, adaptive=False, on_handed=on_handed)
+    deliver = _Member.deliver
+
+    def recorded(member, plan, error):  # type: ignore[no-untyped-def]
+        early.append(len(handed))
+        deliver(member, plan, error)
+
+    groups = ["first group " * 30, "second group " * 30]
+    requests = [(f"q{i}", [groups[i % 2], _own(i)], {"rid": f"r{i}"}) for i in range(6)]
+    with mock.patch.object(_Member, "deliver", recorded):
+        results = _in_threads(window, requests)
+    assert handed == pilot.schedule and early == [6] * 6
+    assert [plan.rid for plan in results] == [f"r{i}" for i in range(6)]
 
 
 def test_a_member_never_waits_for_good_when_the_leader_fails() -> None:

@@ -186,6 +186,10 @@ class PlanningWindow:
         adaptive: close a window at half its length when no two of its requests share a
             block (module docstring).
         clock: monotonic seconds (injectable for tests).
+        on_handed: called with each plan of a batch, in the batch's schedule order, just
+            before the plans are handed to their callers (in the window's thread; a caller
+            that resumes later than another still had its plan first). An error it raises is
+            logged and the plans are handed out all the same.
 
     Raises:
         TypeError: ``planner`` does not meet the ``Planner`` contract.
@@ -204,8 +208,10 @@ class PlanningWindow:
         max_batch: int = 64,
         adaptive: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        on_handed: Callable[[Plan], None] | None = None,
     ) -> None:
         check_planner(planner, "planner")
+        self._on_handed = on_handed
         self.planner = planner
         if (
             isinstance(window_ms, bool)
@@ -435,6 +441,12 @@ class PlanningWindow:
             for member in members:
                 member.hand_back()
             return
+        if self._on_handed is not None:
+            for index in batch.schedule:
+                try:
+                    self._on_handed(batch.plans[index])
+                except Exception:
+                    logger.exception("on_handed failed for %s", batch.plans[index].rid)
         for index in batch.schedule:
             members[index].deliver(batch.plans[index], None)
 

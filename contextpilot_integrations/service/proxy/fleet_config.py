@@ -11,7 +11,8 @@ proxy", "Replicas and routing"). The fleet is a mapping (a config file, CLI flag
         {"name": "b", "base_url": "http://127.0.0.1:8002/v1",
          "cache_sync": {"kind": "kv-events", "endpoint": "tcp://127.0.0.1:5559",
                         "topic": "kv-events"}}],
-     "load": "recent-tokens", "max_imbalance": 1.25, "retry_down_s": 5.0}
+     "load": "recent-tokens", "max_imbalance": 1.25, "retry_down_s": 5.0,
+     "ordered": true, "max_in_flight": 4}
 
 ``"direct"``: the proxy forwards each call to its replica's ``base_url`` (every replica needs
 one). ``"gateway"``: the proxy's ``upstream_url`` is a gateway (smg) that routes on the
@@ -22,6 +23,9 @@ each call's load when its answer is over), but a call's load ends only after its
 the answer, so a client that sends its next call at once can find the replica still counted
 busy and, with a smaller call, not eligible (docs/DESIGN.md, "The proxy"). ``retry_down_s`` is
 how long a replica that refused a connection is left out before it is tried again.
+``ordered`` and ``max_in_flight`` hold the calls with documents at the proxy's door to each
+replica (:mod:`.replica_order`): sent in the order their plans were handed out, each once the
+previous one started its answer, and at most ``max_in_flight`` out at once per replica.
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ from contextpilot_integrations.core.replicas.routing_config import (
     ReplicaSpec,
     RouterConfig,
 )
+from contextpilot_integrations.service.proxy.replica_order import DEFAULT_MAX_IN_FLIGHT
 from contextpilot_integrations.sync.configuration import CacheSyncConfig
 
 __all__ = ["FleetConfig"]
 
-_OWN_KEYS = frozenset({"retry_down_s"})
+_OWN_KEYS = frozenset({"retry_down_s", "ordered", "max_in_flight"})
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,9 @@ class FleetConfig:
             ``max_imbalance``, ``load_window``, ``in_flight_timeout_s``, ``key_prefix``.
         retry_down_s: seconds a replica that refused a connection is routed around before it
             is tried again (> 0).
+        ordered: send each replica's calls with documents in the order their plans were
+            handed out, each once the previous one started its answer.
+        max_in_flight: most calls with documents out at once per replica (>= 1).
 
     Raises:
         ValueError: a bad field, named (``fleet.replicas[1].base_url ...``).
@@ -61,6 +69,8 @@ class FleetConfig:
 
     router: RouterConfig
     retry_down_s: float = 5.0
+    ordered: bool = True
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
 
     def __post_init__(self) -> None:
         if not isinstance(self.router, RouterConfig):
@@ -74,6 +84,11 @@ class FleetConfig:
             or not (retry > 0 and math.isfinite(retry))
         ):
             raise ValueError(f"fleet.retry_down_s must be a positive number, got {retry!r}")
+        if not isinstance(self.ordered, bool):
+            raise ValueError(f"fleet.ordered must be true or false, got {self.ordered!r}")
+        cap = self.max_in_flight
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ValueError(f"fleet.max_in_flight must be an int >= 1, got {cap!r}")
         # Each replica its own cache_sync object: its engine link is found by it.
         copied = tuple(
             ReplicaSpec(s.name, s.base_url, dict(s.cache_sync))

@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -181,6 +181,12 @@ class ForwardedAnswer(Response):
         self._report = list(report)
         self._on_usage = on_usage
         self._watch: UsageWatch | None = None
+        self.admit: Callable[[], Awaitable[None]] | None = None
+        """Awaited before the request is sent (while the client's disconnect is watched):
+        the replica's door (:mod:`.replica_order`)."""
+        self.on_started: Callable[[], None] | None = None
+        """Called once, on the event loop, when the upstream's answer starts: its first body
+        bytes (a streaming engine's first token), or its end."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         progress = _Progress()
@@ -235,6 +241,8 @@ class ForwardedAnswer(Response):
     async def _forward(self, send: Any) -> Usage | None:
         """Send the request, stream the answer; the usage read (successful answers only). An
         unreachable upstream is replaced while ``reroute`` gives another."""
+        if self.admit is not None:
+            await self.admit()
         while True:
             found = await self._forward_once(send)
             if found is not _REROUTED:
@@ -324,6 +332,7 @@ class ForwardedAnswer(Response):
             self._counters.requests.labels(self._endpoint, str(status)).inc()
             try:
                 async for chunk in response.content.iter_any():
+                    self._started()
                     if watch is not None:
                         watch.feed(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -343,6 +352,12 @@ class ForwardedAnswer(Response):
                 response.release()
             else:
                 response.close()
+
+    def _started(self) -> None:
+        """Tell :attr:`on_started` once."""
+        started, self.on_started = self.on_started, None
+        if started is not None:
+            started()
 
     async def _send(self) -> aiohttp.ClientResponse:
         """The upstream's answer, its status and headers read (its body not yet)."""

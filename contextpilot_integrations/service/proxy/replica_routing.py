@@ -22,7 +22,10 @@ document calls go through a
 :class:`~contextpilot_integrations.core.window.planning_window.PlanningWindow` in front of its
 router (:meth:`ReplicaRouting.planner_of`): calls arriving together are partitioned, ordered
 and scheduled as one batch (``ReplicaRouter.plan_batch``) and each is handed its plan in the
-batch's schedule order; the proxy forwards there (direct) or
+batch's schedule order, which :attr:`ReplicaRouting.order` (a
+:class:`~.replica_order.ReplicaOrder`) keeps up to the upstream: per replica, a call with
+documents goes out once the previous one started its answer, at most the fleet's
+``max_in_flight`` at once. The proxy forwards there (direct) or
 to the gateway with the routing key header (gateway); :meth:`ReplicaRouting.reroute` routes
 around a replica that refused the connection (it is left out for ``retry_down_s``, its
 requests evicted) and :meth:`ReplicaRouting.ended` ends the call's in-flight load.
@@ -52,6 +55,7 @@ from contextpilot_integrations.core.window.planning_window import PlanningWindow
 from contextpilot_integrations.llm_call.engine_fields import ROUTING_HEADER, Usage
 from contextpilot_integrations.service.proxy.fleet_config import FleetConfig
 from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
+from contextpilot_integrations.service.proxy.replica_order import ReplicaOrder
 from contextpilot_integrations.service.proxy.upstream import Upstream
 from contextpilot_integrations.service.tenants import Tenancy
 from contextpilot_integrations.sync.engine_link import EngineLink
@@ -224,10 +228,16 @@ class ReplicaRouting:
                 max_requests=max_requests,
                 cache_salt=salt,
             )
+        self.order = ReplicaOrder(
+            ordered=self.fleet.ordered, max_in_flight=self.fleet.max_in_flight
+        )
+        """The door of the calls with documents to each replica (their order, in flight)."""
         self._windows: dict[str | None, PlanningWindow] = {}
         if window_ms > 0:
             for owner, router in self._routers.items():
-                self._windows[owner] = PlanningWindow(router, window_ms=window_ms)
+                self._windows[owner] = PlanningWindow(
+                    router, window_ms=window_ms, on_handed=self._handed
+                )
         self._upstreams: dict[str, Upstream] = {}
         if self.fleet.direct:
             for spec in specs:
@@ -376,7 +386,7 @@ class ReplicaRouting:
         """Per router (``tenant`` name or ``""`` for the shared one) its
         ``ReplicaRouter.stats()``, with its planning window's ``PlanningWindow.stats()`` as
         ``window`` (``None`` without one), for monitoring."""
-        out = {}
+        out: dict[str, Any] = {}
         for owner, router in self._routers.items():
             window = self._windows.get(owner)
             out[owner or ""] = {
@@ -386,6 +396,11 @@ class ReplicaRouting:
         return out
 
     # ------------------------------------------------------------------ internals
+    def _handed(self, plan: Plan) -> None:
+        """A window's plan handed out (schedule order): its call's ticket at its replica."""
+        if plan.replica is not None and plan.rid is not None:
+            self.order.issue(plan.rid, plan.replica)
+
     def _link_factory(self, owner: str | None) -> Callable[[Mapping[str, Any]], _TenantLinkView]:
         specs = self.fleet.router.replicas
 

@@ -103,6 +103,11 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
+PREPARE_THREADS = 128
+"""Calls prepared at once in worker threads (a call waiting for its planning window holds one;
+twice the window's ``max_batch`` by default, beyond anyio's 40 shared threads)."""
+
+
 class Proxy:
     """What the proxy's endpoints of one app share.
 
@@ -155,6 +160,13 @@ class Proxy:
         # One thread records every answer's usage in arrival order; the event loop hands a
         # record over without waiting for it (docs/DESIGN.md, "The proxy").
         self._usage_thread = _usage_thread()
+        self._prepare_limiter: anyio.CapacityLimiter | None = None  # made in the event loop
+
+    def prepare_limiter(self) -> anyio.CapacityLimiter:
+        """The worker threads calls are prepared in (:data:`PREPARE_THREADS`)."""
+        if self._prepare_limiter is None:
+            self._prepare_limiter = anyio.CapacityLimiter(PREPARE_THREADS)
+        return self._prepare_limiter
 
     def tenant_of(self, headers: Mapping[str, str]) -> str | None:
         """The tenant of the key in a request's ``headers`` (``None`` on a service without
@@ -246,11 +258,15 @@ class Proxy:
         query: bytes,
         headers: list[tuple[str, str]],
         body: bytes,
+        *,
+        ordered: bool = False,
         **options: Any,
     ) -> Response:
         """The answer of a request forwarded to ``choice``'s replica (the one upstream
         without a fleet): its routing key header added, ``x-contextpilot-replica`` reported,
-        a replica that refuses the connection routed around, the in-flight load ended."""
+        a replica that refuses the connection routed around, the in-flight load ended. An
+        ``ordered`` call (one with documents) waits at the replica's door first
+        (:class:`~.replica_order.ReplicaOrder`)."""
         routing = self.routing
         options["pool_tenant"] = tenant if self._pool_by_tenant else None
         if routing is None:
@@ -278,7 +294,13 @@ class Proxy:
         )  # fmt: skip
         if rid is None:
             return answer
-        return _Ended(answer, functools.partial(routing.ended, tenant, rid))
+        over = None
+        if ordered and choice is not None:
+            order = routing.order
+            answer.admit = functools.partial(order.enter, rid, choice.replica)
+            answer.on_started = functools.partial(order.started, rid)
+            over = functools.partial(order.finish, rid)
+        return _Ended(answer, functools.partial(routing.ended, tenant, rid), over)
 
     def abandoned(self, tenant: str | None, call: PreparedCall) -> None:
         """``call`` was prepared for a client that left before it was forwarded (while it
@@ -290,6 +312,7 @@ class Proxy:
             owner = routing.router_of(tenant) if routing is not None else None
             (owner or self.service.pilot_of(tenant)).evict(call.rid)
         if self.routing is not None and call.replica is not None:
+            self.routing.order.finish(call.rid)
             self.routing.ended(tenant, call.rid)
 
     def start(self) -> None:
@@ -344,17 +367,26 @@ class _Preparing:
 
 
 class _Ended(Response):
-    """A forwarded answer, then ``on_end`` (in a worker thread) however it ended."""
+    """A forwarded answer, then ``over`` (on the event loop; it returns at once) and
+    ``on_end`` (in a worker thread) however it ended."""
 
-    def __init__(self, answer: Response, on_end: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        answer: Response,
+        on_end: Callable[[], None],
+        over: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(status_code=200)
         self._answer = answer
         self._on_end = on_end
+        self._over = over
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await self._answer(scope, receive, send)
         finally:
+            if self._over is not None:
+                self._over()
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._on_end)
 
@@ -501,7 +533,9 @@ async def _planned_here(
         functools.partial(proxy.abandoned, tenant),
     )
     try:
-        call = await anyio.to_thread.run_sync(prepare.run, abandon_on_cancel=True)
+        call = await anyio.to_thread.run_sync(
+            prepare.run, abandon_on_cancel=True, limiter=proxy.prepare_limiter()
+        )
     except anyio.get_cancelled_exc_class():
         prepare.give_up()
         raise
@@ -525,6 +559,7 @@ async def _planned_here(
         counters=proxy.counters,
         report=report_headers(call) + (proxy.peers.report if proxy.peers is not None else []),
         on_usage=proxy.usage_recorder(tenant, call.rid),
+        ordered=call.documents is not None,
     )
 
 

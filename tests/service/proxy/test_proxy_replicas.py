@@ -309,6 +309,7 @@ def test_the_fleet_from_the_command_line(tmp_path: Path) -> None:
         (["--replica", "ftp://a"], "--replica: fleet.replicas[0].base_url must be an http(s)"),
         (["--replica", "http://a", "--replicas-config", "f.json"], "not both"),
         (["--replicas-config", "/nonexistent/fleet.json"], "--replicas-config"),
+        (["--replica-order", "arrival"], "--replica-order needs replicas"),
     ],
 )  # fmt: skip
 def test_inconsistent_replica_options_are_refused(argv: list[str], words: str) -> None:
@@ -407,13 +408,18 @@ def _documents_order(state: StandIn, rid: str) -> list[str]:
     return [d for _, d in sorted(shown)]
 
 
-def test_calls_arriving_together_are_planned_as_one_batch_across_the_fleet(two_standins) -> None:  # type: ignore[no-untyped-def]
+def _windowed_app(urls: list[str], **fleet: Any) -> Any:
+    """The proxy's app over the direct fleet ``urls`` with a 1.5 s planning window."""
     from contextpilot_integrations.service.app import create_app
     from contextpilot_integrations.service.service_config import ServiceConfig
 
+    proxy = ProxyConfig(None, **_direct(urls, **fleet))  # type: ignore[arg-type]
+    return create_app(ServiceConfig(proxy=proxy, window_ms=1500))
+
+
+def test_calls_arriving_together_are_planned_as_one_batch_across_the_fleet(two_standins) -> None:  # type: ignore[no-untyped-def]
     urls, states = two_standins
-    config = ServiceConfig(proxy=ProxyConfig(None, **_direct(urls)), window_ms=1500)  # type: ignore[arg-type]
-    app = create_app(config)
+    app = _windowed_app(urls)
     with serve_in_thread(app, lifespan="on") as proxy:
         answers = _burst(proxy, _SHARED + _APART)
         window = app.state.proxy.routing.stats()[""]["window"]
@@ -474,3 +480,96 @@ def test_a_call_whose_client_left_while_it_waited_in_the_window_is_undone(standi
                 assert index.stats().requests == 1 and len(state.received) == 1
 
     anyio.run(scenario)
+
+
+def _streamed_burst(proxy: str, documents: list[list[str]]) -> list[tuple[str, str]]:
+    """:func:`_burst` with streamed ``"slow-start"`` answers: each call's ``(replica, rid)``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    opening = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What?"}]
+
+    def ask(session: str, docs: list[str]) -> tuple[str, str]:
+        with httpx.stream(
+            "POST",
+            f"{proxy}/v1/chat/completions",
+            json={
+                "model": "slow-start",
+                "stream": True,
+                "messages": opening,
+                "contextpilot": {"documents": docs},
+            },
+            headers={"x-contextpilot-session": session},
+            timeout=30,
+        ) as answer:
+            assert answer.status_code == 200
+            answer.read()
+            return answer.headers["x-contextpilot-replica"], answer.headers["x-contextpilot-rid"]
+
+    ask("warm-up", [_doc("warm")])
+    with ThreadPoolExecutor(len(documents)) as pool:
+        futures = [pool.submit(ask, f"burst-{n}", docs) for n, docs in enumerate(documents)]
+        return [future.result() for future in futures]
+
+
+def _per_replica(
+    states: list[StandIn], calls: list[tuple[str, str]]
+) -> dict[str, list[list[float]]]:
+    """Each replica's burst calls' ``[came, first event, last event]``, in the order they came."""
+    out: dict[str, list[list[float]]] = {}
+    for name, rid in calls:
+        out.setdefault(name, []).append(states[["a", "b"].index(name)].timeline[rid])
+    return {name: sorted(times) for name, times in out.items()}
+
+
+def test_a_windows_calls_reach_each_replica_one_after_the_others_first_token(two_standins) -> None:  # type: ignore[no-untyped-def]
+    urls, states = two_standins
+    app = _windowed_app(urls)
+    with serve_in_thread(app, lifespan="on") as proxy:
+        calls = _streamed_burst(proxy, _SHARED + _APART)
+        door = app.state.proxy.routing.order
+        deadline = time.monotonic() + 10
+        # Every call finishes at the door (a client may have its answer a moment before).
+        while any(door.stats()["in_flight"].values()):
+            assert time.monotonic() < deadline, door.stats()
+            time.sleep(0.01)
+        order = door.stats()
+    timelines = _per_replica(states, calls)
+    assert sorted(len(t) for t in timelines.values()) == [3, 3], timelines
+    for name, times in timelines.items():
+        # Each call came once the one before it on its replica had started its answer (so
+        # its prefix was in the cache), never beside it.
+        for before, after in zip(times, times[1:]):
+            assert after[0] >= before[1], (name, times)
+    assert order["issued"] >= 6 and order["stale"] == 0, order
+
+
+def test_at_most_max_in_flight_calls_are_out_at_once_per_replica(two_standins) -> None:  # type: ignore[no-untyped-def]
+    urls, states = two_standins
+    app = _windowed_app(urls, ordered=False, max_in_flight=1)
+    with serve_in_thread(app, lifespan="on") as proxy:
+        calls = _streamed_burst(proxy, _SHARED + _APART)
+    for name, times in _per_replica(states, calls).items():
+        for before, after in zip(times, times[1:]):
+            assert after[0] >= before[2], (name, times)
+
+
+@pytest.mark.parametrize(
+    ("fleet", "words"),
+    [
+        ({"max_in_flight": 0}, "fleet.max_in_flight must be an int >= 1, got 0"),
+        ({"ordered": "yes"}, "fleet.ordered must be true or false, got 'yes'"),
+    ],
+)
+def test_a_bad_door_setting_is_refused_naming_the_field(fleet: dict[str, Any], words: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        FleetConfig.from_mapping(
+            {"mode": "direct", "replicas": [{"name": "a", "base_url": "http://a/v1"}], **fleet}
+        )
+
+
+def test_the_replicas_door_from_the_command_line() -> None:
+    default = _config(["--replica", "http://a:1"]).proxy.fleet
+    assert default.ordered and default.max_in_flight == 4
+    argv = ["--replica", "http://a:1", "--replica-order", "arrival", "--replica-max-in-flight", "9"]
+    fleet = _config(argv).proxy.fleet
+    assert not fleet.ordered and fleet.max_in_flight == 9

@@ -12,6 +12,9 @@ What it answers is chosen by the request's ``model``:
 - ``"hang"`` (streaming): the first event, then nothing until the client goes (``cancelled``
   is set when the proxy closes the connection);
 - ``"break"`` (streaming): the first event, then the stand-in drops the connection;
+- ``"slow-start"`` (streaming): the first event after 0.3 s (a prefill), the rest at once;
+  ``timeline[rid]`` holds the monotonic times the request came, its first event went and its
+  last went;
 - ``"stall"``: no answer until ``release`` is set (at the fixture's end; the proxy's read
   timeout ends the wait first);
 - ``"error-429"`` / ``"error-529"``: the provider's error body with that status;
@@ -69,6 +72,7 @@ class StandIn:
     saw_gate: list[bool] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
+    timeline: dict[str, list[float]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _prefixes: list[str] = field(default_factory=list)
 
@@ -122,7 +126,11 @@ def standin_app(state: StandIn) -> FastAPI:
             state.received.append(received)
         return received
 
-    async def stream(chunks: list[bytes], model: str) -> AsyncIterator[bytes]:
+    async def stream(chunks: list[bytes], model: str, rid: Any = None) -> AsyncIterator[bytes]:
+        times = state.timeline.setdefault(str(rid), [time.monotonic()])
+        if model == "slow-start":
+            await anyio.sleep(0.3)
+            times.append(time.monotonic())
         yield chunks[0]
         if model == "gated":
             state.saw_gate.append(await anyio.to_thread.run_sync(state.gate.wait, 10.0))
@@ -135,6 +143,7 @@ def standin_app(state: StandIn) -> FastAPI:
                 state.cancelled.set()
         for chunk in chunks[1:]:
             yield chunk
+        times.append(time.monotonic())
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -202,7 +211,9 @@ def standin_app(state: StandIn) -> FastAPI:
         if (body.get("stream_options") or {}).get("include_usage"):
             events.append((None, {**chunk, "choices": [], "usage": usage}))
         events.append((None, "[DONE]"))
-        return StreamingResponse(stream(_events(events), model), media_type="text/event-stream")
+        return StreamingResponse(
+            stream(_events(events), model, body.get("rid")), media_type="text/event-stream"
+        )
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
@@ -273,6 +284,8 @@ def standin_app(state: StandIn) -> FastAPI:
             ),
             ("message_stop", {"type": "message_stop"}),
         ]  # fmt: skip
-        return StreamingResponse(stream(_events(events), model), media_type="text/event-stream")
+        return StreamingResponse(
+            stream(_events(events), model, body.get("rid")), media_type="text/event-stream"
+        )
 
     return app
