@@ -298,16 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--replica-order",
         choices=("schedule", "arrival"),
         default=None,
-        help="how calls with documents go out to each replica: schedule (default: in the "
-        "order their plans were handed out, each once the previous one started its answer) "
-        "or arrival (as they come)",
+        help="how calls with documents go out to each replica: schedule (in the order their "
+        "plans were handed out, each once the previous one started its answer; an answer "
+        "that is not streamed starts when whole) or arrival (default: as they come)",
     )
     proxy.add_argument(
         "--replica-max-in-flight",
         type=_count,
         default=None,
         metavar="N",
-        help="most calls with documents out at once per replica (default 4)",
+        help="most calls with documents out at once per replica (default: no cap)",
     )
     proxy.add_argument(
         "--upstream-timeout",

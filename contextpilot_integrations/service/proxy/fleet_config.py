@@ -25,7 +25,11 @@ busy and, with a smaller call, not eligible (docs/DESIGN.md, "The proxy"). ``ret
 how long a replica that refused a connection is left out before it is tried again.
 ``ordered`` and ``max_in_flight`` hold the calls with documents at the proxy's door to each
 replica (:mod:`.replica_order`): sent in the order their plans were handed out, each once the
-previous one started its answer, and at most ``max_in_flight`` out at once per replica.
+previous one started its answer, and at most ``max_in_flight`` out at once per replica. Both
+are off by default: an answer that is not streamed starts only when it is whole, so ordered
+calls of such a client run one at a time per replica, and a cap holds calls back from an
+engine that would batch them; they pay under bursts of calls that share documents behind a
+gateway that spills busy keys (docs/DESIGN.md, "The proxy").
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ class FleetConfig:
             is tried again (> 0).
         ordered: send each replica's calls with documents in the order their plans were
             handed out, each once the previous one started its answer.
-        max_in_flight: most calls with documents out at once per replica (>= 1).
+        max_in_flight: most calls with documents out at once per replica (>= 1); ``None``
+            (default): no cap.
 
     Raises:
         ValueError: a bad field, named (``fleet.replicas[1].base_url ...``).
@@ -69,8 +74,8 @@ class FleetConfig:
 
     router: RouterConfig
     retry_down_s: float = 5.0
-    ordered: bool = True
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    ordered: bool = False
+    max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT
 
     def __post_init__(self) -> None:
         if not isinstance(self.router, RouterConfig):
@@ -87,8 +92,8 @@ class FleetConfig:
         if not isinstance(self.ordered, bool):
             raise ValueError(f"fleet.ordered must be true or false, got {self.ordered!r}")
         cap = self.max_in_flight
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-            raise ValueError(f"fleet.max_in_flight must be an int >= 1, got {cap!r}")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"fleet.max_in_flight must be an int >= 1 or null, got {cap!r}")
         # Each replica its own cache_sync object: its engine link is found by it.
         copied = tuple(
             ReplicaSpec(s.name, s.base_url, dict(s.cache_sync))

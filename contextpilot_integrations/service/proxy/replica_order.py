@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 
 __all__ = ["DEFAULT_MAX_IN_FLIGHT", "STALE_S", "ReplicaOrder"]
 
-DEFAULT_MAX_IN_FLIGHT = 4
-"""Document calls the proxy has out at once per replica, by default."""
+DEFAULT_MAX_IN_FLIGHT: int | None = None
+"""Document calls the proxy has out at once per replica, by default: no cap. A cap holds calls
+back from an engine that batches many at once, so it is the operator's choice (docs/DESIGN.md,
+"The proxy")."""
 
 STALE_S = 10.0
 """Seconds a ticket waits for its call to reach the door before it is dropped (a call that
@@ -60,7 +62,7 @@ class ReplicaOrder:
 
     Args:
         ordered: send each replica's calls in ticket order, one starting its answer at a time.
-        max_in_flight: most calls out at once per replica (>= 1).
+        max_in_flight: most calls out at once per replica (>= 1); ``None``: no cap.
         stale_s: seconds an issued ticket waits for its call (> 0).
         clock: monotonic seconds.
 
@@ -71,15 +73,17 @@ class ReplicaOrder:
     def __init__(
         self,
         *,
-        ordered: bool = True,
-        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        ordered: bool = False,
+        max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT,
         stale_s: float = STALE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
-            raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
-        if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight!r}")
+        if max_in_flight is not None and (
+            isinstance(max_in_flight, bool)
+            or not isinstance(max_in_flight, int)
+            or max_in_flight < 1
+        ):
+            raise ValueError(f"max_in_flight must be an int >= 1 or None, got {max_in_flight!r}")
         if not stale_s > 0:
             raise ValueError(f"stale_s must be > 0, got {stale_s!r}")
         self.ordered = ordered
@@ -175,7 +179,8 @@ class ReplicaOrder:
 
     def _may_go(self, ticket: _Ticket) -> bool:
         """(The lock is held.)"""
-        if self._in_flight.get(ticket.replica, 0) >= self.max_in_flight:
+        cap = self.max_in_flight
+        if cap is not None and self._in_flight.get(ticket.replica, 0) >= cap:
             return False
         if not self.ordered:
             return True

@@ -523,7 +523,7 @@ def _per_replica(
 
 def test_a_windows_calls_reach_each_replica_one_after_the_others_first_token(two_standins) -> None:  # type: ignore[no-untyped-def]
     urls, states = two_standins
-    app = _windowed_app(urls)
+    app = _windowed_app(urls, ordered=True)
     with serve_in_thread(app, lifespan="on") as proxy:
         calls = _streamed_burst(proxy, _SHARED + _APART)
         door = app.state.proxy.routing.order
@@ -556,7 +556,7 @@ def test_at_most_max_in_flight_calls_are_out_at_once_per_replica(two_standins) -
 @pytest.mark.parametrize(
     ("fleet", "words"),
     [
-        ({"max_in_flight": 0}, "fleet.max_in_flight must be an int >= 1, got 0"),
+        ({"max_in_flight": 0}, "fleet.max_in_flight must be an int >= 1 or null, got 0"),
         ({"ordered": "yes"}, "fleet.ordered must be true or false, got 'yes'"),
     ],
 )
@@ -569,7 +569,15 @@ def test_a_bad_door_setting_is_refused_naming_the_field(fleet: dict[str, Any], w
 
 def test_the_replicas_door_from_the_command_line() -> None:
     default = _config(["--replica", "http://a:1"]).proxy.fleet
-    assert default.ordered and default.max_in_flight == 4
-    argv = ["--replica", "http://a:1", "--replica-order", "arrival", "--replica-max-in-flight", "9"]
+    # Off by default: ordered calls that are not streamed would go one at a time per replica.
+    assert not default.ordered and default.max_in_flight is None
+    argv = [
+        "--replica",
+        "http://a:1",
+        "--replica-order",
+        "schedule",
+        "--replica-max-in-flight",
+        "9",
+    ]
     fleet = _config(argv).proxy.fleet
-    assert not fleet.ordered and fleet.max_in_flight == 9
+    assert fleet.ordered and fleet.max_in_flight == 9

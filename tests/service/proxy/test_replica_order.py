@@ -18,7 +18,7 @@ async def _gone(task: asyncio.Task[None]) -> bool:
 
 def test_calls_go_in_ticket_order_each_after_the_previous_started() -> None:
     async def scenario() -> None:
-        order = ReplicaOrder(max_in_flight=8)
+        order = ReplicaOrder(ordered=True, max_in_flight=8)
         for rid in ("r1", "r2", "r3"):
             order.issue(rid, "a")
         order.issue("s1", "b")
@@ -55,7 +55,7 @@ def test_at_most_max_in_flight_go_out_per_replica() -> None:
 def test_no_call_waits_for_good() -> None:
     async def scenario() -> None:
         now = [0.0]
-        order = ReplicaOrder(stale_s=0.05, clock=lambda: now[0])
+        order = ReplicaOrder(ordered=True, stale_s=0.05, clock=lambda: now[0])
         order.issue("never-comes", "a")
         order.issue("r2", "a")
         waiting = asyncio.create_task(order.enter("r2", "a"))
