@@ -495,7 +495,8 @@ def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | N
     fleet = _fleet(args)
     if args.upstream is None and fleet is None:
         if given:
-            raise ValueError(f"{', '.join(given)} need --upstream URL")
+            verb = "needs" if len(given) == 1 else "need"
+            raise ValueError(f"{', '.join(given)} {verb} --upstream URL")
         return None
     if args.upstream_api_key_env is not None and args.upstream_api_key_file is not None:
         raise ValueError("give the upstream's key by --upstream-api-key-env or by "

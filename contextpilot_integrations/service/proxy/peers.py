@@ -66,6 +66,11 @@ _PEER_HEADER_BYTES = PEER_HEADER.encode("ascii")
 _BOOT_HEADER_BYTES = BOOT_HEADER.encode("ascii")
 
 _HOP_READ_MARGIN_S = 60.0
+
+_ALIVE_FOR_S = 1.0
+"""Seconds a peer that answered its ``GET /health`` is taken as alive; past them the next hop
+to it asks again first (within the connect timeout), so a peer that accepts connections but
+answers nothing (stopped, its event loop blocked) is passed over like one that is down."""
 """Added to the upstream's read timeout for the wait on a peer: the owner plans the call and
 then waits for its upstream up to that timeout, answering 504 after it, so the hop's own wait
 must outlast both."""
@@ -206,9 +211,12 @@ class Peers:
         proxy: ProxyConfig,
         registry: Any,
         *,
+        pool_by_tenant: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self._pool_by_tenant = pool_by_tenant
+        self._alive_at: dict[str, float] = {}
         read = proxy.read_timeout_s
         self._upstreams = {
             url: Upstream(
@@ -219,6 +227,9 @@ class Peers:
                     connect_timeout_s=config.connect_timeout_s,
                     read_timeout_s=None if read is None else read + _HOP_READ_MARGIN_S,
                     max_connections=proxy.max_connections,
+                    # The hop shares its pool between tenants as the upstream's does.
+                    max_tenant_connections=proxy.max_tenant_connections,
+                    pool_timeout_s=proxy.pool_timeout_s,
                 )
             )
             for url in config.urls
@@ -286,6 +297,8 @@ class Peers:
             return None
         order = rendezvous_order(key, self.config.urls)
         first = self._next_up(order, -1)
+        while first != self.config.own and not await self._alive(first):
+            first = self._next_up(order, order.index(first))
         if first == self.config.own:
             owner = order[0]
             self.calls.labels("owned" if owner == first else "fallback").inc()
@@ -314,8 +327,26 @@ class Peers:
             counters=self.counters,
             reroute=reroute,
             pass_headers=_peer_answer_headers,
+            pool_tenant=tenant if self._pool_by_tenant else None,
         )
         return _PeerHop(answer, here, self.calls)
+
+    async def _alive(self, url: str) -> bool:
+        """Whether the peer ``url`` answered ``GET /health`` within the connect timeout (asked
+        at most once per :data:`_ALIVE_FOR_S`; any status counts: it answers); one that did
+        not is marked down."""
+        if self._clock() - self._alive_at.get(url, -_ALIVE_FOR_S) < _ALIVE_FOR_S:
+            return True
+        try:
+            with anyio.fail_after(self.config.connect_timeout_s):
+                client = self._upstreams[url].client
+                async with client.get(f"{url.rstrip('/')}/health") as answer:
+                    await answer.read()
+        except Exception:  # any failure to answer in time: refused, reset, timed out
+            self._down(url)
+            return False
+        self._alive_at[url] = self._clock()
+        return True
 
     def _next_up(self, order: Sequence[str], after: int) -> str:
         """The first peer of ``order`` past position ``after`` that is this process or not

@@ -102,6 +102,10 @@ ASGIScope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
+BODY_READ_TIMEOUT_S = 60.0
+"""Longest a request's body may take to arrive, from its headers on; a body trickled slower
+(a slowloris) is a 408, so no client holds a connection and its coroutine for good."""
+
 
 PREPARE_THREADS = 128
 """Calls prepared at once in worker threads (a call waiting for its planning window holds one;
@@ -156,7 +160,12 @@ class Proxy:
         self.service_paths = dict(service_paths)
         self.peers: Peers | None = None
         if config.peers is not None:
-            self.peers = Peers(config.peers, config, service.metrics.registry)
+            self.peers = Peers(
+                config.peers,
+                config,
+                service.metrics.registry,
+                pool_by_tenant=self._pool_by_tenant,
+            )
         # One thread records every answer's usage in arrival order; the event loop hands a
         # record over without waiting for it (docs/DESIGN.md, "The proxy").
         self._usage_thread = _usage_thread()
@@ -505,6 +514,13 @@ async def _planned(
     """The answer of a planned call (``None``: the client went before its body was read); with
     peers, passed to its owner first (docs/DESIGN.md, "Proxy peers")."""
     request_headers = Headers(scope=scope)
+    encoding = request_headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":  # the planner reads the body's JSON as sent
+        proxy.counters.requests.labels(endpoint, "415").inc()
+        return error_answer(
+            api, 415, f"content-encoding {encoding!r:.40} is not read here; send the body "
+            "uncompressed", "content-encoding",
+        )  # fmt: skip
     admitted = await _admit(proxy, request_headers, receive, api, endpoint)
     if admitted is None or isinstance(admitted, Response):
         return admitted
@@ -587,17 +603,23 @@ async def _admit(
         return error_answer(api, 401, str(exc), None, {"WWW-Authenticate": "Bearer"})
     chunks: list[bytes] = []
     try:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                proxy.counters.requests.labels(endpoint, str(CLIENT_GONE)).inc()
-                return None
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
+        with anyio.fail_after(BODY_READ_TIMEOUT_S):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    proxy.counters.requests.labels(endpoint, str(CLIENT_GONE)).inc()
+                    return None
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
     except BodyTooLarge as exc:
         proxy.counters.requests.labels(endpoint, "413").inc()
         return error_answer(api, 413, str(exc), "body")
+    except TimeoutError:
+        proxy.counters.requests.labels(endpoint, "408").inc()
+        return error_answer(
+            api, 408, f"the body did not arrive within {BODY_READ_TIMEOUT_S:.0f} s", "body"
+        )
     return tenant, b"".join(chunks)
 
 

@@ -7,6 +7,7 @@ that is not the peers' is ignored; a peer that is down leaves its calls to the o
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -32,6 +33,7 @@ from contextpilot_integrations.service.proxy.peers import (
     owner_key,
     rendezvous_order,
 )
+from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
 from contextpilot_integrations.service.server import build_parser, config_from_args
 from contextpilot_integrations.service.tenants import TenantKeys
 
@@ -262,8 +264,30 @@ def test_a_peer_that_is_down_leaves_its_calls_here(standin) -> None:  # type: ig
         _assert_one_conversation(bodies)
         assert raws[-1].headers["x-contextpilot-pointers"] == "1"
         assert _metric(a, 'contextpilot_proxy_peer_calls_total{outcome="fallback"} 3.0')
-        # Tried once, then passed over while it is down.
-        assert _metric(a, 'contextpilot_proxy_peer_upstream_failures_total{kind="unreachable"} 1.0')
+        # Asked once (its /health refused), then passed over while it is down: no hop began.
+        assert not _metric(a, 'contextpilot_proxy_peer_calls_total{outcome="forwarded"}')
+
+
+def test_a_peer_that_accepts_but_never_answers_leaves_its_calls_here(standin) -> None:  # type: ignore[no-untyped-def]
+    upstream, state = standin
+    sock = bound_socket()
+    here = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    frozen = bound_socket()
+    frozen.listen(16)  # the kernel completes connections; nobody reads them
+    stuck = f"http://127.0.0.1:{frozen.getsockname()[1]}"
+    peers = PeerConfig((here, stuck), here, SECRET)
+    try:
+        with serve_proxy(upstream, {"peers": peers}, sock=sock) as a:
+            session = _owned_session(None, stuck, (here, stuck), "frozen")
+            started = time.monotonic()
+            raws = _converse((a, a, a), session)
+            assert all(raw.status_code == 200 for raw in raws)
+            # Its /health unanswered within the connect timeout (1 s): planned here at once.
+            assert time.monotonic() - started < 10
+            assert _metric(a, 'contextpilot_proxy_peer_calls_total{outcome="fallback"} 3.0')
+            _assert_one_conversation(state.bodies("/v1/chat/completions"))
+    finally:
+        frozen.close()
 
 
 def test_the_owner_key_keeps_a_tenant_document_calls_together() -> None:
@@ -338,5 +362,19 @@ def test_peer_settings_from_the_command_line() -> None:
     assert proxy.peers.urls == ("http://a:1", "http://b:1") and proxy.peers.own == "http://b:1"
     assert SECRET not in repr(proxy)
     bare = build_parser().parse_args(["--peer", "http://a:1", "--peer-self", "http://a:1"])
-    with pytest.raises(ValueError, match="--peer need --upstream"):
+    with pytest.raises(ValueError, match="--peer needs --upstream"):
         config_from_args(bare, {PEER_SECRET_ENV: SECRET})
+
+
+def test_the_hop_to_a_peer_shares_its_pool_between_tenants_as_the_upstreams_does() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from contextpilot_integrations.service.proxy.peers import Peers
+
+    here, there = "http://127.0.0.1:1", "http://127.0.0.1:2"
+    proxy = ProxyConfig(
+        "http://127.0.0.1:3/v1", max_connections=8, max_tenant_connections=2, pool_timeout_s=2.0
+    )
+    peers = Peers(PeerConfig((here, there), here, SECRET), proxy, CollectorRegistry())
+    hop = peers._upstreams[there].config
+    assert (hop.max_connections, hop.max_tenant_connections, hop.pool_timeout_s) == (8, 2, 2.0)

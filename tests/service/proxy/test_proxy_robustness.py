@@ -310,3 +310,34 @@ def test_headers_a_connection_header_names_are_not_forwarded() -> None:
     assert sent["x-kept"] == "k"
     answer = dict(answer_headers([(b"connection", b"x-hop"), (b"x-hop", b"v"), (b"x-kept", b"k")]))
     assert answer == {b"x-kept": b"k"}
+
+
+def test_a_compressed_body_is_refused_in_the_apis_shape_and_not_forwarded(standin) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with serve_proxy(url) as proxy:
+        answer = httpx.post(
+            f"{proxy}/v1/chat/completions", json=body, headers={"content-encoding": "gzip"}
+        )
+    assert answer.status_code == 415
+    assert answer.json()["error"]["param"] == "content-encoding"
+    assert state.bodies("/v1/chat/completions") == []
+
+
+def test_a_body_trickled_past_the_read_limit_is_a_408(standin, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import socket as socket_module
+
+    from contextpilot_integrations.service.proxy import routes
+
+    monkeypatch.setattr(routes, "BODY_READ_TIMEOUT_S", 0.5)
+    url, state = standin
+    with serve_proxy(url) as proxy:
+        host, port = proxy.removeprefix("http://").split(":")
+        with socket_module.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                b'content-type: application/json\r\ncontent-length: 100\r\n\r\n{"mo'
+            )
+            answer = conn.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+    assert state.bodies("/v1/chat/completions") == []

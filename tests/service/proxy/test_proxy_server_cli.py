@@ -57,7 +57,7 @@ def test_the_upstream_key_file_and_kind(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "environ", "words"),
     [
-        (["--pass-client-key"], {}, "need --upstream URL"),
+        (["--pass-client-key"], {}, "needs --upstream URL"),
         (["--upstream", "http://h", "--upstream-api-key-env", "NOPE"], {}, "$NOPE is unset"),
         (["--upstream", H, *KEY_ENV, "--pass-client-key"], {"K": "v"}, "--pass-client-key"),
         (["--upstream", "ftp://h"], {}, "http(s) URL"),
