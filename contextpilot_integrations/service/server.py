@@ -85,6 +85,7 @@ import uvicorn
 
 from contextpilot_integrations import __version__
 from contextpilot_integrations.core.rendering import PromptLayout
+from contextpilot_integrations.core.window.planning_window import MAX_WINDOW_MS
 from contextpilot_integrations.service.app import create_app
 from contextpilot_integrations.service.proxy.peer_config import PEER_SECRET_ENV, PeerConfig
 from contextpilot_integrations.service.proxy.proxy_config import UPSTREAM_KINDS, ProxyConfig
@@ -124,10 +125,12 @@ def _seconds(text: str) -> float:
 
 
 def _milliseconds(text: str) -> float:
-    """argparse type: a finite number of milliseconds >= 0."""
+    """argparse type: a number of milliseconds from 0 to a planning window's longest."""
     value = _finite(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    if not 0 <= value <= MAX_WINDOW_MS:
+        raise argparse.ArgumentTypeError(
+            f"must be a number from 0 to {MAX_WINDOW_MS:g}, got {text!r}"
+        )
     return value
 
 

@@ -72,6 +72,12 @@ class ConnectionGate:
             else:
                 waiter.cancel()  # left in its queue, skipped when its turn comes
             if isinstance(exc, asyncio.TimeoutError):
+                if not self._under_cap(tenant):  # its own share was what ran out
+                    raise PoolBusy(
+                        f"this key's calls hold their share of the upstream connections "
+                        f"({self.tenant_cap} of {self.capacity}) and none came free within "
+                        f"{self.timeout_s:g} s"
+                    ) from None
                 raise PoolBusy(
                     f"no upstream connection free within {self.timeout_s:g} s "
                     f"({self.capacity} in the pool)"

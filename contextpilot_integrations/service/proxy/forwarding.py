@@ -272,7 +272,7 @@ class ForwardedAnswer(Response):
             where = self._upstream.config.upstream_url
             retry_after = str(max(1, math.ceil(gate.timeout_s))).encode("ascii")
             await self._error(
-                send, 503, f"upstream {where} is busy: {exc}", [(b"retry-after", retry_after)]
+                send, 503, f"upstream {where}: {exc}", [(b"retry-after", retry_after)]
             )
             return None
         try:
