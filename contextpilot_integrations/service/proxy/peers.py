@@ -69,8 +69,13 @@ _HOP_READ_MARGIN_S = 60.0
 
 _ALIVE_FOR_S = 1.0
 """Seconds a peer that answered its ``GET /health`` is taken as alive; past them the next hop
-to it asks again first (within the connect timeout), so a peer that accepts connections but
-answers nothing (stopped, its event loop blocked) is passed over like one that is down."""
+to it asks again first (within :data:`_ALIVE_TIMEOUT_S`), so a peer that accepts connections
+but answers nothing (stopped, its event loop blocked) is passed over like one that is down."""
+
+_ALIVE_TIMEOUT_S = 5.0
+"""Longest wait for a peer's ``GET /health`` answer: long enough for a busy peer on a loaded
+machine (passing over one that is merely slow splits its conversations' memory), short
+against the hop's read timeout a stopped peer would otherwise hold a call for."""
 """Added to the upstream's read timeout for the wait on a peer: the owner plans the call and
 then waits for its upstream up to that timeout, answering 504 after it, so the hop's own wait
 must outlast both."""
@@ -332,13 +337,13 @@ class Peers:
         return _PeerHop(answer, here, self.calls)
 
     async def _alive(self, url: str) -> bool:
-        """Whether the peer ``url`` answered ``GET /health`` within the connect timeout (asked
-        at most once per :data:`_ALIVE_FOR_S`; any status counts: it answers); one that did
-        not is marked down."""
+        """Whether the peer ``url`` answered ``GET /health`` within :data:`_ALIVE_TIMEOUT_S`
+        (asked at most once per :data:`_ALIVE_FOR_S`; any status counts: it answers); one
+        that did not is marked down."""
         if self._clock() - self._alive_at.get(url, -_ALIVE_FOR_S) < _ALIVE_FOR_S:
             return True
         try:
-            with anyio.fail_after(self.config.connect_timeout_s):
+            with anyio.fail_after(_ALIVE_TIMEOUT_S):
                 client = self._upstreams[url].client
                 async with client.get(f"{url.rstrip('/')}/health") as answer:
                     await answer.read()

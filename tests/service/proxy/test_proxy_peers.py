@@ -282,8 +282,8 @@ def test_a_peer_that_accepts_but_never_answers_leaves_its_calls_here(standin) ->
             started = time.monotonic()
             raws = _converse((a, a, a), session)
             assert all(raw.status_code == 200 for raw in raws)
-            # Its /health unanswered within the connect timeout (1 s): planned here at once.
-            assert time.monotonic() - started < 10
+            # Its /health unanswered within 5 s: passed over, then planned here at once.
+            assert time.monotonic() - started < 30
             assert _metric(a, 'contextpilot_proxy_peer_calls_total{outcome="fallback"} 3.0')
             _assert_one_conversation(state.bodies("/v1/chat/completions"))
     finally:
