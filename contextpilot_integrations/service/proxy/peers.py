@@ -274,7 +274,7 @@ class Peers:
         api: Api,
         tenant: str | None,
         session_header: str | None,
-        here: Callable[[], Awaitable[Response]],
+        here: Callable[[], Awaitable[Response | None]],
     ) -> Response | None:
         """The hop to the call's owner, or ``None`` where this process handles it (it owns
         the call, the call is marked by a peer, its key cannot be read).
@@ -285,7 +285,8 @@ class Peers:
             api: the client's API (the error shape).
             tenant: the tenant of the request's key.
             session_header: the conversation header as the routes read it.
-            here: the answer of the call planned here (the fallback when no peer up owns it).
+            here: the answer of the call planned here (the fallback when no peer up owns it;
+                ``None``: the client went meanwhile).
         """
         headers = scope["headers"]
         if self.marked(headers):
@@ -413,7 +414,7 @@ class _PeerHop(Response):
     def __init__(
         self,
         answer: ForwardedAnswer,
-        here: Callable[[], Awaitable[Response]],
+        here: Callable[[], Awaitable[Response | None]],
         calls: Counter,
     ) -> None:
         super().__init__(status_code=200)
@@ -430,7 +431,8 @@ class _PeerHop(Response):
                 raise
         self._calls.labels("fallback").inc()
         answer = await self._here()
-        await answer(scope, receive, send)
+        if answer is not None:  # None: the client went while the call was prepared
+            await answer(scope, receive, send)
 
 
 def _only_handle_here(exc: BaseException) -> bool:

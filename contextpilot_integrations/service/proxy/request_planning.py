@@ -75,6 +75,7 @@ from contextpilot_integrations.service.proxy.document_placement import (
     DocumentError,
     DocumentMemory,
     DocumentPlacer,
+    DocumentRequest,
     PlacedDocuments,
     read_documents,
 )
@@ -160,6 +161,9 @@ class ProxyPlanning:
         new_memory: makes a tenant's memory of messages sent with documents.
         route: with a fleet, the replica of a call without documents, ``(tenant, rid,
             scope, prompt tokens) -> ReplicaChoice`` (:mod:`.replica_routing`).
+        undo: called with ``(tenant, rid)`` when a call is refused (or fails) once its
+            documents may have been planned: its plan is undone (index entry, the replica's
+            ticket and load) at once, so no later call waits for it.
     """
 
     def __init__(
@@ -173,8 +177,10 @@ class ProxyPlanning:
         | None = None,
         new_memory: Callable[[], DocumentMemory] = DocumentMemory,
         route: Callable[[str | None, str, Scope, int], ReplicaChoice] | None = None,
+        undo: Callable[[str | None, str], None] | None = None,
     ) -> None:
         self._route = route
+        self._undo = undo
         self.tenancy = tenancy
         self.kind = kind
         self._new_planner = new_planner
@@ -247,6 +253,30 @@ class ProxyPlanning:
             raise BadRequest(422, str(exc)[:1000], exc.field) from None
         system = body.get("system") if api == "anthropic" else None
         rid = self._engine_rid(tenant)
+        try:
+            return self._planned(body, plain, api, tenant, session_header, extension, wanted,
+                                 system, rid)  # fmt: skip
+        except BaseException:
+            # Refused (or failed) once the documents may be planned: undone at once, so the
+            # replica's door does not hold later calls for a ticket that never comes.
+            if wanted is not None and self._undo is not None:
+                self._undo(tenant, rid)
+            raise
+
+    def _planned(
+        self,
+        body: dict[str, Any],
+        plain: bool,
+        api: Api,
+        tenant: str | None,
+        session_header: str | None,
+        extension: dict[str, Any] | None,
+        wanted: DocumentRequest | None,
+        system: Any,
+        rid: str,
+    ) -> PreparedCall:
+        """:meth:`prepare` from the planning on."""
+        messages = body["messages"]
         try:
             key, source = conversation_key(
                 session_header, (extension or {}).get("conversation_id"), body, api

@@ -153,6 +153,7 @@ class Proxy:
             record=self._record_plan,
             pilot_of=routing.planner_of if routing is not None else service.planner_of,
             route=routing.route if routing is not None else None,
+            undo=self.undo,
         )
         self.counters = ProxyCounters(service.metrics.registry)
         # One tenant (or none) has the whole pool; several share it (:mod:`.connection_gate`).
@@ -317,12 +318,20 @@ class Proxy:
         from the index that planned it, so no later call counts on a prefix never sent) and
         its in-flight load ended. Blocking."""
         if call.documents is not None:
-            routing = self.routing
-            owner = routing.router_of(tenant) if routing is not None else None
-            (owner or self.service.pilot_of(tenant)).evict(call.rid)
-        if self.routing is not None and call.replica is not None:
-            self.routing.order.finish(call.rid)
+            self.undo(tenant, call.rid)
+        elif self.routing is not None and call.replica is not None:
             self.routing.ended(tenant, call.rid)
+
+    def undo(self, tenant: str | None, rid: str) -> None:
+        """The documents' plan of the call ``rid``, which is never sent, undone: the rid
+        evicted from the index that planned it, its ticket at the replica's door and its
+        in-flight load ended (each a no-op where there is none). Blocking."""
+        routing = self.routing
+        owner = routing.router_of(tenant) if routing is not None else None
+        (owner or self.service.pilot_of(tenant)).evict(rid)
+        if routing is not None:
+            routing.order.finish(rid)
+            routing.ended(tenant, rid)
 
     def start(self) -> None:
         """Start the replicas' engine links (with a fleet)."""
@@ -526,7 +535,9 @@ async def _planned(
         return admitted
     tenant, raw = admitted
     session = _session_header(request_headers)
-    here = functools.partial(_planned_here, proxy, scope, api, endpoint, tenant, raw, session)
+    here = functools.partial(
+        _planned_here, proxy, scope, receive, api, endpoint, tenant, raw, session
+    )
     if proxy.peers is not None:
         hop = await proxy.peers.route(scope, raw, api, tenant, session, here)
         if hop is not None:
@@ -537,27 +548,50 @@ async def _planned(
 async def _planned_here(
     proxy: Proxy,
     scope: ASGIScope,
+    receive: Receive,
     api: Api,
     endpoint: str,
     tenant: str | None,
     raw: bytes,
     session: str | None,
-) -> Response:
-    """The call planned in this process and forwarded."""
+) -> Response | None:
+    """The call planned in this process and forwarded (``None``: the client went while it
+    was prepared; the call is undone, :meth:`Proxy.abandoned`, and never forwarded)."""
     prepare = _Preparing(
         functools.partial(proxy.planning.prepare, raw, api, tenant, session),
         functools.partial(proxy.abandoned, tenant),
     )
-    try:
-        call = await anyio.to_thread.run_sync(
-            prepare.run, abandon_on_cancel=True, limiter=proxy.prepare_limiter()
-        )
-    except anyio.get_cancelled_exc_class():
-        prepare.give_up()
-        raise
-    except BadRequest as exc:
-        proxy.counters.requests.labels(endpoint, str(exc.status)).inc()
-        return error_answer(api, exc.status, exc.message, exc.field)
+    call: PreparedCall | None = None
+    gone = False
+    async with anyio.create_task_group() as group:
+
+        async def until_disconnect() -> None:
+            # A server does not cancel a call whose client hangs up: the call is watched,
+            # so one that leaves while it waits (in a planning window) is undone.
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            group.cancel_scope.cancel()
+
+        group.start_soon(until_disconnect)
+        try:
+            call = await anyio.to_thread.run_sync(
+                prepare.run, abandon_on_cancel=True, limiter=proxy.prepare_limiter()
+            )
+        except anyio.get_cancelled_exc_class():
+            prepare.give_up()
+            raise
+        except BadRequest as exc:
+            proxy.counters.requests.labels(endpoint, str(exc.status)).inc()
+            return error_answer(api, exc.status, exc.message, exc.field)
+        finally:
+            group.cancel_scope.cancel()
+    if gone or call is None:
+        if call is not None:  # prepared just as the client left
+            prepare.give_up()
+        proxy.counters.requests.labels(endpoint, str(CLIENT_GONE)).inc()
+        return None
     headers = proxy.upstream.request_headers(scope["headers"], identity=True)
     headers = [(k, v) for k, v in headers if k != "content-type"]
     headers.append(("content-type", "application/json"))

@@ -581,3 +581,68 @@ def test_the_replicas_door_from_the_command_line() -> None:
     ]
     fleet = _config(argv).proxy.fleet
     assert fleet.ordered and fleet.max_in_flight == 9
+
+
+def test_a_call_whose_client_hung_up_in_the_window_is_never_forwarded(standin) -> None:  # type: ignore[no-untyped-def]
+    # A real server does not cancel the call when its client hangs up: the proxy watches.
+    url, state = standin
+    opening = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What?"}]
+
+    def body(documents: list[str]) -> dict[str, Any]:
+        return {"model": "plain", "messages": opening, "contextpilot": {"documents": documents}}
+
+    with serve_proxy(url, window_ms=2000) as proxy:
+        assert httpx.post(f"{proxy}/v1/chat/completions", json=body([D1, D2])).status_code == 200
+        # Right after another call: the window waits for company, and the client hangs up.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{proxy}/v1/chat/completions",
+                json=body([D3, D4]),
+                timeout=httpx.Timeout(10, read=0.3),
+            )
+        stats = lambda: httpx.get(f"{proxy}/v1/stats").json()  # noqa: E731
+        deadline = time.monotonic() + 10
+        # Planned once its window closed, then undone: evicted, never forwarded.
+        while (index := stats()["index"])["inserts"] != 2 or index["requests"] != 1:
+            assert time.monotonic() < deadline, index
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert stats()["index"]["requests"] == 1 and len(state.received) == 1
+
+
+def test_a_call_refused_after_its_documents_were_planned_frees_its_replicas_door(  # type: ignore[no-untyped-def]
+    two_standins, monkeypatch
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from contextpilot_integrations.core.messages import MessagePlanner
+
+    urls, states = two_standins
+    app = _windowed_app(urls, ordered=True, max_in_flight=1)
+    opening = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What?"}]
+
+    def ask(documents: list[str], session: str = "warm-up") -> int:
+        body = {"model": "plain", "messages": opening, "contextpilot": {"documents": documents}}
+        headers = {"x-contextpilot-session": session}
+        answer = httpx.post(f"{proxy}/v1/chat/completions", json=body, headers=headers, timeout=30)
+        return answer.status_code
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("messages[1] is refused by the planner (injected)")
+
+    with serve_in_thread(app, lifespan="on") as proxy:
+        assert ask([_doc("warm")]) == 200
+        routing = app.state.proxy.routing
+        with monkeypatch.context() as patch, ThreadPoolExecutor(3) as pool:
+            patch.setattr(MessagePlanner, "plan", refuse)
+            # Planned together in one window: each gets its ticket, then is refused.
+            refused = pool.map(ask, _SHARED, ["b-0", "b-1", "b-2"])
+            assert list(refused) == [422] * 3
+        door = routing.order.stats()
+        # Their tickets left the door at once (not after the stale timeout), their rids the
+        # index.
+        assert door["issued"] == 4 and not any(door["queued"].values()), door
+        indexed = sum(r["index"]["requests"] for r in routing.stats()[""]["replicas"].values())
+        assert indexed == 1
+        assert ask([D1, D2]) == 200
+        assert routing.order.stats()["stale"] == 0
