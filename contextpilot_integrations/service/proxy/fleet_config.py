@@ -46,6 +46,7 @@ from contextpilot_integrations.core.replicas.routing_config import (
     ReplicaSpec,
     RouterConfig,
 )
+from contextpilot_integrations.service.proxy.endpoint_url import same_endpoint
 from contextpilot_integrations.service.proxy.replica_order import DEFAULT_MAX_IN_FLIGHT
 from contextpilot_integrations.sync.configuration import CacheSyncConfig
 
@@ -115,12 +116,17 @@ class FleetConfig:
                     )
                 if parts.query or parts.fragment:
                     raise ValueError(f"{where}.base_url must have no query or fragment: {url!r}")
-                other = urls.setdefault(_same_upstream(url), spec.name)
+                try:
+                    endpoint = same_endpoint(url)
+                except ValueError as exc:
+                    raise ValueError(f"{where}.base_url {url!r:.200}: {exc}") from None
+                other = urls.setdefault(endpoint, spec.name)
                 if other != spec.name:
+                    given = next(s.base_url for s in self.router.replicas if s.name == other)
                     raise ValueError(
-                        f"{where}.base_url {url!r:.200} is also replica {other!r}'s: each "
-                        "replica is its own engine (one engine listed twice would count its "
-                        "cache twice)"
+                        f"{where}.base_url {url!r:.200} is also replica {other!r}'s "
+                        f"({given!r:.200}): each replica is its own engine (one engine listed "
+                        "twice would count its cache twice)"
                     )
             elif self.router.mode == "direct":
                 raise ValueError(
@@ -172,12 +178,3 @@ class FleetConfig:
     def load(self) -> LoadKind:
         """What counts as a replica's load."""
         return self.router.load
-
-
-def _same_upstream(url: str) -> str:
-    """``url`` as the engine it names: scheme and host lower-cased, no trailing ``/`` or
-    ``/v1`` (the proxy adds ``/v1`` itself)."""
-    parts = urlsplit(url)
-    path = parts.path.rstrip("/")
-    path = path[: -len("/v1")] if path.endswith("/v1") else path
-    return f"{parts.scheme.lower()}://{parts.netloc.lower()}{path.rstrip('/')}"

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from contextpilot_integrations.service.proxy.endpoint_url import same_endpoint
+
 __all__ = ["MIN_SECRET_CHARS", "PEER_SECRET_ENV", "PeerConfig"]
 
 PEER_SECRET_ENV = "CONTEXTPILOT_PEER_SECRET"
@@ -29,8 +31,9 @@ class PeerConfig:
 
     Attributes:
         urls: each process's base URL as its peers reach it (``http(s)://host:port``, no
-            query), at least two, no two alike; the same list on every process.
-        own: this process's URL, one of ``urls``.
+            query), at least two, no two spellings of one endpoint
+            (:func:`~.endpoint_url.same_endpoint`); the same list on every process.
+        own: this process's URL, one of ``urls`` (any spelling of it; kept as listed).
         secret: the shared secret that marks a forwarded call (printable ASCII, at least
             :data:`MIN_SECRET_CHARS` characters; never in ``repr``).
         connect_timeout_s: longest wait to connect to a peer before the call is handled by
@@ -54,15 +57,20 @@ class PeerConfig:
         urls = tuple(_checked_url(url, f"peers[{i}]") for i, url in enumerate(self.urls))
         if len(urls) < 2:
             raise ValueError(f"peers must name at least two processes, got {len(urls)}")
-        seen: set[str] = set()
+        seen: dict[str, str] = {}
         for i, url in enumerate(urls):
-            if url in seen:
-                raise ValueError(f"peers[{i}] names {url!r} twice")
-            seen.add(url)
+            other = seen.setdefault(same_endpoint(url), url)
+            if other is not url:
+                raise ValueError(
+                    f"peers[{i}] {url!r} names the same process as {other!r} (twice in peers)"
+                )
         object.__setattr__(self, "urls", urls)
-        own = _checked_url(self.own, "peer_self")
-        if own not in seen:
-            raise ValueError(f"peer_self {own!r} must be one of the peers {list(urls)!r:.400}")
+        own = seen.get(same_endpoint(_checked_url(self.own, "peer_self")))
+        if own is None:
+            raise ValueError(
+                f"peer_self {self.own!r:.200} must be one of the peers {list(urls)!r:.400}"
+            )
+        # As listed: every process orders the peers by the same strings.
         object.__setattr__(self, "own", own)
         if (
             not isinstance(self.secret, str)
@@ -132,4 +140,8 @@ def _checked_url(url: object, field: str) -> str:
             f"{field} must be an http(s) URL with a host and no query, got {url!r:.200}"
         )
     assert isinstance(url, str)
+    try:
+        same_endpoint(url)
+    except ValueError as exc:  # a port that is not a number in 0..65535
+        raise ValueError(f"{field} {url!r:.200}: {exc}") from None
     return url.rstrip("/")

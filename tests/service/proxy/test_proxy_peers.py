@@ -338,6 +338,13 @@ def test_rendezvous_order_spreads_keys_and_moves_few_when_a_peer_joins() -> None
          {PEER_SECRET_ENV: SECRET}, "must be one of"),
         (["--peer", "http://a:1", "--peer", "http://a:1/", "--peer-self", "http://a:1"],
          {PEER_SECRET_ENV: SECRET}, "twice"),
+        (["--peer", "http://a:80", "--peer", "HTTP://A/v1/", "--peer-self", "http://a"],
+         {PEER_SECRET_ENV: SECRET},
+         "--peer[1] 'HTTP://A/v1' names the same process as 'http://a:80'"),
+        (["--peer", "https://a", "--peer", "https://a:443", "--peer-self", "https://a"],
+         {PEER_SECRET_ENV: SECRET}, "--peer[1] 'https://a:443' names the same process"),
+        (["--peer", "http://a:1", "--peer", "http://a:99999", "--peer-self", "http://a:1"],
+         {PEER_SECRET_ENV: SECRET}, "--peer[1] 'http://a:99999': Port out of range"),
         (["--peer", "http://a:1", "--peer-self", "http://a:1"], {PEER_SECRET_ENV: SECRET},
          "at least two"),
         (["--peer", "ftp://a:1", "--peer", "http://b:1", "--peer-self", "http://b:1"],
@@ -360,6 +367,9 @@ def test_peer_settings_from_the_command_line() -> None:
     proxy = config_from_args(args, {PEER_SECRET_ENV: SECRET}).proxy
     assert proxy is not None and proxy.peers is not None
     assert proxy.peers.urls == ("http://a:1", "http://b:1") and proxy.peers.own == "http://b:1"
+    # Another spelling of a listed peer names it (kept as listed: the owner order reads it).
+    args.peer_self = "HTTP://B:1/v1"
+    assert config_from_args(args, {PEER_SECRET_ENV: SECRET}).proxy.peers.own == "http://b:1"  # type: ignore[union-attr]
     assert SECRET not in repr(proxy)
     bare = build_parser().parse_args(["--peer", "http://a:1", "--peer-self", "http://a:1"])
     with pytest.raises(ValueError, match="--peer needs --upstream"):
