@@ -76,8 +76,9 @@ import json
 import logging
 import math
 import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,22 +106,45 @@ the request fails with a read error without an answer."""
 _CACHE_MODELS = {"events": "kv-events", "capacity": "capacity", "ttl": "ttl"}
 
 
-def _port(text: str) -> int:
-    """argparse type: a TCP port, 0 (any free port) to 65535."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int from 0 to 65535, got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 65535, got {port}")
-    return port
+MAX_SECONDS = 7 * 24 * 3600.0
+"""The longest of the seconds flags (timeouts, a TTL): a week."""
+
+MAX_CONNECTIONS = 65_535
+"""The most upstream connections (``--upstream-connections``, the tenant share) and calls in
+flight per replica: one host's ports to one upstream address."""
+
+_INT = re.compile(r"-?[0-9]+")
+_NUMBER = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+"""A flag's number as written: ASCII digits, no spaces, ``_`` or ``+`` (which Python's ``int``
+and ``float`` take), so a mistyped value is refused rather than read as another."""
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """argparse type: an int from ``low`` to ``high`` (argparse names the flag)."""
+
+    def parse(text: str) -> int:
+        value = int(text) if _INT.fullmatch(text) else None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be an int >= {low} (at most {high:_}), got {text!r:.40}"
+            )
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+_port = _int_in(0, 65535)
+"""argparse type: a TCP port, 0 (any free port) to 65535."""
 
 
 def _seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0 (argparse names the flag)."""
+    """argparse type: a number of seconds > 0, at most :data:`MAX_SECONDS`."""
     value = _finite(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"must be a number > 0 (seconds, at most {MAX_SECONDS:g}), got {text!r:.40}"
+        )
     return value
 
 
@@ -129,7 +153,7 @@ def _milliseconds(text: str) -> float:
     value = _finite(text)
     if not 0 <= value <= MAX_WINDOW_MS:
         raise argparse.ArgumentTypeError(
-            f"must be a number from 0 to {MAX_WINDOW_MS:g}, got {text!r}"
+            f"must be a number from 0 to {MAX_WINDOW_MS:g}, got {text!r:.40}"
         )
     return value
 
@@ -138,30 +162,18 @@ def _finite(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        value = None
+    if value is None or (math.isfinite(value) and not _NUMBER.fullmatch(text)):
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r:.40}")
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r:.40}")
     return value
 
 
-def _count(text: str) -> int:
-    """argparse type: an int >= 1."""
-    return _int_at_least(text, 1)
+_TOKENS = 2**40
+"""The most tokens a count flag takes (a KV cache far past any engine's)."""
 
-
-def _count_or_zero(text: str) -> int:
-    """argparse type: an int >= 0."""
-    return _int_at_least(text, 0)
-
-
-def _int_at_least(text: str, low: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}")
-    return value
+_connections = _int_in(1, MAX_CONNECTIONS)
 
 
 def _zmq_endpoint(text: str) -> str:
@@ -203,9 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-events-replay", metavar="ENDPOINT", type=_zmq_endpoint, help="its replay_endpoint"
     )
     sync.add_argument("--kv-events-topic", default="", help="its topic (vLLM: kv-events)")
-    sync.add_argument("--dp-size", type=_count, default=1, help="data-parallel ranks to follow")
-    sync.add_argument("--page-size", type=_count, help="engine page size (default: from events)")
-    sync.add_argument("--capacity-tokens", type=_count, help="capacity model: KV cache tokens")
+    sync.add_argument(
+        "--dp-size", type=_int_in(1, 1024), default=1, help="data-parallel ranks to follow"
+    )
+    sync.add_argument(
+        "--page-size", type=_int_in(1, 65536), help="engine page size (default: from events)"
+    )
+    sync.add_argument(
+        "--capacity-tokens", type=_int_in(1, _TOKENS), help="capacity model: KV cache tokens"
+    )
     sync.add_argument(
         "--ttl-provider",
         choices=["openai", "anthropic", "anthropic-1h"],
@@ -213,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sync.add_argument("--ttl-seconds", type=_seconds, help="TTL model: lifetime in seconds")
     sync.add_argument(
-        "--min-cached-tokens", type=_count_or_zero, help="TTL model: shortest cached prompt"
+        "--min-cached-tokens", type=_int_in(0, _TOKENS), help="TTL model: shortest cached prompt"
     )
     sync.add_argument(
         "--engine-grace",
@@ -237,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also save a checkpoint every SECONDS (survives a hard kill; conversations "
         "restored from a checkpoint keep their turn numbers, not their records)",
     )
-    state.add_argument("--max-requests", type=_count, default=100_000, help="index LRU bound")
+    state.add_argument(
+        "--max-requests", type=_int_in(1, 10**9), default=100_000, help="index LRU bound"
+    )
     state.add_argument(
         "--layout",
         type=Path,
@@ -307,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proxy.add_argument(
         "--replica-max-in-flight",
-        type=_count,
+        type=_connections,
         default=None,
         metavar="N",
         help="most calls with documents out at once per replica (default: no cap)",
@@ -334,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proxy.add_argument(
         "--upstream-connections",
-        type=_count,
+        type=_connections,
         default=512,
         metavar="N",
         help="connections to the upstream at most (a pool; one per replica with --replica; "
@@ -342,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proxy.add_argument(
         "--upstream-tenant-connections",
-        type=_count,
+        type=_connections,
         metavar="N",
         help="with several tenants, the most of those connections one tenant's calls hold "
         "(default: three quarters of --upstream-connections), so one tenant never takes the "
@@ -399,7 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM: for in-flight requests, then again for the final save (default 10)",
     )
     serving.add_argument(
-        "--max-body-bytes", type=_count, default=64 * 1024 * 1024, help="largest request body"
+        "--max-body-bytes",
+        type=_int_in(1, 2**30),
+        default=64 * 1024 * 1024,
+        help="largest request body",
     )
     serving.add_argument(
         "--log-level",

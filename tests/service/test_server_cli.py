@@ -91,16 +91,22 @@ def test_layout_from_a_json_file(tmp_path: Path) -> None:
             ["--kv-events", "tcp://h:1", "--engine-grace", "0"],
             "--engine-grace: must be a number > 0",
         ),
-        (["--snapshot-interval", "0"], "--snapshot-interval: must be a number > 0, got '0'"),
+        (
+            ["--snapshot-interval", "0"],
+            "--snapshot-interval: must be a number > 0 (seconds, at most 604800), got '0'",
+        ),
         (["--snapshot-interval", "inf"], "--snapshot-interval: must be a finite number"),
-        (["--max-requests", "0"], "--max-requests: must be an int >= 1, got '0'"),
+        (
+            ["--max-requests", "0"],
+            "--max-requests: must be an int >= 1 (at most 1_000_000_000), got '0'",
+        ),
         (["--window-ms", "nan"], "--window-ms: must be a finite number, got 'nan'"),
         (["--window-ms", "1e9"], "--window-ms: must be a number from 0 to 60000, got '1e9'"),
         (["--cache-model", "ttl", "--ttl-seconds", "inf"], "--ttl-seconds: must be a finite"),
         (["--kv-events", "tcp://h:1", "--dp-size", "0"], "--dp-size: must be an int >= 1"),
         (
             ["--upstream", "http://h", "--upstream-timeout", "0"],
-            "--upstream-timeout: must be a number > 0, got '0'",
+            "--upstream-timeout: must be a number > 0 (seconds, at most 604800), got '0'",
         ),
         (
             ["--upstream", "http://h", "--upstream-connections", "0"],
@@ -128,7 +134,10 @@ def test_layout_from_a_json_file(tmp_path: Path) -> None:
         (["--kv-events", "tcp://127.0.0.1:x"], "tcp://host:port"),
         (["--api-keys", "/nonexistent/keys.json"], "key file '/nonexistent/keys.json'"),
         (["--share-prefixes-across-tenants"], "needs tenant keys"),
-        (["--shutdown-timeout", "0"], "--shutdown-timeout: must be a number > 0, got '0'"),
+        (
+            ["--shutdown-timeout", "0"],
+            "--shutdown-timeout: must be a number > 0 (seconds, at most 604800), got '0'",
+        ),
     ],
 )
 def test_inconsistent_options_exit_with_a_message(argv, words, capsys) -> None:  # type: ignore[no-untyped-def]

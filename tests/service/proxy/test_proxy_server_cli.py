@@ -70,3 +70,41 @@ def test_inconsistent_proxy_options_are_refused(
     with pytest.raises(ValueError, match=None) as caught:
         _config(argv, environ)
     assert words in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--port", " 5"], "argument --port: must be an int >= 0 (at most 65_535), got ' 5'"),
+        (["--port", "65536"], "argument --port: must be an int >= 0 (at most 65_535), got '65536'"),
+        (["--port", "8_000"], "argument --port: must be an int >= 0 (at most 65_535), got '8_000'"),
+        (["--upstream", H, "--upstream-connections", "70000"],
+         "argument --upstream-connections: must be an int >= 1 (at most 65_535), got '70000'"),
+        (["--upstream", H, "--upstream-tenant-connections", "0"],
+         "argument --upstream-tenant-connections: must be an int >= 1 (at most 65_535), got '0'"),
+        (["--replica", H, "--replica-max-in-flight", "1e3"],
+         "argument --replica-max-in-flight: must be an int >= 1 (at most 65_535), got '1e3'"),
+        (["--upstream", H, "--upstream-timeout", "1e300"],
+         "argument --upstream-timeout: must be a number > 0 (seconds, at most 604800)"),
+        (["--upstream", H, "--upstream-pool-timeout", " 1"],
+         "argument --upstream-pool-timeout: must be a number, got ' 1'"),
+        (["--max-body-bytes", str(2**31)],
+         "argument --max-body-bytes: must be an int >= 1 (at most 1_073_741_824)"),
+        (["--dp-size", "100000"], "argument --dp-size: must be an int >= 1 (at most 1_024)"),
+    ],
+)  # fmt: skip
+def test_a_numeric_flag_out_of_bounds_or_mistyped_is_refused_naming_it(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert words in capsys.readouterr().err
+
+
+def test_numeric_flags_in_bounds_are_read() -> None:
+    args = build_parser().parse_args(
+        ["--port", "0", "--upstream", H, "--upstream-connections", "65535",
+         "--upstream-timeout", "0.5", "--window-ms", "2.5e1", "--max-requests", "1000000000"]
+    )  # fmt: skip
+    assert (args.port, args.upstream_connections, args.upstream_timeout) == (0, 65535, 0.5)
+    assert (args.window_ms, args.max_requests) == (25.0, 10**9)
