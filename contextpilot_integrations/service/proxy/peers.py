@@ -28,6 +28,7 @@ that goes cancels it there too (:class:`~.forwarding.ForwardedAnswer`).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -222,6 +223,7 @@ class Peers:
         self.config = config
         self._pool_by_tenant = pool_by_tenant
         self._alive_at: dict[str, float] = {}
+        self._probes: dict[str, asyncio.Future[bool]] = {}  # on the event loop
         read = proxy.read_timeout_s
         self._upstreams = {
             url: Upstream(
@@ -340,9 +342,18 @@ class Peers:
     async def _alive(self, url: str) -> bool:
         """Whether the peer ``url`` answered ``GET /health`` within :data:`_ALIVE_TIMEOUT_S`
         (asked at most once per :data:`_ALIVE_FOR_S`; any status counts: it answers); one
-        that did not is marked down."""
+        that did not is marked down. Calls that find the answer stale together share one
+        probe (a caller that gives up leaves it to the others)."""
         if self._clock() - self._alive_at.get(url, -_ALIVE_FOR_S) < _ALIVE_FOR_S:
             return True
+        probe = self._probes.get(url)
+        if probe is None:
+            probe = self._probes[url] = asyncio.ensure_future(self._probe(url))
+            probe.add_done_callback(lambda done: self._probes.pop(url, None))
+        return await asyncio.shield(probe)
+
+    async def _probe(self, url: str) -> bool:
+        """One ``GET /health`` of :meth:`_alive`."""
         try:
             with anyio.fail_after(_ALIVE_TIMEOUT_S):
                 client = self._upstreams[url].client

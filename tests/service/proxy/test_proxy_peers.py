@@ -388,3 +388,38 @@ def test_the_hop_to_a_peer_shares_its_pool_between_tenants_as_the_upstreams_does
     peers = Peers(PeerConfig((here, there), here, SECRET), proxy, CollectorRegistry())
     hop = peers._upstreams[there].config
     assert (hop.max_connections, hop.max_tenant_connections, hop.pool_timeout_s) == (8, 2, 2.0)
+
+
+def test_calls_that_find_a_peers_health_stale_together_share_one_probe() -> None:
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from support.asgi_server import serve_in_thread
+
+    from contextpilot_integrations.service.proxy.peers import Peers
+
+    asked: list[float] = []
+
+    async def health(request: Any) -> PlainTextResponse:
+        asked.append(time.monotonic())
+        await asyncio.sleep(0.3)  # a slow peer: the calls arrive while it is asked
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route("/health", health)])
+    with serve_in_thread(app) as there:
+        here = closed_port_url()
+        peers = Peers(
+            PeerConfig((here, there), here, SECRET), ProxyConfig(there), CollectorRegistry()
+        )
+
+        async def calls() -> list[bool]:
+            try:
+                return await asyncio.gather(*(peers._alive(there) for _ in range(20)))
+            finally:
+                await peers.aclose()
+
+        assert asyncio.run(calls()) == [True] * 20
+    assert len(asked) == 1
