@@ -145,8 +145,13 @@ class _CallIds:
     cache_salt: str | None
 
 
-class _ChangedAfterPlanning(Exception):
-    """A middleware inside this one changed the planned messages (module docstring)."""
+class _ChangedAfterPlanning(BaseException):
+    """A middleware inside this one changed the planned messages (module docstring).
+
+    A ``BaseException``, as a cancellation is: LangChain's callback manager logs every
+    ``Exception`` a handler raises as a callback error before passing it on, and a middleware
+    between this one and the model that retries on ``Exception`` would send the call again;
+    this stop passes both untouched up to :class:`_Watching`, which ends it."""
 
 
 class _SentCheck(BaseCallbackHandler):
