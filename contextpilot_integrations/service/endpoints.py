@@ -257,14 +257,22 @@ async def metrics(request: Request, caller: Caller) -> Response:
 async def health(request: Request) -> Response:
     """Liveness and the engine link (never authenticated; takes no lock that an event could
     hold). A proxy whose every replica is down answers 503 ``replicas_down``, so a load
-    balancer takes it out of rotation (docs/DESIGN.md, "The proxy")."""
+    balancer takes it out of rotation; a replica without KV events is asked its own
+    ``/health`` in the background (:mod:`.proxy.replica_health`; docs/DESIGN.md, "The
+    proxy")."""
     service = _calls(request).service
     proxy = request.app.state.proxy
     routing = proxy.routing if proxy is not None else None
     replicas = replicas_up = None
     if routing is not None:
         replicas = len(routing.fleet.router.replicas)
-        replicas_up = len(routing.replicas_up())
+        up = routing.replicas_up()
+        probes = proxy.replica_probes
+        if probes is not None:  # the replicas without KV events: their own /health
+            probes.refresh()
+            silent = probes.down()
+            up = [name for name in up if name not in silent]
+        replicas_up = len(up)
     down = replicas_up == 0
     health = HealthResponse(
         status="replicas_down" if down else "ok",

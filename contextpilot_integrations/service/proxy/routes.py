@@ -74,6 +74,7 @@ from contextpilot_integrations.service.proxy.forwarding import (
 )
 from contextpilot_integrations.service.proxy.peers import Peers
 from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
+from contextpilot_integrations.service.proxy.replica_health import ReplicaProbes
 from contextpilot_integrations.service.proxy.replica_routing import REPLICA_HEADER, ReplicaRouting
 from contextpilot_integrations.service.proxy.request_planning import (
     BadRequest,
@@ -140,6 +141,16 @@ class Proxy:
                 max_requests=service.config.max_requests,
                 window_ms=service.config.window_ms,
             )
+        # The replicas /health learns of only from their own /health (direct: the proxy
+        # reaches them; the others have a KV-event link that reports them).
+        self.replica_probes: ReplicaProbes | None = None
+        if config.fleet is not None and config.fleet.direct:
+            silent = {
+                spec.name: spec.base_url
+                for spec in config.fleet.router.replicas
+                if spec.cache_sync is None and spec.base_url is not None
+            }
+            self.replica_probes = ReplicaProbes(silent) if silent else None
         # Behind a gateway, or a direct fleet's first replica (credentials, headers).
         first = config.fleet.router.replicas[0].base_url if config.fleet is not None else None
         self.upstream = Upstream(
@@ -344,6 +355,8 @@ class Proxy:
         await self.upstream.aclose()
         if self.peers is not None:
             await self.peers.aclose()
+        if self.replica_probes is not None:
+            await self.replica_probes.aclose()
         used, self._usage_thread = self._usage_thread, _usage_thread()
         await anyio.to_thread.run_sync(used.shutdown)
         if self.routing is not None:

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from proxy_testing import closed_port_url, closed_port_urls, serve_proxy
+from service_testing import wait_for
 from support.asgi_server import serve_in_thread
 from upstream_standin import StandIn, standin_app
 
@@ -187,8 +188,29 @@ def test_health_says_when_every_replica_is_down() -> None:
         assert health.json()["status"] == "replicas_down"
         assert (health.json()["replicas"], health.json()["replicas_up"]) == (2, 0)
         time.sleep(0.6)
-        # ... and, once retry_down_s has passed, tries it again.
+        # ... and, once retry_down_s has passed, still finds them down: their own /health
+        # does not answer.
+        assert httpx.get(f"{proxy}/health").status_code == 503
+
+
+def test_health_asks_the_replicas_without_kv_events_before_any_call_is_refused(standin) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    down = closed_port_url()
+    with serve_proxy(None, _direct([url, down])) as proxy:
+        # No call yet: the first /health starts the probes and reports what it knows.
+        assert httpx.get(f"{proxy}/health").json()["replicas_up"] == 2
+        wait_for(
+            lambda: httpx.get(f"{proxy}/health").json()["replicas_up"] == 1,
+            what="the replica that does not answer its /health counted down",
+        )
         assert httpx.get(f"{proxy}/health").status_code == 200
+        assert state.bodies("/v1/chat/completions") == []  # a GET /health, no call
+    with serve_proxy(None, _direct(closed_port_urls(2))) as proxy:
+        httpx.get(f"{proxy}/health")
+        wait_for(
+            lambda: httpx.get(f"{proxy}/health").status_code == 503,
+            what="a fleet whose replicas do not answer /health reported down",
+        )
 
 
 def test_behind_a_gateway_calls_carry_the_routing_key(standin) -> None:  # type: ignore[no-untyped-def]
