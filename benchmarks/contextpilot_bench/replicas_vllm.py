@@ -152,10 +152,18 @@ def _proxy_line(run: ReplicaMethodRun) -> str | None:
         if door
         else ""
     )
+    workers = figures.get("workers")
+    targeted = (
+        f"; gateway workers targeted: {workers['state']} {workers['workers']}"
+        f"{' (' + workers['reason'] + ')' if workers['reason'] else ''}, "
+        f"{workers['misrouted']} targeted calls reached another replica"
+        if workers
+        else ""
+    )
     return (
         f"{PROXY_METHOD}: the proxy's {planned}; router load {figures['load']}, "
         f"max_imbalance {figures['max_imbalance']:g}, {figures['remapped']} requests re-mapped"
-        f"{sent}"
+        f"{sent}{targeted}"
     )
 
 
@@ -178,7 +186,14 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         args.block_size = 32
     count = _check(args)
     methods = methods_for(args.router or "smg", args.methods)
-    settings = ProxySettings(window_ms=_proxy_window_ms(args))
+    cap = getattr(args, "proxy_max_in_flight", 4)
+    if cap < 0:
+        raise ValueError(f"--proxy-max-in-flight must be >= 0 (0: no cap), got {cap}")
+    settings = ProxySettings(
+        window_ms=_proxy_window_ms(args),
+        max_in_flight=cap or None,
+        target_workers=getattr(args, "proxy_target_workers", True),
+    )
     python = require_vllm_python(args.engine_python)
     smg = str(require_smg(getattr(args, "smg_binary", None)))
     model_dir = ensure_model_dir(args.engine_model_dir)

@@ -336,12 +336,15 @@ def _run_through_proxy(
     layout = prepared.layout
     requests = prepared.workload.requests
     order = list(arrivals.order) if arrivals is not None else list(range(len(requests)))
+    # Targeted: SMG's worker index is honoured under consistent_hashing only, and a routing
+    # key's sticky selector would come first (docs/DESIGN.md, "The smg gateway").
+    targeted = settings.target_workers
     with (
         SmgGateway(
             fleet.urls,
-            policy="round_robin",
-            routing_header=ROUTING_HEADER,
-            assignment_mode="delegate",
+            policy="consistent_hashing" if targeted else "round_robin",
+            routing_header=None if targeted else ROUTING_HEADER,
+            assignment_mode=None if targeted else "delegate",
             binary=smg_binary,
         ) as gateway,
         proxy_over_gateway(gateway.base_url, fleet.replica_specs(), layout, settings) as (
@@ -376,6 +379,7 @@ def _run_through_proxy(
             "max_in_flight": routing.order.max_in_flight,
             **routing.order.stats(),
         }
+        figures["workers"] = routing.workers.stats()
         figures["window_ms"] = settings.window_ms
         figures["load"] = router.config.load
         figures["max_imbalance"] = router.config.max_imbalance
@@ -383,7 +387,7 @@ def _run_through_proxy(
     after = fleet.counters()
     return ReplicaMethodRun(
         PROXY_METHOD,
-        _GATEWAYS[PROXY_METHOD],
+        "proxy, smg worker index" if targeted else _GATEWAYS[PROXY_METHOD],
         sent,
         {name: after[name].minus(before[name]) for name in fleet.names},
         seconds=time.perf_counter() - began,
