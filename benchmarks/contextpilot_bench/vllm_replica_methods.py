@@ -18,11 +18,13 @@
 ``contextpilot-routed-direct``
     The same router in its ``"direct"`` mode: each request is sent to its plan's ``base_url``.
 ``contextpilot-proxy-smg``
-    The router hosted in the proxy (:mod:`~contextpilot_bench.proxy_fleet`) in front of the
-    same SMG as ``contextpilot-routed-smg``: each request goes to the proxy with its documents
-    marked in the body (``contextpilot.documents``), in the workload's order, as an app's
-    users send them (it knows no schedule); the proxy plans them on the replica it picks (its
-    KV events, its load) and forwards to SMG with the routing key. With a planning window
+    The router hosted in the proxy (:mod:`~contextpilot_bench.proxy_fleet`) in front of SMG:
+    each request goes to the proxy with its documents marked in the body
+    (``contextpilot.documents``), in the workload's order, as an app's users send them (it
+    knows no schedule); the proxy plans them on the replica it picks (its KV events, its
+    load) and forwards to SMG with the routing key and, by default, the replica's worker index
+    (``ProxySettings.target_workers``: SMG under ``consistent_hashing``; without it the same
+    SMG as ``contextpilot-routed-smg``, the routing key alone). With a planning window
     (``window_ms``) the calls arriving within it are planned as one batch by the router
     (``plan_batch``: partitioned, ordered, scheduled) and forwarded in its schedule order;
     without one each is planned alone as it comes.
