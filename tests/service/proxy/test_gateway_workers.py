@@ -1,17 +1,22 @@
 """The gateway's workers as the fleet's replicas (docs/DESIGN.md, "The proxy"): each replica's
 worker index is learnt from the gateway's answers before a call is targeted, a gateway that
 does not honour the index is never targeted, and a targeted call that lands elsewhere turns
-targeting off. The probes here answer as SMG does (the worker URL of the index, or what a
-round-robin gateway would name); the real gateway is in tests/testbed/test_proxy_smg_replicas.py.
+targeting off; the gateway's answer header moves a call at once. The probes and the stand-in
+gateway here answer as SMG does (the worker URL of the index, or what a round-robin gateway
+would name); the real gateway is in tests/testbed/test_proxy_smg_replicas.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Callable
+from typing import Any
 
+import openai
 import pytest
+from support.asgi_server import serve_in_thread
 
 from contextpilot_integrations.core.replicas.routing_config import ReplicaSpec
 from contextpilot_integrations.service.proxy import gateway_workers
@@ -134,3 +139,72 @@ def test_targeting_needs_the_gateway_mode() -> None:
         {"mode": "gateway", "replicas": [{"name": "a"}], "target_workers": True}
     )
     assert gateway.target_workers
+
+
+def _gateway_app(url: str, target_workers: bool) -> Any:
+    from contextpilot_integrations.service.app import create_app
+    from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
+    from contextpilot_integrations.service.service_config import ServiceConfig
+
+    fleet = {
+        "mode": "gateway",
+        "replicas": [{"name": name, "base_url": f"{u}/v1"} for name, u in URLS.items()],
+        "target_workers": target_workers,
+    }
+    return create_app(ServiceConfig(proxy=ProxyConfig(f"{url}/v1", fleet=fleet)))  # type: ignore[arg-type]
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.02)
+    return condition()
+
+
+def _call(proxy: str, session: str) -> Any:
+    client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="none", max_retries=0, timeout=20)
+    return client.chat.completions.with_raw_response.create(
+        model="plain",
+        messages=[{"role": "user", "content": "Q"}],
+        extra_headers={"x-contextpilot-session": session},
+    )
+
+
+def test_the_gateways_answer_moves_a_call_to_the_replica_it_names(standin) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    state.workers = [URLS["b"]]  # the gateway sends everything to replica b's worker
+    app = _gateway_app(url, target_workers=False)
+    with serve_in_thread(app, lifespan="on", start_timeout_s=10) as proxy:
+        router = app.state.proxy.routing.router_of(None)
+        planned, rids = [], []
+        for n in range(2):
+            raw = _call(proxy, f"c{n}")
+            planned.append(raw.headers["x-contextpilot-replica"])
+            rids.append(raw.headers["x-contextpilot-rid"])
+            # The answer named b's worker: the router knows at once, no KV events needed.
+            assert _wait_for(lambda: router.replica_of(rids[-1]) == "b")
+        # An idle fleet: the first replica; then b holds the first call's load: a again.
+        assert planned == ["a", "a"]
+        assert router.stats()["routing"]["remapped"] == 2
+    # Not asked to target: no calibration call, no target header.
+    assert all("x-smg-target-worker" not in r.headers for r in state.received)
+
+
+def test_calls_carry_their_replicas_worker_index_once_learnt(standin) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    state.workers = [URLS["b"], URLS["a"]]  # the gateway's own order: index 0 is b
+    app = _gateway_app(url, target_workers=True)
+    with serve_in_thread(app, lifespan="on", start_timeout_s=10) as proxy:
+        routing = app.state.proxy.routing
+        assert _wait_for(lambda: routing.workers.state != "pending")
+        assert routing.workers.stats()["workers"] == {"b": 0, "a": 1}
+        calibration = len(state.received)
+        raws = [_call(proxy, f"c{n}") for n in range(2)]
+        router = routing.router_of(None)
+        for raw in raws:
+            planned = raw.headers["x-contextpilot-replica"]
+            assert raw.headers["x-smg-routed-worker-id"] == URLS[planned]
+            assert router.replica_of(raw.headers["x-contextpilot-rid"]) == planned
+        sent = [r.headers["x-smg-target-worker"] for r in state.received[calibration:]]
+        assert sorted(sent) == ["0", "1"]
+        assert router.stats()["routing"]["remapped"] == 0
