@@ -131,6 +131,12 @@ def _sending(arrivals: Arrivals | None) -> str:
     )
 
 
+def _cap(max_in_flight: int | None) -> str:
+    if max_in_flight is None:
+        return "no cap on calls in flight per replica"
+    return f"at most {max_in_flight} in flight per replica"
+
+
 def _proxy_line(run: ReplicaMethodRun) -> str | None:
     """What the proxy's router and window did (the proxy method), for the report."""
     figures = run.router
@@ -146,8 +152,8 @@ def _proxy_line(run: ReplicaMethodRun) -> str | None:
     )
     door = figures.get("door")
     sent = (
-        f"; sent {'in schedule order' if door['ordered'] else 'as they came'}, at most "
-        f"{door['max_in_flight']} in flight per replica ({door['waited']} calls waited at the "
+        f"; sent {'in schedule order' if door['ordered'] else 'as they came'}, "
+        f"{_cap(door['max_in_flight'])} ({door['waited']} calls waited at the "
         f"door, {door['stale']} stale tickets)"
         if door
         else ""
