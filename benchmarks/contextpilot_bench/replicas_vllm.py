@@ -162,7 +162,7 @@ def _proxy_line(run: ReplicaMethodRun) -> str | None:
     targeted = (
         f"; gateway workers targeted: {workers['state']} {workers['workers']}"
         f"{' (' + workers['reason'] + ')' if workers['reason'] else ''}, "
-        f"{workers['misrouted']} targeted calls reached another replica"
+        f"{workers['misrouted']} targeted calls missed their worker"
         if workers
         else ""
     )

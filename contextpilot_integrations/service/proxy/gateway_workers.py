@@ -14,10 +14,11 @@ order, which need not be the order of ``--worker-urls``). :class:`GatewayWorkers
   answers name the same replica and the indexes name every replica once (a gateway that
   ignores the header, under ``round_robin`` say, fails this and is never targeted);
 - :meth:`~GatewayWorkers.headers`: the target header of a replica while targeting is on;
-- :meth:`~GatewayWorkers.check`: a targeted call whose answer names another replica turns
-  targeting off for good (the gateway's workers changed, or it stopped honouring the header):
-  calls go with the routing key alone again, and the router moves calls that landed elsewhere
-  from the answers and the KV events as before.
+- :meth:`~GatewayWorkers.check`: a targeted call whose answer names another replica, or that
+  the gateway refused for want of that worker (a 503 ``no_available_workers``: the worker is
+  down or out of its list, which also shifts the indexes), turns targeting off for good: calls
+  go with the routing key alone again (a client's retry of the refused call with them), and
+  the router moves calls that landed elsewhere from the answers and the KV events as before.
 
 Thread-safe: the state is swapped whole under a lock.
 """
@@ -46,6 +47,12 @@ ROUTED_WORKER_HEADER = "x-smg-routed-worker-id"
 
 TARGET_WORKER_HEADER = "x-smg-target-worker"
 """SMG's request header naming the worker (its 0-based index) under ``consistent_hashing``."""
+
+ERROR_CODE_HEADER = "x-smg-error-code"
+"""SMG's answer header naming why it refused a request."""
+
+NO_WORKER_CODE = "no_available_workers"
+"""The :data:`ERROR_CODE_HEADER` of a request whose target worker is not available (a 503)."""
 
 PROBES_PER_INDEX = 2
 """Requests per worker index in :meth:`GatewayWorkers.calibrate`: two in a row tell a gateway
@@ -114,6 +121,10 @@ class GatewayWorkers:
             self._turn_off(
                 f"a call sent to replica {planned!r}'s worker reached replica {landed!r}"
             )
+        elif targeted and answer_headers.get(ERROR_CODE_HEADER) == NO_WORKER_CODE:
+            # The worker is out of the gateway's list (down, or its circuit breaker open):
+            # the gateway would have routed the call elsewhere without the index.
+            self._turn_off(f"the gateway had no worker for replica {planned!r}'s index")
         return landed
 
     async def calibrate(self, probe: Probe) -> None:
@@ -148,7 +159,8 @@ class GatewayWorkers:
 
     def stats(self) -> dict[str, Any]:
         """``state``, ``workers`` (replica -> worker index), ``reason`` it is off and
-        ``misrouted`` (targeted calls that reached another replica)."""
+        ``misrouted`` (targeted calls that reached another replica, or that the gateway
+        refused for want of the worker)."""
         with self._lock:
             return {
                 "state": self._state,

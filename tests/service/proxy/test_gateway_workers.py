@@ -116,6 +116,15 @@ def test_a_targeted_call_that_lands_elsewhere_turns_targeting_off() -> None:
     assert workers.headers("a") == []
 
 
+def test_a_targeted_call_the_gateway_has_no_worker_for_turns_targeting_off() -> None:
+    workers = GatewayWorkers(SPECS, enabled=True)
+    asyncio.run(workers.calibrate(_probe(lambda i: [URLS["a"], URLS["b"]][i])))
+    refused = {"x-smg-error-code": "no_available_workers"}
+    assert workers.check("a", False, refused) is None and workers.state == "on"
+    assert workers.check("a", True, refused) is None
+    assert workers.state == "off" and "no worker for replica 'a'" in workers.stats()["reason"]
+
+
 def test_not_enabled_it_probes_nothing_and_targets_nothing() -> None:
     workers = GatewayWorkers(SPECS, enabled=False)
 
