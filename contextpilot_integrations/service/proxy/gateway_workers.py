@@ -38,7 +38,13 @@ from contextpilot_integrations.core.replicas.routing_config import ReplicaSpec
 from contextpilot_integrations.service.proxy.fleet_config import engine_url_key
 from contextpilot_integrations.service.proxy.upstream import Upstream
 
-__all__ = ["ROUTED_WORKER_HEADER", "TARGET_WORKER_HEADER", "GatewayWorkers", "upstream_probe"]
+__all__ = [
+    "ROUTED_WORKER_HEADER",
+    "SMG_ROUTING_KEY_HEADER",
+    "TARGET_WORKER_HEADER",
+    "GatewayWorkers",
+    "upstream_probe",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +53,10 @@ ROUTED_WORKER_HEADER = "x-smg-routed-worker-id"
 
 TARGET_WORKER_HEADER = "x-smg-target-worker"
 """SMG's request header naming the worker (its 0-based index) under ``consistent_hashing``."""
+
+SMG_ROUTING_KEY_HEADER = "x-smg-routing-key"
+"""SMG's request header that ``consistent_hashing`` hashes onto its ring of workers when no
+:data:`TARGET_WORKER_HEADER` is given."""
 
 ERROR_CODE_HEADER = "x-smg-error-code"
 """SMG's answer header naming why it refused a request."""

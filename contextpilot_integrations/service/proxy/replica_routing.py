@@ -55,6 +55,7 @@ from contextpilot_integrations.core.window.planning_window import PlanningWindow
 from contextpilot_integrations.llm_call.engine_fields import ROUTING_HEADER, Usage
 from contextpilot_integrations.service.proxy.fleet_config import FleetConfig
 from contextpilot_integrations.service.proxy.gateway_workers import (
+    SMG_ROUTING_KEY_HEADER,
     TARGET_WORKER_HEADER,
     GatewayWorkers,
 )
@@ -300,13 +301,17 @@ class ReplicaRouting:
         return gateway
 
     def request_headers(self, choice: ReplicaChoice | None) -> list[tuple[str, str]]:
-        """The headers the call adds upstream behind a gateway: the routing key, and the
-        target header of its replica's worker while targeting is on."""
+        """The headers the call adds upstream behind a gateway: the routing key, and with
+        ``target_workers`` the same key in SMG's own header (what ``consistent_hashing`` sticks
+        by once targeting is off) and the target header of its replica's worker while
+        targeting is on."""
         if choice is None or self.fleet.direct:
             return []
         out = self.workers.headers(choice.replica)
         if choice.routing_key is not None:
             out.append((ROUTING_HEADER, choice.routing_key))
+            if self.workers.enabled:  # SMG under consistent_hashing hashes this one
+                out.append((SMG_ROUTING_KEY_HEADER, choice.routing_key))
         return out
 
     def answered(

@@ -195,8 +195,9 @@ def test_the_gateways_answer_moves_a_call_to_the_replica_it_names(standin) -> No
         # An idle fleet: the first replica; then b holds the first call's load: a again.
         assert planned == ["a", "a"]
         assert router.stats()["routing"]["remapped"] == 2
-    # Not asked to target: no calibration call, no target header.
+    # Not asked to target: no calibration call, no target header, no SMG key header.
     assert all("x-smg-target-worker" not in r.headers for r in state.received)
+    assert all("x-smg-routing-key" not in r.headers for r in state.received)
 
 
 def test_calls_carry_their_replicas_worker_index_once_learnt(standin) -> None:  # type: ignore[no-untyped-def]
@@ -214,6 +215,9 @@ def test_calls_carry_their_replicas_worker_index_once_learnt(standin) -> None:  
             planned = raw.headers["x-contextpilot-replica"]
             assert raw.headers["x-smg-routed-worker-id"] == URLS[planned]
             assert router.replica_of(raw.headers["x-contextpilot-rid"]) == planned
-        sent = [r.headers["x-smg-target-worker"] for r in state.received[calibration:]]
-        assert sorted(sent) == ["0", "1"]
+        calls = state.received[calibration:]
+        assert sorted(r.headers["x-smg-target-worker"] for r in calls) == ["0", "1"]
+        # The routing key goes in SMG's own header too: what it sticks by once untargeted.
+        assert all(r.headers["x-smg-routing-key"] == r.headers["x-contextpilot-route"]
+                   for r in calls)  # fmt: skip
         assert router.stats()["routing"]["remapped"] == 0
