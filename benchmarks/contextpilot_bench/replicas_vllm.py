@@ -131,6 +131,12 @@ def _sending(arrivals: Arrivals | None) -> str:
     )
 
 
+def _cap(max_in_flight: int | None) -> str:
+    if max_in_flight is None:
+        return "no cap on calls in flight per replica"
+    return f"at most {max_in_flight} in flight per replica"
+
+
 def _proxy_line(run: ReplicaMethodRun) -> str | None:
     """What the proxy's router and window did (the proxy method), for the report."""
     figures = run.router
@@ -146,16 +152,24 @@ def _proxy_line(run: ReplicaMethodRun) -> str | None:
     )
     door = figures.get("door")
     sent = (
-        f"; sent {'in schedule order' if door['ordered'] else 'as they came'}, at most "
-        f"{door['max_in_flight']} in flight per replica ({door['waited']} calls waited at the "
+        f"; sent {'in schedule order' if door['ordered'] else 'as they came'}, "
+        f"{_cap(door['max_in_flight'])} ({door['waited']} calls waited at the "
         f"door, {door['stale']} stale tickets)"
         if door
+        else ""
+    )
+    workers = figures.get("workers")
+    targeted = (
+        f"; gateway workers targeted: {workers['state']} {workers['workers']}"
+        f"{' (' + workers['reason'] + ')' if workers['reason'] else ''}, "
+        f"{workers['misrouted']} targeted calls missed their worker"
+        if workers
         else ""
     )
     return (
         f"{PROXY_METHOD}: the proxy's {planned}; router load {figures['load']}, "
         f"max_imbalance {figures['max_imbalance']:g}, {figures['remapped']} requests re-mapped"
-        f"{sent}"
+        f"{sent}{targeted}"
     )
 
 
@@ -178,7 +192,14 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         args.block_size = 32
     count = _check(args)
     methods = methods_for(args.router or "smg", args.methods)
-    settings = ProxySettings(window_ms=_proxy_window_ms(args))
+    cap = getattr(args, "proxy_max_in_flight", 4)
+    if cap < 0:
+        raise ValueError(f"--proxy-max-in-flight must be >= 0 (0: no cap), got {cap}")
+    settings = ProxySettings(
+        window_ms=_proxy_window_ms(args),
+        max_in_flight=cap or None,
+        target_workers=getattr(args, "proxy_target_workers", True),
+    )
     python = require_vllm_python(args.engine_python)
     smg = str(require_smg(getattr(args, "smg_binary", None)))
     model_dir = ensure_model_dir(args.engine_model_dir)

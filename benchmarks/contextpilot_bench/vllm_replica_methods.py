@@ -18,11 +18,13 @@
 ``contextpilot-routed-direct``
     The same router in its ``"direct"`` mode: each request is sent to its plan's ``base_url``.
 ``contextpilot-proxy-smg``
-    The router hosted in the proxy (:mod:`~contextpilot_bench.proxy_fleet`) in front of the
-    same SMG as ``contextpilot-routed-smg``: each request goes to the proxy with its documents
-    marked in the body (``contextpilot.documents``), in the workload's order, as an app's
-    users send them (it knows no schedule); the proxy plans them on the replica it picks (its
-    KV events, its load) and forwards to SMG with the routing key. With a planning window
+    The router hosted in the proxy (:mod:`~contextpilot_bench.proxy_fleet`) in front of SMG:
+    each request goes to the proxy with its documents marked in the body
+    (``contextpilot.documents``), in the workload's order, as an app's users send them (it
+    knows no schedule); the proxy plans them on the replica it picks (its KV events, its
+    load) and forwards to SMG with the routing key and, by default, the replica's worker index
+    (``ProxySettings.target_workers``: SMG under ``consistent_hashing``; without it the same
+    SMG as ``contextpilot-routed-smg``, the routing key alone). With a planning window
     (``window_ms``) the calls arriving within it are planned as one batch by the router
     (``plan_batch``: partitioned, ordered, scheduled) and forwarded in its schedule order;
     without one each is planned alone as it comes.
@@ -336,12 +338,15 @@ def _run_through_proxy(
     layout = prepared.layout
     requests = prepared.workload.requests
     order = list(arrivals.order) if arrivals is not None else list(range(len(requests)))
+    # Targeted: SMG's worker index is honoured under consistent_hashing only, and a routing
+    # key's sticky selector would come first (docs/DESIGN.md, "The smg gateway").
+    targeted = settings.target_workers
     with (
         SmgGateway(
             fleet.urls,
-            policy="round_robin",
-            routing_header=ROUTING_HEADER,
-            assignment_mode="delegate",
+            policy="consistent_hashing" if targeted else "round_robin",
+            routing_header=None if targeted else ROUTING_HEADER,
+            assignment_mode=None if targeted else "delegate",
             binary=smg_binary,
         ) as gateway,
         proxy_over_gateway(gateway.base_url, fleet.replica_specs(), layout, settings) as (
@@ -376,6 +381,7 @@ def _run_through_proxy(
             "max_in_flight": routing.order.max_in_flight,
             **routing.order.stats(),
         }
+        figures["workers"] = routing.workers.stats()
         figures["window_ms"] = settings.window_ms
         figures["load"] = router.config.load
         figures["max_imbalance"] = router.config.max_imbalance
@@ -383,7 +389,7 @@ def _run_through_proxy(
     after = fleet.counters()
     return ReplicaMethodRun(
         PROXY_METHOD,
-        _GATEWAYS[PROXY_METHOD],
+        "proxy, smg worker index" if targeted else _GATEWAYS[PROXY_METHOD],
         sent,
         {name: after[name].minus(before[name]) for name in fleet.names},
         seconds=time.perf_counter() - began,

@@ -39,6 +39,8 @@ browser cannot send a bearer key). Without keys all three are served.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -125,11 +127,17 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     service: IndexService = app.state.service
     # Their own limiters: worker threads stuck in a call must not keep these from running.
     await anyio.to_thread.run_sync(service.start, limiter=anyio.CapacityLimiter(1))
+    calibrating: asyncio.Task[None] | None = None
     if app.state.proxy is not None:
         await anyio.to_thread.run_sync(app.state.proxy.start, limiter=anyio.CapacityLimiter(1))
+        calibrating = asyncio.create_task(app.state.proxy.calibrate_workers())
     try:
         yield
     finally:
+        if calibrating is not None:
+            calibrating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await calibrating
         if app.state.proxy is not None:
             await app.state.proxy.aclose()
         await anyio.to_thread.run_sync(

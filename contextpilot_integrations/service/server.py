@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="JSON",
         help="a JSON file of the fleet: mode (direct, gateway), replicas (name, base_url, "
-        "cache_sync), load, max_imbalance, retry_down_s, ordered, max_in_flight",
+        "cache_sync), load, max_imbalance, retry_down_s, ordered, max_in_flight, target_workers",
     )
     proxy.add_argument(
         "--replica-order",
@@ -331,6 +331,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="most calls with documents out at once per replica (default: no cap)",
+    )
+    proxy.add_argument(
+        "--target-workers",
+        action="store_true",
+        default=None,
+        help="behind SMG run with --policy consistent_hashing: send each call to its "
+        "replica's worker (x-smg-target-worker), each replica's worker index learnt from "
+        "the gateway's answers first (default: the routing key alone)",
     )
     proxy.add_argument(
         "--upstream-timeout",
@@ -614,6 +622,7 @@ def _fleet(args: argparse.Namespace) -> dict[str, Any] | None:
             for name, value in (
                 ("--replica-order", args.replica_order),
                 ("--replica-max-in-flight", args.replica_max_in_flight),
+                ("--target-workers", args.target_workers),
             )
             if value is not None
         ]
@@ -635,11 +644,14 @@ def _fleet(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _with_door(fleet: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """``fleet`` with ``--replica-order`` and ``--replica-max-in-flight`` where given."""
+    """``fleet`` with ``--replica-order``, ``--replica-max-in-flight`` and
+    ``--target-workers`` where given."""
     if args.replica_order is not None:
         fleet["ordered"] = args.replica_order == "schedule"
     if args.replica_max_in_flight is not None:
         fleet["max_in_flight"] = args.replica_max_in_flight
+    if args.target_workers is not None:
+        fleet["target_workers"] = args.target_workers
     return fleet
 
 

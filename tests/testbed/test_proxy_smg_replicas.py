@@ -53,8 +53,9 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float = 20.0) -> bool:
     return condition()
 
 
+@pytest.mark.parametrize("targeted", [False, True], ids=["routing-key", "worker-index"])
 def test_calls_through_the_proxy_and_smg_are_routed_by_key_and_followed_per_replica(
-    model_dir: Path,
+    model_dir: Path, targeted: bool
 ) -> None:
     prepared = prepare_multihop(model_dir, CALLS, TOP_K)
     max_model_len, usable = kv_cache_blocks(model_dir, prepared, BLOCK_SIZE, CALLS + REPEATS)
@@ -67,17 +68,27 @@ def test_calls_through_the_proxy_and_smg_are_routed_by_key_and_followed_per_repl
             max_model_len=max_model_len + 512, startup_timeout=600,
         ) as fleet,
         SmgGateway(
+            fleet.urls, policy="consistent_hashing", routing_header=None, assignment_mode=None,
+        ) if targeted else SmgGateway(
             fleet.urls, policy="round_robin", routing_header=ROUTING_HEADER,
             assignment_mode="delegate",
         ) as gateway,
     ):  # fmt: skip
         before = fleet.counters()
-        fleet_config = {"mode": "gateway", "replicas": fleet.replica_specs()}
+        fleet_config = {
+            "mode": "gateway", "replicas": fleet.replica_specs(), "target_workers": targeted,
+        }  # fmt: skip
         config = ServiceConfig(proxy=ProxyConfig(f"{gateway.base_url}/v1", fleet=fleet_config))
         app = create_app(config)
         with serve_in_thread(app, lifespan="on", start_timeout_s=20) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-            router = app.state.proxy.routing.router_of(None)
+            routing = app.state.proxy.routing
+            router = routing.router_of(None)
+            if targeted:  # each replica's worker index learnt from the gateway's answers
+                assert _wait_for(lambda: routing.workers.state != "pending", 60.0)
+                assert routing.workers.stats()["state"] == "on", routing.workers.stats()
+                assert sorted(routing.workers.stats()["workers"].values()) == [0, 1]
+                before = fleet.counters()  # the calibration's calls are not the test's
             planned: dict[str, str] = {}
             rids: list[str] = []
             for i, (query, documents) in enumerate(calls):
@@ -90,6 +101,11 @@ def test_calls_through_the_proxy_and_smg_are_routed_by_key_and_followed_per_repl
                 )
                 rids.append(raw.headers["x-contextpilot-rid"])
                 planned[rids[-1]] = raw.headers["x-contextpilot-replica"]
+                # The gateway's answer names the worker: the call's replica is known at once.
+                worker = routing.workers.replica_at(raw.headers["x-smg-routed-worker-id"])
+                assert _wait_for(lambda w=worker: router.replica_of(rids[-1]) == w, 5.0)
+                if targeted:  # sent to the planned replica's worker, and it went there
+                    assert worker == planned[rids[-1]]
                 if i == CALLS - 1:  # the repeats are planned knowing where the first landed
                     assert fleet.wait_for_events()
                     assert _wait_for(lambda: all(router.replica_of(rid) for rid in rids))
@@ -101,6 +117,9 @@ def test_calls_through_the_proxy_and_smg_are_routed_by_key_and_followed_per_repl
             assert all(replica["confirmed"] for replica in stats.values()), stats
             landed = {router.replica_of(rid) for rid in planned}
             assert landed == set(fleet.names)
+            if targeted:
+                assert router.stats()["routing"]["remapped"] == 0
+                assert routing.workers.stats()["misrouted"] == 0
             for name in fleet.names:
                 assert stats[name]["index"]["requests"] > 0
                 assert stats[name]["sync"]["engine_connected"]

@@ -12,7 +12,7 @@ proxy", "Replicas and routing"). The fleet is a mapping (a config file, CLI flag
          "cache_sync": {"kind": "kv-events", "endpoint": "tcp://127.0.0.1:5559",
                         "topic": "kv-events"}}],
      "load": "recent-tokens", "max_imbalance": 1.25, "retry_down_s": 5.0,
-     "ordered": true, "max_in_flight": 4}
+     "ordered": true, "max_in_flight": 4, "target_workers": false}
 
 ``"direct"``: the proxy forwards each call to its replica's ``base_url`` (every replica needs
 one). ``"gateway"``: the proxy's ``upstream_url`` is a gateway (smg) that routes on the
@@ -29,7 +29,10 @@ previous one started its answer, and at most ``max_in_flight`` out at once per r
 are off by default: an answer that is not streamed starts only when it is whole, so ordered
 calls of such a client run one at a time per replica, and a cap holds calls back from an
 engine that would batch them; they pay under bursts of calls that share documents behind a
-gateway that spills busy keys (docs/DESIGN.md, "The proxy").
+gateway that spills busy keys (docs/DESIGN.md, "The proxy"). ``target_workers`` (gateway mode
+only, off by default) sends each call to its replica's worker by SMG's worker-index header,
+each replica's index learnt from the gateway's answers before it is used
+(:mod:`.gateway_workers`).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from contextpilot_integrations.sync.configuration import CacheSyncConfig
 
 __all__ = ["FleetConfig"]
 
-_OWN_KEYS = frozenset({"retry_down_s", "ordered", "max_in_flight"})
+_OWN_KEYS = frozenset({"retry_down_s", "ordered", "max_in_flight", "target_workers"})
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,9 @@ class FleetConfig:
             handed out, each once the previous one started its answer.
         max_in_flight: most calls with documents out at once per replica (>= 1); ``None``
             (default): no cap.
+        target_workers: behind a gateway, send each call to its replica's worker by the
+            gateway's target header, each replica's worker index learnt from the gateway's
+            answers first (:mod:`.gateway_workers`); off by default.
 
     Raises:
         ValueError: a bad field, named (``fleet.replicas[1].base_url ...``).
@@ -77,6 +83,7 @@ class FleetConfig:
     retry_down_s: float = 5.0
     ordered: bool = False
     max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT
+    target_workers: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.router, RouterConfig):
@@ -92,6 +99,12 @@ class FleetConfig:
             raise ValueError(f"fleet.retry_down_s must be a positive number, got {retry!r}")
         if not isinstance(self.ordered, bool):
             raise ValueError(f"fleet.ordered must be true or false, got {self.ordered!r}")
+        if not isinstance(self.target_workers, bool):
+            raise ValueError(
+                f"fleet.target_workers must be true or false, got {self.target_workers!r}"
+            )
+        if self.target_workers and self.router.mode != "gateway":
+            raise ValueError("fleet.target_workers needs the gateway mode (--upstream a gateway)")
         cap = self.max_in_flight
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError(f"fleet.max_in_flight must be an int >= 1 or null, got {cap!r}")

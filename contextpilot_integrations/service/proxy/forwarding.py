@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -187,6 +187,10 @@ class ForwardedAnswer(Response):
         self.on_started: Callable[[], None] | None = None
         """Called once, on the event loop, when the upstream's answer starts: its first body
         bytes (a streaming engine's first token), or its end."""
+        self.on_headers: Callable[[Mapping[str, str]], None] | None = None
+        """Called once, on the event loop, with the upstream's answer headers (a gateway's
+        word on where the call went: :mod:`.gateway_workers`); an error in it is logged, the
+        answer goes on."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         progress = _Progress()
@@ -316,6 +320,7 @@ class ForwardedAnswer(Response):
         ended = False
         try:
             status = response.status
+            self._read_headers(response.headers)
             watch = (
                 UsageWatch(response.headers.get("content-type", ""))
                 if self._on_usage is not None and 200 <= status < 300
@@ -352,6 +357,15 @@ class ForwardedAnswer(Response):
                 response.release()
             else:
                 response.close()
+
+    def _read_headers(self, headers: Mapping[str, str]) -> None:
+        """Tell :attr:`on_headers` once."""
+        read, self.on_headers = self.on_headers, None
+        if read is not None:
+            try:
+                read(headers)
+            except Exception:
+                logger.exception("reading the upstream's answer headers failed")
 
     def _started(self) -> None:
         """Tell :attr:`on_started` once."""

@@ -54,6 +54,11 @@ from contextpilot_integrations.core.request import Scope
 from contextpilot_integrations.core.window.planning_window import PlanningWindow
 from contextpilot_integrations.llm_call.engine_fields import ROUTING_HEADER, Usage
 from contextpilot_integrations.service.proxy.fleet_config import FleetConfig
+from contextpilot_integrations.service.proxy.gateway_workers import (
+    SMG_ROUTING_KEY_HEADER,
+    TARGET_WORKER_HEADER,
+    GatewayWorkers,
+)
 from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
 from contextpilot_integrations.service.proxy.replica_order import ReplicaOrder
 from contextpilot_integrations.service.proxy.upstream import Upstream
@@ -232,6 +237,9 @@ class ReplicaRouting:
             ordered=self.fleet.ordered, max_in_flight=self.fleet.max_in_flight
         )
         """The door of the calls with documents to each replica (their order, in flight)."""
+        self.workers = GatewayWorkers(specs, enabled=self.fleet.target_workers)
+        """The replicas as the gateway's workers: where its answers say a call went, and the
+        worker index a call is sent to (the fleet's ``target_workers``)."""
         self._windows: dict[str | None, PlanningWindow] = {}
         if window_ms > 0:
             for owner, router in self._routers.items():
@@ -293,10 +301,34 @@ class ReplicaRouting:
         return gateway
 
     def request_headers(self, choice: ReplicaChoice | None) -> list[tuple[str, str]]:
-        """The headers the call adds upstream: the routing key behind a gateway."""
-        if choice is not None and choice.routing_key is not None:
-            return [(ROUTING_HEADER, choice.routing_key)]
-        return []
+        """The headers the call adds upstream behind a gateway: the routing key, and with
+        ``target_workers`` the same key in SMG's own header (what ``consistent_hashing`` sticks
+        by once targeting is off) and the target header of its replica's worker while
+        targeting is on."""
+        if choice is None or self.fleet.direct:
+            return []
+        out = self.workers.headers(choice.replica)
+        if choice.routing_key is not None:
+            out.append((ROUTING_HEADER, choice.routing_key))
+            if self.workers.enabled:  # SMG under consistent_hashing hashes this one
+                out.append((SMG_ROUTING_KEY_HEADER, choice.routing_key))
+        return out
+
+    def answered(
+        self, choice: ReplicaChoice, sent: list[tuple[str, str]], headers: Mapping[str, str]
+    ) -> str | None:
+        """The replica the gateway's answer (its ``headers``) says the call planned for
+        ``choice`` with the headers ``sent`` reached (None: it does not say, or direct). A
+        targeted call that reached another replica turns targeting off."""
+        if self.fleet.direct:
+            return None
+        targeted = any(name == TARGET_WORKER_HEADER for name, _ in sent)
+        return self.workers.check(choice.replica, targeted, headers)
+
+    def landed(self, tenant: str | None, rid: str, replica: str) -> None:
+        """The gateway's answer says the call ``rid`` reached ``replica``: its router learns
+        where its key went and moves it there if it was planned elsewhere. Blocking."""
+        self.router_of(tenant).landed(rid, replica)
 
     def pass_through_choice(self) -> ReplicaChoice | None:
         """The replica a passed-through request goes to (direct: the first one up; behind a

@@ -72,6 +72,7 @@ from contextpilot_integrations.service.proxy.forwarding import (
     ProxyCounters,
     Reroute,
 )
+from contextpilot_integrations.service.proxy.gateway_workers import upstream_probe
 from contextpilot_integrations.service.proxy.peers import Peers
 from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
 from contextpilot_integrations.service.proxy.replica_health import ReplicaProbes
@@ -294,8 +295,10 @@ class Proxy:
             return ForwardedAnswer(self.upstream, method, path, query, headers, body, **options)
         report = list(options.pop("report", ()))
         reroute: Reroute | None = None
+        sent: list[tuple[str, str]] = []
         if choice is not None:
-            headers = headers + routing.request_headers(choice)
+            sent = routing.request_headers(choice)
+            headers = headers + sent
             report.append(_replica_header(choice))
             routing.sent(choice)
             tried: set[str] = set()
@@ -315,6 +318,8 @@ class Proxy:
         )  # fmt: skip
         if rid is None:
             return answer
+        if choice is not None and not routing.fleet.direct:
+            answer.on_headers = functools.partial(self._answered, tenant, rid, choice, sent)
         over = None
         if ordered and choice is not None:
             order = routing.order
@@ -322,6 +327,37 @@ class Proxy:
             answer.on_started = functools.partial(order.started, rid)
             over = functools.partial(order.finish, rid)
         return _Ended(answer, functools.partial(routing.ended, tenant, rid), over)
+
+    def _answered(
+        self,
+        tenant: str | None,
+        rid: str,
+        choice: ReplicaChoice,
+        sent: list[tuple[str, str]],
+        headers: Mapping[str, str],
+    ) -> None:
+        """The gateway's answer to ``rid`` started (on the event loop): where it says the call
+        went is handed to the usage thread (the router learns it there, in order with the
+        call's usage)."""
+        assert self.routing is not None
+        landed = self.routing.answered(choice, sent, headers)
+        if landed is not None:
+            self._usage_thread.submit(self._landed_logged, tenant, rid, landed)
+
+    def _landed_logged(self, tenant: str | None, rid: str, replica: str) -> None:
+        assert self.routing is not None
+        try:
+            self.routing.landed(tenant, rid, replica)
+        except Exception:
+            logger.exception("following where the gateway sent %s failed", rid)
+
+    async def calibrate_workers(self) -> None:
+        """Learn the gateway's worker index of each replica (the fleet's ``target_workers``;
+        :mod:`.gateway_workers`); returns at once without it. Runs until the gateway decided,
+        on the event loop (the service's lifespan starts it)."""
+        if self.routing is None or not self.routing.workers.enabled:
+            return
+        await self.routing.workers.calibrate(upstream_probe(self.upstream))
 
     def abandoned(self, tenant: str | None, call: PreparedCall) -> None:
         """``call`` was prepared for a client that left before it was forwarded (while it

@@ -320,6 +320,9 @@ def test_the_fleet_from_the_command_line(tmp_path: Path) -> None:
                             "topic": "kv-events"}  # fmt: skip
     gateway = _config(["--upstream", "http://127.0.0.1:30000", "--replica", "http://r:1"]).proxy
     assert gateway is not None and gateway.fleet is not None and not gateway.fleet.direct
+    assert not gateway.fleet.target_workers  # the routing key alone unless asked
+    targeted = _config(["--upstream", "http://g:1", "--replica", "http://r:1", "--target-workers"])
+    assert targeted.proxy.fleet.target_workers
     assert gateway.upstream_url == "http://127.0.0.1:30000"
     path = tmp_path / "fleet.json"
     path.write_text(json.dumps({"replicas": [{"name": "x", "base_url": "http://x:1/v1"}],
@@ -342,6 +345,8 @@ def test_the_fleet_from_the_command_line(tmp_path: Path) -> None:
         (["--replica", "http://a", "--replicas-config", "f.json"], "not both"),
         (["--replicas-config", "/nonexistent/fleet.json"], "--replicas-config"),
         (["--replica-order", "arrival"], "--replica-order needs replicas"),
+        (["--target-workers"], "--target-workers needs replicas"),
+        (["--replica", "http://a", "--target-workers"], "target_workers needs the gateway mode"),
     ],
 )  # fmt: skip
 def test_inconsistent_replica_options_are_refused(argv: list[str], words: str) -> None:

@@ -74,7 +74,18 @@ class StandIn:
     release: threading.Event = field(default_factory=threading.Event)
     timeline: dict[str, list[float]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    workers: list[str] = field(default_factory=list)
+    """Gateway workers (URLs) it answers as, as SMG under ``consistent_hashing`` does: a
+    request's ``x-smg-target-worker: I`` names ``workers[I]``, else ``workers[0]``, and a
+    non-streamed answer names it in ``x-smg-routed-worker-id``; empty: no such header."""
     _prefixes: list[str] = field(default_factory=list)
+
+    def routed_worker(self, headers: Any) -> dict[str, str]:
+        """The answer header naming the worker a request went to (see :attr:`workers`)."""
+        if not self.workers:
+            return {}
+        index = headers.get("x-smg-target-worker")
+        return {"x-smg-routed-worker-id": self.workers[int(index) if index else 0]}
 
     def bodies(self, path: str) -> list[dict[str, Any]]:
         with self.lock:
@@ -194,7 +205,11 @@ def standin_app(state: StandIn) -> FastAPI:
                     "choices": [{"index": 0, "message": message, "finish_reason": finish}],
                     "usage": usage,
                 },
-                headers=own if model == "own-headers" else None,
+                headers={
+                    **(own if model == "own-headers" else {}),
+                    **state.routed_worker(request.headers),
+                }
+                or None,
             )
         chunk = {**base, "object": "chat.completion.chunk"}
         delta: dict[str, Any] = {"role": "assistant", "content": "" if call else "do"}
