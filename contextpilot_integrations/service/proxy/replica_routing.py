@@ -178,6 +178,10 @@ class _TenantLinkView:
         return self._link.stats()
 
 
+_GATEWAY_CONTROLS = frozenset({ROUTING_HEADER, SMG_ROUTING_KEY_HEADER, TARGET_WORKER_HEADER})
+"""Request headers (lower-case) by which the proxy steers a call behind a gateway."""
+
+
 class ReplicaRouting:
     """The proxy's replica routers, shared links and upstreams (module docstring).
 
@@ -299,6 +303,15 @@ class ReplicaRouting:
         if choice is not None and self.fleet.direct:
             return self._upstreams[choice.replica]
         return gateway
+
+    def without_gateway_controls(self, given: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The client's headers ``given`` less, behind a gateway, the ones by which the proxy
+        steers it (the routing key, SMG's key and target worker): a client's own would send
+        its call to another worker than planned, and a targeted call that lands elsewhere
+        turns targeting off for every tenant."""
+        if self.fleet.direct:
+            return given
+        return [item for item in given if item[0] not in _GATEWAY_CONTROLS]
 
     def request_headers(self, choice: ReplicaChoice | None) -> list[tuple[str, str]]:
         """The headers the call adds upstream behind a gateway: the routing key, and with

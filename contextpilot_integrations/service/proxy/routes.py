@@ -296,6 +296,7 @@ class Proxy:
         report = list(options.pop("report", ()))
         reroute: Reroute | None = None
         sent: list[tuple[str, str]] = []
+        headers = routing.without_gateway_controls(headers)
         if choice is not None:
             sent = routing.request_headers(choice)
             headers = headers + sent

@@ -170,12 +170,12 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
     return condition()
 
 
-def _call(proxy: str, session: str) -> Any:
+def _call(proxy: str, session: str, **headers: str) -> Any:
     client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="none", max_retries=0, timeout=20)
     return client.chat.completions.with_raw_response.create(
         model="plain",
         messages=[{"role": "user", "content": "Q"}],
-        extra_headers={"x-contextpilot-session": session},
+        extra_headers={"x-contextpilot-session": session, **headers},
     )
 
 
@@ -221,3 +221,26 @@ def test_calls_carry_their_replicas_worker_index_once_learnt(standin) -> None:  
         assert all(r.headers["x-smg-routing-key"] == r.headers["x-contextpilot-route"]
                    for r in calls)  # fmt: skip
         assert router.stats()["routing"]["remapped"] == 0
+
+
+def test_a_clients_own_gateway_controls_are_dropped(standin) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    state.workers = [URLS["a"], URLS["b"]]
+    app = _gateway_app(url, target_workers=True)
+    hostile = {"x-smg-target-worker": "1", "x-smg-routing-key": "mine"}
+    with serve_in_thread(app, lifespan="on", start_timeout_s=10) as proxy:
+        routing = app.state.proxy.routing
+        assert _wait_for(lambda: routing.workers.state != "pending")
+        calibration = len(state.received)
+        raws = [_call(proxy, f"c{n}", **hostile) for n in range(2)]
+        # Each call reached the replica planned for it, not the client's worker 1, so
+        # targeting stays on for every tenant.
+        assert [r.headers["x-smg-routed-worker-id"] for r in raws] == [
+            URLS[r.headers["x-contextpilot-replica"]] for r in raws
+        ]
+        assert routing.workers.state == "on"
+    # The stand-in reads the first of repeated headers: the proxy's, not the client's.
+    calls = state.received[calibration:]
+    assert sorted(r.headers["x-smg-target-worker"] for r in calls) == ["0", "1"]
+    assert all(r.headers["x-smg-routing-key"] == r.headers["x-contextpilot-route"]
+               for r in calls)  # fmt: skip
