@@ -727,6 +727,14 @@ def _keys(
 _OPEN_HINT = " (to run without authentication, pass --no-auth and no key option or variable)"
 
 
+def apply_collection_policy() -> None:
+    """The garbage collector's policy for serving (docs/DESIGN.md, "The proxy"): what lives as
+    long as the process (modules, the app) is collected once and frozen out of the collector's
+    full passes, which stop every request; Python's thresholds are kept."""
+    gc.collect()
+    gc.freeze()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``contextpilot-server``; returns the exit status."""
     parser = build_parser()
@@ -741,10 +749,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         app = create_app(config)
     except ValueError as exc:
         parser.error(str(exc))
-    # The modules and the app live as long as the process: out of the collector's full
-    # passes, which stop every request (docs/DESIGN.md, "The proxy").
-    gc.collect()
-    gc.freeze()
+    apply_collection_policy()
     uvicorn.run(
         app,
         host=args.host,

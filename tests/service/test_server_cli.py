@@ -4,6 +4,7 @@ the server rather than leave it open."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -184,6 +185,24 @@ def test_a_key_source_without_a_key_is_refused_naming_it(  # type: ignore[no-unt
     err = capsys.readouterr().err
     assert words in err and " k " not in err
     assert "--no-auth" in err or "printable ASCII" in err  # how to run open on purpose
+
+
+def test_the_server_serves_under_its_collection_policy(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # docs/DESIGN.md, "The proxy": the modules and the app are frozen out of the collector's
+    # full passes when uvicorn starts serving (the app, made by main, among them).
+    seen: list[tuple[int, bool]] = []
+
+    def started(app, **kwargs):  # type: ignore[no-untyped-def]
+        frozen_app = gc.is_tracked(app) and all(o is not app for o in gc.get_objects())
+        seen.append((gc.get_freeze_count(), frozen_app))
+
+    monkeypatch.setattr(server_module.uvicorn, "run", started)
+    try:
+        assert main(["--no-auth", "--port", "0"]) == 0
+    finally:
+        gc.unfreeze()
+    [(frozen, app_frozen)] = seen
+    assert frozen > 0 and app_frozen
 
 
 def test_a_key_file_naming_no_tenant_stops_the_real_server(tmp_path: Path) -> None:
