@@ -148,18 +148,11 @@ def place_blocks(
 
     if scope.conversation_id is None:
         # Every block is shown as given: :func:`show` inlined (docs/DESIGN.md, "Hot path").
-        texts, ids, tokens, indices, label = (
-            blocks.texts,
-            blocks.ids,
-            blocks.tokens,
-            blocks.indices,
-            layout.label,
-        )
-        for position, p in enumerate(aligned):
-            index, text, name = indices[p], texts[p], label(position)
-            placement = Placement(
-                index, PlacementStatus.SHOWN, text, ids[p], tokens[p], position, name, text
-            )
+        texts, ids, tokens, indices = blocks.texts, blocks.ids, blocks.tokens, blocks.indices
+        shown_block = Placement.shown_block
+        for position, (p, name) in enumerate(zip(aligned, layout.labels(len(aligned)))):
+            index = indices[p]
+            placement = shown_block(index, texts[p], ids[p], tokens[p], position, name)
             placements[index] = placement
             shown.append(placement)
             references[index] = name

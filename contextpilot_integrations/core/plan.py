@@ -79,6 +79,27 @@ class Placement:
     hint: str | None = None
     duplicate_of: int | None = None
 
+    @classmethod
+    def shown_block(
+        cls, index: int, text: str, block_id: int, tokens: int, position: int, label: str
+    ) -> Placement:
+        """The placement of a block shown as given (``rendered_text`` is ``text``): equal to
+        ``Placement(index, PlacementStatus.SHOWN, text, block_id, tokens, position, label,
+        text)``, made by setting its slots directly, as the frozen ``__init__`` does through
+        ``object.__setattr__`` field by field (docs/DESIGN.md, "Hot path")."""
+        placement = _new_object(cls)
+        _set_index(placement, index)
+        _set_status(placement, PlacementStatus.SHOWN)
+        _set_text(placement, text)
+        _set_block_id(placement, block_id)
+        _set_tokens(placement, tokens)
+        _set_position(placement, position)
+        _set_label(placement, label)
+        _set_rendered_text(placement, text)
+        _set_hint(placement, None)
+        _set_duplicate_of(placement, None)
+        return placement
+
     @property
     def shown(self) -> bool:
         """Whether the prompt shows the block."""
@@ -89,6 +110,35 @@ class Placement:
         """What the prompt shows for this input: the rendered text, the hint, or ``None``
         (duplicate, skipped)."""
         return self.rendered_text if self.rendered_text is not None else self.hint
+
+
+_new_object = object.__new__
+(
+    _set_index,
+    _set_status,
+    _set_text,
+    _set_block_id,
+    _set_tokens,
+    _set_position,
+    _set_label,
+    _set_rendered_text,
+    _set_hint,
+    _set_duplicate_of,
+) = (
+    getattr(Placement, name).__set__
+    for name in (
+        "index",
+        "status",
+        "text",
+        "block_id",
+        "tokens",
+        "position",
+        "label",
+        "rendered_text",
+        "hint",
+        "duplicate_of",
+    )
+)
 
 
 @dataclass(frozen=True, slots=True)

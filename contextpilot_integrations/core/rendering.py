@@ -34,6 +34,13 @@ def _format_label(template: str, number: int) -> str:
     return template.format(position=number)
 
 
+@functools.lru_cache(maxsize=1024)
+def _format_labels(template: str, count: int) -> tuple[str, ...]:
+    # A prompt of ``count`` blocks shows the labels of positions 0 .. count - 1: one look-up
+    # per prompt, not one per block (docs/DESIGN.md, "Hot path").
+    return tuple(_format_label(template, number) for number in range(1, count + 1))
+
+
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the documents below. "
     "Cite documents by their labels, for example [Doc 1]."
@@ -99,6 +106,10 @@ class PromptLayout:
         """Label of 0-based prompt position ``position`` (``"[Doc 1]"`` for 0)."""
         return _format_label(self.label_template, position + 1)
 
+    def labels(self, count: int) -> tuple[str, ...]:
+        """Labels of prompt positions ``0 .. count - 1``, in order."""
+        return _format_labels(self.label_template, count)
+
     def render_block(self, position: int, text: str) -> str:
         """The rendered block at 0-based ``position``: label, text, separator."""
         return self.block_template.format(label=self.label(position), text=text)
@@ -163,8 +174,11 @@ class PromptLayout:
                 [self.label(p) for p in annotation_order] if annotation_order is not None else []
             )
         # :meth:`render_block` of each, its pieces looked up once (docs/DESIGN.md, "Hot path").
-        block_format, label = self.block_template.format, self.label
-        rendered = [block_format(label=label(i), text=text) for i, text in enumerate(blocks)]
+        block_format = self.block_template.format
+        rendered = [
+            block_format(label=label, text=text)
+            for label, text in zip(self.labels(len(blocks)), blocks)
+        ]
         tail = self.tail(question, annotation_labels=annotation_labels, hints=hints)
         return [self.system_segment(), *rendered, tail]
 
