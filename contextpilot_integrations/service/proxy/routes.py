@@ -21,8 +21,10 @@ planned and reported is the text the client sent.
 
 Tenants: on a service with keys, a request's tenant is the one its key belongs to: the
 ``x-contextpilot-api-key`` header, else ``Authorization: Bearer <key>``, else ``x-api-key``
-(what the Anthropic SDK sends); a missing or unknown key is a 401 and nothing is forwarded.
-The key is not forwarded unless ``pass_client_key`` (:mod:`.upstream`).
+(what the Anthropic SDK sends); a missing or unknown key, or keys of two tenants, is a 401 and
+nothing is forwarded. The key is not forwarded; with ``pass_client_key`` the tenant key is read
+from ``x-contextpilot-api-key`` alone, as the client's own ``Authorization`` and ``x-api-key``
+go upstream (:mod:`.upstream`).
 
 With a fleet (:mod:`.replica_routing`), each call goes to the replica its tenant's router
 chooses (its base URL, or the gateway with the routing key header), ``x-contextpilot-replica``
@@ -192,26 +194,38 @@ class Proxy:
 
     def tenant_of(self, headers: Mapping[str, str]) -> str | None:
         """The tenant of the key in a request's ``headers`` (``None`` on a service without
-        keys).
+        keys). With ``pass_client_key`` only ``x-contextpilot-api-key`` is read: the client's
+        ``Authorization`` and ``x-api-key`` are its upstream credentials and go upstream, so a
+        tenant key read from them would be forwarded.
 
         Raises:
-            PermissionError: a missing or unknown key.
+            PermissionError: a missing or unknown key, or keys of two tenants.
         """
         tenancy = self.service.tenancy
         if not tenancy.keyed:
             return None
         key = headers.get(TENANT_KEY_HEADER)
-        if key is None:
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            key = token.strip() if scheme.lower() == "bearer" and token.strip() else None
-        if key is None:
-            key = headers.get("x-api-key")
-        tenant = tenancy.tenant_of(key) if key else None
+        if self.upstream.config.pass_client_key:
+            tenant = tenancy.tenant_of(key) if key else None
+            if tenant is None:
+                raise PermissionError(
+                    f"missing or wrong API key ({TENANT_KEY_HEADER}: with the client's key "
+                    "passed upstream, the tenant key goes only there)"
+                )
+            return tenant
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        bearer = token.strip() if scheme.lower() == "bearer" and token.strip() else None
+        keys = [k for k in (key, bearer, headers.get("x-api-key")) if k]
+        tenant = tenancy.tenant_of(keys[0]) if keys else None
         if tenant is None:
             raise PermissionError(
                 f"missing or wrong API key ({TENANT_KEY_HEADER}, Authorization: Bearer, or "
                 "x-api-key)"
             )
+        # Fail closed on a request that carries two tenants' keys: which one it means is
+        # the client's to say, not the proxy's to pick.
+        if any(tenancy.tenant_of(other) not in (None, tenant) for other in keys[1:]):
+            raise PermissionError("keys of two tenants in one request")
         return tenant
 
     def _record_plan(

@@ -149,6 +149,30 @@ def test_with_pass_through_the_tenant_key_stays_and_the_client_key_goes(standin)
     assert "alice-key" not in json.dumps(headers)
 
 
+def test_a_tenant_key_is_never_read_from_credentials_that_go_upstream(standin) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+    with serve_proxy(url, {"pass_client_key": True}, tenants=TENANTS) as proxy:
+        # The tenant key as the client's upstream key: refused, not forwarded upstream.
+        for header in ({"authorization": "Bearer alice-key"}, {"x-api-key": "alice-key"}):
+            answer = httpx.post(f"{proxy}/v1/chat/completions", json=body, headers=header)
+            assert answer.status_code == 401, answer.text
+    assert state.received == []
+
+
+def test_keys_of_two_tenants_in_one_request_are_refused(standin) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+    with serve_proxy(url, {}, tenants=TENANTS) as proxy:
+        both = {"authorization": "Bearer alice-key", "x-contextpilot-api-key": "bob-key"}
+        answer = httpx.post(f"{proxy}/v1/chat/completions", json=body, headers=both)
+        assert answer.status_code == 401 and "two tenants" in answer.text
+        # One tenant's key twice, or beside a key that is no tenant's, is that tenant.
+        same = {"authorization": "Bearer alice-key", "x-api-key": "alice-key"}
+        assert httpx.post(f"{proxy}/v1/chat/completions", json=body, headers=same).is_success
+    assert len(state.received) == 1
+
+
 def test_an_upstream_cookie_never_goes_out_with_another_tenants_request() -> None:
     """The upstream's ``Set-Cookie`` reaches the client that got it; the proxy's pooled client,
     shared by all tenants, keeps none of it for later requests."""
