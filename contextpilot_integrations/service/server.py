@@ -114,6 +114,9 @@ MAX_CONNECTIONS = 65_535
 flight per replica: one host's ports to one upstream address."""
 
 _INT = re.compile(r"-?[0-9]+")
+_HEADER_SAFE_KEY = re.compile(r"[\x21-\x7e]+")
+"""An upstream key as it can go in a header: visible ASCII, no space or control character
+(a CR/LF would split the header; a space would be sent as part of the key)."""
 _NUMBER = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 """A flag's number as written: ASCII digits, no spaces, ``_`` or ``+`` (which Python's ``int``
 and ``float`` take), so a mistyped value is refused rather than read as another."""
@@ -543,6 +546,11 @@ def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | N
                 f"--upstream-api-key-env: the variable ${args.upstream_api_key_env} is unset or "
                 "empty"
             )
+        if not _HEADER_SAFE_KEY.fullmatch(key):
+            raise ValueError(
+                f"--upstream-api-key-env: the variable ${args.upstream_api_key_env} holds "
+                "whitespace or control characters (a key goes in a header as it is)"
+            )
     elif args.upstream_api_key_file is not None:
         try:
             lines = args.upstream_api_key_file.read_text(encoding="utf-8").splitlines()
@@ -556,6 +564,11 @@ def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | N
             raise ValueError(
                 f"--upstream-api-key-file {str(args.upstream_api_key_file)!r}: the first line "
                 "is empty"
+            )
+        if not _HEADER_SAFE_KEY.fullmatch(key):
+            raise ValueError(
+                f"--upstream-api-key-file {str(args.upstream_api_key_file)!r}: the first line "
+                "holds whitespace or control characters (a key goes in a header as it is)"
             )
     if key is not None and args.pass_client_key:
         raise ValueError(

@@ -62,6 +62,8 @@ def test_the_upstream_key_file_and_kind(tmp_path: Path) -> None:
         (["--upstream", H, *KEY_ENV, "--pass-client-key"], {"K": "v"}, "--pass-client-key"),
         (["--upstream", "ftp://h"], {}, "http(s) URL"),
         (["--upstream", H, *KEY_ENV, "--upstream-api-key-file", "f"], {"K": "v"}, "not both"),
+        (["--upstream", H, *KEY_ENV], {"K": "abc\r\nX-Injected: 1"}, "$K holds whitespace"),
+        (["--upstream", H, *KEY_ENV], {"K": " key with space "}, "control characters"),
     ],
 )  # fmt: skip
 def test_inconsistent_proxy_options_are_refused(
