@@ -376,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_connections,
         metavar="N",
         help="with several tenants, the most of those connections one tenant's calls hold "
-        "(default: three quarters of --upstream-connections), so one tenant never takes the "
+        "(default: three quarters of --upstream-connections, one fewer at least), so one tenant never takes the "
         "last ones another needs; a freed connection goes to the waiting tenant holding the "
         "fewest",
     )

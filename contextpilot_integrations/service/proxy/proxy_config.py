@@ -57,7 +57,8 @@ class ProxyConfig:
         max_tenant_connections: the most of them one tenant's calls hold while they run
             (:class:`~.connection_gate.ConnectionGate`), so that one tenant never takes the
             last connections another tenant's call needs; ``None``: ``max_connections`` less a
-            quarter of it (at least 1). Applies with several tenants; calls of a service
+            quarter of it, and less at least one where the pool has more than one (so a
+            small pool still keeps a connection for the others). Applies with several tenants; calls of a service
             without tenant keys, or with one, may use the whole pool. CLI
             ``--upstream-tenant-connections``.
         pool_timeout_s: longest wait of a call for a free connection of the pool; past it
@@ -171,7 +172,8 @@ class ProxyConfig:
         """``max_tenant_connections`` as set, or its default (Attributes)."""
         if self.max_tenant_connections is not None:
             return self.max_tenant_connections
-        return max(1, self.max_connections - self.max_connections // 4)
+        pool = self.max_connections
+        return max(1, min(pool - 1, pool - pool // 4))
 
     @property
     def upstream_kind(self) -> UpstreamKind:

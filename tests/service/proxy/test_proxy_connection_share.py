@@ -250,3 +250,8 @@ def test_a_tenant_at_its_cap_waits_even_with_free_slots_and_times_out() -> None:
         assert gate.free == 4
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(("pool", "share"), [(1, 1), (2, 1), (3, 2), (4, 3), (8, 6), (512, 384)])
+def test_the_default_share_leaves_the_others_a_connection(pool: int, share: int) -> None:
+    assert ProxyConfig("http://127.0.0.1:1/v1", max_connections=pool).tenant_connections == share
