@@ -270,6 +270,12 @@ def test_tenants_keep_their_own_replica_indexes(two_standins) -> None:  # type: 
             {"name": "b", "base_url": "HTTP://X:8000/"}]}, None,
          "fleet.replicas[1].base_url 'HTTP://X:8000/' is also replica 'a''s"),
         ({"mode": "direct", "replicas": [
+            {"name": "a", "base_url": "http://127.0.0.1:8000/v1"},
+            {"name": "b", "base_url": "http://[::ffff:127.0.0.1]:8000"}]}, None,
+         "fleet.replicas[1].base_url 'http://[::ffff:127.0.0.1]:8000' is also replica 'a''s"),
+        ({"mode": "direct", "replicas": [{"name": "a", "base_url": "http://x/x/../v1"}]}, None,
+         "fleet.replicas[0].base_url 'http://x/x/../v1': the path '/x/../v1' has"),
+        ({"mode": "direct", "replicas": [
             {"name": "a", "base_url": "https://x:443/v1"},
             {"name": "b", "base_url": "https://X"}]}, None,
          "fleet.replicas[1].base_url 'https://X' is also replica 'a''s ('https://x:443/v1')"),
