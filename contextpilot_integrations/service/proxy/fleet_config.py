@@ -176,6 +176,10 @@ class FleetConfig:
                     raise ValueError(
                         f"fleet.replicas[{i}] must be a mapping, got {type(replica).__name__}"
                     )
+        unknown = sorted(set(rule) - set(RouterConfig.__dataclass_fields__))
+        if unknown:  # named with every key a fleet takes, the proxy's own ones included
+            known = sorted(set(RouterConfig.__dataclass_fields__) | _OWN_KEYS)
+            raise ValueError(f"fleet: unknown setting(s) {unknown}; known: {known}")
         try:
             router = RouterConfig.from_mapping(rule)
         except (TypeError, ValueError) as exc:

@@ -257,7 +257,7 @@ def test_tenants_keep_their_own_replica_indexes(two_standins) -> None:  # type: 
         ({"mode": "direct", "replicas": [{"name": "a", "base_url": "http://x"}],
           "max_imbalance": 0.5}, None, "max_imbalance"),
         ({"mode": "direct", "replicas": [{"name": "a", "base_url": "http://x"}], "rule": 1},
-         None, "unknown router setting"),
+         None, "fleet: unknown setting(s) ['rule']; known: ['in_flight_timeout_s', "),
         ({"mode": "direct", "replicas": [
             {"name": "a", "base_url": "http://x", "cache_sync": {"kind": "kv-events"}}]},
          None, "fleet.replicas[0].cache_sync"),
