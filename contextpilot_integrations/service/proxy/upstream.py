@@ -13,7 +13,8 @@ dropped too unless ``pass_client_key``, and the proxy's own upstream key takes t
 client's ``x-contextpilot-*`` headers are the proxy's and stay here. Answers lose their
 hop-by-hop headers and the upstream's ``x-contextpilot-*`` ones: those names are the proxy's
 report and the service's boot id, which an upstream (another ContextPilot service, or any server
-that sets them) would otherwise duplicate or forge.
+that sets them) would otherwise duplicate or forge. The upstream's ``date`` and ``server`` go
+too: the proxy's server (uvicorn) writes its own, and an answer should carry one of each.
 
 The pooled client keeps no cookies: it serves every tenant, so a ``Set-Cookie`` of one answer
 (passed to that client as it is) must never go out with another tenant's request; a client's
@@ -60,6 +61,7 @@ _REQUEST_DROPPED = _HOP_BY_HOP | {"host", "content-length"}
 _OWN_PREFIX = "x-contextpilot-"
 _OWN_PREFIX_BYTES = _OWN_PREFIX.encode("ascii")
 _HOP_BY_HOP_BYTES = frozenset(name.encode("ascii") for name in _HOP_BY_HOP)
+_ANSWER_DROPPED = _HOP_BY_HOP_BYTES | {b"date", b"server"}
 
 KEEPALIVE_S = 4.0
 """How long an idle pooled connection is kept: under uvicorn's default keep-alive of 5 s, after
@@ -164,14 +166,15 @@ class Upstream:
 
 def answer_headers(given: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The upstream answer's raw headers as the client gets them (names lower-cased;
-    hop-by-hop and ``x-contextpilot-*`` ones dropped: module docstring)."""
+    hop-by-hop, ``date``, ``server`` and ``x-contextpilot-*`` ones dropped: module
+    docstring)."""
     given = list(given)
     named = _connection_named(given)
     out: list[tuple[bytes, bytes]] = []
     for raw_name, value in given:
         name = raw_name.lower()
         if (
-            name not in _HOP_BY_HOP_BYTES
+            name not in _ANSWER_DROPPED
             and name not in named
             and not name.startswith(_OWN_PREFIX_BYTES)
         ):

@@ -312,6 +312,18 @@ def test_headers_a_connection_header_names_are_not_forwarded() -> None:
     assert answer == {b"x-kept": b"k"}
 
 
+def test_an_answer_carries_one_date_and_one_server_header(standin) -> None:  # type: ignore[no-untyped-def]
+    url, _ = standin
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with serve_proxy(url) as proxy:
+        planned = httpx.post(f"{proxy}/v1/chat/completions", json=body)
+        passed = httpx.get(f"{proxy}/v1/models")
+    for answer in (planned, passed):
+        assert answer.is_success
+        assert len(answer.headers.get_list("date")) == 1
+        assert len(answer.headers.get_list("server")) == 1
+
+
 def test_a_compressed_body_is_refused_in_the_apis_shape_and_not_forwarded(standin) -> None:  # type: ignore[no-untyped-def]
     url, state = standin
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
