@@ -376,9 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_connections,
         metavar="N",
         help="with several tenants, the most of those connections one tenant's calls hold "
-        "(default: three quarters of --upstream-connections, one fewer at least), so one tenant never takes the "
-        "last ones another needs; a freed connection goes to the waiting tenant holding the "
-        "fewest",
+        "(default: three quarters of --upstream-connections, one fewer at least), so one "
+        "tenant never takes the last ones another needs; a freed connection goes to the "
+        "waiting tenant holding the fewest",
     )
     proxy.add_argument(
         "--upstream-pool-timeout",
@@ -737,6 +737,9 @@ def _keys(
     return api_key, tenants
 
 
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+"""Hosts only this machine reaches: a service without keys bound to one is not open to others."""
+
 _OPEN_HINT = " (to run without authentication, pass --no-auth and no key option or variable)"
 
 
@@ -762,6 +765,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         app = create_app(config)
     except ValueError as exc:
         parser.error(str(exc))
+    if not config.tenancy.keyed and not args.no_auth and args.host not in _LOOPBACK_HOSTS:
+        logger.warning(
+            "no API key is set and --host %s is not a loopback address: anyone who reaches "
+            "it may use the service%s; give keys (--api-keys), or pass --no-auth to say so",
+            args.host,
+            " and the proxy's upstream key" if config.proxy is not None else "",
+        )
     apply_collection_policy()
     uvicorn.run(
         app,

@@ -205,6 +205,20 @@ def test_the_server_serves_under_its_collection_policy(monkeypatch) -> None:  # 
     assert frozen > 0 and app_frozen
 
 
+@pytest.mark.parametrize(("host", "warned"), [("0.0.0.0", True), ("127.0.0.1", False)])
+def test_a_service_without_keys_off_loopback_says_it_is_open(  # type: ignore[no-untyped-def]
+    host, warned, monkeypatch, caplog
+) -> None:
+    monkeypatch.delenv("CONTEXTPILOT_API_KEY", raising=False)
+    monkeypatch.delenv("CONTEXTPILOT_API_KEYS", raising=False)
+    monkeypatch.setattr(server_module.uvicorn, "run", lambda app, **kwargs: None)
+    try:
+        assert main(["--host", host, "--port", "0"]) == 0
+    finally:
+        gc.unfreeze()
+    assert ("anyone who reaches it may use the service" in caplog.text) is warned
+
+
 def test_a_key_file_naming_no_tenant_stops_the_real_server(tmp_path: Path) -> None:
     path = _empty_key_file(tmp_path)
     port = free_port()

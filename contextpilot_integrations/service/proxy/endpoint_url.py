@@ -6,10 +6,10 @@ case, a host name's trailing ``.``, an IP address in any of its spellings (``[::
 ``[0:0:0:0:0:0:0:1]``; an IPv4-mapped IPv6 address and its IPv4 address), user information
 or none, the scheme's default port written out (``:80`` for http, ``:443`` for https) or not,
 a trailing ``/``, a ``/v1`` suffix (the proxy adds ``/v1`` itself). A path with ``.`` or
-``..`` segments (plain or percent-encoded) is refused rather than resolved: the proxy appends its own path to the URL,
-and a peer or engine may answer such a path with a 404. Names are never resolved:
-``localhost`` and ``127.0.0.1`` may be one host or not (another network namespace, a hosts
-file), so they stay two endpoints.
+``..`` segments (plain or percent-encoded) is refused rather than resolved: the proxy appends
+its own path to the URL, and a peer or engine may answer such a path with a 404. Names are
+never resolved: ``localhost`` and ``127.0.0.1`` may be one host or not (another network
+namespace, a hosts file), so they stay two endpoints.
 """
 
 from __future__ import annotations

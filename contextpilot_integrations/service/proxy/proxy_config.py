@@ -58,8 +58,9 @@ class ProxyConfig:
             (:class:`~.connection_gate.ConnectionGate`), so that one tenant never takes the
             last connections another tenant's call needs; ``None``: ``max_connections`` less a
             quarter of it, and less at least one where the pool has more than one (so a
-            small pool still keeps a connection for the others). Applies with several tenants; calls of a service
-            without tenant keys, or with one, may use the whole pool. CLI
+            small pool still keeps a connection for the others). Applies with several
+            tenants; calls of a service without tenant keys, or with one, may use the whole
+            pool. CLI
             ``--upstream-tenant-connections``.
         pool_timeout_s: longest wait of a call for a free connection of the pool; past it
             the call is a 503 with ``Retry-After`` and nothing is sent. CLI
