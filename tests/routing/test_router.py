@@ -122,6 +122,16 @@ def test_a_conversation_sticks_to_the_replica_that_holds_its_history() -> None:
     assert turn2.replica == turn1.replica == "a"
 
 
+def test_a_conversation_follows_its_last_call_to_where_it_landed() -> None:
+    router = two(load="recent-requests", max_imbalance=10.0)
+    scope = Scope(conversation_id="c", tenant="t")
+    first = router.route("r1", scope=scope, prompt_tokens=500)
+    other = "b" if first.replica == "a" else "a"
+    # The engine's events (or a gateway's answer) say r1 reached the other replica.
+    router.landed("r1", other)
+    assert router.route("r2", scope=scope, prompt_tokens=10).replica == other
+
+
 def test_the_planner_contract_sync_and_async() -> None:
     router = two(mode="direct")
     check_planner(router)

@@ -97,7 +97,8 @@ class ReplicaPlanning:
         self._token_counter = token_counter
         self._direct = direct
         self._imbalance = float(max_imbalance)
-        self._conversations: LRU[tuple[str, str], tuple[str, int]] = LRU(max_conversations)
+        # conversation -> (its last call's replica as planned, that prompt's tokens, its rid)
+        self._conversations: LRU[tuple[str, str], tuple[str, int, str]] = LRU(max_conversations)
         self._planning: set[str] = set()
         self._identify = functools.lru_cache(maxsize=65_536)(self._identify_uncached)
 
@@ -158,7 +159,7 @@ class ReplicaPlanning:
             self._fleet.routes.put(rid, Route(name, key, ()))
             conversation = scope.conversation
             if conversation is not None:
-                self._conversations.put(conversation, (name, cost))
+                self._conversations.put(conversation, (name, cost, rid))
             self._planning.discard(rid)
             base_url = replicas[name].spec.base_url
         if self._direct:
@@ -262,7 +263,7 @@ class ReplicaPlanning:
                 self._fleet.routes.put(plan.rid, Route(name, key, blocks))
                 conversation = plan.scope.conversation
                 if conversation is not None:
-                    self._conversations.put(conversation, (name, plan.prompt_tokens))
+                    self._conversations.put(conversation, (name, plan.prompt_tokens, plan.rid))
                 self._planning.discard(plan.rid)
                 out.append(
                     dataclasses.replace(
@@ -284,11 +285,16 @@ class ReplicaPlanning:
 
     def _credit_conversation(self, scope: Scope, scores: dict[str, int]) -> None:
         """A conversation's last replica holds its history: credit it with that prompt's
-        tokens (lock held)."""
+        tokens (lock held). The replica is where that call went as the fleet last learnt it
+        (its route, moved when its engine's events or a gateway's answer name another), else
+        the one planned."""
         conversation = scope.conversation
         last = self._conversations.get(conversation) if conversation is not None else None
         if last is not None:
-            scores[last[0]] = scores.get(last[0], 0) + last[1]
+            planned, tokens, rid = last
+            route = self._fleet.routes.peek(rid)
+            name = route.replica if route is not None else planned
+            scores[name] = scores.get(name, 0) + tokens
 
     def _measure(self, request: PlanRequest) -> tuple[list[int], list[int], int]:
         """The request's distinct block ids and tokens (as the pilot identifies them) and its
