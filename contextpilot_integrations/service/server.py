@@ -481,11 +481,25 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Servi
             "max_requests": args.max_requests,
         }
     if model != "events" and (
-        args.kv_events_replay or args.kv_events or args.engine_grace is not None
+        args.kv_events_replay
+        or args.kv_events
+        or args.engine_grace is not None
+        or args.kv_events_topic
+        or args.dp_size != 1
     ):
         raise ValueError(
-            f"--kv-events options and --engine-grace need --cache-model events, got {model!r}"
+            f"--kv-events options, --dp-size and --engine-grace need --cache-model events, "
+            f"got {model!r}"
         )
+    # A model's own options beside another model would be read by nobody.
+    for option, value, needs in (
+        ("--capacity-tokens", args.capacity_tokens, "capacity"),
+        ("--ttl-provider", args.ttl_provider, "ttl"),
+        ("--ttl-seconds", args.ttl_seconds, "ttl"),
+        ("--min-cached-tokens", args.min_cached_tokens, "ttl"),
+    ):
+        if value is not None and model != needs:
+            raise ValueError(f"{option} needs --cache-model {needs}, got {model!r}")
     layout = None
     if args.layout is not None:
         try:

@@ -88,6 +88,13 @@ def test_layout_from_a_json_file(tmp_path: Path) -> None:
             "--kv-events options",
         ),
         (["--engine-grace", "2"], "--engine-grace need --cache-model events"),
+        (["--kv-events-topic", "kv"], "--dp-size and --engine-grace need --cache-model events"),
+        (["--ttl-seconds", "60"], "--ttl-seconds needs --cache-model ttl, got None"),
+        (["--capacity-tokens", "1000"], "--capacity-tokens needs --cache-model capacity"),
+        (
+            ["--cache-model", "capacity", "--capacity-tokens", "9", "--min-cached-tokens", "1"],
+            "--min-cached-tokens needs --cache-model ttl, got 'capacity'",
+        ),
         (
             ["--kv-events", "tcp://h:1", "--engine-grace", "0"],
             "--engine-grace: must be a number > 0",
