@@ -484,7 +484,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Servi
         args.kv_events_replay
         or args.kv_events
         or args.engine_grace is not None
-        or args.kv_events_topic
+        or (args.kv_events_topic and not args.replica_kv_events)  # the replicas' topic too
         or args.dp_size != 1
     ):
         raise ValueError(
