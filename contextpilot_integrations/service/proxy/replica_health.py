@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 
 import aiohttp
 
-from contextpilot_integrations.service.proxy.endpoint_url import same_endpoint
+from contextpilot_integrations.service.proxy.upstream import engine_root
 
 __all__ = ["FRESH_S", "PROBE_TIMEOUT_S", "ReplicaProbes"]
 
@@ -46,7 +46,7 @@ class ReplicaProbes:
     def __init__(
         self, base_urls: Mapping[str, str], *, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self._urls = {name: f"{same_endpoint(url)}/health" for name, url in base_urls.items()}
+        self._urls = {name: f"{engine_root(url)}/health" for name, url in base_urls.items()}
         self._clock = clock
         self._asked_at: dict[str, float] = {}
         self._down: set[str] = set()

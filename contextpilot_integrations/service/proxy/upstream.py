@@ -38,7 +38,7 @@ import aiohttp
 from contextpilot_integrations.service.proxy.connection_gate import ConnectionGate
 from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
 
-__all__ = ["KEEPALIVE_S", "TENANT_KEY_HEADER", "Upstream", "answer_headers"]
+__all__ = ["KEEPALIVE_S", "TENANT_KEY_HEADER", "Upstream", "answer_headers", "engine_root"]
 
 TENANT_KEY_HEADER = "x-contextpilot-api-key"
 """A request header that carries the tenant key apart from the upstream's credentials."""
@@ -86,7 +86,7 @@ class Upstream:
         base = config.upstream_url
         if base is None:  # a direct fleet: one Upstream per replica URL
             raise ValueError("an Upstream needs config.upstream_url, got None")
-        self._base = base[: -len("/v1")] if base.endswith("/v1") else base
+        self._base = engine_root(base)
         self.gate = ConnectionGate(
             config.max_connections, config.tenant_connections, config.pool_timeout_s
         )
@@ -162,6 +162,13 @@ class Upstream:
         client, self._client = self._client, None
         if client is not None:
             await client.close()
+
+
+def engine_root(base_url: str) -> str:
+    """The engine's own root of an OpenAI-style ``base_url``: less a trailing ``/`` and
+    ``/v1`` (the proxy appends ``/v1/...`` paths, and the engine serves ``/health`` there)."""
+    base = base_url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
 
 
 def answer_headers(given: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
