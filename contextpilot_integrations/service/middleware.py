@@ -18,7 +18,7 @@ from contextpilot_integrations.client.schemas import BOOT_HEADER
 from contextpilot_integrations.service.errors import BodyTooLarge
 from contextpilot_integrations.service.metrics import ServiceMetrics
 
-__all__ = ["BootIdMiddleware", "MeteringMiddleware"]
+__all__ = ["AnswerProgress", "BootIdMiddleware", "MeteringMiddleware"]
 
 ASGIScope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -57,18 +57,17 @@ class MeteringMiddleware:
         started = time.perf_counter()
         path = scope["path"]
         endpoint = path if path in self.known_paths else "other"
-        status: list[int | None] = [None]
-        disconnected = [False]
+        progress = AnswerProgress()
+        gone = [False]
 
         async def send_metered(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
+            progress.sent(message)  # before the send: a disconnect during it is no hang-up
             await send(message)
 
         async def receive_watched() -> Message:
             message = await receive()
-            if message["type"] == "http.disconnect":
-                disconnected[0] = True
+            if message["type"] == "http.disconnect" and not progress.whole:
+                gone[0] = True
             return message
 
         try:
@@ -82,9 +81,9 @@ class MeteringMiddleware:
                 return
             await self.app(scope, self._limited(receive_watched), send_metered)
         finally:
-            # No answer started: the client went first (499, nginx's "client closed request"),
-            # else the app failed without answering (500).
-            code = status[0] if status[0] is not None else 499 if disconnected[0] else 500
+            # The client went before it had the whole answer, started or not: 499 (nginx's
+            # "client closed request"); no answer started otherwise: the app failed (500).
+            code = 499 if gone[0] else progress.status if progress.status is not None else 500
             self.metrics.http_requests.labels(endpoint, str(code)).inc()
             self.metrics.http_latency.labels(endpoint).observe(time.perf_counter() - started)
 
@@ -101,6 +100,38 @@ class MeteringMiddleware:
             return message
 
         return receive_limited
+
+
+class AnswerProgress:
+    """How far an answer to the client got: ``status`` (its start sent; ``None`` before),
+    ``whole`` (the client holds all of it: the declared ``content-length`` sent, or the body's
+    end). A server reports a disconnect once the client has the whole answer too (it closed or
+    reused the connection), so only a disconnect before ``whole`` is a client that hung up."""
+
+    __slots__ = ("_left", "status", "whole")
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.whole = False
+        self._left: int | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether the answer's start was sent."""
+        return self.status is not None
+
+    def sent(self, message: Message) -> None:
+        """Note one ASGI message on its way to the client."""
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            for name, value in message.get("headers", ()):
+                if name == b"content-length" and value.isdigit():
+                    self._left = int(value)
+        elif message["type"] == "http.response.body":
+            if self._left is not None:
+                self._left -= len(message.get("body", b""))
+                self.whole = self.whole or self._left <= 0
+            self.whole = self.whole or not message.get("more_body", False)
 
 
 class BootIdMiddleware:

@@ -25,9 +25,11 @@ failure is the 502. aiohttp retries such a failure of an idempotent request (``G
 ``DELETE``, ...) once itself, so the proxy retries only the others (``POST``, ``PATCH``).
 Timeouts and refused connections are never retried.
 
-A client that goes before the answer started gets no answer; the request is metered with the
-status :data:`CLIENT_GONE` (nginx's "client closed request"), never as a server error: the
-answer's start goes to the server, which drops it for a closed connection.
+A client that goes before the answer ended, whether it had started or not, has the request
+metered with the status :data:`CLIENT_GONE` (nginx's "client closed request"), never as the
+upstream's status or a server error; one that goes before the answer started gets no answer:
+the answer's start goes to the server, which drops it for a closed connection. Every answer
+is metered once, when it is over.
 
 A call holds a slot of its upstream's :class:`~.connection_gate.ConnectionGate` from before
 its request goes out until its answer is over, however it ends (streamed, broken off, the
@@ -53,6 +55,7 @@ from starlette.responses import Response
 from yarl import URL
 
 from contextpilot_integrations.llm_call.engine_fields import Usage
+from contextpilot_integrations.service.middleware import AnswerProgress
 from contextpilot_integrations.service.proxy.api_errors import ErrorApi, error_bytes
 from contextpilot_integrations.service.proxy.connection_gate import PoolBusy
 from contextpilot_integrations.service.proxy.upstream import Upstream, answer_headers
@@ -63,7 +66,7 @@ __all__ = ["CLIENT_GONE", "RETRIED_ONCE", "ForwardedAnswer", "ProxyCounters", "R
 logger = logging.getLogger(__name__)
 
 CLIENT_GONE = 499
-"""The status a request is metered with when its client went before the answer started."""
+"""The status a request is metered with when its client went before the answer ended."""
 
 RETRIED_ONCE = (
     aiohttp.ServerDisconnectedError,
@@ -95,7 +98,7 @@ class ProxyCounters:
 
     - ``contextpilot_proxy_requests_total{endpoint, status}``: answers given, by the path's
       kind (``chat_completions``, ``messages``, ``pass_through``) and status
-      (:data:`CLIENT_GONE` for a client that went before the answer started);
+      (:data:`CLIENT_GONE` for a client that went before the answer ended);
     - ``contextpilot_proxy_upstream_failures_total{kind}``: ``unreachable``, ``timeout``,
       ``broken`` (failed after its answer started), ``cancelled`` (the client went before the
       answer ended), ``pool_timeout`` (no connection of the pool free within the pool
@@ -193,7 +196,7 @@ class ForwardedAnswer(Response):
         answer goes on."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        progress = _Progress()
+        progress = AnswerProgress()
         gone = False
         found: Usage | None = None
 
@@ -201,26 +204,30 @@ class ForwardedAnswer(Response):
             progress.sent(message)  # before the send: a disconnect during it is no cancel
             await send(message)
 
-        async with anyio.create_task_group() as group:
+        try:
+            async with anyio.create_task_group() as group:
 
-            async def until_disconnect() -> None:
-                nonlocal gone
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        # A server reports a disconnect once the client has the whole answer
-                        # too (it closed or reused the connection): no cancel then.
-                        if not progress.whole:
-                            gone = True
-                            self._counters.failures.labels("cancelled").inc()
-                            group.cancel_scope.cancel()
-                        return
+                async def until_disconnect() -> None:
+                    nonlocal gone
+                    while True:
+                        message = await receive()
+                        if message["type"] == "http.disconnect":
+                            # Reported once the client has the whole answer too: no cancel.
+                            if not progress.whole:
+                                gone = True
+                                self._counters.failures.labels("cancelled").inc()
+                                group.cancel_scope.cancel()
+                            return
 
-            group.start_soon(until_disconnect)
-            try:
-                found = await self._forward(send_tracked)
-            finally:
-                group.cancel_scope.cancel()
+                group.start_soon(until_disconnect)
+                try:
+                    found = await self._forward(send_tracked)
+                finally:
+                    group.cancel_scope.cancel()
+        finally:
+            status = CLIENT_GONE if gone else progress.status
+            if status is not None:
+                self._counters.requests.labels(self._endpoint, str(status)).inc()
         if gone and not progress.started:
             await self._client_gone(send)
         if found is None and gone and self._watch is not None:
@@ -234,8 +241,7 @@ class ForwardedAnswer(Response):
                 logger.exception("recording the upstream's usage failed")
 
     async def _client_gone(self, send: Any) -> None:
-        """Meter a request whose client went before its answer started (module docstring)."""
-        self._counters.requests.labels(self._endpoint, str(CLIENT_GONE)).inc()
+        """End a request whose client went before its answer started (module docstring)."""
         try:
             await send({"type": "http.response.start", "status": CLIENT_GONE, "headers": []})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -334,7 +340,6 @@ class ForwardedAnswer(Response):
                     "headers": self._pass_headers(response.raw_headers) + self._report,
                 }
             )
-            self._counters.requests.labels(self._endpoint, str(status)).inc()
             try:
                 async for chunk in response.content.iter_any():
                     self._started()
@@ -404,32 +409,6 @@ class ForwardedAnswer(Response):
             }
         )
         await send({"type": "http.response.body", "body": body, "more_body": False})
-        self._counters.requests.labels(self._endpoint, str(status)).inc()
-        return None
-
-
-class _Progress:
-    """How far the answer to the client got: ``started`` (its start sent) and ``whole`` (the
-    client holds all of it: the declared ``content-length`` forwarded, or the body's end
-    sent)."""
-
-    def __init__(self) -> None:
-        self.started = False
-        self.whole = False
-        self._left: int | None = None
-
-    def sent(self, message: Message) -> None:
-        """Note one ASGI message on its way to the client."""
-        if message["type"] == "http.response.start":
-            self.started = True
-            for name, value in message.get("headers", ()):
-                if name == b"content-length" and value.isdigit():
-                    self._left = int(value)
-        elif message["type"] == "http.response.body":
-            if self._left is not None:
-                self._left -= len(message.get("body", b""))
-                self.whole = self.whole or self._left <= 0
-            self.whole = self.whole or not message.get("more_body", False)
 
 
 def _what(exc: Exception) -> str:

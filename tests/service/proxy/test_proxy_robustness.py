@@ -22,6 +22,16 @@ def _metric_lines(proxy: str, prefix: str) -> list[str]:
     ]
 
 
+_SERVED_499 = 'contextpilot_http_requests_total{endpoint="/v1/chat/completions",status="499"}'
+
+
+def _wait_metered_499(proxy: str) -> None:
+    wait_for(
+        lambda: any(line.startswith(_SERVED_499) for line in _metric_lines(proxy, _SERVED_499)),
+        what="the abandoned request metered as 499",
+    )
+
+
 def test_finished_answers_are_not_counted_as_cancelled(standin) -> None:  # type: ignore[no-untyped-def]
     url, _ = standin
     with serve_proxy(url) as proxy:
@@ -52,15 +62,30 @@ def test_a_client_gone_before_the_answer_is_metered_499_never_500(standin) -> No
             httpx.post(
                 f"{proxy}/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.3)
             )
-        served = 'contextpilot_http_requests_total{endpoint="/v1/chat/completions",status="499"}'
-        wait_for(
-            lambda: any(line.startswith(served) for line in _metric_lines(proxy, served)),
-            what="the abandoned request metered as 499",
-        )
+        _wait_metered_499(proxy)
         http = _metric_lines(proxy, "contextpilot_http_requests_total")
         proxied = _metric_lines(proxy, "contextpilot_proxy_requests_total")
         cancelled = _metric_lines(proxy, "contextpilot_proxy_upstream_failures_total")
     assert not [line for line in http if 'status="500"' in line]
+    assert proxied == [
+        'contextpilot_proxy_requests_total{endpoint="chat_completions",status="499"} 1.0'
+    ]
+    assert cancelled == ['contextpilot_proxy_upstream_failures_total{kind="cancelled"} 1.0']
+
+
+def test_a_client_gone_mid_stream_is_metered_499_and_cancels_the_upstream(standin) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    with serve_proxy(url) as proxy:
+        body = {"model": "hang", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        with httpx.stream("POST", f"{proxy}/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200  # the answer started
+            assert next(response.iter_lines()).startswith("data: ")
+        wait_for(state.cancelled.is_set, what="the upstream saw the proxy hang up")
+        _wait_metered_499(proxy)
+        http = _metric_lines(proxy, 'contextpilot_http_requests_total{endpoint="/v1/chat')
+        proxied = _metric_lines(proxy, "contextpilot_proxy_requests_total")
+        cancelled = _metric_lines(proxy, "contextpilot_proxy_upstream_failures_total")
+    assert http == [f"{_SERVED_499} 1.0"]  # never 200
     assert proxied == [
         'contextpilot_proxy_requests_total{endpoint="chat_completions",status="499"} 1.0'
     ]
@@ -77,11 +102,7 @@ def test_a_client_gone_before_its_body_ends_is_metered_499_and_nothing_forwarded
                 b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
                 b'{"model": "plain", "messages": ['
             )
-        served = 'contextpilot_http_requests_total{endpoint="/v1/chat/completions",status="499"}'
-        wait_for(
-            lambda: any(line.startswith(served) for line in _metric_lines(proxy, served)),
-            what="the abandoned request metered as 499",
-        )
+        _wait_metered_499(proxy)
         proxied = _metric_lines(proxy, "contextpilot_proxy_requests_total")
     assert proxied == [
         'contextpilot_proxy_requests_total{endpoint="chat_completions",status="499"} 1.0'
