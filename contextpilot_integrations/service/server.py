@@ -80,7 +80,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 
@@ -346,7 +346,6 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument(
         "--upstream-timeout",
         type=_seconds,
-        default=600.0,
         metavar="SECONDS",
         help="longest wait for the upstream's next bytes (default 600)",
     )
@@ -366,7 +365,6 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument(
         "--upstream-connections",
         type=_connections,
-        default=512,
         metavar="N",
         help="connections to the upstream at most (a pool; one per replica with --replica; "
         "default 512)",
@@ -383,7 +381,6 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument(
         "--upstream-pool-timeout",
         type=_seconds,
-        default=10.0,
         metavar="SECONDS",
         help="longest wait of a call for a free upstream connection; then a 503 with "
         "Retry-After, nothing sent (default 10)",
@@ -539,7 +536,10 @@ def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | N
             ("--upstream-api-key-file", args.upstream_api_key_file is not None),
             ("--pass-client-key", args.pass_client_key),
             ("--peer", bool(args.peer) or args.peer_self is not None),
+            ("--upstream-timeout", args.upstream_timeout is not None),
+            ("--upstream-connections", args.upstream_connections is not None),
             ("--upstream-tenant-connections", args.upstream_tenant_connections is not None),
+            ("--upstream-pool-timeout", args.upstream_pool_timeout is not None),
         )
         if present
     ]
@@ -547,7 +547,9 @@ def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | N
     if args.upstream is None and fleet is None:
         if given:
             verb = "needs" if len(given) == 1 else "need"
-            raise ValueError(f"{', '.join(given)} {verb} --upstream URL")
+            raise ValueError(
+                f"{', '.join(given)} {verb} --upstream URL (or --replica / --replicas-config)"
+            )
         return None
     if args.upstream_api_key_env is not None and args.upstream_api_key_file is not None:
         raise ValueError("give the upstream's key by --upstream-api-key-env or by "
@@ -591,10 +593,11 @@ def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | N
         )
     peers = PeerConfig.from_arguments(args.peer or [], args.peer_self, environ)
     tenant_connections = args.upstream_tenant_connections
-    if tenant_connections is not None and tenant_connections > args.upstream_connections:
+    connections = _or(args.upstream_connections, ProxyConfig.max_connections)
+    if tenant_connections is not None and tenant_connections > connections:
         raise ValueError(
             f"--upstream-tenant-connections {tenant_connections} is over "
-            f"--upstream-connections {args.upstream_connections}"
+            f"--upstream-connections {connections}"
         )
     try:
         return ProxyConfig(
@@ -602,16 +605,24 @@ def _proxy(args: argparse.Namespace, environ: dict[str, str]) -> ProxyConfig | N
             kind=args.upstream_kind,
             api_key=key,
             pass_client_key=args.pass_client_key,
-            read_timeout_s=args.upstream_timeout,
-            max_connections=args.upstream_connections,
+            read_timeout_s=_or(args.upstream_timeout, ProxyConfig.read_timeout_s),
+            max_connections=connections,
             max_tenant_connections=tenant_connections,
-            pool_timeout_s=args.upstream_pool_timeout,
+            pool_timeout_s=_or(args.upstream_pool_timeout, ProxyConfig.pool_timeout_s),
             fleet=fleet,  # type: ignore[arg-type]  # the mapping is checked there
             peers=peers,
         )
     except ValueError as exc:
         where = "--replicas-config" if args.replicas_config is not None else "--replica"
         raise ValueError(f"{where if fleet is not None else '--upstream'}: {exc}") from None
+
+
+_T = TypeVar("_T")
+
+
+def _or(given: _T | None, default: _T) -> _T:
+    """A flag's value, ``default`` where it was left out (the config's own default)."""
+    return default if given is None else given
 
 
 def _fleet(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -637,6 +648,16 @@ def _fleet(args: argparse.Namespace) -> dict[str, Any] | None:
                 f"--replicas-config {str(args.replicas_config)!r}: must hold a JSON object"
             )
         fleet.setdefault("mode", "gateway" if args.upstream is not None else "direct")
+        for key, flag, value in (
+            ("ordered", "--replica-order", args.replica_order),
+            ("max_in_flight", "--replica-max-in-flight", args.replica_max_in_flight),
+            ("target_workers", "--target-workers", args.target_workers),
+        ):
+            if key in fleet and value is not None:  # one source of truth for each setting
+                raise ValueError(
+                    f"--replicas-config {str(args.replicas_config)!r} gives {key} and {flag} "
+                    "is given too: give it in one place"
+                )
         return _with_door(fleet, args)
     if endpoints and len(endpoints) != len(urls):
         raise ValueError(

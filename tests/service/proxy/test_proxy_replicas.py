@@ -342,6 +342,26 @@ def test_the_fleet_from_the_command_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("key", "value", "flags", "flag"),
+    [("max_in_flight", 4, ["--replica-max-in-flight", "2"], "--replica-max-in-flight"),
+     ("ordered", True, ["--replica-order", "arrival"], "--replica-order"),
+     ("target_workers", False, ["--upstream", "http://g:1", "--target-workers"],
+      "--target-workers")],
+)  # fmt: skip
+def test_a_fleet_file_setting_given_by_its_flag_too_is_refused_naming_both(
+    tmp_path: Path, key: str, value: object, flags: list[str], flag: str
+) -> None:
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({"replicas": [{"name": "x", "base_url": "http://x:1"}],
+                                key: value}))  # fmt: skip
+    with pytest.raises(ValueError) as caught:
+        _config(["--replicas-config", str(path), *flags])
+    assert f"gives {key} and {flag} is given too" in str(caught.value)
+    path.write_text(json.dumps({"replicas": [{"name": "x", "base_url": "http://x:1"}]}))
+    assert _config(["--replicas-config", str(path), *flags]).proxy is not None  # one place: read
+
+
+@pytest.mark.parametrize(
     ("argv", "words"),
     [
         (["--replica-kv-events", "tcp://h:1"], "--replica-kv-events: 1 given for 0 --replica"),

@@ -58,6 +58,10 @@ def test_the_upstream_key_file_and_kind(tmp_path: Path) -> None:
     ("argv", "environ", "words"),
     [
         (["--pass-client-key"], {}, "needs --upstream URL"),
+        (["--upstream-connections", "8"], {}, "--upstream-connections needs --upstream URL"),
+        (["--upstream-pool-timeout", "1"], {}, "--upstream-pool-timeout needs --upstream URL"),
+        (["--upstream-timeout", "5", "--upstream-connections", "8"], {},
+         "--upstream-timeout, --upstream-connections need --upstream URL"),
         (["--upstream", "http://h", "--upstream-api-key-env", "NOPE"], {}, "$NOPE is unset"),
         (["--upstream", H, *KEY_ENV, "--pass-client-key"], {"K": "v"}, "--pass-client-key"),
         (["--upstream", "ftp://h"], {}, "http(s) URL"),
@@ -101,6 +105,20 @@ def test_a_numeric_flag_out_of_bounds_or_mistyped_is_refused_naming_it(
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
     assert words in capsys.readouterr().err
+
+
+def test_proxy_limits_left_out_take_the_configs_defaults() -> None:
+    from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
+
+    config = _config(["--upstream", H]).proxy
+    assert config is not None
+    assert (config.read_timeout_s, config.max_connections, config.pool_timeout_s) == (
+        ProxyConfig.read_timeout_s, ProxyConfig.max_connections, ProxyConfig.pool_timeout_s
+    )  # fmt: skip
+    given = _config(["--replica", H, "--upstream-connections", "8",
+                     "--upstream-pool-timeout", "2", "--upstream-timeout", "3"]).proxy  # fmt: skip
+    assert given is not None
+    assert (given.read_timeout_s, given.max_connections, given.pool_timeout_s) == (3.0, 8, 2.0)
 
 
 def test_numeric_flags_in_bounds_are_read() -> None:
