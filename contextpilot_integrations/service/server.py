@@ -71,6 +71,7 @@ gives the replicas' KV-event endpoints, in the same order (topic ``--kv-events-t
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import logging
@@ -786,6 +787,26 @@ def apply_collection_policy() -> None:
     gc.freeze()
 
 
+class ShutdownCutFilter(logging.Filter):
+    """Tells uvicorn's record of an answer its shutdown cancelled in one line, no traceback.
+
+    An answer still open when ``--shutdown-timeout`` has passed (a long stream) is cancelled
+    by uvicorn, which logs the ``CancelledError`` that ends its request as an exception of
+    the app; the cancellation did its work (the client's connection closed mid-answer, so
+    its SDK sees an incomplete answer; the upstream call closed, so the engine stops), so the
+    record becomes a one-line warning (docs/DESIGN.md, "The proxy").
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError):
+            record.msg = ("an answer still open past --shutdown-timeout was cut short by the "
+                          "shutdown (its upstream call cancelled)")  # fmt: skip
+            record.args = None
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``contextpilot-server``; returns the exit status."""
     parser = build_parser()
@@ -807,6 +828,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.host,
             " and the proxy's upstream key" if config.proxy is not None else "",
         )
+    logging.getLogger("uvicorn.error").addFilter(ShutdownCutFilter())
     apply_collection_policy()
     uvicorn.run(
         app,

@@ -3,10 +3,13 @@ key sources and the options it refuses (docs/DESIGN.md, "The proxy")."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
+from service_testing import wait_for
 
 from contextpilot_integrations.service.server import build_parser, config_from_args
 
@@ -128,3 +131,18 @@ def test_numeric_flags_in_bounds_are_read() -> None:
     )  # fmt: skip
     assert (args.port, args.upstream_connections, args.upstream_timeout) == (0, 65535, 0.5)
     assert (args.window_ms, args.max_requests) == (25.0, 10**9)
+
+
+def test_sigterm_with_a_stream_open_ends_it_and_exits_cleanly(standin, server_factory) -> None:  # type: ignore[no-untyped-def]
+    url, state = standin
+    server = server_factory("--upstream", url, "--shutdown-timeout", "1")
+    body = {"model": "hang", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")  # the stream is open, the upstream holds it
+        assert server.stop(signal.SIGTERM, 20) in (0, -signal.SIGTERM)
+        with pytest.raises(httpx.RemoteProtocolError):  # ended, never silently whole
+            list(lines)
+    wait_for(state.cancelled.is_set, what="the upstream saw the proxy hang up")
+    log = server.log()
+    assert "Traceback" not in log and "CancelledError" not in log, log
