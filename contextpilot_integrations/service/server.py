@@ -89,6 +89,7 @@ from contextpilot_integrations import __version__
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.window.planning_window import MAX_WINDOW_MS
 from contextpilot_integrations.service.app import create_app
+from contextpilot_integrations.service.header_deadline import HeaderDeadlineProtocol
 from contextpilot_integrations.service.proxy.peer_config import PEER_SECRET_ENV, PeerConfig
 from contextpilot_integrations.service.proxy.proxy_config import UPSTREAM_KINDS, ProxyConfig
 from contextpilot_integrations.service.service_config import ServiceConfig
@@ -839,6 +840,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         access_log=args.access_log,
         timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s)),
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        http=HeaderDeadlineProtocol,
     )
     return 0
 

@@ -1,0 +1,73 @@
+"""uvicorn's HTTP protocol with a deadline on each request's line and headers.
+
+uvicorn bounds the idle time between requests (``timeout_keep_alive``) but restarts it on
+every byte received, and nothing bounds a request still arriving, so a client that sends its
+headers one byte at a time holds a connection, and its slot of the server, for good (a
+slowloris). :class:`HeaderDeadlineProtocol` closes a connection whose request line and
+headers are not all in within :data:`HEADER_READ_TIMEOUT_S` of the connection's start or of
+the previous answer's end (docs/DESIGN.md, "The service"). The body has its own bound where
+it is read (the proxy's ``BODY_READ_TIMEOUT_S``), and an answer, however long it streams, is
+never cut: the deadline is off from the headers' end until the answer is over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+__all__ = ["HEADER_READ_TIMEOUT_S", "HeaderDeadlineProtocol"]
+
+logger = logging.getLogger(__name__)
+
+HEADER_READ_TIMEOUT_S = 60.0
+"""The longest a request's line and headers may take to arrive (nginx's
+``client_header_timeout`` default)."""
+
+
+class HeaderDeadlineProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol (``uvicorn.run(..., http=HeaderDeadlineProtocol)``) with
+    the header deadline (module docstring); ``timeout_s`` is the deadline."""
+
+    timeout_s: float = HEADER_READ_TIMEOUT_S
+
+    _header_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_deadline()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        # A request already in whole (pipelined) is served next: no deadline for it.
+        waiting = not self.pipeline
+        super().on_response_complete()
+        if waiting and not self.transport.is_closing():
+            self._arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        self._disarm_header_deadline()
+        self._header_deadline = self.loop.call_later(self.timeout_s, self._header_deadline_passed)
+
+    def _disarm_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _header_deadline_passed(self) -> None:
+        self._header_deadline = None
+        if not self.transport.is_closing():
+            logger.warning(
+                "closed a connection from %s: its request's headers did not arrive within %.0f s",
+                f"{self.client[0]}:{self.client[1]}" if self.client else "an unknown client",
+                self.timeout_s,
+            )
+            self.transport.close()
