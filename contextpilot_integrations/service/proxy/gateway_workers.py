@@ -16,9 +16,15 @@ order, which need not be the order of ``--worker-urls``). :class:`GatewayWorkers
 - :meth:`~GatewayWorkers.headers`: the target header of a replica while targeting is on;
 - :meth:`~GatewayWorkers.check`: a targeted call whose answer names another replica, or that
   the gateway refused for want of that worker (a 503 ``no_available_workers``: the worker is
-  down or out of its list, which also shifts the indexes), turns targeting off for good: calls
-  go with the routing key alone again (a client's retry of the refused call with them), and
-  the router moves calls that landed elsewhere from the answers and the KV events as before.
+  down or out of its list, which also shifts the indexes), turns targeting off: calls go with
+  the routing key alone again (a client's retry of the refused call with them), and the
+  router moves calls that landed elsewhere from the answers and the KV events as before;
+- :meth:`~GatewayWorkers.recalibrate`: once targeting that was on has turned off, a fresh
+  calibration after a back-off (:data:`RECALIBRATE_AFTER_S`, doubled after each try up to
+  :data:`RECALIBRATE_MAX_S`), and another while it fails; one that succeeds turns targeting on
+  again with the indexes it learnt (a restarted worker rejoins the gateway's list). Each try
+  costs what the first calibration did, two one-token calls per index. A gateway never
+  targeted (it ignores the index, or never answered) is not tried again.
 
 Thread-safe: the state is swapped whole under a lock.
 """
@@ -77,6 +83,12 @@ MAX_TRIES = 30
 PROBE_TIMEOUT_S = 60.0
 """Longest wait for one calibration request's answer."""
 
+RECALIBRATE_AFTER_S = 30.0
+"""Seconds from targeting turning off to the first recalibration."""
+
+RECALIBRATE_MAX_S = 900.0
+"""The longest back-off between recalibrations (each one doubles it, up to this)."""
+
 State = Literal["pending", "on", "off"]
 
 Probe = Callable[[int], Awaitable[str | None]]
@@ -106,6 +118,8 @@ class GatewayWorkers:
         self._index: dict[str, int] = {}
         self._reason = "" if enabled else "not enabled"
         self.misrouted = 0
+        self.recalibrations = 0
+        self._off_signal: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
 
     @property
     def state(self) -> State:
@@ -171,16 +185,37 @@ class GatewayWorkers:
                 self._state, self._reason = "off", reason
                 logger.warning("gateway workers not targeted: %s", reason)
 
+    async def recalibrate(self, probe: Probe) -> None:
+        """Runs while the proxy does (cancelled at its shutdown): each time targeting that was
+        on turns off, calibrates afresh after the back-off, and again while that fails
+        (module docstring). Returns at once if targeting is not on after :meth:`calibrate`."""
+        if self._state != "on":
+            return
+        turned_off = asyncio.Event()
+        self._off_signal = (asyncio.get_running_loop(), turned_off)
+        try:
+            while True:
+                turned_off.clear()
+                if self._state == "on":  # else a recalibration failed: the next one is due
+                    await turned_off.wait()
+                delay = min(RECALIBRATE_MAX_S, RECALIBRATE_AFTER_S * 2.0**self.recalibrations)
+                await asyncio.sleep(delay)
+                self.recalibrations += 1
+                await self._recalibrate_once(probe)
+        finally:
+            self._off_signal = None
+
     def stats(self) -> dict[str, Any]:
-        """``state``, ``workers`` (replica -> worker index), ``reason`` it is off and
+        """``state``, ``workers`` (replica -> worker index), ``reason`` it is off,
         ``misrouted`` (targeted calls that reached another replica, or that the gateway
-        refused for want of the worker)."""
+        refused for want of the worker) and ``recalibrations`` (tries after it turned off)."""
         with self._lock:
             return {
                 "state": self._state,
                 "workers": dict(self._index),
                 "reason": self._reason,
                 "misrouted": self.misrouted,
+                "recalibrations": self.recalibrations,
             }
 
     # ------------------------------------------------------------------ internals
@@ -204,6 +239,27 @@ class GatewayWorkers:
             return f"the worker indexes do not name each replica once ({dict(found)})"
         return None
 
+    async def _recalibrate_once(self, probe: Probe) -> None:
+        """One fresh calibration while targeting is off: on again if it succeeds."""
+        try:
+            found = await self._probe_all(probe)
+        except (OSError, asyncio.TimeoutError) as exc:
+            reason: str | None = f"recalibration: the gateway did not answer ({exc})"
+        except Exception as exc:  # never ends the recalibrating task with an error
+            reason = f"recalibration failed ({exc!r:.200})"
+        else:
+            reason = self._verdict(found)
+        with self._lock:
+            if reason is None:
+                self._index = {r: i for i, r in found.items() if r is not None}
+                self._state, self._reason = "on", ""
+            else:
+                self._reason = reason
+        if reason is None:
+            logger.info("gateway workers recalibrated, targeted again: %s", self._index)
+        else:
+            logger.warning("gateway workers still not targeted: %s", reason)
+
     def _turn_off(self, reason: str) -> None:
         with self._lock:
             self.misrouted += 1
@@ -211,6 +267,10 @@ class GatewayWorkers:
                 return
             self._state, self._reason = "off", reason
         logger.warning("gateway workers no longer targeted: %s", reason)
+        signal = self._off_signal
+        if signal is not None:  # told on the recalibrating task's loop, from any thread
+            loop, turned_off = signal
+            loop.call_soon_threadsafe(turned_off.set)
 
 
 def upstream_probe(upstream: Upstream) -> Probe:

@@ -368,11 +368,14 @@ class Proxy:
 
     async def calibrate_workers(self) -> None:
         """Learn the gateway's worker index of each replica (the fleet's ``target_workers``;
-        :mod:`.gateway_workers`); returns at once without it. Runs until the gateway decided,
-        on the event loop (the service's lifespan starts it)."""
+        :mod:`.gateway_workers`); returns at once without it. Runs on the event loop until
+        the gateway decided, then recalibrates whenever targeting turns off (the service's
+        lifespan starts it and cancels it)."""
         if self.routing is None or not self.routing.workers.enabled:
             return
-        await self.routing.workers.calibrate(upstream_probe(self.upstream))
+        probe = upstream_probe(self.upstream)
+        await self.routing.workers.calibrate(probe)
+        await self.routing.workers.recalibrate(probe)
 
     def abandoned(self, tenant: str | None, call: PreparedCall) -> None:
         """``call`` was prepared for a client that left before it was forwarded (while it

@@ -44,7 +44,7 @@ def test_an_honoured_index_is_learnt_and_sent_with_the_replicas_calls() -> None:
     # The gateway's own order: index 0 is replica b's worker.
     asyncio.run(workers.calibrate(_probe(lambda i: [URLS["b"], URLS["a"]][i])))
     assert workers.stats() == {"state": "on", "workers": {"b": 0, "a": 1}, "reason": "",
-                               "misrouted": 0}  # fmt: skip
+                               "misrouted": 0, "recalibrations": 0}  # fmt: skip
     assert workers.headers("a") == [(TARGET_WORKER_HEADER, "1")]
     assert workers.headers("b") == [(TARGET_WORKER_HEADER, "0")]
     # A worker URL names its replica however the replica's base_url was written.
@@ -244,3 +244,64 @@ def test_a_clients_own_gateway_controls_are_dropped(standin) -> None:  # type: i
     assert sorted(r.headers["x-smg-target-worker"] for r in calls) == ["0", "1"]
     assert all(r.headers["x-smg-routing-key"] == r.headers["x-contextpilot-route"]
                for r in calls)  # fmt: skip
+
+
+def test_targeting_turned_off_is_recalibrated_after_a_back_off(  # type: ignore[no-untyped-def]
+    standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gateway_workers, "RECALIBRATE_AFTER_S", 0.05)
+    url, state = standin
+    state.workers = [URLS["b"], URLS["a"]]  # the gateway's own order: index 0 is b
+    app = _gateway_app(url, target_workers=True)
+    with serve_in_thread(app, lifespan="on", start_timeout_s=10) as proxy:
+        workers = app.state.proxy.routing.workers
+        assert _wait_for(lambda: workers.state != "pending")
+        assert workers.stats()["workers"] == {"b": 0, "a": 1}
+        # A worker restarted and rejoined the gateway's list at another place: a targeted
+        # call lands on the other replica and targeting turns off.
+        state.workers = [URLS["a"], URLS["b"]]
+        sent = len(state.received)
+        raw = _call(proxy, "c0")
+        planned = raw.headers["x-contextpilot-replica"]
+        assert raw.headers["x-smg-routed-worker-id"] != URLS[planned]
+        assert workers.stats()["misrouted"] == 1
+        # After the back-off: two one-token calls per index, and targeting is on again.
+        assert _wait_for(lambda: workers.state == "on")
+        assert workers.stats()["workers"] == {"a": 0, "b": 1}
+        assert workers.stats()["recalibrations"] == 1
+        assert len(state.received) - sent == 1 + 2 * len(URLS)  # the call, the calibration
+        raws = [_call(proxy, f"c{n}") for n in range(1, 3)]
+        assert all(r.headers["x-smg-routed-worker-id"] == URLS[r.headers["x-contextpilot-replica"]]
+                   for r in raws)  # fmt: skip
+        assert workers.state == "on" and workers.stats()["misrouted"] == 1
+
+
+def test_a_recalibration_that_fails_is_tried_again_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gateway_workers, "RECALIBRATE_AFTER_S", 0.01)
+    workers = GatewayWorkers(SPECS, enabled=True)
+    answers = [[URLS["a"], URLS["b"]]]
+
+    async def probe(index: int) -> str | None:
+        if not answers:
+            raise OSError("refused")  # the gateway is restarting
+        return answers[0][index]
+
+    async def run() -> None:
+        await workers.calibrate(probe)
+        recalibrating = asyncio.create_task(workers.recalibrate(probe))
+        await asyncio.sleep(0.05)
+        assert workers.recalibrations == 0  # on: nothing to do
+        answers.clear()
+        workers.check("a", True, {ROUTED_WORKER_HEADER: URLS["b"]})
+        while workers.recalibrations < 2:
+            await asyncio.sleep(0.01)
+        assert workers.state == "off" and "did not answer" in workers.stats()["reason"]
+        answers.append([URLS["b"], URLS["a"]])
+        while workers.state != "on":
+            await asyncio.sleep(0.01)
+        recalibrating.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await recalibrating
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+    assert workers.stats()["workers"] == {"b": 0, "a": 1} and workers.recalibrations >= 3
