@@ -42,7 +42,9 @@ def _served() -> Iterator[tuple[str, int]]:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
+        deadline = time.monotonic() + 10
         while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "did not start in 10 s"
             time.sleep(0.01)
         yield sock.getsockname()
     finally:
