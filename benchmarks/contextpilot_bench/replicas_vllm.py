@@ -19,7 +19,10 @@ replicas behind the real Shepherd Model Gateway, the methods of
    :data:`DEFAULT_PROXY_WINDOW_MS` with ``--arrival``, else 0).
 4. The table: engine hit ratio in total and per replica, requests and prompt tokens per replica
    with max/min, TTFT p50/p90, and the same stream on one paged model of the fleet's total KV
-   (:mod:`~contextpilot_bench.vllm_replica_report`); the targets; ``--out``
+   (:mod:`~contextpilot_bench.vllm_replica_report`); with the proxy method, its arrivals and
+   window replayed on one replica of the total KV and on the fleet's replicas (the window
+   model, :mod:`~contextpilot_bench.windowed_fleet_model`: the proxy's same-arrival
+   denominator); the targets; ``--out``
    writes it all as JSON, per request included.
 
 Everything started is stopped on exit, on errors, on Ctrl-C and SIGTERM (each server's and each
@@ -37,6 +40,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from contextpilot_bench.arrivals import Arrivals, arrivals_for
 from contextpilot_bench.cli_option_values import parse_numbers
@@ -56,6 +61,7 @@ from contextpilot_bench.vllm_replica_report import (
     vllm_replica_rows,
     vllm_replica_target_lines,
 )
+from contextpilot_bench.windowed_fleet_model import WindowedFleetRun, run_windowed_fleet_model
 from contextpilot_bench.workloads import load_workload
 
 __all__ = ["DEFAULT_PROXY_WINDOW_MS", "replica_blocks", "run_vllm_replicas"]
@@ -291,6 +297,25 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
     run["seconds"] = round(time.perf_counter() - started, 3)
     run["load_average_end"] = os.getloadavg()
     rows = vllm_replica_rows(runs, total_capacity_tokens=fleet_tokens, block_size=args.block_size)
+    models: list[WindowedFleetRun] = []
+    if PROXY_METHOD in methods:
+        # The proxy's fair denominator: its arrivals and window on one replica of the total KV
+        # (and on the fleet's replicas, served one at a time in schedule order).
+        for replicas, capacity in ((1, fleet_tokens), (count, per_replica * args.block_size)):
+            models.append(
+                run_windowed_fleet_model(
+                    prepared,
+                    arrivals or _one_at_a_time(len(workload.requests)),
+                    settings.window_ms,
+                    replicas=replicas,
+                    capacity_tokens=capacity,
+                    block_size=args.block_size,
+                    tokenize=lambda messages: tokenize_prompt(tokenizer, messages),
+                )
+            )
+        run["same_arrival_window_model"] = [
+            {**asdict(m), "hit_ratio": m.hit_ratio, "mean_batch": m.mean_batch} for m in models
+        ]
     note = " (raised to hold one request: the fleet holds more than asked)" if raised else ""
     print(
         f"workload {workload.name}: {len(workload.requests):,} requests, BM25 top-{args.k}, "
@@ -306,13 +331,25 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
     print()
     print(format_table(rows, VLLM_REPLICA_COLUMNS))
     print()
-    targets = vllm_replica_target_lines(rows)
+    targets = vllm_replica_target_lines(
+        rows, same_arrival_one_replica=models[0].hit_ratio if models else None
+    )
     for line in targets:
         print(line)
     for done in runs:
         proxy_line = _proxy_line(done)
         if proxy_line is not None:
             print(proxy_line)
+    if models:
+        one, fleet_model = models
+        print(
+            f"window model (the proxy's arrivals and window in virtual time, "
+            f"{one.windows} windows, mean batch {one.mean_batch:.1f}; each window planned "
+            f"by a ReplicaRouter and served in schedule order on paged models): one replica of "
+            f"{one.capacity_tokens:,} tokens {one.hit_ratio:.4f}; {count} replicas of "
+            f"{fleet_model.capacity_tokens:,} tokens {fleet_model.hit_ratio:.4f} "
+            f"({fleet_model.hit_ratio / max(one.hit_ratio, 1e-12):.2f} of one)"
+        )
     print(
         f"one-replica model: the method's token stream on one paged prefix-cache model of "
         f"{fleet_tokens:,} tokens (the fleet's total KV); {run['seconds']:.0f} s in all"
@@ -335,6 +372,11 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         path.write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
         print(f"wrote {path}")
     return 0
+
+
+def _one_at_a_time(n: int) -> Arrivals:
+    """Requests sent one at a time, as arrivals: a second apart (each its own window)."""
+    return Arrivals("replay", tuple(range(n)), np.arange(n, dtype=np.float64), 1.0)
 
 
 def _progress(method: str, total: int) -> Any:
