@@ -37,7 +37,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -172,10 +172,19 @@ def _proxy_line(run: ReplicaMethodRun) -> str | None:
         if workers
         else ""
     )
+    capacity = figures.get("kv_capacity_tokens")
+    budgets = [r.get("kv_budget") for r in figures["replicas"].values()]
+    known = (
+        f"; replicas' KV capacity given ({capacity:,} tokens each: "
+        f"{sum(b['dropped'] for b in budgets if b)} requests dropped from the indexes at "
+        f"planning time)"
+        if capacity
+        else "; replicas' KV capacity not given"
+    )
     return (
         f"{PROXY_METHOD}: the proxy's {planned}; router load {figures['load']}, "
         f"max_imbalance {figures['max_imbalance']:g}, {figures['remapped']} requests re-mapped"
-        f"{sent}{targeted}"
+        f"{known}{sent}{targeted}"
     )
 
 
@@ -201,6 +210,7 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
     cap = getattr(args, "proxy_max_in_flight", 4)
     if cap < 0:
         raise ValueError(f"--proxy-max-in-flight must be >= 0 (0: no cap), got {cap}")
+    known_capacity = getattr(args, "proxy_kv_capacity", True)
     settings = ProxySettings(
         window_ms=_proxy_window_ms(args),
         max_in_flight=cap or None,
@@ -232,6 +242,8 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         raise ValueError("--replicas with --engine vllm-cpu needs a sized --engine-kv-tokens")
     minimum = -(-max_model_len // args.block_size)
     per_replica, raised = replica_blocks(total.usable_blocks, count, minimum)
+    if known_capacity:
+        settings = replace(settings, kv_capacity_tokens=per_replica * args.block_size)
     fleet_tokens = per_replica * args.block_size * count
     run: dict[str, Any] = {
         "workload": workload.name,
@@ -311,6 +323,7 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
                     capacity_tokens=capacity,
                     block_size=args.block_size,
                     tokenize=lambda messages: tokenize_prompt(tokenizer, messages),
+                    known_capacity=known_capacity,
                 )
             )
         run["same_arrival_window_model"] = [

@@ -81,6 +81,7 @@ def run_windowed_fleet_model(
     tokenize: Callable[[Sequence[Mapping[str, str]]], list[int]],
     max_batch: int = 64,
     adaptive: bool = True,
+    known_capacity: bool = False,
     router_options: Mapping[str, Any] | None = None,
 ) -> WindowedFleetRun:
     """Replay ``prepared`` at ``arrivals`` through windows of ``window_ms`` (module docstring).
@@ -90,6 +91,8 @@ def run_windowed_fleet_model(
         tokenize: chat messages -> the token ids the engine prefills.
         max_batch, adaptive: the window's most requests and its adaptive closing (the
             proxy's ``PlanningWindow`` defaults).
+        known_capacity: the router is told each replica's KV capacity (its
+            ``kv_capacity_tokens``), as the proxy's fleet may be.
         router_options: more ``ReplicaRouter`` keywords (the fleet's ``load``,
             ``max_imbalance``).
 
@@ -114,7 +117,10 @@ def run_windowed_fleet_model(
     served = dict.fromkeys(names, 0)
     prompt = cached = 0
     with ReplicaRouter(
-        [{"name": name} for name in names],
+        [
+            {"name": name, **({"kv_capacity_tokens": capacity_tokens} if known_capacity else {})}
+            for name in names
+        ],
         layout=prepared.layout,
         token_counter=prepared.counter,
         **(router_options or {}),
