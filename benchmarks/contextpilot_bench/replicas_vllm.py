@@ -312,8 +312,16 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
     models: list[WindowedFleetRun] = []
     if PROXY_METHOD in methods:
         # The proxy's fair denominator: its arrivals and window on one replica of the total KV
-        # (and on the fleet's replicas, served one at a time in schedule order).
-        for replicas, capacity in ((1, fleet_tokens), (count, per_replica * args.block_size)):
+        # (and on the fleet's replicas, served one at a time in schedule order); pipelined,
+        # each window planned before the previous one is served, with and without the
+        # replicas' KV capacity known.
+        variants = [
+            (replicas, pipelined, known)
+            for pipelined, known in ((False, known_capacity), (True, True), (True, False))
+            for replicas in (1, count)
+        ]
+        for replicas, pipelined, known in variants:
+            capacity = fleet_tokens if replicas == 1 else per_replica * args.block_size
             models.append(
                 run_windowed_fleet_model(
                     prepared,
@@ -323,7 +331,8 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
                     capacity_tokens=capacity,
                     block_size=args.block_size,
                     tokenize=lambda messages: tokenize_prompt(tokenizer, messages),
-                    known_capacity=known_capacity,
+                    known_capacity=known,
+                    pipelined=pipelined,
                 )
             )
         run["same_arrival_window_model"] = [
@@ -354,15 +363,25 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         if proxy_line is not None:
             print(proxy_line)
     if models:
-        one, fleet_model = models
+        one = models[0]
         print(
-            f"window model (the proxy's arrivals and window in virtual time, "
-            f"{one.windows} windows, mean batch {one.mean_batch:.1f}; each window planned "
-            f"by a ReplicaRouter and served in schedule order on paged models): one replica of "
-            f"{one.capacity_tokens:,} tokens {one.hit_ratio:.4f}; {count} replicas of "
-            f"{fleet_model.capacity_tokens:,} tokens {fleet_model.hit_ratio:.4f} "
-            f"({fleet_model.hit_ratio / max(one.hit_ratio, 1e-12):.2f} of one)"
+            f"window model (the proxy's arrivals and window in virtual time, {one.windows} "
+            f"windows, mean batch {one.mean_batch:.1f}; each window planned by a ReplicaRouter "
+            f"and served in schedule order on paged models of {one.capacity_tokens:,} tokens in "
+            f"all):"
         )
+        for single, fleet_model in zip(models[::2], models[1::2]):
+            how = (
+                "planned before the previous window is served"
+                if single.pipelined
+                else "served before the next window is planned"
+            )
+            known = "known" if single.known_capacity else "not known"
+            print(
+                f"  {how}, replicas' KV capacity {known}: one replica {single.hit_ratio:.4f}, "
+                f"{count} replicas {fleet_model.hit_ratio:.4f} "
+                f"({fleet_model.hit_ratio / max(single.hit_ratio, 1e-12):.2f} of one)"
+            )
     print(
         f"one-replica model: the method's token stream on one paged prefix-cache model of "
         f"{fleet_tokens:,} tokens (the fleet's total KV); {run['seconds']:.0f} s in all"

@@ -11,7 +11,10 @@ proxy's ``max_batch`` and adaptive closing) and the same planner the proxy hosts
 window, ``plan`` for a window of one, as ``PlanningWindow`` does), sending each window's plans
 in its schedule order to one paged prefix-cache model per replica
 (:class:`~contextpilot_bench.prefix_cache_model.PrefixCacheModel`, vLLM's block pool) and
-handing each model's evictions to the router, as the replicas' KV events do.
+handing each model's evictions to the router, as the replicas' KV events do. Pipelined, each
+window is planned before the previous one is served, as the live proxy plans a window while
+the previous window's calls still wait at their replica: what a router that knows (or does
+not know) the replicas' KV capacity then believes cached shows.
 
 With one replica holding the fleet's total KV it is the same-arrival one-replica ContextPilot
 figure (the fair denominator of the proxy's hit ratio); with the fleet's replicas it is what
@@ -46,6 +49,7 @@ class WindowedFleetRun:
         window_ms: the planning window.
         requests: how many requests were sent.
         windows: how many windows the arrivals closed.
+        pipelined, known_capacity: as :func:`run_windowed_fleet_model` was called.
         prompt_tokens, cached_tokens: over every request.
         prompt_tokens_per_replica: in replica order.
     """
@@ -55,6 +59,8 @@ class WindowedFleetRun:
     window_ms: float
     requests: int
     windows: int
+    pipelined: bool
+    known_capacity: bool
     prompt_tokens: int
     cached_tokens: int
     prompt_tokens_per_replica: tuple[int, ...]
@@ -82,6 +88,7 @@ def run_windowed_fleet_model(
     max_batch: int = 64,
     adaptive: bool = True,
     known_capacity: bool = False,
+    pipelined: bool = False,
     router_options: Mapping[str, Any] | None = None,
 ) -> WindowedFleetRun:
     """Replay ``prepared`` at ``arrivals`` through windows of ``window_ms`` (module docstring).
@@ -93,6 +100,9 @@ def run_windowed_fleet_model(
             proxy's ``PlanningWindow`` defaults).
         known_capacity: the router is told each replica's KV capacity (its
             ``kv_capacity_tokens``), as the proxy's fleet may be.
+        pipelined: each window is planned before the previous one is served, as the live
+            proxy plans a window while the previous window's calls still wait at their
+            replica (False: served before the next is planned).
         router_options: more ``ReplicaRouter`` keywords (the fleet's ``load``,
             ``max_imbalance``).
 
@@ -125,8 +135,10 @@ def run_windowed_fleet_model(
         token_counter=prepared.counter,
         **(router_options or {}),
     ) as router:
-        for _, members in windows:
-            for plan in _plan_window(router, [batch[i] for i in members]):
+
+        def serve(plans: list[Plan]) -> None:
+            nonlocal prompt, cached
+            for plan in plans:
                 name = plan.replica or names[0]
                 ids = tokenize(plan.messages)
                 cached += models[name].serve(ids, rid=plan.rid)
@@ -135,12 +147,24 @@ def run_windowed_fleet_model(
                 for model in models.values():
                     for rid in model.take_evicted_rids():
                         router.evict(rid)
+
+        waiting: list[Plan] = []
+        for _, members in windows:
+            plans = _plan_window(router, [batch[i] for i in members])
+            if pipelined:
+                serve(waiting)
+                waiting = plans
+            else:
+                serve(plans)
+        serve(waiting)
     return WindowedFleetRun(
         replicas,
         capacity_tokens,
         window_ms,
         len(batch),
         len(windows),
+        pipelined,
+        known_capacity,
         prompt,
         cached,
         tuple(served[name] for name in names),

@@ -64,6 +64,12 @@ def test_one_window_of_everything_on_one_replica_is_the_offline_reference(
         cached, prompt = cached + cache.serve(ids), prompt + len(ids)
     assert model.hit_ratio == pytest.approx(cached / prompt)
     assert 0 < model.hit_ratio < 1
+    # One window: planned ahead of the previous one or not, it is served once, the same.
+    ahead = run_windowed_fleet_model(
+        prepared, _at([0.0] * n), 1_000, replicas=1, capacity_tokens=capacity,
+        block_size=BLOCK, tokenize=tokenize, max_batch=n, adaptive=False, pipelined=True,
+    )  # fmt: skip
+    assert ahead.pipelined and (ahead.prompt_tokens, ahead.cached_tokens) == (prompt, cached)
 
 
 def test_windows_follow_the_arrivals_and_replicas_share_the_stream(
