@@ -98,3 +98,22 @@ def test_the_capacity_is_checked_and_read_from_a_mapping() -> None:
     for bad in (0, -1, 1.5, True, "4096"):
         with pytest.raises(ValueError, match="replica 'a': kv_capacity_tokens must be"):
             ReplicaSpec("a", kv_capacity_tokens=bad)  # type: ignore[arg-type]
+
+
+def test_the_engines_evictions_leave_the_budget_too() -> None:
+    from contextpilot_integrations.sync.engine_link import EngineLink
+
+    # The engine link (a capacity model standing in for an engine's KV events) evicts before
+    # the budget would: what it drops leaves the budget as well as the index.
+    router = ReplicaRouter(
+        [{"name": "a", "kv_capacity_tokens": 100_000,
+          "cache_sync": {"kind": "capacity", "capacity_tokens": 400}}],
+        link_factory=EngineLink,
+    )  # fmt: skip
+    with router:
+        for i in range(6):
+            router.plan(f"q{i}", [doc(f"E{i}"), doc(f"F{i}")])
+        stats = router.stats()["replicas"]["a"]
+    assert stats["index"]["requests"] < 6
+    assert stats["kv_budget"]["requests"] == stats["index"]["requests"]
+    assert stats["kv_budget"]["dropped"] == 0  # the engine's evictions, not the budget's

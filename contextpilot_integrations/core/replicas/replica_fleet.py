@@ -361,8 +361,16 @@ class ReplicaFleet:
                     "(contextpilot_integrations.sync.engine_link)"
                 )
             link = self._new_link(spec.cache_sync)
+
+            def evicted(rid: str) -> bool:
+                # The engine dropped ``rid``: out of the replica's budget, then its index.
+                if holder:
+                    with self.lock:
+                        holder[0].forget_held(rid)
+                return index.evict(rid)
+
             link.bind(
-                index.evict,
+                evicted,
                 on_session=functools.partial(self._landed, name),
                 on_health=functools.partial(self._health, name),
             )
