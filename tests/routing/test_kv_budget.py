@@ -117,3 +117,16 @@ def test_the_engines_evictions_leave_the_budget_too() -> None:
     assert stats["index"]["requests"] < 6
     assert stats["kv_budget"]["requests"] == stats["index"]["requests"]
     assert stats["kv_budget"]["dropped"] == 0  # the engine's evictions, not the budget's
+
+
+def test_a_call_that_landed_elsewhere_moves_to_that_replicas_budget() -> None:
+    router = ReplicaRouter(
+        [{"name": "a", "kv_capacity_tokens": 5_000}, {"name": "b", "kv_capacity_tokens": 5_000}]
+    )
+    plan = router.plan("q", [doc("L1"), doc("L2")])
+    moved_to = "b" if plan.replica == "a" else "a"
+    router.landed(plan.rid, moved_to)
+    budgets = {n: r["kv_budget"]["requests"] for n, r in router.stats()["replicas"].items()}
+    assert budgets == {plan.replica: 0, moved_to: 1}
+    indexed = {n: r["index"]["requests"] for n, r in router.stats()["replicas"].items()}
+    assert indexed == budgets  # the index entry moved with it
