@@ -121,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
         "by the routing key alone (smg under round_robin, --no-proxy-target-workers)",
     )
     parser.add_argument(
+        "--proxy-kv-capacity",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--engine vllm-cpu, contextpilot-proxy-smg: the proxy's fleet is told each "
+        "replica's KV capacity (kv_capacity_tokens: its indexes drop what the cache can no "
+        "longer hold at planning time; default), or not (--no-proxy-kv-capacity)",
+    )
+    parser.add_argument(
         "--window-adaptive",
         action=argparse.BooleanOptionalAction,
         default=None,

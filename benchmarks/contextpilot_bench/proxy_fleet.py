@@ -43,6 +43,8 @@ class ProxySettings:
         target_workers: send each call to its replica's worker by SMG's worker index (the
             fleet's key, off in the proxy by default; the gateway then runs
             ``consistent_hashing``); False: by the routing key alone.
+        kv_capacity_tokens: each replica's KV capacity in tokens, given to the proxy's fleet
+            (the replicas' ``kv_capacity_tokens``); None: not given.
     """
 
     window_ms: float = 0.0
@@ -51,6 +53,7 @@ class ProxySettings:
     ordered: bool = True
     max_in_flight: int | None = 4
     target_workers: bool = True
+    kv_capacity_tokens: int | None = None
 
 
 @contextmanager
@@ -75,7 +78,14 @@ def proxy_over_gateway(
     from contextpilot_integrations.service.service_config import ServiceConfig
 
     settings = settings or ProxySettings()
-    fleet: dict[str, Any] = {"mode": "gateway", "replicas": [dict(r) for r in replicas]}
+    capacity = settings.kv_capacity_tokens
+    fleet: dict[str, Any] = {
+        "mode": "gateway",
+        "replicas": [
+            {**r, **({"kv_capacity_tokens": capacity} if capacity is not None else {})}
+            for r in replicas
+        ],
+    }
     if settings.load is not None:
         fleet["load"] = settings.load
     if settings.max_imbalance is not None:

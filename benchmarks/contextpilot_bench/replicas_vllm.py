@@ -19,7 +19,10 @@ replicas behind the real Shepherd Model Gateway, the methods of
    :data:`DEFAULT_PROXY_WINDOW_MS` with ``--arrival``, else 0).
 4. The table: engine hit ratio in total and per replica, requests and prompt tokens per replica
    with max/min, TTFT p50/p90, and the same stream on one paged model of the fleet's total KV
-   (:mod:`~contextpilot_bench.vllm_replica_report`); the targets; ``--out``
+   (:mod:`~contextpilot_bench.vllm_replica_report`); with the proxy method, its arrivals and
+   window replayed on one replica of the total KV and on the fleet's replicas (the window
+   model, :mod:`~contextpilot_bench.windowed_fleet_model`: the proxy's same-arrival
+   denominator); the targets; ``--out``
    writes it all as JSON, per request included.
 
 Everything started is stopped on exit, on errors, on Ctrl-C and SIGTERM (each server's and each
@@ -34,9 +37,11 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from contextpilot_bench.arrivals import Arrivals, arrivals_for
 from contextpilot_bench.cli_option_values import parse_numbers
@@ -56,6 +61,7 @@ from contextpilot_bench.vllm_replica_report import (
     vllm_replica_rows,
     vllm_replica_target_lines,
 )
+from contextpilot_bench.windowed_fleet_model import WindowedFleetRun, run_windowed_fleet_model
 from contextpilot_bench.workloads import load_workload
 
 __all__ = ["DEFAULT_PROXY_WINDOW_MS", "replica_blocks", "run_vllm_replicas"]
@@ -166,10 +172,19 @@ def _proxy_line(run: ReplicaMethodRun) -> str | None:
         if workers
         else ""
     )
+    capacity = figures.get("kv_capacity_tokens")
+    budgets = [r.get("kv_budget") for r in figures["replicas"].values()]
+    known = (
+        f"; replicas' KV capacity given ({capacity:,} tokens each: "
+        f"{sum(b['dropped'] for b in budgets if b)} requests dropped from the indexes at "
+        f"planning time)"
+        if capacity
+        else "; replicas' KV capacity not given"
+    )
     return (
         f"{PROXY_METHOD}: the proxy's {planned}; router load {figures['load']}, "
         f"max_imbalance {figures['max_imbalance']:g}, {figures['remapped']} requests re-mapped"
-        f"{sent}{targeted}"
+        f"{known}{sent}{targeted}"
     )
 
 
@@ -195,6 +210,7 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
     cap = getattr(args, "proxy_max_in_flight", 4)
     if cap < 0:
         raise ValueError(f"--proxy-max-in-flight must be >= 0 (0: no cap), got {cap}")
+    known_capacity = getattr(args, "proxy_kv_capacity", True)
     settings = ProxySettings(
         window_ms=_proxy_window_ms(args),
         max_in_flight=cap or None,
@@ -226,6 +242,8 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         raise ValueError("--replicas with --engine vllm-cpu needs a sized --engine-kv-tokens")
     minimum = -(-max_model_len // args.block_size)
     per_replica, raised = replica_blocks(total.usable_blocks, count, minimum)
+    if known_capacity:
+        settings = replace(settings, kv_capacity_tokens=per_replica * args.block_size)
     fleet_tokens = per_replica * args.block_size * count
     run: dict[str, Any] = {
         "workload": workload.name,
@@ -291,6 +309,35 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
     run["seconds"] = round(time.perf_counter() - started, 3)
     run["load_average_end"] = os.getloadavg()
     rows = vllm_replica_rows(runs, total_capacity_tokens=fleet_tokens, block_size=args.block_size)
+    models: list[WindowedFleetRun] = []
+    if PROXY_METHOD in methods:
+        # The proxy's fair denominator: its arrivals and window on one replica of the total KV
+        # (and on the fleet's replicas, served one at a time in schedule order); pipelined,
+        # each window planned before the previous one is served, with and without the
+        # replicas' KV capacity known.
+        variants = [
+            (replicas, pipelined, known)
+            for pipelined, known in ((False, known_capacity), (True, True), (True, False))
+            for replicas in (1, count)
+        ]
+        for replicas, pipelined, known in variants:
+            capacity = fleet_tokens if replicas == 1 else per_replica * args.block_size
+            models.append(
+                run_windowed_fleet_model(
+                    prepared,
+                    arrivals or _one_at_a_time(len(workload.requests)),
+                    settings.window_ms,
+                    replicas=replicas,
+                    capacity_tokens=capacity,
+                    block_size=args.block_size,
+                    tokenize=lambda messages: tokenize_prompt(tokenizer, messages),
+                    known_capacity=known,
+                    pipelined=pipelined,
+                )
+            )
+        run["same_arrival_window_model"] = [
+            {**asdict(m), "hit_ratio": m.hit_ratio, "mean_batch": m.mean_batch} for m in models
+        ]
     note = " (raised to hold one request: the fleet holds more than asked)" if raised else ""
     print(
         f"workload {workload.name}: {len(workload.requests):,} requests, BM25 top-{args.k}, "
@@ -306,13 +353,35 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
     print()
     print(format_table(rows, VLLM_REPLICA_COLUMNS))
     print()
-    targets = vllm_replica_target_lines(rows)
+    targets = vllm_replica_target_lines(
+        rows, same_arrival_one_replica=models[0].hit_ratio if models else None
+    )
     for line in targets:
         print(line)
     for done in runs:
         proxy_line = _proxy_line(done)
         if proxy_line is not None:
             print(proxy_line)
+    if models:
+        one = models[0]
+        print(
+            f"window model (the proxy's arrivals and window in virtual time, {one.windows} "
+            f"windows, mean batch {one.mean_batch:.1f}; each window planned by a ReplicaRouter "
+            f"and served in schedule order on paged models of {one.capacity_tokens:,} tokens in "
+            f"all):"
+        )
+        for single, fleet_model in zip(models[::2], models[1::2]):
+            how = (
+                "planned before the previous window is served"
+                if single.pipelined
+                else "served before the next window is planned"
+            )
+            known = "known" if single.known_capacity else "not known"
+            print(
+                f"  {how}, replicas' KV capacity {known}: one replica {single.hit_ratio:.4f}, "
+                f"{count} replicas {fleet_model.hit_ratio:.4f} "
+                f"({fleet_model.hit_ratio / max(single.hit_ratio, 1e-12):.2f} of one)"
+            )
     print(
         f"one-replica model: the method's token stream on one paged prefix-cache model of "
         f"{fleet_tokens:,} tokens (the fleet's total KV); {run['seconds']:.0f} s in all"
@@ -335,6 +404,11 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         path.write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
         print(f"wrote {path}")
     return 0
+
+
+def _one_at_a_time(n: int) -> Arrivals:
+    """Requests sent one at a time, as arrivals: a second apart (each its own window)."""
+    return Arrivals("replay", tuple(range(n)), np.arange(n, dtype=np.float64), 1.0)
 
 
 def _progress(method: str, total: int) -> Any:

@@ -184,6 +184,7 @@ def _router_figures(router: ReplicaRouter) -> dict[str, Any]:
             "key_confirmed": replica["confirmed"],
             "index_requests": replica["index"]["requests"],
             "evictions_applied": int((sync.get("evictions") or {}).get("kv-events", 0)),
+            "kv_budget": replica["kv_budget"],
         }
     routing = stats["routing"]
     return {
@@ -383,6 +384,7 @@ def _run_through_proxy(
         }
         figures["workers"] = routing.workers.stats()
         figures["window_ms"] = settings.window_ms
+        figures["kv_capacity_tokens"] = settings.kv_capacity_tokens
         figures["load"] = router.config.load
         figures["max_imbalance"] = router.config.max_imbalance
         startup = gateway.startup_seconds

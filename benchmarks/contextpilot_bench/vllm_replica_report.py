@@ -118,8 +118,19 @@ def _verdict(ok: bool) -> str:
     return "ok" if ok else "MISSED"
 
 
-def vllm_replica_target_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The targets, judged on the rows present."""
+def vllm_replica_target_lines(
+    rows: Sequence[Mapping[str, Any]], *, same_arrival_one_replica: float | None = None
+) -> list[str]:
+    """The targets, judged on the rows present.
+
+    Args:
+        same_arrival_one_replica: one replica of the fleet's total KV behind the proxy's
+            window at the same arrival times
+            (:func:`~contextpilot_bench.windowed_fleet_model.run_windowed_fleet_model`), or
+            None; the proxy method is also judged against it (its hit ratio over that figure
+            separates "two replicas against one" from "online windows against one offline
+            plan", which the line against the reference row mixes).
+    """
     by_method = {row["method"]: row for row in rows}
     reference = by_method.get(REFERENCE)
     baseline = by_method.get("baseline-cache_aware")
@@ -144,6 +155,13 @@ def vllm_replica_target_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                 f"{routed}: engine hit {hit:.4f} = {share:.2f} of one-replica ContextPilot "
                 f"{one:.4f} (paged model, same total KV) "
                 f"(>= {one_target:g}: {_verdict(share >= one_target)})"
+            )
+        if routed == PROXY_METHOD and same_arrival_one_replica:
+            share = hit / same_arrival_one_replica
+            lines.append(
+                f"{routed}: engine hit {hit:.4f} = {share:.2f} of one-replica ContextPilot at "
+                f"the same arrivals and window {same_arrival_one_replica:.4f} (window model, "
+                f"same total KV) (>= {one_target:g}: {_verdict(share >= one_target)})"
             )
         if reference is not None and reference["hit_ratio"]:
             gain = hit / reference["hit_ratio"]

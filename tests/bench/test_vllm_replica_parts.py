@@ -94,6 +94,11 @@ def test_the_proxy_method_is_judged_on_hit_ratio_and_median_ttft() -> None:
     assert "contextpilot-proxy-smg: median TTFT 0.250 s = 1.25x" in lines[0]
     assert lines[0].endswith("(<= 1: MISSED)")
     assert "= 0.95 of one-replica ContextPilot 0.4000" in lines[1] and lines[1].endswith("ok)")
+    assert not any("same arrivals" in line for line in lines)
+    fair = vllm_replica_target_lines([reference, proxy], same_arrival_one_replica=0.50)
+    assert fair[:2] == lines[:2]  # the line against the offline reference stays
+    assert "= 0.76 of one-replica ContextPilot at the same arrivals and window 0.5000" in fair[2]
+    assert fair[2].endswith("(>= 0.9: MISSED)")
     assert "contextpilot-proxy-smg" in methods_for("smg", "contextpilot-proxy-smg")
 
 

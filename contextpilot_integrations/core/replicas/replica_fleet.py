@@ -31,6 +31,7 @@ from contextpilot_integrations.core.engine_link_protocol import EngineLinkProtoc
 from contextpilot_integrations.core.index.context_index import ContextIndex
 from contextpilot_integrations.core.lru import LRU
 from contextpilot_integrations.core.pilot import ContextPilot
+from contextpilot_integrations.core.replicas.kv_budget import KvBudget
 from contextpilot_integrations.core.replicas.replica_load import LoadBoard
 from contextpilot_integrations.core.replicas.route_keys import RouteKeys
 from contextpilot_integrations.core.replicas.routing_config import ReplicaSpec
@@ -52,9 +53,10 @@ LinkFactory = Callable[[Mapping[str, Any]], EngineLinkProtocol]
 
 class Replica:
     """One replica's state: its spec, pilot and link, whether it is up, the requests evicted
-    when it went down, and the usage its engine reported for requests sent here."""
+    when it went down, the usage its engine reported for requests sent here, and, with its KV
+    capacity known, what its cache can still hold of what was planned there (:class:`KvBudget`)."""
 
-    __slots__ = ("spec", "pilot", "link", "up", "down_evictions", "usage")
+    __slots__ = ("spec", "pilot", "link", "up", "down_evictions", "usage", "budget")
 
     def __init__(
         self, spec: ReplicaSpec, pilot: ContextPilot, link: EngineLinkProtocol | None
@@ -65,6 +67,20 @@ class Replica:
         self.up = True
         self.down_evictions = 0
         self.usage = UsageCounter()  # what the engine reported for requests sent here
+        capacity = spec.kv_capacity_tokens
+        self.budget = KvBudget(capacity) if capacity is not None else None
+
+    def held(self, rid: str, blocks: Blocks, prompt_tokens: int) -> list[str]:
+        """``rid`` was planned or landed here (fleet lock held): the requests its KV cache can
+        no longer hold, to drop from its index (none without a known capacity)."""
+        if self.budget is None:
+            return []
+        return self.budget.add(rid, blocks, prompt_tokens)
+
+    def forget_held(self, rid: str) -> None:
+        """``rid`` left this replica's cache or went elsewhere (fleet lock held)."""
+        if self.budget is not None:
+            self.budget.discard(rid)
 
 
 class Route:
@@ -180,8 +196,10 @@ class ReplicaFleet:
             route = self.routes.peek(rid)
             self.loads.complete(rid)
             names = [route.replica] if route is not None else list(self.replicas)
-            pilots = [self.replicas[n].pilot for n in names if n in self.replicas]
-        return any([pilot.evict(rid) for pilot in pilots])
+            replicas = [self.replicas[n] for n in names if n in self.replicas]
+            for replica in replicas:
+                replica.forget_held(rid)
+        return any([replica.pilot.evict(rid) for replica in replicas])
 
     def record_usage(
         self, rid: str, prompt_tokens: int, cached_tokens: int, cache_write_tokens: int | None
@@ -225,6 +243,19 @@ class ReplicaFleet:
             routed = {name: self.loads.routed(name) for name in replicas}
             keys = {name: self.keys.stats(name) for name in replicas}
             remapped, remapped_keys = self.remapped, self.keys.remapped_keys
+            budgets = {
+                name: (
+                    {
+                        "capacity_tokens": r.budget.capacity_tokens,
+                        "used_tokens": r.budget.used_tokens,
+                        "requests": len(r.budget),
+                        "dropped": r.budget.dropped,
+                    }
+                    if r.budget is not None
+                    else None
+                )
+                for name, r in replicas.items()
+            }
         out: dict[str, Any] = {}
         for name, replica in replicas.items():
             index = replica.pilot.index.stats()
@@ -238,6 +269,7 @@ class ReplicaFleet:
                 **keys[name],
                 "index": {f: getattr(index, f) for f in index.__dataclass_fields__},
                 "usage": replica.usage.stats(),
+                "kv_budget": budgets[name],
                 "sync": replica.link.stats() if replica.link is not None else None,
             }
         up = [routed[name] for name, replica in replicas.items() if replica.up]
@@ -269,11 +301,15 @@ class ReplicaFleet:
             self.loads.move(rid, name)
             self.remapped += 1
             blocks = route.blocks
-        if planned is None or landed is None or rid not in planned.pilot.index:
-            return
+            if planned is None or landed is None or rid not in planned.pilot.index:
+                return
+            planned.forget_held(rid)
+            dropped = landed.held(rid, blocks, sum(t for _, t in blocks)) if blocks else []
         planned.pilot.evict(rid)
         if blocks and rid not in landed.pilot.index:
             landed.pilot.index.insert(rid, [b for b, _ in blocks], [t for _, t in blocks])
+        for other in dropped:
+            landed.pilot.index.evict(other)
         logger.debug("rid %r was planned for replica %r and reached %r", rid, planned_name, name)
 
     def _health(self, name: str, up: bool) -> None:
@@ -292,6 +328,9 @@ class ReplicaFleet:
             logger.info("replica %r is up again; routing to it", name)
             return
         evicted = replica.pilot.index.clear()
+        with self.lock:
+            if replica.budget is not None:
+                replica.budget = KvBudget(replica.budget.capacity_tokens)
         if replica.link is not None:
             replica.link.reset()
         replica.down_evictions += evicted
@@ -322,8 +361,16 @@ class ReplicaFleet:
                     "(contextpilot_integrations.sync.engine_link)"
                 )
             link = self._new_link(spec.cache_sync)
+
+            def evicted(rid: str) -> bool:
+                # The engine dropped ``rid``: out of the replica's budget, then its index.
+                if holder:
+                    with self.lock:
+                        holder[0].forget_held(rid)
+                return index.evict(rid)
+
             link.bind(
-                index.evict,
+                evicted,
                 on_session=functools.partial(self._landed, name),
                 on_health=functools.partial(self._health, name),
             )

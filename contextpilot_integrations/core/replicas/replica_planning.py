@@ -257,10 +257,12 @@ class ReplicaPlanning:
         (``replica``, ``routing_key`` or ``base_url`` set)."""
         name, direct = replica.spec.name, self._direct
         out = []
+        dropped: list[str] = []
         with self._fleet.lock:
             for plan in plans:
                 blocks = tuple(self._indexed(p) for p in plan.blocks)
                 self._fleet.routes.put(plan.rid, Route(name, key, blocks))
+                dropped.extend(replica.held(plan.rid, blocks, plan.prompt_tokens))
                 conversation = plan.scope.conversation
                 if conversation is not None:
                     self._conversations.put(conversation, (name, plan.prompt_tokens, plan.rid))
@@ -273,6 +275,10 @@ class ReplicaPlanning:
                         base_url=replica.spec.base_url if direct else None,
                     )
                 )
+        # What the replica's KV cache cannot hold any more leaves its index now, ahead of the
+        # engine's events (the link goes on following it).
+        for rid in dropped:
+            replica.pilot.index.evict(rid)
         return out
 
     def _indexed(self, placement: Placement) -> tuple[int, int]:

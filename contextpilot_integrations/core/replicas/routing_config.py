@@ -54,6 +54,11 @@ class ReplicaSpec:
         cache_sync: how its prefix cache is followed: the mapping its engine link is built from
             (``EngineLink(cache_sync)``), its own KV-event endpoints; None: its index's own LRU
             bound only.
+        kv_capacity_tokens: its engine's KV cache in tokens, or None: its index then holds at
+            most that many block tokens (shared prefixes once), dropping the least recently
+            planned requests when a new one is planned, ahead of the engine's own evictions
+            (docs/DESIGN.md, "Replicas and routing"). Without it a router that plans while
+            earlier calls still wait believes them all cached.
 
     Raises:
         TypeError / ValueError: a bad field (the message names it).
@@ -62,6 +67,7 @@ class ReplicaSpec:
     name: str
     base_url: str | None = None
     cache_sync: Mapping[str, Any] | None = field(default=None, hash=False)
+    kv_capacity_tokens: int | None = None
 
     def __post_init__(self) -> None:
         name = self.name
@@ -75,22 +81,35 @@ class ReplicaSpec:
             raise ValueError(f"replica {name!r}: base_url must be a non-empty str or None")
         if self.cache_sync is not None and not isinstance(self.cache_sync, Mapping):
             raise TypeError(f"replica {name!r}: cache_sync must be a mapping or None")
+        capacity = self.kv_capacity_tokens
+        if capacity is not None and (
+            isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+        ):
+            raise ValueError(
+                f"replica {name!r}: kv_capacity_tokens must be an int > 0 or null, got "
+                f"{capacity!r:.80}"
+            )
 
     @classmethod
     def from_mapping(cls, settings: Mapping[str, Any]) -> ReplicaSpec:
-        """``{"name": ..., "base_url": ..., "cache_sync": {...}}``.
+        """``{"name": ..., "base_url": ..., "cache_sync": {...}, "kv_capacity_tokens": N}``.
 
         Raises:
             TypeError / ValueError: not a mapping, an unknown key, or a bad field.
         """
         if not isinstance(settings, Mapping):
             raise TypeError(f"a replica must be a mapping, got {type(settings).__name__}")
-        unknown = sorted(set(settings) - {"name", "base_url", "cache_sync"})
+        unknown = sorted(set(settings) - {"name", "base_url", "cache_sync", "kv_capacity_tokens"})
         if unknown:
             raise ValueError(f"unknown replica setting(s) {unknown}")
         if "name" not in settings:
             raise ValueError("a replica needs 'name'")
-        return cls(settings["name"], settings.get("base_url"), settings.get("cache_sync"))
+        return cls(
+            settings["name"],
+            settings.get("base_url"),
+            settings.get("cache_sync"),
+            settings.get("kv_capacity_tokens"),
+        )
 
 
 @dataclass(frozen=True)

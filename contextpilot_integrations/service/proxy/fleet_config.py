@@ -46,7 +46,6 @@ from urllib.parse import urlsplit
 
 from contextpilot_integrations.core.replicas.routing_config import (
     LoadKind,
-    ReplicaSpec,
     RouterConfig,
 )
 from contextpilot_integrations.service.proxy.endpoint_url import same_endpoint
@@ -110,7 +109,7 @@ class FleetConfig:
             raise ValueError(f"fleet.max_in_flight must be an int >= 1 or null, got {cap!r}")
         # Each replica its own cache_sync object: its engine link is found by it.
         copied = tuple(
-            ReplicaSpec(s.name, s.base_url, dict(s.cache_sync))
+            dataclasses.replace(s, cache_sync=dict(s.cache_sync))
             if isinstance(s.cache_sync, Mapping)
             else s
             for s in self.router.replicas

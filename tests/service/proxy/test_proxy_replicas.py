@@ -306,6 +306,15 @@ def test_the_fleet_mapping_takes_the_routers_rule() -> None:
         {"mode": "gateway", "replicas": [{"name": "a"}], "load": "in-flight-tokens"}
     )
     assert in_flight.load == "in-flight-tokens" and not in_flight.direct
+    # A replica's KV capacity survives the copy of its cache_sync (its index's budget).
+    capped = FleetConfig.from_mapping(
+        {"mode": "gateway", "replicas": [{"name": "a", "kv_capacity_tokens": 2432,
+                                          "cache_sync": {"kind": "capacity",
+                                                         "capacity_tokens": 2432}}]}
+    )  # fmt: skip
+    assert capped.router.replicas[0].kv_capacity_tokens == 2432
+    with pytest.raises(ValueError, match="fleet: replica 'a': kv_capacity_tokens must be"):
+        FleetConfig.from_mapping({"replicas": [{"name": "a", "kv_capacity_tokens": "big"}]})
 
 
 def _config(argv: list[str]):  # type: ignore[no-untyped-def]
