@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from contextpilot_integrations.core.request import is_block_text
-
 __all__ = ["RequestBlocks", "distinct_blocks"]
 
 
@@ -23,7 +21,11 @@ __all__ = ["RequestBlocks", "distinct_blocks"]
 class RequestBlocks:
     """A request's distinct block texts (input order) with their ids, tokens and input index,
     the duplicates (input index -> input index of the first identical text) and the skipped
-    inputs (empty or whitespace only)."""
+    inputs (empty or whitespace only).
+
+    Two maps of the same blocks come with them, made once here for every later step of the
+    plan (docs/DESIGN.md, "Hot path"): ``positions`` (block id -> its position in ``ids``)
+    and ``weights`` (block id -> its tokens, in ``ids`` order: what the index search reads)."""
 
     texts: list[str]
     ids: list[int]
@@ -31,6 +33,8 @@ class RequestBlocks:
     indices: list[int]
     duplicates: dict[int, int]
     skipped: list[int]
+    positions: dict[int, int]
+    weights: dict[int, int]
 
 
 def distinct_blocks(
@@ -47,21 +51,23 @@ def distinct_blocks(
     ids: list[int] = []
     tokens: list[int] = []
     indices: list[int] = []
-    first_seen: dict[int, int] = {}
+    positions: dict[int, int] = {}
     duplicates: dict[int, int] = {}
     skipped: list[int] = []
     for index, text in enumerate(blocks):
-        if not is_block_text(text):
+        if not text or text.isspace():  # :func:`.request.is_block_text`, inlined
             skipped.append(index)
             continue
         bid, count = identify(text)
-        first = first_seen.get(bid)
+        first = positions.get(bid)
         if first is not None:
-            duplicates[index] = first
+            duplicates[index] = indices[first]
             continue
-        first_seen[bid] = index
+        positions[bid] = len(ids)
         texts.append(text)
         ids.append(bid)
         tokens.append(count)
         indices.append(index)
-    return RequestBlocks(texts, ids, tokens, indices, duplicates, skipped)
+    return RequestBlocks(
+        texts, ids, tokens, indices, duplicates, skipped, positions, dict(zip(ids, tokens))
+    )

@@ -122,11 +122,12 @@ class IndexTree:
 
     # ------------------------------------------------------------------ Public API: walks
     def best_prefix(
-        self, blocks: Sequence[int], weight: Mapping[int, int], budget: int
-    ) -> tuple[int, list[int], list[int], bool]:
+        self, weight: Mapping[int, int], budget: int
+    ) -> tuple[int, tuple[int, ...], tuple[int, ...], bool]:
         """The search of :meth:`ContextIndex.search
         <contextpilot_integrations.core.index.context_index.ContextIndex.search>` (at most
-        ``budget`` nodes expanded; ``weight``: block -> tokens of the request's ``blocks``).
+        ``budget`` nodes expanded; ``weight``: block -> tokens of the request's blocks, in the
+        request's order).
 
         Returns:
             ``(tokens matched, prefix block ids, path of node ids, whether the match ends
@@ -140,7 +141,7 @@ class IndexTree:
         # starts with, nor an edge holds, a block of the prefix above it: only ``weight`` is
         # read. Stack entries: node, blocks of its prefix, tokens gained so far.
         stack: list[tuple[IndexNode, int, int]] = [(self.root, 0, 0)]
-        get, requested = weight.get, weight.keys()
+        get, requested, size = weight.get, weight.keys(), len(weight)
         while stack and budget > 0:
             node, depth, gained = stack.pop()
             budget -= 1
@@ -149,12 +150,14 @@ class IndexTree:
             # budget walks them in one order: the children's own, or the request's when it has
             # fewer blocks left; found in one set intersection, an order is needed for two.
             entered = children.keys() & requested
-            if len(entered) < 2:
+            if not entered:
+                continue
+            if len(entered) == 1:
                 candidates = [children[b] for b in entered]
-            elif len(children) <= len(blocks) - depth:
+            elif len(children) <= size - depth:
                 candidates = [child for first, child in children.items() if first in entered]
             else:
-                candidates = [children[b] for b in blocks if b in entered]
+                candidates = [children[b] for b in weight if b in entered]
             for child in candidates:
                 edge = child.blocks
                 length = 0
@@ -173,13 +176,24 @@ class IndexTree:
                 if full and child.children:
                     stack.append((child, depth + length, gain))
         if best_node is None:
-            return 0, [], [], False
-        path = path_of(best_node)
+            return 0, (), (), False
+        # The nodes from the root's child down to the best one, by parent links.
+        chain: list[IndexNode] = []
+        current: IndexNode = best_node
+        while current.parent is not None:
+            chain.append(current)
+            current = current.parent
+        chain.reverse()
         prefix: list[int] = []
-        for node_id in path[:-1]:
-            prefix.extend(self.nodes[node_id].blocks)
-        prefix.extend(best_node.blocks[:best_length])
-        return best_key[0], prefix, list(path), best_length < len(best_node.blocks)
+        for above in chain[:-1]:
+            prefix += above.blocks
+        prefix += best_node.blocks[:best_length]
+        return (
+            best_key[0],
+            tuple(prefix),
+            tuple([n.node_id for n in chain]),
+            best_length < len(best_node.blocks),
+        )
 
     def prefix_in_order(self, blocks: Sequence[int], tokens: Sequence[int]) -> tuple[int, int]:
         """``(blocks, tokens)`` of the longest prefix of ``blocks``, in exactly this order, that

@@ -53,8 +53,7 @@ class PopularityMemory:
             self._unit = 2.0 ** ((self._clock - self._base) / self.half_life)
             if self._unit > self._REBASE_AT:
                 self._rebase()
-            unit, scores = self._unit, self._scores
-            scores.put_many(zip(blocks, [score + unit for score in scores.peek_many(blocks, 0.0)]))
+            self._scores.add_to_many(blocks, self._unit)
 
     def get(self, block: int) -> float:
         """The block's decayed score (0.0 when not remembered)."""
