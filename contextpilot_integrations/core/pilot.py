@@ -538,8 +538,9 @@ class ContextPilot(ThreadedAsyncTwins):
         token_of = blocks.weights
         lifetime = len(self.index)  # requests the cache holds: how long a prompt stays to share
         depth = len(found.prefix) + CONDITIONAL_STEPS
+        head = order[:depth]  # all that future_reuse reads
         future = self._cooccurrence.future_reuse(
-            order, [token_of[b] for b in order], lifetime, depth
+            head, [token_of[b] for b in head], lifetime, depth
         ) - self._cooccurrence.future_reuse(blocks.ids, blocks.tokens, lifetime, depth)
         return found.prefix_tokens - kept + future > annotation
 
@@ -625,7 +626,8 @@ class ContextPilot(ThreadedAsyncTwins):
             self._history.add(ids)
             self._cooccurrence.add(ids)
         annotation: list[str] = []
-        in_order = all(a.index < b.index for a, b in zip(shown, shown[1:]))
+        shown_indices = [p.index for p in shown]
+        in_order = shown_indices == sorted(shown_indices)  # input indices are distinct
         if self.annotate and (hints or not in_order):
             annotation = [references[i] for i in sorted(references)]
         segments = layout.render_segments(

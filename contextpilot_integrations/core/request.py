@@ -156,12 +156,12 @@ class PlanRequest:
             raise ValueError(
                 f"blocks has {len(blocks)} entries; at most {MAX_BLOCKS_PER_REQUEST} per request"
             )
-        for i, text in enumerate(blocks):
-            if not isinstance(text, str):
-                raise TypeError(
-                    f"blocks[{i}] must be a str, got {type(text).__name__}: {text!r:.80}"
-                )
-            if not text.isascii():  # ASCII is UTF-8: the common case needs no call
+        if not _all_ascii_str(blocks):  # ASCII is UTF-8: the common case needs no check
+            for i, text in enumerate(blocks):
+                if not isinstance(text, str):
+                    raise TypeError(
+                        f"blocks[{i}] must be a str, got {type(text).__name__}: {text!r:.80}"
+                    )
                 _check_utf8(f"blocks[{i}]", text)
         if not isinstance(blocks, tuple):
             object.__setattr__(self, "blocks", tuple(blocks))
@@ -207,6 +207,15 @@ def check_batch(requests: object) -> list[PlanRequest]:
                 )
             conversations[key] = i
     return list(requests)
+
+
+def _all_ascii_str(texts: Sequence[object]) -> bool:
+    """Whether every one of ``texts`` is an ASCII ``str``, in one pass without a Python step
+    per text (docs/DESIGN.md, "Hot path")."""
+    try:
+        return all(map(str.isascii, texts))  # type: ignore[arg-type]
+    except TypeError:  # not a str
+        return False
 
 
 def _check_id(name: str, value: object, *, optional: bool) -> None:

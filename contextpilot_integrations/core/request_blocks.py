@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from contextpilot_integrations.core.request import is_block_text
+
 __all__ = ["RequestBlocks", "distinct_blocks"]
 
 
@@ -47,15 +49,33 @@ def distinct_blocks(
         identify: text -> ``(block id, tokens)``; two texts are the same block when their ids
             are equal.
     """
+    if "" not in blocks and not any(map(str.isspace, blocks)):
+        # Every input is a block (:func:`.request.is_block_text`): identified in one pass
+        # with no per-block Python step; a repeated block sends it to the general walk.
+        identified = list(map(identify, blocks))
+        ids = [bid for bid, _ in identified]
+        positions = dict(zip(ids, range(len(ids))))
+        if len(positions) == len(ids):
+            tokens = [count for _, count in identified]
+            return RequestBlocks(
+                list(blocks),
+                ids,
+                tokens,
+                list(range(len(ids))),
+                {},
+                [],
+                positions,
+                dict(zip(ids, tokens)),
+            )
     texts: list[str] = []
-    ids: list[int] = []
-    tokens: list[int] = []
+    ids = []
+    tokens = []
     indices: list[int] = []
-    positions: dict[int, int] = {}
+    positions = {}
     duplicates: dict[int, int] = {}
     skipped: list[int] = []
     for index, text in enumerate(blocks):
-        if not text or text.isspace():  # :func:`.request.is_block_text`, inlined
+        if not is_block_text(text):
             skipped.append(index)
             continue
         bid, count = identify(text)
