@@ -150,15 +150,21 @@ def place_blocks(
         shown.append(placement)
 
     if scope.conversation_id is None:
-        # Every block is shown as given: :func:`show` inlined (docs/DESIGN.md, "Hot path").
-        texts, ids, tokens, indices = blocks.texts, blocks.ids, blocks.tokens, blocks.indices
-        shown_block = Placement.shown_block
-        for position, (p, name) in enumerate(zip(aligned, layout.labels(len(aligned)))):
-            index = indices[p]
-            placement = shown_block(index, texts[p], ids[p], tokens[p], position, name)
+        # Every block is shown as given, each input's column read in prompt order in one map
+        # (docs/DESIGN.md, "Hot path").
+        texts, tokens, indices = blocks.texts, blocks.tokens, blocks.indices
+        labels = layout.labels(len(aligned))
+        shown_indices = list(map(indices.__getitem__, aligned))
+        shown = Placement.shown_blocks(
+            shown_indices,
+            list(map(texts.__getitem__, aligned)),
+            order,
+            list(map(tokens.__getitem__, aligned)),
+            labels,
+        )
+        for index, placement in zip(shown_indices, shown):
             placements[index] = placement
-            shown.append(placement)
-            references[index] = name
+        references = dict(zip(shown_indices, labels))
         figures = DedupFigures(len(shown), 0, 0, sum(tokens), 0)
         as_given = True
     else:

@@ -133,48 +133,15 @@ class IndexTree:
             ``(tokens matched, prefix block ids, path of node ids, whether the match ends
             inside an edge)``. Read-only.
         """
-        # The best match so far: its key, the node it ends in and how far into that node's edge.
-        best_key: tuple[int, bool, float, int] = (0, False, 0.0, 0)
-        best_node: IndexNode | None = None
-        best_length = 0
-        # Every path holds a block at most once (a context repeats none), so a child never
-        # starts with, nor an edge holds, a block of the prefix above it: only ``weight`` is
-        # read. Stack entries: node, blocks of its prefix, tokens gained so far.
-        stack: list[tuple[IndexNode, int, int]] = [(self.root, 0, 0)]
-        get, requested, size = weight.get, weight.keys(), len(weight)
-        while stack and budget > 0:
-            node, depth, gained = stack.pop()
-            budget -= 1
-            children = node.children
-            # Only a child whose first block (its key) the request holds matches anything. The
-            # budget walks them in one order: the children's own, or the request's when it has
-            # fewer blocks left; found in one set intersection, an order is needed for two.
-            entered = children.keys() & requested
-            if not entered:
-                continue
-            if len(entered) == 1:
-                candidates = [children[b] for b in entered]
-            elif len(children) <= size - depth:
-                candidates = [child for first, child in children.items() if first in entered]
-            else:
-                candidates = [children[b] for b in weight if b in entered]
-            for child in candidates:
-                edge = child.blocks
-                length = 0
-                gain = gained
-                for edge_block in edge:
-                    w = get(edge_block)
-                    if w is None:
-                        break
-                    length += 1
-                    gain += w
-                full = length == len(edge)
-                if gain >= best_key[0]:
-                    key = (gain, full, child.last_access, -child.node_id)
-                    if key > best_key:
-                        best_key, best_node, best_length = key, child, length
-                if full and child.children:
-                    stack.append((child, depth + length, gain))
+        # A walk that expands every node it reaches finds the same best match whatever order it
+        # takes the children in (the key orders matches totally); only a walk the budget cuts
+        # short depends on that order. So the walk takes them as the set intersection gives
+        # them, and again in the budget's order only when the budget ran out first (rare: a
+        # request reaching more nodes than the budget; docs/DESIGN.md, "Hot path").
+        found = self._best_match(weight, budget, ordered=False)
+        if found is None:
+            found = self._best_match(weight, budget, ordered=True)
+        matched, best_node, best_length = found
         if best_node is None:
             return 0, (), (), False
         # The nodes from the root's child down to the best one, by parent links.
@@ -189,7 +156,7 @@ class IndexTree:
             prefix += above.blocks
         prefix += best_node.blocks[:best_length]
         return (
-            best_key[0],
+            matched,
             tuple(prefix),
             tuple([n.node_id for n in chain]),
             best_length < len(best_node.blocks),
@@ -231,6 +198,58 @@ class IndexTree:
         return blocks, tokens
 
     # ------------------------------------------------------------------ internals
+    def _best_match(
+        self, weight: Mapping[int, int], budget: int, *, ordered: bool
+    ) -> tuple[int, IndexNode | None, int] | None:
+        """The best match of :meth:`best_prefix`: ``(tokens, the node it ends in, how far into
+        that node's edge)``. ``ordered``: children taken in the budget's order (below);
+        otherwise in any order, and ``None`` when the budget ran out before the walk did."""
+        # The best match so far: its key, the node it ends in and how far into that node's edge.
+        best_key: tuple[int, bool, float, int] = (0, False, 0.0, 0)
+        best_node: IndexNode | None = None
+        best_length = 0
+        # Every path holds a block at most once (a context repeats none), so a child never
+        # starts with, nor an edge holds, a block of the prefix above it: only ``weight`` is
+        # read. Stack entries: node, blocks of its prefix, tokens gained so far.
+        stack: list[tuple[IndexNode, int, int]] = [(self.root, 0, 0)]
+        get, requested, size = weight.get, weight.keys(), len(weight)
+        while stack and budget > 0:
+            node, depth, gained = stack.pop()
+            budget -= 1
+            children = node.children
+            # Only a child whose first block (its key) the request holds matches anything,
+            # found in one set intersection. The budget's order: the children's own, or the
+            # request's when it has fewer blocks left.
+            entered = children.keys() & requested
+            if not entered:
+                continue
+            if len(entered) == 1 or not ordered:
+                candidates = [children[b] for b in entered]
+            elif len(children) <= size - depth:
+                candidates = [child for first, child in children.items() if first in entered]
+            else:
+                candidates = [children[b] for b in weight if b in entered]
+            for child in candidates:
+                edge = child.blocks
+                length = 0
+                gain = gained
+                for edge_block in edge:
+                    w = get(edge_block)
+                    if w is None:
+                        break
+                    length += 1
+                    gain += w
+                full = length == len(edge)
+                if gain >= best_key[0]:
+                    key = (gain, full, child.last_access, -child.node_id)
+                    if key > best_key:
+                        best_key, best_node, best_length = key, child, length
+                if full and child.children:
+                    stack.append((child, depth + length, gain))
+        if stack and not ordered:
+            return None
+        return best_key[0], best_node, best_length
+
     def _merge_with_child(self, node: IndexNode) -> None:
         """Fold ``node``'s only child into it, keeping the compressed-tree invariant."""
         (child,) = node.children.values()
