@@ -17,7 +17,7 @@ Public API: :class:`IndexNode`, :class:`IndexTree`, :func:`path_of`, :func:`comm
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 __all__ = ["IndexNode", "IndexTree", "common_prefix", "path_of"]
 
@@ -202,34 +202,43 @@ class IndexTree:
         self, weight: Mapping[int, int], budget: int, *, ordered: bool
     ) -> tuple[int, IndexNode | None, int] | None:
         """The best match of :meth:`best_prefix`: ``(tokens, the node it ends in, how far into
-        that node's edge)``. ``ordered``: children taken in the budget's order (below);
-        otherwise in any order, and ``None`` when the budget ran out before the walk did."""
+        that node's edge)``. ``ordered``: the children of a node are taken in the budget's
+        order (below); otherwise in any order, and ``None`` when the budget ran out before the
+        walk did."""
         # The best match so far: its key, the node it ends in and how far into that node's edge.
         best_key: tuple[int, bool, float, int] = (0, False, 0.0, 0)
         best_node: IndexNode | None = None
         best_length = 0
+        get, requested, size = weight.get, weight.keys(), len(weight)
         # Every path holds a block at most once (a context repeats none), so a child never
         # starts with, nor an edge holds, a block of the prefix above it: only ``weight`` is
-        # read. Stack entries: node, blocks of its prefix, tokens gained so far.
-        stack: list[tuple[IndexNode, int, int]] = [(self.root, 0, 0)]
-        get, requested, size = weight.get, weight.keys(), len(weight)
-        while stack and budget > 0:
-            node, depth, gained = stack.pop()
-            budget -= 1
-            children = node.children
-            # Only a child whose first block (its key) the request holds matches anything,
-            # found in one set intersection. The budget's order: the children's own, or the
-            # request's when it has fewer blocks left.
-            entered = children.keys() & requested
-            if not entered:
-                continue
-            if len(entered) == 1 or not ordered:
-                candidates = [children[b] for b in entered]
-            elif len(children) <= size - depth:
-                candidates = [child for first, child in children.items() if first in entered]
-            else:
-                candidates = [children[b] for b in weight if b in entered]
-            for child in candidates:
+        # read. Only a child whose first block (its key) the request holds matches anything,
+        # found in one set intersection when its parent is reached. Each node expanded costs
+        # one unit of the budget: a walk in any order counts a node when it reaches it and
+        # expands only those with such children; the ordered walk counts it when it expands
+        # it. Stack entries: a node's children, the keys the request holds among them, and the
+        # blocks and tokens of the node's prefix.
+        children = self.root.children
+        stack = [(children, children.keys() & requested, 0, 0)]
+        if not ordered:
+            budget -= 1  # the root
+        while stack:
+            children, entered, depth, gained = stack.pop()
+            candidates: Iterable[int] = entered
+            if ordered:
+                if budget == 0:
+                    break
+                budget -= 1
+                # The budget's order: the children's own, or the request's when it has fewer
+                # blocks left.
+                if len(entered) < 2:
+                    pass
+                elif len(children) <= size - depth:
+                    candidates = [first for first in children if first in entered]
+                else:
+                    candidates = [first for first in weight if first in entered]
+            for first in candidates:
+                child = children[first]
                 edge = child.blocks
                 length = 0
                 gain = gained
@@ -245,9 +254,16 @@ class IndexTree:
                     if key > best_key:
                         best_key, best_node, best_length = key, child, length
                 if full and child.children:
-                    stack.append((child, depth + length, gain))
-        if stack and not ordered:
-            return None
+                    below = child.children
+                    inner = below.keys() & requested
+                    if ordered:
+                        stack.append((below, inner, depth + length, gain))
+                        continue
+                    budget -= 1
+                    if budget < 0:
+                        return None
+                    if inner:
+                        stack.append((below, inner, depth + length, gain))
         return best_key[0], best_node, best_length
 
     def _merge_with_child(self, node: IndexNode) -> None:
