@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,7 +95,7 @@ class ContextIndex:
         self._tree = IndexTree()
         # LRU order, oldest first; the bounds are applied by _enforce_bounds (tree surgery).
         self._requests: LRU[str, _Request] = LRU()
-        self._block_requests: dict[int, int] = {}  # live requests holding each block
+        self._block_requests: Counter[int] = Counter()  # live requests holding each block
         self._inserts = 0
         self._evictions = 0
         self._lru_evictions = 0
@@ -256,7 +257,8 @@ class ContextIndex:
                     node = leaf
                     i = len(seq)
                     break
-                common = common_prefix(child.blocks, seq, i)
+                # An edge of one block (most are) matches its first block, its key.
+                common = 1 if len(child.blocks) == 1 else common_prefix(child.blocks, seq, i)
                 if common < len(child.blocks):
                     child = self._tree.split(child, common)
                 child.access_count += 1
@@ -267,9 +269,7 @@ class ContextIndex:
             node.access_count += 1
             node.last_access = now
             self._requests.put(rid, _Request(node, seq, toks))
-            held = self._block_requests
-            for block in seq:
-                held[block] = held.get(block, 0) + 1
+            self._block_requests.update(seq)  # one counting loop in C
             self._inserts += 1
             self._enforce_bounds(keep=rid)
             return node.node_id
