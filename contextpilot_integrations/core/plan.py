@@ -111,7 +111,7 @@ class Placement:
             repeat(None),
         )
         for setter, column in zip(_SETTERS, columns):
-            _exhaust(map(setter, placements, column))
+            _SINK.extend(map(setter, placements, column))
         return placements
 
     @property
@@ -127,7 +127,7 @@ class Placement:
 
 
 _new_object = object.__new__
-_exhaust = deque(maxlen=0).extend  # runs an iterator for its effects
+_SINK: deque[None] = deque(maxlen=0)  # runs an iterator for its effects
 _SETTERS = tuple(
     getattr(Placement, name).__set__
     for name in (

@@ -141,6 +141,7 @@ class IndexTree:
         found = self._best_match(weight, budget, ordered=False)
         if found is None:
             found = self._best_match(weight, budget, ordered=True)
+            assert found is not None  # the walk in the budget's order always answers
         matched, best_node, best_length = found
         if best_node is None:
             return 0, (), (), False
