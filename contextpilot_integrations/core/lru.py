@@ -12,7 +12,7 @@ Not thread-safe by itself: each owner already holds its own lock around a compou
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, ItemsView, Iterable, Iterator, ValuesView
+from collections.abc import Callable, ItemsView, Iterable, Iterator, Sequence, ValuesView
 from typing import Generic, TypeVar, overload
 
 __all__ = ["LRU"]
@@ -153,16 +153,20 @@ class LRU(Generic[K, V]):
             entries[key] = value
             move_to_end(key)
             keys.append(key)
-        evicted: list[tuple[K, V]] = []
-        fresh = len(set(keys))
-        while len(entries) > max(fresh, 1) and (
-            (self.max_entries is not None and len(entries) > self.max_entries)
-            or (self.max_weight is not None and self._total > self.max_weight)
-        ):
-            key, value = entries.popitem(last=False)
-            self._forget_weight(value)
-            evicted.append((key, value))
-        return evicted
+        return self._enforce_sparing(keys)
+
+    def add_to_many(self: LRU[K, float], keys: Sequence[K], amount: float) -> list[tuple[K, float]]:
+        """Add ``amount`` to the value of each of ``keys`` (distinct; one not held starts from
+        0.0), marking it just used: :meth:`put_many` of the sums, in one pop and one set per
+        key rather than a read, then a write, then a move (docs/DESIGN.md, "Hot path").
+        Returns the entries evicted (never one of ``keys``)."""
+        if self._weight is not None:
+            return self.put_many([(key, self.peek(key, 0.0) + amount) for key in keys])
+        entries = self._entries
+        pop = entries.pop
+        for key in keys:
+            entries[key] = pop(key, 0.0) + amount
+        return self._enforce_sparing(keys)
 
     def pop(self, key: K, default: V | None = None) -> V | None:
         """Remove ``key``; its value, or ``default`` when it was not held."""
@@ -210,6 +214,24 @@ class LRU(Generic[K, V]):
     def _forget_weight(self, value: V) -> None:
         if self._weight is not None:
             self._total -= self._weight(value)
+
+    def _enforce_sparing(self, fresh: Iterable[K]) -> list[tuple[K, V]]:
+        """Apply the bounds once after a batch of puts, evicting none of the ``fresh`` keys."""
+        entries = self._entries
+        evicted: list[tuple[K, V]] = []
+        if not self._over_bounds():
+            return evicted
+        spared = max(len(set(fresh)), 1)
+        while len(entries) > spared and self._over_bounds():
+            key, value = entries.popitem(last=False)
+            self._forget_weight(value)
+            evicted.append((key, value))
+        return evicted
+
+    def _over_bounds(self) -> bool:
+        return (self.max_entries is not None and len(self._entries) > self.max_entries) or (
+            self.max_weight is not None and self._total > self.max_weight
+        )
 
     def _enforce(self, keep: K | None = None) -> list[tuple[K, V]]:
         evicted: list[tuple[K, V]] = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -494,8 +495,8 @@ class ContextPilot(ThreadedAsyncTwins):
     def _search(self, blocks: RequestBlocks) -> SearchResult:
         if not blocks.ids:
             return SearchResult((), 0, (), 0, False)
-        return self.index.search(
-            blocks.ids, blocks.tokens if self.ordering.weight_by_tokens else None
+        return self.index.search_weights(
+            blocks.weights if self.ordering.weight_by_tokens else dict.fromkeys(blocks.ids, 1)
         )
 
     def _tail_reuse(
@@ -513,7 +514,7 @@ class ContextPilot(ThreadedAsyncTwins):
             return None
         reuse = []
         for blocks, order, result in zip(prepared, orders, found):
-            token_of = dict(zip(blocks.ids, blocks.tokens))
+            token_of = blocks.weights
             reuse.append(
                 self._cooccurrence.future_reuse(
                     order,
@@ -534,11 +535,12 @@ class ContextPilot(ThreadedAsyncTwins):
             return True  # nothing moves: no annotation either way
         _, kept = self.index.prefix_in_order(blocks.ids, blocks.tokens)
         annotation = self._annotation_tokens(len(order))
-        token_of = dict(zip(blocks.ids, blocks.tokens))
+        token_of = blocks.weights
         lifetime = len(self.index)  # requests the cache holds: how long a prompt stays to share
         depth = len(found.prefix) + CONDITIONAL_STEPS
+        head = order[:depth]  # all that future_reuse reads
         future = self._cooccurrence.future_reuse(
-            order, [token_of[b] for b in order], lifetime, depth
+            head, [token_of[b] for b in head], lifetime, depth
         ) - self._cooccurrence.future_reuse(blocks.ids, blocks.tokens, lifetime, depth)
         return found.prefix_tokens - kept + future > annotation
 
@@ -569,17 +571,8 @@ class ContextPilot(ThreadedAsyncTwins):
     def _popularities(self, blocks: Sequence[int]) -> Callable[[int], float]:
         """Block -> popularity (the indexed requests holding it plus its decayed count) for
         ``blocks``, each read once for the whole alignment."""
-        scores = dict(
-            zip(
-                blocks,
-                [
-                    held + recent
-                    for held, recent in zip(
-                        self.index.block_popularities(blocks), self._history.get_many(blocks)
-                    )
-                ],
-            )
-        )
+        held = self.index.block_popularities(blocks)
+        scores = dict(zip(blocks, map(operator.add, held, self._history.get_many(blocks))))
         return scores.__getitem__
 
     def _annotation_tokens_uncached(self, blocks: int) -> int:
@@ -617,16 +610,24 @@ class ContextPilot(ThreadedAsyncTwins):
         rendered = [p.rendered_text or "" for p in shown]
         if shown:
             # The index mirrors what the engine will cache: the blocks as rendered.
-            identities = [
-                (p.block_id or 0, p.tokens) if p.rendered_text == p.text else self._identify(text)
-                for p, text in zip(shown, rendered)
-            ]
-            ids = [bid for bid, _ in identities]
-            self.index.insert(rid, ids, [count for _, count in identities])
+            if placed.as_given:
+                ids = [p.block_id or 0 for p in shown]
+                counts = [p.tokens for p in shown]
+            else:
+                identities = [
+                    (p.block_id or 0, p.tokens)
+                    if p.rendered_text == p.text
+                    else self._identify(text)
+                    for p, text in zip(shown, rendered)
+                ]
+                ids = [bid for bid, _ in identities]
+                counts = [count for _, count in identities]
+            self.index.insert(rid, ids, counts)
             self._history.add(ids)
             self._cooccurrence.add(ids)
         annotation: list[str] = []
-        in_order = all(a.index < b.index for a, b in zip(shown, shown[1:]))
+        shown_indices = [p.index for p in shown]
+        in_order = shown_indices == sorted(shown_indices)  # input indices are distinct
         if self.annotate and (hints or not in_order):
             annotation = [references[i] for i in sorted(references)]
         segments = layout.render_segments(

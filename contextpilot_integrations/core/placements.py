@@ -100,6 +100,8 @@ class PlacedBlocks:
             an earlier turn shows it), for the distinct blocks.
         figures: the de-duplication figures.
         scope: the request's scope, with the turn the conversation gave it.
+        as_given: whether every shown block shows its input text (no sub-block pointer), so
+            its id and tokens are the input's.
     """
 
     placements: tuple[Placement, ...]
@@ -108,6 +110,7 @@ class PlacedBlocks:
     references: dict[int, str]
     figures: DedupFigures
     scope: Scope
+    as_given: bool
 
 
 def place_blocks(
@@ -123,7 +126,7 @@ def place_blocks(
     permutation of ``blocks.ids``); in a conversation, de-duplicate them against its earlier
     turns (the turn recorded joins ``turns``), counting with ``token_counter`` (the one
     ``blocks.tokens`` come from; default the deduplicator's)."""
-    at = {bid: i for i, bid in enumerate(blocks.ids)}
+    at = blocks.positions
     aligned = [at[bid] for bid in order]  # distinct-block positions in prompt order
     placements: list[Placement | None] = [None] * len(request.blocks)
     references: dict[int, str] = {}  # input index -> how the annotation names it
@@ -147,16 +150,23 @@ def place_blocks(
         shown.append(placement)
 
     if scope.conversation_id is None:
-        # Every block is shown as given: :func:`show` inlined (docs/DESIGN.md, "Hot path").
-        texts, ids, tokens, indices = blocks.texts, blocks.ids, blocks.tokens, blocks.indices
-        shown_block = Placement.shown_block
-        for position, (p, name) in enumerate(zip(aligned, layout.labels(len(aligned)))):
-            index = indices[p]
-            placement = shown_block(index, texts[p], ids[p], tokens[p], position, name)
+        # Every block is shown as given, each input's column read in prompt order in one map
+        # (docs/DESIGN.md, "Hot path").
+        texts, tokens, indices = blocks.texts, blocks.tokens, blocks.indices
+        labels = layout.labels(len(aligned))
+        shown_indices = list(map(indices.__getitem__, aligned))
+        shown = Placement.shown_blocks(
+            shown_indices,
+            list(map(texts.__getitem__, aligned)),
+            order,
+            list(map(tokens.__getitem__, aligned)),
+            labels,
+        )
+        for index, placement in zip(shown_indices, shown):
             placements[index] = placement
-            shown.append(placement)
-            references[index] = name
+        references = dict(zip(shown_indices, labels))
         figures = DedupFigures(len(shown), 0, 0, sum(tokens), 0)
+        as_given = True
     else:
         dedup = deduplicator.plan(
             scope.tenant,
@@ -169,11 +179,13 @@ def place_blocks(
             token_counter=token_counter,
         )
         turns.add(dedup.pending)
+        as_given = True
         for p, decision in zip(aligned, dedup.blocks):
             index = blocks.indices[p]
             references[index] = decision.reference
             if decision.text is not None:
                 show(p, decision.text)
+                as_given = as_given and decision.text == blocks.texts[p]
                 continue
             placements[index] = Placement(
                 index,
@@ -207,5 +219,11 @@ def place_blocks(
     for index in blocks.skipped:
         placements[index] = Placement(index, PlacementStatus.SKIPPED, request.blocks[index])
     return PlacedBlocks(
-        tuple(p for p in placements if p is not None), shown, hints, references, figures, scope
+        tuple(p for p in placements if p is not None),
+        shown,
+        hints,
+        references,
+        figures,
+        scope,
+        as_given,
     )

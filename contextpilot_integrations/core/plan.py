@@ -13,9 +13,11 @@ Nothing is lost (docs/DESIGN.md, "Lossless"): every input index has exactly one 
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import repeat
 from typing import TypeVar
 
 from contextpilot_integrations.core.rendering import PromptLayout
@@ -80,25 +82,37 @@ class Placement:
     duplicate_of: int | None = None
 
     @classmethod
-    def shown_block(
-        cls, index: int, text: str, block_id: int, tokens: int, position: int, label: str
-    ) -> Placement:
-        """The placement of a block shown as given (``rendered_text`` is ``text``): equal to
-        ``Placement(index, PlacementStatus.SHOWN, text, block_id, tokens, position, label,
-        text)``, made by setting its slots directly, as the frozen ``__init__`` does through
-        ``object.__setattr__`` field by field (docs/DESIGN.md, "Hot path")."""
-        placement = _new_object(cls)
-        _set_index(placement, index)
-        _set_status(placement, PlacementStatus.SHOWN)
-        _set_text(placement, text)
-        _set_block_id(placement, block_id)
-        _set_tokens(placement, tokens)
-        _set_position(placement, position)
-        _set_label(placement, label)
-        _set_rendered_text(placement, text)
-        _set_hint(placement, None)
-        _set_duplicate_of(placement, None)
-        return placement
+    def shown_blocks(
+        cls,
+        indices: Sequence[int],
+        texts: Sequence[str],
+        block_ids: Sequence[int],
+        tokens: Sequence[int],
+        labels: Sequence[str],
+    ) -> list[Placement]:
+        """The placements of blocks shown as given, in prompt order: the ``i``-th is equal to
+        ``Placement(indices[i], PlacementStatus.SHOWN, texts[i], block_ids[i], tokens[i], i,
+        labels[i], texts[i])``. Made slot by slot over all of them, one C loop per slot,
+        where the frozen ``__init__`` sets each field of each placement by a Python call to
+        ``object.__setattr__`` (docs/DESIGN.md, "Hot path"); the placements are the same
+        values."""
+        count = len(indices)
+        placements = list(map(_new_object, repeat(cls, count)))
+        columns = (
+            indices,
+            repeat(PlacementStatus.SHOWN),
+            texts,
+            block_ids,
+            tokens,
+            range(count),
+            labels,
+            texts,
+            repeat(None),
+            repeat(None),
+        )
+        for setter, column in zip(_SETTERS, columns):
+            _SINK.extend(map(setter, placements, column))
+        return placements
 
     @property
     def shown(self) -> bool:
@@ -113,18 +127,8 @@ class Placement:
 
 
 _new_object = object.__new__
-(
-    _set_index,
-    _set_status,
-    _set_text,
-    _set_block_id,
-    _set_tokens,
-    _set_position,
-    _set_label,
-    _set_rendered_text,
-    _set_hint,
-    _set_duplicate_of,
-) = (
+_SINK: deque[None] = deque(maxlen=0)  # runs an iterator for its effects
+_SETTERS = tuple(
     getattr(Placement, name).__set__
     for name in (
         "index",

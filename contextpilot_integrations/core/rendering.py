@@ -22,7 +22,8 @@ stable: ``"\\n\\n"`` alone and ``"\\n\\n["`` tokenize differently.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import string
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "PromptLayout"]
@@ -39,6 +40,25 @@ def _format_labels(template: str, count: int) -> tuple[str, ...]:
     # A prompt of ``count`` blocks shows the labels of positions 0 .. count - 1: one look-up
     # per prompt, not one per block (docs/DESIGN.md, "Hot path").
     return tuple(_format_label(template, number) for number in range(1, count + 1))
+
+
+@functools.lru_cache(maxsize=64)
+def _positional_block_format(template: str) -> Callable[[str, str], str] | None:
+    # ``template.format(label=..., text=...)`` as a positional format (``{label}`` is ``{0}``,
+    # ``{text}`` is ``{1}``), the same string without a keyword dict per block
+    # (docs/DESIGN.md, "Hot path"); None when a field is anything else (an attribute, an
+    # index, a nested field in a spec), which keeps the keyword form.
+    pieces = []
+    for literal, name, spec, conversion in string.Formatter().parse(template):
+        pieces.append(literal.replace("{", "{{").replace("}", "}}"))
+        if name is None:
+            continue
+        if name not in ("label", "text") or "{" in (spec or ""):
+            return None
+        pieces.append("{" + ("0" if name == "label" else "1"))
+        pieces.append(f"!{conversion}" if conversion else "")
+        pieces.append(f":{spec}}}" if spec else "}")
+    return "".join(pieces).format
 
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -174,11 +194,13 @@ class PromptLayout:
                 [self.label(p) for p in annotation_order] if annotation_order is not None else []
             )
         # :meth:`render_block` of each, its pieces looked up once (docs/DESIGN.md, "Hot path").
-        block_format = self.block_template.format
-        rendered = [
-            block_format(label=label, text=text)
-            for label, text in zip(self.labels(len(blocks)), blocks)
-        ]
+        labels = self.labels(len(blocks))
+        positional = _positional_block_format(self.block_template)
+        if positional is not None:
+            rendered = list(map(positional, labels, blocks))
+        else:
+            block_format = self.block_template.format
+            rendered = [block_format(label=label, text=text) for label, text in zip(labels, blocks)]
         tail = self.tail(question, annotation_labels=annotation_labels, hints=hints)
         return [self.system_segment(), *rendered, tail]
 

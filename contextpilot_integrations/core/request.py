@@ -14,8 +14,8 @@ marks them ``skipped`` and hands them back (docs/DESIGN.md, "Lossless": nothing 
 
 from __future__ import annotations
 
+import os
 import re
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -49,8 +49,10 @@ class RidConflictError(ValueError):
 
 
 def new_rid() -> str:
-    """A new unique request id (``"cp-"`` and 32 hex digits)."""
-    return f"cp-{uuid.uuid4().hex}"
+    """A new unique request id (``"cp-"`` and 32 hex digits: 128 random bits, read from the
+    system's random source directly; ``uuid.uuid4`` would cost a UUID object per plan,
+    docs/DESIGN.md, "Hot path")."""
+    return f"cp-{os.urandom(16).hex()}"
 
 
 def is_block_text(text: str) -> bool:
@@ -154,12 +156,12 @@ class PlanRequest:
             raise ValueError(
                 f"blocks has {len(blocks)} entries; at most {MAX_BLOCKS_PER_REQUEST} per request"
             )
-        for i, text in enumerate(blocks):
-            if not isinstance(text, str):
-                raise TypeError(
-                    f"blocks[{i}] must be a str, got {type(text).__name__}: {text!r:.80}"
-                )
-            if not text.isascii():  # ASCII is UTF-8: the common case needs no call
+        if not _all_ascii_str(blocks):  # ASCII is UTF-8: the common case needs no check
+            for i, text in enumerate(blocks):
+                if not isinstance(text, str):
+                    raise TypeError(
+                        f"blocks[{i}] must be a str, got {type(text).__name__}: {text!r:.80}"
+                    )
                 _check_utf8(f"blocks[{i}]", text)
         if not isinstance(blocks, tuple):
             object.__setattr__(self, "blocks", tuple(blocks))
@@ -205,6 +207,15 @@ def check_batch(requests: object) -> list[PlanRequest]:
                 )
             conversations[key] = i
     return list(requests)
+
+
+def _all_ascii_str(texts: Sequence[object]) -> bool:
+    """Whether every one of ``texts`` is an ASCII ``str``, in one pass without a Python step
+    per text (docs/DESIGN.md, "Hot path")."""
+    try:
+        return all(map(str.isascii, texts))  # type: ignore[arg-type]
+    except TypeError:  # not a str
+        return False
 
 
 def _check_id(name: str, value: object, *, optional: bool) -> None:

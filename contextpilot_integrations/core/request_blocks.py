@@ -23,7 +23,11 @@ __all__ = ["RequestBlocks", "distinct_blocks"]
 class RequestBlocks:
     """A request's distinct block texts (input order) with their ids, tokens and input index,
     the duplicates (input index -> input index of the first identical text) and the skipped
-    inputs (empty or whitespace only)."""
+    inputs (empty or whitespace only).
+
+    Two maps of the same blocks come with them, made once here for every later step of the
+    plan (docs/DESIGN.md, "Hot path"): ``positions`` (block id -> its position in ``ids``)
+    and ``weights`` (block id -> its tokens, in ``ids`` order: what the index search reads)."""
 
     texts: list[str]
     ids: list[int]
@@ -31,6 +35,8 @@ class RequestBlocks:
     indices: list[int]
     duplicates: dict[int, int]
     skipped: list[int]
+    positions: dict[int, int]
+    weights: dict[int, int]
 
 
 def distinct_blocks(
@@ -43,11 +49,29 @@ def distinct_blocks(
         identify: text -> ``(block id, tokens)``; two texts are the same block when their ids
             are equal.
     """
+    if "" not in blocks and not any(map(str.isspace, blocks)):
+        # Every input is a block (:func:`.request.is_block_text`): identified in one pass
+        # with no per-block Python step; a repeated block sends it to the general walk.
+        identified = list(map(identify, blocks))
+        ids = [bid for bid, _ in identified]
+        positions = dict(zip(ids, range(len(ids))))
+        if len(positions) == len(ids):
+            tokens = [count for _, count in identified]
+            return RequestBlocks(
+                list(blocks),
+                ids,
+                tokens,
+                list(range(len(ids))),
+                {},
+                [],
+                positions,
+                dict(zip(ids, tokens)),
+            )
     texts: list[str] = []
-    ids: list[int] = []
-    tokens: list[int] = []
+    ids = []
+    tokens = []
     indices: list[int] = []
-    first_seen: dict[int, int] = {}
+    positions = {}
     duplicates: dict[int, int] = {}
     skipped: list[int] = []
     for index, text in enumerate(blocks):
@@ -55,13 +79,15 @@ def distinct_blocks(
             skipped.append(index)
             continue
         bid, count = identify(text)
-        first = first_seen.get(bid)
+        first = positions.get(bid)
         if first is not None:
-            duplicates[index] = first
+            duplicates[index] = indices[first]
             continue
-        first_seen[bid] = index
+        positions[bid] = len(ids)
         texts.append(text)
         ids.append(bid)
         tokens.append(count)
         indices.append(index)
-    return RequestBlocks(texts, ids, tokens, indices, duplicates, skipped)
+    return RequestBlocks(
+        texts, ids, tokens, indices, duplicates, skipped, positions, dict(zip(ids, tokens))
+    )

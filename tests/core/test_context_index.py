@@ -70,6 +70,21 @@ def test_search_matches_only_live_prefixes(contexts, query):
         assert found.prefix
 
 
+def test_search_cut_short_by_its_budget_expands_children_in_the_budgets_order():
+    # Two branches under the root, "a" (inserted first) and "b"; the longest match, a y,
+    # lies under "a". With a budget of two nodes the root and one branch are expanded: the
+    # last child stacked, "b" (the children's own order, stacked depth first), so the match is
+    # b x; a walk in any other order, or one that overran the budget, would answer a y.
+    a, b, x, y, z, w = 1, 2, 3, 4, 5, 6
+    weights = {a: 1, b: 1, x: 1, y: 5}
+    for budget, expected in ((2, (b, x)), (3, (a, y)), (256, (a, y))):
+        index = ContextIndex(max_requests=None, search_budget=budget)
+        for rid, context in (("r1", [a, y]), ("r2", [a, z]), ("r3", [b, x]), ("r4", [b, w])):
+            index.insert(rid, context)
+        found = index.search(list(weights), list(weights.values()))
+        assert (found.prefix, found.prefix_tokens) == (expected, sum(weights[k] for k in expected))
+
+
 @settings(max_examples=50, deadline=None)
 @given(contexts_strategy, st.integers(1, 5))
 def test_lru_bound_keeps_most_recent(contexts, bound):

@@ -100,3 +100,20 @@ def test_map_values_keeps_the_order_of_use_and_the_weights() -> None:
     lru.touch("a")
     lru.map_values(lambda v: v * 10)
     assert list(lru.items()) == [("b", 20), ("c", 30), ("a", 10)] and lru.total_weight == 60
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 9), st.integers(0, 5)), max_size=8),
+    st.lists(st.integers(0, 12), max_size=6, unique=True),
+    st.integers(1, 12),
+)
+def test_add_to_many_is_put_many_of_the_sums(before, keys, max_entries):
+    added: LRU[int, float] = LRU(max_entries)
+    put: LRU[int, float] = LRU(max_entries)
+    for key, value in before:
+        added.put(key, float(value))
+        put.put(key, float(value))
+    dropped = put.put_many([(key, put.peek(key, 0.0) + 1.5) for key in keys])
+    assert added.add_to_many(keys, 1.5) == dropped
+    assert list(added.items()) == list(put.items())

@@ -428,3 +428,22 @@ def test_the_shared_prefix_is_where_another_indexed_request_parts_ways():
     # Read once the whole batch is indexed: each shares its two common blocks with the other.
     assert [p.shared_prefix_blocks for p in batch.plans] == [2, 2]
     assert pilot.plan("q6", []).shared_prefix_blocks == 0
+
+
+@pytest.mark.parametrize(
+    "block_template",
+    [
+        "{label}\n{text}\n-----\n",
+        "<{text}> {{braces}} %s {label}{label!r:>12}\n-----\n",
+        "{label}{label} {text}\n-----\n",
+        "{label.__class__}{label}\n{text}\n-----\n",  # an attribute: the keyword form
+    ],
+)
+def test_blocks_render_as_the_block_template_formats_them(block_template: str) -> None:
+    layout = PromptLayout(block_template=block_template)
+    blocks = ["alpha {x} 100%", "beta"]
+    segments = layout.render_segments(blocks, "q?")
+    labels = [layout.label(0), layout.label(1)]
+    assert segments[1:3] == [
+        block_template.format(label=label, text=text) for label, text in zip(labels, blocks)
+    ]

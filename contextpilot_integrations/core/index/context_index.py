@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from contextpilot_integrations.core.index.index_snapshot import (
@@ -47,12 +48,11 @@ from contextpilot_integrations.core.lru import LRU
 __all__ = ["ContextIndex"]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Request:
     node: IndexNode
     blocks: tuple[int, ...]
     tokens: tuple[int, ...]
-    created: float = field(default_factory=time.time)
 
 
 class ContextIndex:
@@ -95,7 +95,7 @@ class ContextIndex:
         self._tree = IndexTree()
         # LRU order, oldest first; the bounds are applied by _enforce_bounds (tree surgery).
         self._requests: LRU[str, _Request] = LRU()
-        self._block_requests: dict[int, int] = {}  # live requests holding each block
+        self._block_requests: Counter[int] = Counter()  # live requests holding each block
         self._inserts = 0
         self._evictions = 0
         self._lru_evictions = 0
@@ -126,16 +126,18 @@ class ContextIndex:
         Raises:
             ValueError: ``tokens`` of another length than ``blocks``, or a repeated block.
         """
-        weight = _weights(blocks, tokens)
+        return self.search_weights(_weights(blocks, tokens))
+
+    def search_weights(self, weight: Mapping[int, int]) -> SearchResult:
+        """:meth:`search` for a request given as its block -> tokens map, the blocks in the
+        request's order: a planner that keeps this map for the rest of the plan builds it once
+        (docs/DESIGN.md, "Hot path"). A map holds each block once."""
         with self._lock:
-            matched, prefix, path, split = self._tree.best_prefix(
-                blocks, weight, self.search_budget
-            )
+            matched, prefix, path, split = self._tree.best_prefix(weight, self.search_budget)
             self._searches += 1
             self._searched_tokens += sum(weight.values())
             self._matched_tokens += matched
-            node_id = path[-1] if path else 0
-            return SearchResult(tuple(prefix), matched, tuple(path), node_id, split)
+            return SearchResult(prefix, matched, path, path[-1] if path else 0, split)
 
     def search_path(self, rid: str) -> tuple[int, ...]:
         """Node ids from the root's child down to the node where ``rid``'s context ends.
@@ -255,7 +257,8 @@ class ContextIndex:
                     node = leaf
                     i = len(seq)
                     break
-                common = common_prefix(child.blocks, seq, i)
+                # An edge of one block (most are) matches its first block, its key.
+                common = 1 if len(child.blocks) == 1 else common_prefix(child.blocks, seq, i)
                 if common < len(child.blocks):
                     child = self._tree.split(child, common)
                 child.access_count += 1
@@ -266,9 +269,7 @@ class ContextIndex:
             node.access_count += 1
             node.last_access = now
             self._requests.put(rid, _Request(node, seq, toks))
-            held = self._block_requests
-            for block in seq:
-                held[block] = held.get(block, 0) + 1
+            self._block_requests.update(seq)  # one counting loop in C
             self._inserts += 1
             self._enforce_bounds(keep=rid)
             return node.node_id

@@ -17,7 +17,7 @@ Public API: :class:`IndexNode`, :class:`IndexTree`, :func:`path_of`, :func:`comm
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 __all__ = ["IndexNode", "IndexTree", "common_prefix", "path_of"]
 
@@ -122,64 +122,46 @@ class IndexTree:
 
     # ------------------------------------------------------------------ Public API: walks
     def best_prefix(
-        self, blocks: Sequence[int], weight: Mapping[int, int], budget: int
-    ) -> tuple[int, list[int], list[int], bool]:
+        self, weight: Mapping[int, int], budget: int
+    ) -> tuple[int, tuple[int, ...], tuple[int, ...], bool]:
         """The search of :meth:`ContextIndex.search
         <contextpilot_integrations.core.index.context_index.ContextIndex.search>` (at most
-        ``budget`` nodes expanded; ``weight``: block -> tokens of the request's ``blocks``).
+        ``budget`` nodes expanded; ``weight``: block -> tokens of the request's blocks, in the
+        request's order).
 
         Returns:
             ``(tokens matched, prefix block ids, path of node ids, whether the match ends
             inside an edge)``. Read-only.
         """
-        # The best match so far: its key, the node it ends in and how far into that node's edge.
-        best_key: tuple[int, bool, float, int] = (0, False, 0.0, 0)
-        best_node: IndexNode | None = None
-        best_length = 0
-        # Every path holds a block at most once (a context repeats none), so a child never
-        # starts with, nor an edge holds, a block of the prefix above it: only ``weight`` is
-        # read. Stack entries: node, blocks of its prefix, tokens gained so far.
-        stack: list[tuple[IndexNode, int, int]] = [(self.root, 0, 0)]
-        get, requested = weight.get, weight.keys()
-        while stack and budget > 0:
-            node, depth, gained = stack.pop()
-            budget -= 1
-            children = node.children
-            # Only a child whose first block (its key) the request holds matches anything. The
-            # budget walks them in one order: the children's own, or the request's when it has
-            # fewer blocks left; found in one set intersection, an order is needed for two.
-            entered = children.keys() & requested
-            if len(entered) < 2:
-                candidates = [children[b] for b in entered]
-            elif len(children) <= len(blocks) - depth:
-                candidates = [child for first, child in children.items() if first in entered]
-            else:
-                candidates = [children[b] for b in blocks if b in entered]
-            for child in candidates:
-                edge = child.blocks
-                length = 0
-                gain = gained
-                for edge_block in edge:
-                    w = get(edge_block)
-                    if w is None:
-                        break
-                    length += 1
-                    gain += w
-                full = length == len(edge)
-                if gain >= best_key[0]:
-                    key = (gain, full, child.last_access, -child.node_id)
-                    if key > best_key:
-                        best_key, best_node, best_length = key, child, length
-                if full and child.children:
-                    stack.append((child, depth + length, gain))
+        # A walk that expands every node it reaches finds the same best match whatever order it
+        # takes the children in (the key orders matches totally); only a walk the budget cuts
+        # short depends on that order. So the walk takes them as the set intersection gives
+        # them, and again in the budget's order only when the budget ran out first (rare: a
+        # request reaching more nodes than the budget; docs/DESIGN.md, "Hot path").
+        found = self._best_match(weight, budget, ordered=False)
+        if found is None:
+            found = self._best_match(weight, budget, ordered=True)
+            assert found is not None  # the walk in the budget's order always answers
+        matched, best_node, best_length = found
         if best_node is None:
-            return 0, [], [], False
-        path = path_of(best_node)
+            return 0, (), (), False
+        # The nodes from the root's child down to the best one, by parent links.
+        chain: list[IndexNode] = []
+        current: IndexNode = best_node
+        while current.parent is not None:
+            chain.append(current)
+            current = current.parent
+        chain.reverse()
         prefix: list[int] = []
-        for node_id in path[:-1]:
-            prefix.extend(self.nodes[node_id].blocks)
-        prefix.extend(best_node.blocks[:best_length])
-        return best_key[0], prefix, list(path), best_length < len(best_node.blocks)
+        for above in chain[:-1]:
+            prefix += above.blocks
+        prefix += best_node.blocks[:best_length]
+        return (
+            matched,
+            tuple(prefix),
+            tuple([n.node_id for n in chain]),
+            best_length < len(best_node.blocks),
+        )
 
     def prefix_in_order(self, blocks: Sequence[int], tokens: Sequence[int]) -> tuple[int, int]:
         """``(blocks, tokens)`` of the longest prefix of ``blocks``, in exactly this order, that
@@ -217,6 +199,74 @@ class IndexTree:
         return blocks, tokens
 
     # ------------------------------------------------------------------ internals
+    def _best_match(
+        self, weight: Mapping[int, int], budget: int, *, ordered: bool
+    ) -> tuple[int, IndexNode | None, int] | None:
+        """The best match of :meth:`best_prefix`: ``(tokens, the node it ends in, how far into
+        that node's edge)``. ``ordered``: the children of a node are taken in the budget's
+        order (below); otherwise in any order, and ``None`` when the budget ran out before the
+        walk did."""
+        # The best match so far: its key, the node it ends in and how far into that node's edge.
+        best_key: tuple[int, bool, float, int] = (0, False, 0.0, 0)
+        best_node: IndexNode | None = None
+        best_length = 0
+        get, requested, size = weight.get, weight.keys(), len(weight)
+        # Every path holds a block at most once (a context repeats none), so a child never
+        # starts with, nor an edge holds, a block of the prefix above it: only ``weight`` is
+        # read. Only a child whose first block (its key) the request holds matches anything,
+        # found in one set intersection when its parent is reached. Each node expanded costs
+        # one unit of the budget: a walk in any order counts a node when it reaches it and
+        # expands only those with such children; the ordered walk counts it when it expands
+        # it. Stack entries: a node's children, the keys the request holds among them, and the
+        # blocks and tokens of the node's prefix.
+        children = self.root.children
+        stack = [(children, children.keys() & requested, 0, 0)]
+        if not ordered:
+            budget -= 1  # the root
+        while stack:
+            children, entered, depth, gained = stack.pop()
+            candidates: Iterable[int] = entered
+            if ordered:
+                if budget == 0:
+                    break
+                budget -= 1
+                # The budget's order: the children's own, or the request's when it has fewer
+                # blocks left.
+                if len(entered) < 2:
+                    pass
+                elif len(children) <= size - depth:
+                    candidates = [first for first in children if first in entered]
+                else:
+                    candidates = [first for first in weight if first in entered]
+            for first in candidates:
+                child = children[first]
+                edge = child.blocks
+                length = 0
+                gain = gained
+                for edge_block in edge:
+                    w = get(edge_block)
+                    if w is None:
+                        break
+                    length += 1
+                    gain += w
+                full = length == len(edge)
+                if gain >= best_key[0]:
+                    key = (gain, full, child.last_access, -child.node_id)
+                    if key > best_key:
+                        best_key, best_node, best_length = key, child, length
+                if full and child.children:
+                    below = child.children
+                    inner = below.keys() & requested
+                    if ordered:
+                        stack.append((below, inner, depth + length, gain))
+                        continue
+                    budget -= 1
+                    if budget < 0:
+                        return None
+                    if inner:
+                        stack.append((below, inner, depth + length, gain))
+        return best_key[0], best_node, best_length
+
     def _merge_with_child(self, node: IndexNode) -> None:
         """Fold ``node``'s only child into it, keeping the compressed-tree invariant."""
         (child,) = node.children.values()

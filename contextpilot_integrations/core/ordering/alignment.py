@@ -26,7 +26,7 @@ RestOrder = Literal["retriever", "popularity", "co-occurrence"]
 
 Holders = Callable[[int], int]
 """``holders(block)``: the recent requests holding the block, as a bit set (an int, bit ``i``
-for the ``i``-th request; :meth:`.popularity.CooccurrenceMemory.held_by`)."""
+for the ``i``-th request; :attr:`.popularity.CooccurrenceMemory.held_by`)."""
 
 CONDITIONAL_STEPS = 3
 """Blocks placed by co-occurrence before the rest goes by popularity: deeper shared prefixes are
@@ -88,12 +88,12 @@ def _by_cooccurrence(prefix: Sequence[int], rest: list[int], holders: Holders) -
         if not together:
             return rest
     placed: list[int] = []
-    rest_holders = [holders(b) for b in rest]  # read once, kept beside ``rest``
+    rest_holders = list(map(holders, rest))  # read once, kept beside ``rest``
     for _ in range(min(CONDITIONAL_STEPS, len(rest))):
         if together is None:  # nothing placed yet: the most popular block leads
             best = 0
         else:
-            counts = [(together & held).bit_count() for held in rest_holders]
+            counts = list(map(int.bit_count, map(together.__and__, rest_holders)))
             top = max(counts)
             if top == 0:
                 break

@@ -11,7 +11,7 @@ unbounded counts on MultiHop-RAG and MTRAG online.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from contextpilot_integrations.core.lru import LRU
 
@@ -53,8 +53,7 @@ class PopularityMemory:
             self._unit = 2.0 ** ((self._clock - self._base) / self.half_life)
             if self._unit > self._REBASE_AT:
                 self._rebase()
-            unit, scores = self._unit, self._scores
-            scores.put_many(zip(blocks, [score + unit for score in scores.peek_many(blocks, 0.0)]))
+            self._scores.add_to_many(blocks, self._unit)
 
     def get(self, block: int) -> float:
         """The block's decayed score (0.0 when not remembered)."""
@@ -72,6 +71,14 @@ class PopularityMemory:
         self._base, self._unit = self._clock, 1.0
 
 
+class _BitSets(dict[int, int]):
+    """Block -> bit set of the recent requests holding it; a block none holds reads 0 (and is
+    not added)."""
+
+    def __missing__(self, block: int) -> int:
+        return 0
+
+
 class CooccurrenceMemory:
     """Which recent requests held each block: the co-occurrence the online rest order reads.
 
@@ -79,7 +86,7 @@ class CooccurrenceMemory:
     prefix's blocks, so the block most worth placing next is the one the most recent requests
     holding the prefix so far also held (a conditional frequency, the online counterpart of
     the frequency tree of :mod:`.clustering`). The memory keeps, for the last ``horizon``
-    planned requests, each block's holders as a bit set (:meth:`held_by`): request number
+    planned requests, each block's holders as a bit set (:attr:`held_by`): request number
     ``n`` is bit ``n % horizon``, which no other remembered request shares, so the requests
     holding a whole prefix are one ``&`` of ints and their count one ``bit_count``, where a
     set of numbers would cost a hash probe per holder (docs/DESIGN.md, "Hot path").
@@ -97,8 +104,13 @@ class CooccurrenceMemory:
         self._lock = threading.Lock()
         self._clock = 0
         self._requests: LRU[int, tuple[int, ...]] = LRU(max(horizon, 1))
-        self._masks: dict[int, int] = {}
+        self._masks = _BitSets()
         self._every_bit = (1 << horizon) - 1
+        # The recent requests holding a block as a bit set (0: none; the class docstring says
+        # which bit is which request): what :func:`.alignment.align` intersects. The map's own
+        # look-up, so reading every block of a request runs no Python step per block
+        # (docs/DESIGN.md, "Hot path").
+        self.held_by: Callable[[int], int] = self._masks.__getitem__
 
     def add(self, blocks: Sequence[int]) -> None:
         """One more planned request holds ``blocks``."""
@@ -147,11 +159,6 @@ class CooccurrenceMemory:
             frequency = together.bit_count() / remembered
             value += count * (1.0 - (1.0 - frequency) ** lifetime)
         return value
-
-    def held_by(self, block: int) -> int:
-        """The recent requests holding ``block`` as a bit set (0: none; the class docstring
-        says which bit is which request): what :func:`.alignment.align` intersects."""
-        return self._masks.get(block, 0)
 
     def holders(self, block: int) -> frozenset[int]:
         """The numbers (1 for the first request added) of the recent requests holding
