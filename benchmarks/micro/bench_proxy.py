@@ -3,8 +3,8 @@
 Run: ``.venv/bin/python benchmarks/micro/bench_proxy.py`` (``--quick``: 300 requests, a few
 seconds; ``--requests 100000`` for the long memory run; ``--clients``, ``--prompt-tokens``,
 ``--think-ms`` to change the load; ``--answer-ms`` for an upstream that takes that long to
-answer, so that many requests are in flight; ``--json`` for machine-readable output). It
-starts, on 127.0.0.1:
+answer, so that many requests are in flight; ``--json`` for machine-readable output;
+``--profile-proxy FILE`` to profile the proxy, below). It starts, on 127.0.0.1:
 
 * an upstream: this file's :func:`upstream_app` (a bare ASGI app, no framework) in its own
   uvicorn process, answering every ``POST /v1/chat/completions`` at once with an OpenAI-shaped
@@ -41,6 +41,11 @@ Figures (milliseconds unless stated):
   clients, the proxy and the upstream all run on it, and this figure does not;
 * the proxy process's RSS (``/proc/<pid>/status``) after the warm-up and at checkpoints up to
   ``--requests`` proxied requests, to show it stays bounded.
+
+``--profile-proxy FILE`` runs the proxy under ``cProfile`` timed by the CPU time of its event
+loop's thread (``time.thread_time``: the waits for a CPU on a shared machine do not count; the
+worker threads are not seen) and writes its ``pstats`` to ``FILE`` when it stops (read it with
+``python -m pstats FILE``); the profiler's own cost is then in every figure printed.
 """
 
 from __future__ import annotations
@@ -171,6 +176,31 @@ def serve_upstream(port: int, answer_ms: float = 0.0) -> None:
         # request goes out on it is a failed request, not the latency of a fast upstream.
         timeout_keep_alive=300,
     )
+
+
+def serve_proxy_profiled(path: str, server_args: Sequence[str]) -> None:
+    """Run ``contextpilot-server`` with ``server_args`` (in the child process
+    ``--profile-proxy`` starts) under ``cProfile`` timed by its main thread's CPU time; the
+    ``pstats`` go to ``path`` when it stops."""
+    import cProfile
+    import runpy
+
+    profile = cProfile.Profile(time.thread_time)
+
+    def stop(signum: int, frame: object) -> None:
+        # uvicorn raises the signal again once it has shut down: the profile is written.
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    sys.argv = ["contextpilot-server", *server_args]
+    profile.enable()
+    try:
+        runpy.run_module("contextpilot_integrations.service.server", run_name="__main__")
+    except SystemExit:
+        pass
+    finally:
+        profile.disable()
+        profile.dump_stats(path)
 
 
 # --- processes ------------------------------------------------------------------------------
@@ -457,17 +487,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     upstream_port, proxy_port = free_port(), free_port()
     upstream_url = f"http://127.0.0.1:{upstream_port}"
     proxy_url = f"http://127.0.0.1:{proxy_port}"
-    command = [
-        sys.executable,
-        "-m",
-        "contextpilot_integrations.service.server",
-        "--port",
-        str(proxy_port),
-        "--upstream",
-        f"{upstream_url}/v1",
-        "--log-level",
-        "warning",
-    ]
+    server_args = ["--port", str(proxy_port), "--upstream", f"{upstream_url}/v1"]
+    server_args += ["--log-level", "warning"]
+    command = [sys.executable, "-m", "contextpilot_integrations.service.server", *server_args]
+    if args.profile_proxy:
+        profiled = os.path.abspath(args.profile_proxy)
+        command = [sys.executable, __file__, "--serve-proxy-profiled", profiled, *server_args]
     with tempfile.TemporaryFile() as upstream_log, tempfile.TemporaryFile() as proxy_log:
         upstream = start_process(
             [
@@ -618,8 +643,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="how long the upstream takes before each answer (default 0: at once; more keeps "
         "more requests in flight, so more pooled connections open, as a real engine does)",
     )
+    parser.add_argument(
+        "--profile-proxy",
+        metavar="FILE",
+        help="profile the proxy (cProfile, its event loop's CPU time) into FILE (module docstring)",
+    )
     parser.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["--serve-proxy-profiled"] and len(given) >= 2:
+        serve_proxy_profiled(given[1], given[2:])
+        return 0
+    args = parser.parse_args(given)
     if args.serve_upstream is not None:
         serve_upstream(args.serve_upstream, args.answer_ms)
         return 0
