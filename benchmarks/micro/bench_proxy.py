@@ -3,8 +3,8 @@
 Run: ``.venv/bin/python benchmarks/micro/bench_proxy.py`` (``--quick``: 300 requests, a few
 seconds; ``--requests 100000`` for the long memory run; ``--clients``, ``--prompt-tokens``,
 ``--think-ms`` to change the load; ``--answer-ms`` for an upstream that takes that long to
-answer, so that many requests are in flight; ``--json`` for machine-readable output). It
-starts, on 127.0.0.1:
+answer, so that many requests are in flight; ``--json`` for machine-readable output;
+``--profile-proxy FILE`` to profile the proxy, below). It starts, on 127.0.0.1:
 
 * an upstream: this file's :func:`upstream_app` (a bare ASGI app, no framework) in its own
   uvicorn process, answering every ``POST /v1/chat/completions`` at once with an OpenAI-shaped
@@ -38,9 +38,16 @@ Figures (milliseconds unless stated):
   the proxy, and the added p50: **target <= 2 ms**;
 * CPU time of the proxy process per proxied request (``/proc/<pid>/stat``, so Linux only):
   wall-clock figures on a machine with few cores include the waits for a CPU, since the
-  clients, the proxy and the upstream all run on it, and this figure does not;
+  clients, the proxy and the upstream all run on it, and this figure does not; and of that,
+  the CPU time of its main thread, which runs the event loop (the rest is the worker threads
+  that plan the calls and record their usage);
 * the proxy process's RSS (``/proc/<pid>/status``) after the warm-up and at checkpoints up to
   ``--requests`` proxied requests, to show it stays bounded.
+
+``--profile-proxy FILE`` runs the proxy under ``cProfile`` timed by the CPU time of its event
+loop's thread (``time.thread_time``: the waits for a CPU on a shared machine do not count; the
+worker threads are not seen) and writes its ``pstats`` to ``FILE`` when it stops (read it with
+``python -m pstats FILE``); the profiler's own cost is then in every figure printed.
 """
 
 from __future__ import annotations
@@ -173,6 +180,31 @@ def serve_upstream(port: int, answer_ms: float = 0.0) -> None:
     )
 
 
+def serve_proxy_profiled(path: str, server_args: Sequence[str]) -> None:
+    """Run ``contextpilot-server`` with ``server_args`` (in the child process
+    ``--profile-proxy`` starts) under ``cProfile`` timed by its main thread's CPU time; the
+    ``pstats`` go to ``path`` when it stops."""
+    import cProfile
+    import runpy
+
+    profile = cProfile.Profile(time.thread_time)
+
+    def stop(signum: int, frame: object) -> None:
+        # uvicorn raises the signal again once it has shut down: the profile is written.
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    sys.argv = ["contextpilot-server", *server_args]
+    profile.enable()
+    try:
+        runpy.run_module("contextpilot_integrations.service.server", run_name="__main__")
+    except SystemExit:
+        pass
+    finally:
+        profile.disable()
+        profile.dump_stats(path)
+
+
 # --- processes ------------------------------------------------------------------------------
 
 
@@ -217,9 +249,11 @@ def stop_process(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (``/proc/<pid>/stat`` fields 14 and 15)."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+def cpu_seconds(pid: int, main_thread: bool = False) -> float:
+    """User + system CPU seconds of process ``pid`` (``/proc/<pid>/stat`` fields 14 and 15),
+    or of its main thread alone (``/proc/<pid>/task/<pid>/stat``) with ``main_thread``."""
+    path = f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat"
+    with open(path, encoding="ascii") as handle:
         fields = handle.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -374,6 +408,7 @@ class Run:
     prompt_bytes: int = 0
     conversations: int = 0  # warm-up included
     proxy_cpu_s: float = 0.0
+    proxy_loop_cpu_s: float = 0.0  # the proxy's main thread: its event loop
     upstream_cpu_s: float = 0.0
     client_cpu_s: float = 0.0
     wall_s: float = 0.0
@@ -437,10 +472,12 @@ async def drive(
         sent[0] = 0
         run.rss.append((0, rss_mb(proxy_pid)))
         wall, proxy_cpu = time.perf_counter(), cpu_seconds(proxy_pid)
+        proxy_loop_cpu = cpu_seconds(proxy_pid, main_thread=True)
         upstream_cpu, client_cpu = cpu_seconds(upstream_pid), time.process_time()
         await asyncio.gather(*(client(i, args.requests, False) for i in range(args.clients)))
         run.wall_s = time.perf_counter() - wall
         run.proxy_cpu_s = cpu_seconds(proxy_pid) - proxy_cpu
+        run.proxy_loop_cpu_s = cpu_seconds(proxy_pid, main_thread=True) - proxy_loop_cpu
         run.upstream_cpu_s = cpu_seconds(upstream_pid) - upstream_cpu
         run.client_cpu_s = time.process_time() - client_cpu
     finally:
@@ -457,17 +494,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     upstream_port, proxy_port = free_port(), free_port()
     upstream_url = f"http://127.0.0.1:{upstream_port}"
     proxy_url = f"http://127.0.0.1:{proxy_port}"
-    command = [
-        sys.executable,
-        "-m",
-        "contextpilot_integrations.service.server",
-        "--port",
-        str(proxy_port),
-        "--upstream",
-        f"{upstream_url}/v1",
-        "--log-level",
-        "warning",
-    ]
+    server_args = ["--port", str(proxy_port), "--upstream", f"{upstream_url}/v1"]
+    server_args += ["--log-level", "warning"]
+    command = [sys.executable, "-m", "contextpilot_integrations.service.server", *server_args]
+    if args.profile_proxy:
+        profiled = os.path.abspath(args.profile_proxy)
+        command = [sys.executable, __file__, "--serve-proxy-profiled", profiled, *server_args]
     with tempfile.TemporaryFile() as upstream_log, tempfile.TemporaryFile() as proxy_log:
         upstream = start_process(
             [
@@ -509,6 +541,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "direct_ttfb_p50_ms": percentile_ms(d.first_byte, 50),
         "proxy_ttfb_p50_ms": percentile_ms(p.first_byte, 50),
         "proxy_cpu_ms_per_request": run.proxy_cpu_s * 1000.0 / pairs,
+        "proxy_loop_cpu_ms_per_request": run.proxy_loop_cpu_s * 1000.0 / pairs,
         "upstream_cpu_ms_per_request": run.upstream_cpu_s * 1000.0 / (2 * pairs),
         "client_cpu_ms_per_request": run.client_cpu_s * 1000.0 / (2 * pairs),
         "pointers_per_request": run.pointers / pairs,
@@ -566,6 +599,8 @@ def report(figures: dict[str, Any]) -> None:
          f"<= {TARGET_TTFB_MS:g} ms: "
          f"{verdict(figures['added_ttfb_p50_ms'], TARGET_TTFB_MS)}"),
         ("proxy CPU time per request", f"{figures['proxy_cpu_ms_per_request']:.2f} ms", ""),
+        ("  of which its event loop's thread",
+         f"{figures['proxy_loop_cpu_ms_per_request']:.2f} ms", ""),
         ("  (upstream / client, per request)",
          f"{figures['upstream_cpu_ms_per_request']:.2f} / "
          f"{figures['client_cpu_ms_per_request']:.2f} ms", ""),
@@ -618,8 +653,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="how long the upstream takes before each answer (default 0: at once; more keeps "
         "more requests in flight, so more pooled connections open, as a real engine does)",
     )
+    parser.add_argument(
+        "--profile-proxy",
+        metavar="FILE",
+        help="profile the proxy (cProfile, its event loop's CPU time) into FILE (module docstring)",
+    )
     parser.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["--serve-proxy-profiled"] and len(given) >= 2:
+        serve_proxy_profiled(given[1], given[2:])
+        return 0
+    args = parser.parse_args(given)
     if args.serve_upstream is not None:
         serve_upstream(args.serve_upstream, args.answer_ms)
         return 0

@@ -43,6 +43,7 @@ the call's rid, for the tenant (its totals in ``GET /v1/usage``, the usage count
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import logging
@@ -85,6 +86,7 @@ from contextpilot_integrations.service.proxy.request_planning import (
     ProxyPlanning,
     report_headers,
 )
+from contextpilot_integrations.service.proxy.task_cancel import TaskCancel, raise_failure
 from contextpilot_integrations.service.proxy.upstream import TENANT_KEY_HEADER, Upstream
 
 logger = logging.getLogger(__name__)
@@ -113,7 +115,8 @@ BODY_READ_TIMEOUT_S = 60.0
 
 PREPARE_THREADS = 128
 """Calls prepared at once in worker threads (a call waiting for its planning window holds one;
-twice the window's ``max_batch`` by default, beyond anyio's 40 shared threads)."""
+twice the window's ``max_batch`` by default: a pool of the proxy's own, apart from anyio's 40
+shared threads)."""
 
 
 class Proxy:
@@ -184,13 +187,15 @@ class Proxy:
         # One thread records every answer's usage in arrival order; the event loop hands a
         # record over without waiting for it (docs/DESIGN.md, "The proxy").
         self._usage_thread = _usage_thread()
-        self._prepare_limiter: anyio.CapacityLimiter | None = None  # made in the event loop
+        self._prepare_threads: ThreadPoolExecutor | None = None  # made on first use
 
-    def prepare_limiter(self) -> anyio.CapacityLimiter:
+    def prepare_threads(self) -> ThreadPoolExecutor:
         """The worker threads calls are prepared in (:data:`PREPARE_THREADS`)."""
-        if self._prepare_limiter is None:
-            self._prepare_limiter = anyio.CapacityLimiter(PREPARE_THREADS)
-        return self._prepare_limiter
+        if self._prepare_threads is None:
+            self._prepare_threads = ThreadPoolExecutor(
+                PREPARE_THREADS, thread_name_prefix="contextpilot-prepare"
+            )
+        return self._prepare_threads
 
     def tenant_of(self, headers: Mapping[str, str]) -> str | None:
         """The tenant of the key in a request's ``headers`` (``None`` on a service without
@@ -411,6 +416,9 @@ class Proxy:
             await self.peers.aclose()
         if self.replica_probes is not None:
             await self.replica_probes.aclose()
+        preparing, self._prepare_threads = self._prepare_threads, None
+        if preparing is not None:  # a call still waiting for its window is not waited for
+            preparing.shutdown(wait=False)
         used, self._usage_thread = self._usage_thread, _usage_thread()
         await anyio.to_thread.run_sync(used.shutdown)
         if self.routing is not None:
@@ -630,30 +638,32 @@ async def _planned_here(
     )
     call: PreparedCall | None = None
     gone = False
-    async with anyio.create_task_group() as group:
+    loop = asyncio.get_running_loop()
+    # Abandoned, not stopped, when cancelled: a thread cannot be (:class:`_Preparing`).
+    prepared = loop.run_in_executor(proxy.prepare_threads(), prepare.run)
 
-        async def until_disconnect() -> None:
-            # A server does not cancel a call whose client hangs up: the call is watched,
-            # so one that leaves while it waits (in a planning window) is undone.
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            group.cancel_scope.cancel()
+    async def until_disconnect() -> None:
+        # A server does not cancel a call whose client hangs up: the call is watched, so
+        # one that leaves while it waits (in a planning window) is undone.
+        nonlocal gone
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        prepared.cancel()
 
-        group.start_soon(until_disconnect)
-        try:
-            call = await anyio.to_thread.run_sync(
-                prepare.run, abandon_on_cancel=True, limiter=proxy.prepare_limiter()
-            )
-        except anyio.get_cancelled_exc_class():
-            prepare.give_up()
+    watcher = loop.create_task(until_disconnect())
+    try:
+        call = await prepared
+    except asyncio.CancelledError:
+        prepare.give_up()
+        if not gone:
             raise
-        except BadRequest as exc:
-            proxy.counters.requests.labels(endpoint, str(exc.status)).inc()
-            return error_answer(api, exc.status, exc.message, exc.field)
-        finally:
-            group.cancel_scope.cancel()
+    except BadRequest as exc:
+        proxy.counters.requests.labels(endpoint, str(exc.status)).inc()
+        return error_answer(api, exc.status, exc.message, exc.field)
+    finally:
+        watcher.cancel()
+    raise_failure(watcher)
     if gone or call is None:
         if call is not None:  # prepared just as the client left
             prepare.give_up()
@@ -703,24 +713,29 @@ async def _admit(
         proxy.counters.requests.labels(endpoint, "401").inc()
         return error_answer(api, 401, str(exc), None, {"WWW-Authenticate": "Bearer"})
     chunks: list[bytes] = []
+    late = TaskCancel()
+    deadline = asyncio.get_running_loop().call_later(BODY_READ_TIMEOUT_S, late.cancel)
     try:
-        with anyio.fail_after(BODY_READ_TIMEOUT_S):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    proxy.counters.requests.labels(endpoint, str(CLIENT_GONE)).inc()
-                    return None
-                chunks.append(message.get("body", b""))
-                if not message.get("more_body", False):
-                    break
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                proxy.counters.requests.labels(endpoint, str(CLIENT_GONE)).inc()
+                return None
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
     except BodyTooLarge as exc:
         proxy.counters.requests.labels(endpoint, "413").inc()
         return error_answer(api, 413, str(exc), "body")
-    except TimeoutError:
+    except asyncio.CancelledError:
+        if not late.caught():
+            raise
         proxy.counters.requests.labels(endpoint, "408").inc()
         return error_answer(
             api, 408, f"the body did not arrive within {BODY_READ_TIMEOUT_S:.0f} s", "body"
         )
+    finally:
+        deadline.cancel()
     return tenant, b"".join(chunks)
 
 
