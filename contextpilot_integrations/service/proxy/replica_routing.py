@@ -37,6 +37,7 @@ replica counts at each) and ``contextpilot_proxy_replica_unreachable_total{repli
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
@@ -59,6 +60,7 @@ from contextpilot_integrations.service.proxy.gateway_workers import (
     TARGET_WORKER_HEADER,
     GatewayWorkers,
 )
+from contextpilot_integrations.service.proxy.kv_capacity import learn_kv_capacity
 from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
 from contextpilot_integrations.service.proxy.replica_order import ReplicaOrder
 from contextpilot_integrations.service.proxy.upstream import Upstream
@@ -410,6 +412,28 @@ class ReplicaRouting:
             if spec.name not in refused
             and (spec.name not in self._links or self._links[spec.name].up)
         ]
+
+    async def learn_kv_capacity(self) -> dict[str, int | None]:
+        """Ask each replica whose ``kv_capacity_tokens`` is ``"auto"`` (the fleet's
+        ``learn_kv_capacity``) its engine's KV capacity (:mod:`.kv_capacity`), all at once,
+        and give every tenant's router the capacities learnt. Returns each asked replica's
+        capacity (None: not known). Runs on the event loop; never raises but for
+        cancellation."""
+        specs = [s for s in self.fleet.router.replicas if s.name in self.fleet.learn_kv_capacity]
+        asked = [s for s in specs if s.base_url is not None]
+        for spec in specs:
+            if spec.base_url is None:
+                logger.info("replica %r has no base_url: its KV capacity is not known", spec.name)
+        found = await asyncio.gather(*(learn_kv_capacity(s.base_url or "") for s in asked))
+        learnt: dict[str, int | None] = {spec.name: None for spec in specs}
+        for spec, tokens in zip(asked, found, strict=True):
+            learnt[spec.name] = tokens
+            if tokens is None:
+                continue
+            for router in self._routers.values():
+                router.set_kv_capacity(spec.name, tokens)
+            logger.info("replica %r: KV capacity %d tokens, told by its engine", spec.name, tokens)
+        return learnt
 
     # ------------------------------------------------------------------ Public API: lifecycle
     def start(self) -> None:
