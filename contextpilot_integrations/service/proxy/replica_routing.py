@@ -246,6 +246,9 @@ class ReplicaRouting:
         self.workers = GatewayWorkers(specs, enabled=self.fleet.target_workers)
         """The replicas as the gateway's workers: where its answers say a call went, and the
         worker index a call is sent to (the fleet's ``target_workers``)."""
+        self.learnt_kv_capacity: dict[str, int | None] | None = None
+        """Each replica whose KV capacity was asked of its engine, with what it said (None:
+        not known), once :meth:`learn_kv_capacity` ended; None before."""
         self._windows: dict[str | None, PlanningWindow] = {}
         if window_ms > 0:
             for owner, router in self._routers.items():
@@ -433,6 +436,7 @@ class ReplicaRouting:
             for router in self._routers.values():
                 router.set_kv_capacity(spec.name, tokens)
             logger.info("replica %r: KV capacity %d tokens, told by its engine", spec.name, tokens)
+        self.learnt_kv_capacity = learnt
         return learnt
 
     # ------------------------------------------------------------------ Public API: lifecycle
