@@ -120,7 +120,13 @@ async def learn_kv_capacity(
     not known (logged once). Never raises but for cancellation."""
     root = engine_root(base_url)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout, trust_env=False) as client:
+    # Answers read as sent, uncompressed asked: a compressed one cannot outgrow the bound.
+    async with aiohttp.ClientSession(
+        timeout=timeout,
+        trust_env=False,
+        auto_decompress=False,
+        headers={"accept-encoding": "identity"},
+    ) as client:
         for attempt in range(max_tries):
             try:
                 metrics = await _answer(client, f"{root}/metrics")

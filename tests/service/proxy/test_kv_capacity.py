@@ -32,35 +32,13 @@ from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
 from contextpilot_integrations.service.service_config import ServiceConfig
 
 VLLM_METRICS = (
+    "# HELP python_info Python platform information\n"
     "# TYPE python_info gauge\n"
     'python_info{implementation="CPython",major="3",minor="11",patchlevel="7",version="3.'
     '11.7"} 1.0\n'
-    "# HELP process_virtual_memory_bytes Virtual memory size in bytes.\n"
-    "# TYPE vllm:estimated_flops_per_gpu_total counter\n"
-    'vllm:estimated_flops_per_gpu_total{engine="0",model_name="tmpxoxgyp9n"} 0.0\n'
-    "# HELP vllm:estimated_flops_per_gpu_created Estimated number of floating point opera"
-    "tions per GPU (for Model Flops Utilization calculations).\n"
-    "# TYPE vllm:estimated_flops_per_gpu_created gauge\n"
-    'vllm:estimated_flops_per_gpu_created{engine="0",model_name="tmpxoxgyp9n"} 1.79640254'
-    "54972775e+09\n"
-    "# HELP vllm:estimated_read_bytes_per_gpu_total Estimated number of bytes read from m"
-    "emory per GPU (for Model Flops Utilization calculations).\n"
-    "# TYPE vllm:estimated_read_bytes_per_gpu_total counter\n"
-    'vllm:estimated_read_bytes_per_gpu_total{engine="0",model_name="tmpxoxgyp9n"} 0.0\n'
+    "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
     "# TYPE vllm:num_requests_running gauge\n"
     'vllm:num_requests_running{engine="0",model_name="tmpxoxgyp9n"} 0.0\n'
-    "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
-    "# TYPE vllm:num_requests_waiting gauge\n"
-    'vllm:num_requests_waiting{engine="0",model_name="tmpxoxgyp9n"} 0.0\n'
-    "# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason. Rea"
-    "son labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by t"
-    "ransient constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons "
-    "equals vllm:num_requests_waiting.\n"
-    "# TYPE vllm:num_requests_waiting_by_reason gauge\n"
-    'vllm:num_requests_waiting_by_reason{engine="0",model_name="tmpxoxgyp9n",reason="capa'
-    'city"} 0.0\n'
-    'vllm:num_requests_waiting_by_reason{engine="0",model_name="tmpxoxgyp9n",reason="defe'
-    'rred"} 0.0\n'
     "# HELP vllm:engine_sleep_state Engine sleep state; awake = 0 means engine is sleepin"
     "g; awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; disca"
     "rd_all = 1 means sleep level 2.\n"
@@ -72,6 +50,17 @@ VLLM_METRICS = (
     'vllm:engine_sleep_state{engine="0",model_name="tmpxoxgyp9n",sleep_state="discard_all'
     '"} 0.0\n'
     "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+    'vllm:kv_cache_usage_perc{engine="0",model_name="tmpxoxgyp9n"} 0.0\n'
+    "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of q"
+    "ueried tokens.\n"
+    "# TYPE vllm:prefix_cache_queries_total counter\n"
+    'vllm:prefix_cache_queries_total{engine="0",model_name="tmpxoxgyp9n"} 0.0\n'
+    "# HELP vllm:prefix_cache_queries_created Prefix cache queries, in terms of number of"
+    " queried tokens.\n"
+    "# TYPE vllm:prefix_cache_queries_created gauge\n"
+    'vllm:prefix_cache_queries_created{engine="0",model_name="tmpxoxgyp9n"} 1.79640254549'
+    "76163e+09\n"
     "# HELP vllm:request_prompt_tokens Number of prefill tokens processed.\n"
     "# TYPE vllm:request_prompt_tokens histogram\n"
     'vllm:request_prompt_tokens_bucket{engine="0",le="1.0",model_name="tmpxoxgyp9n"} 0.0\n'
@@ -114,12 +103,6 @@ VLLM_METRICS = (
     '="False",user_specified_block_size="True"} 1.0\n'
     "# HELP http_requests_total Total number of requests by method, status and handler.\n"
     "# TYPE http_requests_total counter\n"
-    "# HELP http_request_size_bytes Content length of incoming requests by handler. Only "
-    "value of header is respected. Otherwise ignored. No percentile calculated. \n"
-    "# TYPE http_request_size_bytes summary\n"
-    "# HELP http_response_size_bytes Content length of outgoing responses by handler. Onl"
-    "y value of header is respected. Otherwise ignored. No percentile calculated. \n"
-    "# TYPE http_response_size_bytes summary\n"
 )
 REAL_CAPACITY = (97 - 1) * 32  # num_gpu_blocks less vLLM's null block, times block_size
 
