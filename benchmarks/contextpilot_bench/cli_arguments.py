@@ -124,9 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--proxy-kv-capacity",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="--engine vllm-cpu, contextpilot-proxy-smg: the proxy's fleet is told each "
-        "replica's KV capacity (kv_capacity_tokens: its indexes drop what the cache can no "
-        "longer hold at planning time; default), or not (--no-proxy-kv-capacity)",
+        help="--engine vllm-cpu, contextpilot-proxy-smg: the proxy learns each replica's KV "
+        'capacity from its engine (kv_capacity_tokens "auto": its indexes drop what the '
+        "cache can no longer hold at planning time; default), or not (--no-proxy-kv-capacity: "
+        "null, nothing asked)",
     )
     parser.add_argument(
         "--window-adaptive",

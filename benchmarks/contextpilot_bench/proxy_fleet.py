@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from contextpilot_bench.served_app import served_app
 from contextpilot_integrations.core.rendering import PromptLayout
@@ -43,8 +43,10 @@ class ProxySettings:
         target_workers: send each call to its replica's worker by SMG's worker index (the
             fleet's key, off in the proxy by default; the gateway then runs
             ``consistent_hashing``); False: by the routing key alone.
-        kv_capacity_tokens: each replica's KV capacity in tokens, given to the proxy's fleet
-            (the replicas' ``kv_capacity_tokens``); None: not given.
+        kv_capacity_tokens: each replica's KV capacity in tokens, in the proxy's fleet (the
+            replicas' ``kv_capacity_tokens``): ``"auto"`` (default): the proxy asks each
+            replica's engine, learnt before this yields; an int: given; None: not known,
+            nothing asked.
     """
 
     window_ms: float = 0.0
@@ -53,7 +55,7 @@ class ProxySettings:
     ordered: bool = True
     max_in_flight: int | None = 4
     target_workers: bool = True
-    kv_capacity_tokens: int | None = None
+    kv_capacity_tokens: int | Literal["auto"] | None = "auto"
 
 
 @contextmanager
@@ -81,10 +83,7 @@ def proxy_over_gateway(
     capacity = settings.kv_capacity_tokens
     fleet: dict[str, Any] = {
         "mode": "gateway",
-        "replicas": [
-            {**r, **({"kv_capacity_tokens": capacity} if capacity is not None else {})}
-            for r in replicas
-        ],
+        "replicas": [{**r, "kv_capacity_tokens": capacity} for r in replicas],
     }
     if settings.load is not None:
         fleet["load"] = settings.load
@@ -103,5 +102,11 @@ def proxy_over_gateway(
         routing = app.state.proxy.routing
         deadline = time.monotonic() + CALIBRATION_S
         while routing.workers.state == "pending" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while (
+            routing.fleet.learn_kv_capacity
+            and routing.learnt_kv_capacity is None
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         yield url, routing

@@ -175,11 +175,11 @@ def _proxy_line(run: ReplicaMethodRun) -> str | None:
     capacity = figures.get("kv_capacity_tokens")
     budgets = [r.get("kv_budget") for r in figures["replicas"].values()]
     known = (
-        f"; replicas' KV capacity given ({capacity:,} tokens each: "
+        f"; replicas' KV capacity learnt from the engines ({capacity:,} tokens each: "
         f"{sum(b['dropped'] for b in budgets if b)} requests dropped from the indexes at "
         f"planning time)"
         if capacity
-        else "; replicas' KV capacity not given"
+        else "; replicas' KV capacity not known"
     )
     return (
         f"{PROXY_METHOD}: the proxy's {planned}; router load {figures['load']}, "
@@ -242,8 +242,8 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         raise ValueError("--replicas with --engine vllm-cpu needs a sized --engine-kv-tokens")
     minimum = -(-max_model_len // args.block_size)
     per_replica, raised = replica_blocks(total.usable_blocks, count, minimum)
-    if known_capacity:
-        settings = replace(settings, kv_capacity_tokens=per_replica * args.block_size)
+    if not known_capacity:  # the proxy learns it from the engines unless told not to
+        settings = replace(settings, kv_capacity_tokens=None)
     fleet_tokens = per_replica * args.block_size * count
     run: dict[str, Any] = {
         "workload": workload.name,

@@ -384,7 +384,9 @@ def _run_through_proxy(
         }
         figures["workers"] = routing.workers.stats()
         figures["window_ms"] = settings.window_ms
-        figures["kv_capacity_tokens"] = settings.kv_capacity_tokens
+        known = [r["kv_budget"]["capacity_tokens"] for r in figures["replicas"].values()
+                 if r["kv_budget"] is not None]  # fmt: skip
+        figures["kv_capacity_tokens"] = min(known) if known else None  # what the router holds
         figures["load"] = router.config.load
         figures["max_imbalance"] = router.config.max_imbalance
         startup = gateway.startup_seconds

@@ -127,17 +127,18 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     service: IndexService = app.state.service
     # Their own limiters: worker threads stuck in a call must not keep these from running.
     await anyio.to_thread.run_sync(service.start, limiter=anyio.CapacityLimiter(1))
-    calibrating: asyncio.Task[None] | None = None
+    background: list[asyncio.Task[None]] = []
     if app.state.proxy is not None:
         await anyio.to_thread.run_sync(app.state.proxy.start, limiter=anyio.CapacityLimiter(1))
-        calibrating = asyncio.create_task(app.state.proxy.calibrate_workers())
+        background.append(asyncio.create_task(app.state.proxy.calibrate_workers()))
+        background.append(asyncio.create_task(app.state.proxy.learn_kv_capacity()))
     try:
         yield
     finally:
-        if calibrating is not None:
-            calibrating.cancel()
+        for task in background:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await calibrating
+                await task
         if app.state.proxy is not None:
             await app.state.proxy.aclose()
         await anyio.to_thread.run_sync(

@@ -65,7 +65,8 @@ Replicas (``--replica URL`` repeated, or ``--replicas-config FILE``, the fleet m
 :mod:`.proxy.fleet_config`): the proxy hosts the replica router. Without ``--upstream`` each call
 goes to its replica's URL (the ``"direct"`` mode); with it, ``--upstream`` is a gateway (smg)
 routing on the ``x-contextpilot-route`` key (the ``"gateway"`` mode). ``--replica-kv-events``
-gives the replicas' KV-event endpoints, in the same order (topic ``--kv-events-topic``).
+gives the replicas' KV-event endpoints, in the same order (topic ``--kv-events-topic``). Each
+replica's KV capacity is asked of its engine at start (:mod:`.proxy.kv_capacity`).
 """
 
 from __future__ import annotations
@@ -320,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="JSON",
         help="a JSON file of the fleet: mode (direct, gateway), replicas (name, base_url, "
-        "cache_sync), load, max_imbalance, retry_down_s, ordered, max_in_flight, target_workers",
+        'cache_sync, kv_capacity_tokens: "auto" asks the engine, default; N tokens; null '
+        "off), load, max_imbalance, retry_down_s, ordered, max_in_flight, target_workers",
     )
     proxy.add_argument(
         "--replica-order",

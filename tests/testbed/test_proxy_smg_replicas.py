@@ -3,7 +3,8 @@ router hosted in the proxy (docs/DESIGN.md, "The proxy"): MultiHop-RAG calls wit
 documents marked in the body, sent with the real ``openai`` SDK. Each call goes to the gateway
 with the router's routing key, smg pins each key to a worker, and each replica's own KV events
 tell the proxy's router where each call landed (both keys confirmed, each call's replica known,
-each replica's index holding what it served). Calls that repeat earlier calls' documents in
+each replica's index holding what it served), and each replica's KV capacity is what the
+proxy asked of its engine at start. Calls that repeat earlier calls' documents in
 another order go to the replica that stored them, and the engines report cache hits there.
 
 Tier ``vllm``: needs ``.venv-vllm`` and ``smg`` (``scripts/setup-vllm-env.sh``,
@@ -12,6 +13,7 @@ Tier ``vllm``: needs ``.venv-vllm`` and ``smg`` (``scripts/setup-vllm-env.sh``,
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +35,7 @@ from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig  # 
 from contextpilot_integrations.service.service_config import ServiceConfig  # noqa: E402
 
 BLOCK_SIZE = 32
+KV_SIZE_LOG = re.compile(r"KV cache size: ([\d,]+) tokens")
 CALLS = 8
 REPEATS = 3  # calls repeating the documents of the first ones, reversed
 TOP_K = 4
@@ -84,6 +87,22 @@ def test_calls_through_the_proxy_and_smg_are_routed_by_key_and_followed_per_repl
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
             routing = app.state.proxy.routing
             router = routing.router_of(None)
+            # Each replica's KV capacity asked of its engine at start: what its log states
+            # ("KV cache size: N tokens"), less vLLM's null block.
+            logged = {
+                name: int(KV_SIZE_LOG.findall(instance.server.log_tail(400))[-1].replace(",", ""))
+                - BLOCK_SIZE
+                for name, instance in zip(fleet.names, fleet.instances, strict=True)
+            }
+            assert set(logged.values()) == {usable * BLOCK_SIZE}, logged
+
+            def capacities() -> dict[str, int | None]:
+                replicas = router.stats()["replicas"]
+                return {
+                    n: (r["kv_budget"] or {}).get("capacity_tokens") for n, r in replicas.items()
+                }
+
+            assert _wait_for(lambda: capacities() == logged), capacities()
             if targeted:  # each replica's worker index learnt from the gateway's answers
                 assert _wait_for(lambda: routing.workers.state != "pending", 60.0)
                 assert routing.workers.stats()["state"] == "on", routing.workers.stats()

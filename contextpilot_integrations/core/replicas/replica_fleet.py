@@ -234,6 +234,24 @@ class ReplicaFleet:
         unreachable itself."""
         self._health(name, up)
 
+    def set_kv_capacity(self, name: str, capacity_tokens: int) -> None:
+        """Replica ``name``'s KV cache holds ``capacity_tokens`` (learnt after it was added):
+        its budget counts the requests planned there from now on; an unknown name is
+        ignored (the replica was removed).
+
+        Raises:
+            ValueError: ``capacity_tokens`` is not an int > 0.
+        """
+        budget = KvBudget(capacity_tokens)
+        with self.lock:
+            replica = self.replicas.get(name)
+            if replica is None:
+                return
+            if replica.budget is None:
+                replica.budget = budget
+            else:
+                replica.budget.capacity_tokens = capacity_tokens
+
     def stats(self) -> dict[str, Any]:
         """``replicas`` (name -> the per-replica figures of ``ReplicaRouter.stats``),
         ``remapped``, ``remapped_keys`` and ``balance`` (of the replicas that are up)."""

@@ -260,6 +260,16 @@ class ReplicaRouter(ThreadedAsyncTwins):
         routing goes on with the others) or up again."""
         self._fleet.set_health(replica, up)
 
+    def set_kv_capacity(self, replica: str, capacity_tokens: int) -> None:
+        """``replica``'s KV cache holds ``capacity_tokens`` tokens, learnt once the router was
+        built (the proxy asks the engine): from the next plan on, its index drops what the
+        cache can no longer hold (docs/DESIGN.md, "Replicas and routing").
+
+        Raises:
+            ValueError: ``capacity_tokens`` is not an int > 0.
+        """
+        self._fleet.set_kv_capacity(replica, capacity_tokens)
+
     def routing_key(self, rid: str) -> str | None:
         """The routing key ``rid`` was planned with (the gateway header's value), or None."""
         with self._fleet.lock:

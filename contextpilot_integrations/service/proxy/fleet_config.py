@@ -33,6 +33,11 @@ gateway that spills busy keys (docs/DESIGN.md, "The proxy"). ``target_workers`` 
 only, off by default) sends each call to its replica's worker by SMG's worker-index header,
 each replica's index learnt from the gateway's answers before it is used
 (:mod:`.gateway_workers`).
+
+A replica's ``kv_capacity_tokens``: ``"auto"`` (the default, the key left out): the proxy asks
+the replica's engine (its ``base_url``) when it starts (:mod:`.kv_capacity`), and goes without
+where the engine does not say; an int: that many tokens; ``null``: not known, nothing asked
+(docs/DESIGN.md, "Replicas and routing", "The proxy").
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ __all__ = ["FleetConfig"]
 
 _OWN_KEYS = frozenset({"retry_down_s", "ordered", "max_in_flight", "target_workers"})
 
+AUTO = "auto"
+"""A replica's ``kv_capacity_tokens`` that the proxy learns from its engine."""
+
 
 @dataclass(frozen=True)
 class FleetConfig:
@@ -73,6 +81,8 @@ class FleetConfig:
         target_workers: behind a gateway, send each call to its replica's worker by the
             gateway's target header, each replica's worker index learnt from the gateway's
             answers first (:mod:`.gateway_workers`); off by default.
+        learn_kv_capacity: the replicas whose KV capacity the proxy asks of their engine
+            when it starts (their ``kv_capacity_tokens`` ``"auto"``; :mod:`.kv_capacity`).
 
     Raises:
         ValueError: a bad field, named (``fleet.replicas[1].base_url ...``).
@@ -83,6 +93,7 @@ class FleetConfig:
     ordered: bool = False
     max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT
     target_workers: bool = False
+    learn_kv_capacity: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not isinstance(self.router, RouterConfig):
@@ -107,6 +118,21 @@ class FleetConfig:
         cap = self.max_in_flight
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError(f"fleet.max_in_flight must be an int >= 1 or null, got {cap!r}")
+        learn = self.learn_kv_capacity
+        if not isinstance(learn, (set, frozenset)):
+            raise ValueError(
+                f"fleet.learn_kv_capacity must be a set of replica names, got {learn!r:.80}"
+            )
+        names = {spec.name for spec in self.router.replicas}
+        unknown_names = sorted(set(learn) - names)
+        if unknown_names:
+            raise ValueError(f"fleet.learn_kv_capacity names no replica: {unknown_names}")
+        both = sorted(
+            s.name for s in self.router.replicas if s.name in learn and s.kv_capacity_tokens
+        )
+        if both:
+            raise ValueError(f"fleet: replica(s) {both} have kv_capacity_tokens and learn it")
+        object.__setattr__(self, "learn_kv_capacity", frozenset(learn))
         # Each replica its own cache_sync object: its engine link is found by it.
         copied = tuple(
             dataclasses.replace(s, cache_sync=dict(s.cache_sync))
@@ -169,12 +195,24 @@ class FleetConfig:
         own = {k: v for k, v in settings.items() if k in _OWN_KEYS}
         rule = {k: v for k, v in settings.items() if k not in _OWN_KEYS}
         replicas = rule.get("replicas")
+        learnt: list[int] = []
         if isinstance(replicas, list):
+            replicas = list(replicas)
             for i, replica in enumerate(replicas):
                 if not isinstance(replica, Mapping):
                     raise ValueError(
                         f"fleet.replicas[{i}] must be a mapping, got {type(replica).__name__}"
                     )
+                capacity = replica.get("kv_capacity_tokens", AUTO)
+                if isinstance(capacity, str):
+                    if capacity != AUTO:
+                        raise ValueError(
+                            f"fleet.replicas[{i}].kv_capacity_tokens must be an int > 0, "
+                            f'"{AUTO}" or null, got {capacity!r:.80}'
+                        )
+                    learnt.append(i)
+                    replicas[i] = {**replica, "kv_capacity_tokens": None}
+            rule["replicas"] = replicas
         unknown = sorted(set(rule) - set(RouterConfig.__dataclass_fields__))
         if unknown:  # named with every key a fleet takes, the proxy's own ones included
             known = sorted(set(RouterConfig.__dataclass_fields__) | _OWN_KEYS)
@@ -183,7 +221,8 @@ class FleetConfig:
             router = RouterConfig.from_mapping(rule)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"fleet: {exc}") from None
-        return cls(router, **own)
+        learn = frozenset(router.replicas[i].name for i in learnt)
+        return cls(router, **own, learn_kv_capacity=learn)
 
     @property
     def direct(self) -> bool:

@@ -37,6 +37,7 @@ replica counts at each) and ``contextpilot_proxy_replica_unreachable_total{repli
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
@@ -59,6 +60,7 @@ from contextpilot_integrations.service.proxy.gateway_workers import (
     TARGET_WORKER_HEADER,
     GatewayWorkers,
 )
+from contextpilot_integrations.service.proxy.kv_capacity import learn_kv_capacity
 from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
 from contextpilot_integrations.service.proxy.replica_order import ReplicaOrder
 from contextpilot_integrations.service.proxy.upstream import Upstream
@@ -244,6 +246,9 @@ class ReplicaRouting:
         self.workers = GatewayWorkers(specs, enabled=self.fleet.target_workers)
         """The replicas as the gateway's workers: where its answers say a call went, and the
         worker index a call is sent to (the fleet's ``target_workers``)."""
+        self.learnt_kv_capacity: dict[str, int | None] | None = None
+        """Each replica whose KV capacity was asked of its engine, with what it said (None:
+        not known), once :meth:`learn_kv_capacity` ended; None before."""
         self._windows: dict[str | None, PlanningWindow] = {}
         if window_ms > 0:
             for owner, router in self._routers.items():
@@ -410,6 +415,29 @@ class ReplicaRouting:
             if spec.name not in refused
             and (spec.name not in self._links or self._links[spec.name].up)
         ]
+
+    async def learn_kv_capacity(self) -> dict[str, int | None]:
+        """Ask each replica whose ``kv_capacity_tokens`` is ``"auto"`` (the fleet's
+        ``learn_kv_capacity``) its engine's KV capacity (:mod:`.kv_capacity`), all at once,
+        and give every tenant's router the capacities learnt. Returns each asked replica's
+        capacity (None: not known). Runs on the event loop; never raises but for
+        cancellation."""
+        specs = [s for s in self.fleet.router.replicas if s.name in self.fleet.learn_kv_capacity]
+        asked = [s for s in specs if s.base_url is not None]
+        for spec in specs:
+            if spec.base_url is None:
+                logger.info("replica %r has no base_url: its KV capacity is not known", spec.name)
+        found = await asyncio.gather(*(learn_kv_capacity(s.base_url or "") for s in asked))
+        learnt: dict[str, int | None] = {spec.name: None for spec in specs}
+        for spec, tokens in zip(asked, found, strict=True):
+            learnt[spec.name] = tokens
+            if tokens is None:
+                continue
+            for router in self._routers.values():
+                router.set_kv_capacity(spec.name, tokens)
+            logger.info("replica %r: KV capacity %d tokens, told by its engine", spec.name, tokens)
+        self.learnt_kv_capacity = learnt
+        return learnt
 
     # ------------------------------------------------------------------ Public API: lifecycle
     def start(self) -> None:

@@ -382,6 +382,13 @@ class Proxy:
         await self.routing.workers.calibrate(probe)
         await self.routing.workers.recalibrate(probe)
 
+    async def learn_kv_capacity(self) -> None:
+        """Learn the KV capacity of each replica that leaves it to its engine
+        (:meth:`.replica_routing.ReplicaRouting.learn_kv_capacity`); returns at once without
+        a fleet. Runs on the event loop (the service's lifespan starts it and cancels it)."""
+        if self.routing is not None and self.routing.fleet.learn_kv_capacity:
+            await self.routing.learn_kv_capacity()
+
     def abandoned(self, tenant: str | None, call: PreparedCall) -> None:
         """``call`` was prepared for a client that left before it was forwarded (while it
         waited in a planning window, say): its documents' plan is undone (the rid evicted

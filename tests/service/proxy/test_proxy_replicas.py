@@ -313,7 +313,7 @@ def test_the_fleet_mapping_takes_the_routers_rule() -> None:
                                                          "capacity_tokens": 2432}}]}
     )  # fmt: skip
     assert capped.router.replicas[0].kv_capacity_tokens == 2432
-    with pytest.raises(ValueError, match="fleet: replica 'a': kv_capacity_tokens must be"):
+    with pytest.raises(ValueError, match=r"fleet.replicas\[0\].kv_capacity_tokens must be"):
         FleetConfig.from_mapping({"replicas": [{"name": "a", "kv_capacity_tokens": "big"}]})
 
 
