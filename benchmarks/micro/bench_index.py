@@ -14,18 +14,27 @@ Each timing is also given in CPU seconds, which other processes on a busy machin
 * online hot path (search, align, insert, annotate, render: ``ContextPilot.plan``) with
   10,000 contexts already indexed: median and p99 per request, targets <= 0.2 ms and
   <= 2 ms; and the same with 100,000 indexed, to show the cost does not grow with the index.
+
+``--against REV --runs N`` prints only the 10,000-indexed hot path's CPU median, ``N`` times
+for the library at git revision ``REV`` and for the working tree's, alternating (each run a
+fresh process), with the median of each and their ratio: a change's effect measured in one
+session, where the load of a shared machine moves a single figure by more than the change.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import resource
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -88,13 +97,64 @@ def hot_path(indexed: int, probes: int = 2_000) -> tuple[float, float, float, fl
     )
 
 
+def child_hot_path() -> None:
+    """Run in a child process: the 10,000-indexed hot path of the library on its path."""
+    import contextpilot_integrations
+
+    cpu_median = hot_path(10_000)[2]
+    print(json.dumps({"cpu_median": cpu_median, "library": contextpilot_integrations.__file__}))
+
+
+def against(revision: str, runs: int) -> None:
+    """The hot path's CPU median at ``revision`` and in the working tree, alternating."""
+    repo = Path(__file__).resolve().parents[2]
+    archive = subprocess.run(
+        ["git", "-C", str(repo), "archive", revision, "contextpilot_integrations"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    medians: dict[str, list[float]] = {revision: [], "working tree": []}
+    with tempfile.TemporaryDirectory() as copy:
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            # The archive is this repository's own; ``data`` is the safe filter where it exists.
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(copy, **safe)  # type: ignore[arg-type]
+        for _ in range(runs):
+            for name, root in ((revision, copy), ("working tree", str(repo))):
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child-hot-path"],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    env={**os.environ, "PYTHONPATH": root},
+                )
+                result = json.loads(out.stdout.strip().splitlines()[-1])
+                if not result["library"].startswith(root):
+                    raise RuntimeError(f"{name} ran the library at {result['library']}")
+                medians[name].append(result["cpu_median"])
+    for name, values in medians.items():
+        listed = " ".join(f"{v:.3f}" for v in values)
+        print(f"{name}: CPU median per plan() {statistics.median(values):.3f} ms ({listed})")
+    ratio = statistics.median(medians["working tree"]) / statistics.median(medians[revision])
+    print(f"working tree / {revision}: {ratio:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip the 100,000-context build")
+    parser.add_argument("--against", metavar="REV", help="compare the hot path with git REV")
+    parser.add_argument("--runs", type=int, default=6, help="runs of each with --against")
     parser.add_argument("--child-build", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--child-hot-path", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_build:
         child_build(args.child_build)
+        return
+    if args.child_hot_path:
+        child_hot_path()
+        return
+    if args.against:
+        against(args.against, args.runs)
         return
 
     rows = []

@@ -555,6 +555,8 @@ class ContextPilot(ThreadedAsyncTwins):
             figures.blocks_replaced,
             figures.sub_blocks_replaced,
         )
+        if not logger.isEnabledFor(logging.INFO):
+            return  # the line's arguments are not even gathered
         logger.info(
             "contextpilot: rid=%s tenant=%r conversation=%r turn=%s blocks=%d hints=%d "
             "pointers=%d tokens_removed=%d",
@@ -607,12 +609,13 @@ class ContextPilot(ThreadedAsyncTwins):
             request, blocks, order, layout, self.deduplicator, turns, self.token_counter
         )
         shown, hints, references = placed.shown, placed.hints, placed.references
-        rendered = [p.rendered_text or "" for p in shown]
+        rendered = placed.rendered
         if shown:
             # The index mirrors what the engine will cache: the blocks as rendered.
-            if placed.as_given:
-                ids = [p.block_id or 0 for p in shown]
-                counts = [p.tokens for p in shown]
+            ids: Sequence[int]
+            counts: Sequence[int]
+            if placed.as_given is not None:
+                ids, counts = placed.as_given
             else:
                 identities = [
                     (p.block_id or 0, p.tokens)
@@ -626,7 +629,7 @@ class ContextPilot(ThreadedAsyncTwins):
             self._history.add(ids)
             self._cooccurrence.add(ids)
         annotation: list[str] = []
-        shown_indices = [p.index for p in shown]
+        shown_indices = placed.shown_indices
         in_order = shown_indices == sorted(shown_indices)  # input indices are distinct
         if self.annotate and (hints or not in_order):
             annotation = [references[i] for i in sorted(references)]

@@ -95,22 +95,27 @@ class PlacedBlocks:
     Attributes:
         placements: one per input, in input order.
         shown: the shown placements, in prompt order (each with its ``rendered_text``).
+        rendered: what the prompt shows of each shown block (its ``rendered_text``), in
+            prompt order.
+        shown_indices: the input index of each shown block, in prompt order.
         hints: the hints replacing blocks, in prompt order.
         references: input index -> how the order annotation names it (a label, or where
             an earlier turn shows it), for the distinct blocks.
         figures: the de-duplication figures.
         scope: the request's scope, with the turn the conversation gave it.
-        as_given: whether every shown block shows its input text (no sub-block pointer), so
-            its id and tokens are the input's.
+        as_given: when every shown block shows its input text (no sub-block pointer), the
+            shown blocks' ids and tokens (the input's), in prompt order; otherwise ``None``.
     """
 
     placements: tuple[Placement, ...]
     shown: list[Placement]
+    rendered: list[str]
+    shown_indices: list[int]
     hints: list[str]
     references: dict[int, str]
     figures: DedupFigures
     scope: Scope
-    as_given: bool
+    as_given: tuple[Sequence[int], list[int]] | None
 
 
 def place_blocks(
@@ -155,18 +160,14 @@ def place_blocks(
         texts, tokens, indices = blocks.texts, blocks.tokens, blocks.indices
         labels = layout.labels(len(aligned))
         shown_indices = list(map(indices.__getitem__, aligned))
-        shown = Placement.shown_blocks(
-            shown_indices,
-            list(map(texts.__getitem__, aligned)),
-            order,
-            list(map(tokens.__getitem__, aligned)),
-            labels,
-        )
+        rendered = list(map(texts.__getitem__, aligned))
+        shown_tokens = list(map(tokens.__getitem__, aligned))
+        shown = Placement.shown_blocks(shown_indices, rendered, order, shown_tokens, labels)
         for index, placement in zip(shown_indices, shown):
             placements[index] = placement
         references = dict(zip(shown_indices, labels))
         figures = DedupFigures(len(shown), 0, 0, sum(tokens), 0)
-        as_given = True
+        as_given: tuple[Sequence[int], list[int]] | None = (order, shown_tokens)
     else:
         dedup = deduplicator.plan(
             scope.tenant,
@@ -179,13 +180,13 @@ def place_blocks(
             token_counter=token_counter,
         )
         turns.add(dedup.pending)
-        as_given = True
+        given = True
         for p, decision in zip(aligned, dedup.blocks):
             index = blocks.indices[p]
             references[index] = decision.reference
             if decision.text is not None:
                 show(p, decision.text)
-                as_given = as_given and decision.text == blocks.texts[p]
+                given = given and decision.text == blocks.texts[p]
                 continue
             placements[index] = Placement(
                 index,
@@ -205,6 +206,9 @@ def place_blocks(
             dedup.tokens_saved,
         )
         scope = Scope(scope.conversation_id, scope.tenant, dedup.turn, scope.visibility)
+        rendered = [p.rendered_text or "" for p in shown]
+        shown_indices = [p.index for p in shown]
+        as_given = ([p.block_id or 0 for p in shown], [p.tokens for p in shown]) if given else None
     for index, first in blocks.duplicates.items():
         original = placements[first]
         assert original is not None
@@ -219,8 +223,12 @@ def place_blocks(
     for index in blocks.skipped:
         placements[index] = Placement(index, PlacementStatus.SKIPPED, request.blocks[index])
     return PlacedBlocks(
-        tuple(p for p in placements if p is not None),
+        # Every input has its placement now; a placement is always true, so the filter (a C
+        # loop) only narrows the type.
+        tuple(filter(None, placements)),
         shown,
+        rendered,
+        shown_indices,
         hints,
         references,
         figures,

@@ -165,7 +165,7 @@ class DedupFigures:
     tokens_saved: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Plan:
     """What to send for one request.
 
@@ -217,6 +217,48 @@ class Plan:
     replica: str | None = None
     routing_key: str | None = None
     base_url: str | None = None
+
+    def __init__(
+        self,
+        rid: str,
+        query: str,
+        scope: Scope,
+        placements: tuple[Placement, ...],
+        hints: tuple[str, ...],
+        segments: tuple[str, ...],
+        annotation_labels: tuple[str, ...],
+        matched_prefix_blocks: int,
+        matched_prefix_tokens: int,
+        shared_prefix_blocks: int,
+        shared_prefix_tokens: int,
+        dedup_figures: DedupFigures,
+        layout: PromptLayout,
+        cache_salt: str | None = None,
+        replica: str | None = None,
+        routing_key: str | None = None,
+        base_url: str | None = None,
+    ) -> None:
+        # The fields set in one step, where the frozen dataclass's own ``__init__`` calls
+        # ``object.__setattr__`` once per field (docs/DESIGN.md, "Hot path"); the same values.
+        self.__dict__.update(
+            rid=rid,
+            query=query,
+            scope=scope,
+            placements=placements,
+            hints=hints,
+            segments=segments,
+            annotation_labels=annotation_labels,
+            matched_prefix_blocks=matched_prefix_blocks,
+            matched_prefix_tokens=matched_prefix_tokens,
+            shared_prefix_blocks=shared_prefix_blocks,
+            shared_prefix_tokens=shared_prefix_tokens,
+            dedup_figures=dedup_figures,
+            layout=layout,
+            cache_salt=cache_salt,
+            replica=replica,
+            routing_key=routing_key,
+            base_url=base_url,
+        )
 
     # ------------------------------------------------------------------ the prompt
     @property

@@ -25,6 +25,7 @@ import functools
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "PromptLayout"]
 
@@ -40,6 +41,34 @@ def _format_labels(template: str, count: int) -> tuple[str, ...]:
     # A prompt of ``count`` blocks shows the labels of positions 0 .. count - 1: one look-up
     # per prompt, not one per block (docs/DESIGN.md, "Hot path").
     return tuple(_format_label(template, number) for number in range(1, count + 1))
+
+
+@functools.lru_cache(maxsize=64)
+def _label_then_text(template: str) -> tuple[str, str, str] | None:
+    # ``template`` as ``before {label} between {text} after`` (each field once, the label
+    # first, no conversion or spec; ``{{`` and ``}}`` in the literals read as braces), so a
+    # block renders as one join of its label's head, its text and ``after``, with no format
+    # string parsed per block (docs/DESIGN.md, "Hot path"); None for any other template.
+    literals, fields = [""], []
+    for literal, name, spec, conversion in string.Formatter().parse(template):
+        literals[-1] += literal
+        if name is None:
+            continue
+        if spec or conversion is not None:
+            return None
+        fields.append(name)
+        literals.append("")
+    if fields != ["label", "text"]:
+        return None
+    before, between, after = literals
+    return before, between, after
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_heads(label_template: str, before: str, between: str, count: int) -> tuple[str, ...]:
+    # What comes before the text of the blocks at positions 0 .. count - 1 (see
+    # :func:`_label_then_text`): one look-up per prompt.
+    return tuple(before + label + between for label in _format_labels(label_template, count))
 
 
 @functools.lru_cache(maxsize=64)
@@ -194,13 +223,19 @@ class PromptLayout:
                 [self.label(p) for p in annotation_order] if annotation_order is not None else []
             )
         # :meth:`render_block` of each, its pieces looked up once (docs/DESIGN.md, "Hot path").
-        labels = self.labels(len(blocks))
-        positional = _positional_block_format(self.block_template)
-        if positional is not None:
-            rendered = list(map(positional, labels, blocks))
+        pieces = _label_then_text(self.block_template)
+        if pieces is not None:
+            before, between, after = pieces
+            heads = _block_heads(self.label_template, before, between, len(blocks))
+            rendered = list(map("".join, zip(heads, blocks, repeat(after))))
+        elif (positional := _positional_block_format(self.block_template)) is not None:
+            rendered = list(map(positional, self.labels(len(blocks)), blocks))
         else:
             block_format = self.block_template.format
-            rendered = [block_format(label=label, text=text) for label, text in zip(labels, blocks)]
+            rendered = [
+                block_format(label=label, text=text)
+                for label, text in zip(self.labels(len(blocks)), blocks)
+            ]
         tail = self.tail(question, annotation_labels=annotation_labels, hints=hints)
         return [self.system_segment(), *rendered, tail]
 

@@ -17,6 +17,8 @@ from contextpilot_integrations.core.request import RidConflictError
 
 __all__ = ["RidReservations"]
 
+_NOTHING_HELD = contextlib.nullcontext()  # stateless: one serves every call with no rid
+
 
 class RidReservations:
     """The rids the running calls hold. Thread-safe."""
@@ -33,7 +35,7 @@ class RidReservations:
         Raises:
             RidConflictError: a rid is held by a concurrent call, or is in ``indexed``.
         """
-        return self._held(rids, indexed) if rids else contextlib.nullcontext()
+        return self._held(rids, indexed) if rids else _NOTHING_HELD
 
     @contextlib.contextmanager
     def _held(self, rids: Sequence[str], indexed: Container[str]) -> Iterator[None]:

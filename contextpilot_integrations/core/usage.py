@@ -165,17 +165,17 @@ class ConversationTotals:
     ) -> None:
         """One plan's figures (``conversation_id`` ``None``: the tenant's and the overall
         figures only; ``plans`` 0: more figures of a plan counted already)."""
-        figures = {
-            "plans": plans,
-            "tokens_removed": tokens_removed,
-            "blocks_replaced": blocks_replaced,
-            "sub_blocks_replaced": sub_blocks_replaced,
-        }
         with self._lock:
             self._rids.put(rid, (tenant, conversation_id))
-            for entry in self._entries(tenant, conversation_id):
-                for key, value in figures.items():
-                    entry[key] += value
+            entries = self._entries(tenant, conversation_id)
+            for entry in entries:
+                entry["plans"] += plans
+            if tokens_removed or blocks_replaced or sub_blocks_replaced:
+                # Most plans remove nothing: they add to the count of plans only.
+                for entry in entries:
+                    entry["tokens_removed"] += tokens_removed
+                    entry["blocks_replaced"] += blocks_replaced
+                    entry["sub_blocks_replaced"] += sub_blocks_replaced
 
     def add_usage(self, rid: str, prompt_tokens: int, cached_tokens: int) -> bool:
         """One usage report of ``rid`` (figures checked by :func:`check_usage`): added

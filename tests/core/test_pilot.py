@@ -434,7 +434,10 @@ def test_the_shared_prefix_is_where_another_indexed_request_parts_ways():
     "block_template",
     [
         "{label}\n{text}\n-----\n",
+        "{{{label}}} {{braces}}\n{text}}}\n-----\n",  # braces in the literals
+        "{label}\n{text}{text!r:.3}\n-----\n",
         "<{text}> {{braces}} %s {label}{label!r:>12}\n-----\n",
+        "<{text}> {label}\n-----\n",
         "{label}{label} {text}\n-----\n",
         "{label.__class__}{label}\n{text}\n-----\n",  # an attribute: the keyword form
     ],
@@ -447,3 +450,23 @@ def test_blocks_render_as_the_block_template_formats_them(block_template: str) -
     assert segments[1:3] == [
         block_template.format(label=label, text=text) for label, text in zip(labels, blocks)
     ]
+
+
+def test_a_plan_takes_its_fields_in_order_and_stays_frozen() -> None:
+    import dataclasses
+    import inspect
+
+    from contextpilot_integrations.core.plan import Plan
+
+    parameters = list(inspect.signature(Plan.__init__).parameters.values())[1:]
+    fields = dataclasses.fields(Plan)
+    assert [p.name for p in parameters] == [f.name for f in fields]
+    assert [p.default for p in parameters] == [
+        inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default for f in fields
+    ]
+    plan = ContextPilot().plan("q", ["alpha", "beta"], rid="r1")
+    assert vars(plan) == {f.name: getattr(plan, f.name) for f in fields}
+    assert dataclasses.replace(plan) == plan
+    assert dataclasses.replace(plan, replica="a").replica == "a"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.rid = "r2"  # type: ignore[misc]

@@ -320,9 +320,12 @@ class ReplicaPlanning:
         out = []
         for request_ids, request_tokens in zip(ids, tokens):
             found = {}
-            for name, index in indexes:
-                if request_ids:
-                    result = index.search(request_ids, request_tokens)
+            if request_ids:
+                # The request's block -> tokens map (its blocks are distinct), made once for
+                # every replica's search (docs/DESIGN.md, "Hot path").
+                weight = dict(zip(request_ids, request_tokens))
+                for name, index in indexes:
+                    result = index.search_weights(weight)
                     found[name] = (result.prefix, result.prefix_tokens)
             out.append(found)
         return out
