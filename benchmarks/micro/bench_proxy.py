@@ -40,14 +40,19 @@ Figures (milliseconds unless stated):
   wall-clock figures on a machine with few cores include the waits for a CPU, since the
   clients, the proxy and the upstream all run on it, and this figure does not; and of that,
   the CPU time of its main thread, which runs the event loop (the rest is the worker threads
-  that plan the calls and record their usage);
+  that plan the calls and record their usage); and the context switches of all its threads per
+  request (``voluntary_ctxt_switches`` + ``nonvoluntary_ctxt_switches`` of
+  ``/proc/<pid>/task/*/status``): each hand-off between the event loop and a worker thread
+  costs a wake-up or two;
 * the proxy process's RSS (``/proc/<pid>/status``) after the warm-up and at checkpoints up to
   ``--requests`` proxied requests, to show it stays bounded.
 
 ``--profile-proxy FILE`` runs the proxy under ``cProfile`` timed by the CPU time of its event
-loop's thread (``time.thread_time``: the waits for a CPU on a shared machine do not count; the
-worker threads are not seen) and writes its ``pstats`` to ``FILE`` when it stops (read it with
-``python -m pstats FILE``); the profiler's own cost is then in every figure printed.
+loop's thread (``time.thread_time``: the waits for a CPU on a shared machine do not count) and
+writes its ``pstats`` to ``FILE`` when it stops (read it with ``python -m pstats FILE``); the
+threads it starts (the worker threads) are profiled each by a profiler of its own, timed by
+its own CPU time, and their ``pstats`` summed into ``FILE.threads``. The profilers' own cost
+is then in every figure printed.
 """
 
 from __future__ import annotations
@@ -183,11 +188,22 @@ def serve_upstream(port: int, answer_ms: float = 0.0) -> None:
 def serve_proxy_profiled(path: str, server_args: Sequence[str]) -> None:
     """Run ``contextpilot-server`` with ``server_args`` (in the child process
     ``--profile-proxy`` starts) under ``cProfile`` timed by its main thread's CPU time; the
-    ``pstats`` go to ``path`` when it stops."""
+    ``pstats`` go to ``path`` when it stops, and those of the threads it starts, each timed
+    by its own CPU time, summed into ``path.threads``."""
     import cProfile
+    import pstats
     import runpy
+    import threading
 
     profile = cProfile.Profile(time.thread_time)
+    threads: list[cProfile.Profile] = []
+
+    def profile_thread(frame: object, event: str, arg: object) -> None:
+        # Called at a new thread's first event: the thread's own profiler replaces this hook.
+        sys.setprofile(None)
+        own = cProfile.Profile(time.thread_time)
+        threads.append(own)
+        own.enable()
 
     def stop(signum: int, frame: object) -> None:
         # uvicorn raises the signal again once it has shut down: the profile is written.
@@ -195,6 +211,7 @@ def serve_proxy_profiled(path: str, server_args: Sequence[str]) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     sys.argv = ["contextpilot-server", *server_args]
+    threading.setprofile(profile_thread)  # type: ignore[arg-type]
     profile.enable()
     try:
         runpy.run_module("contextpilot_integrations.service.server", run_name="__main__")
@@ -203,6 +220,11 @@ def serve_proxy_profiled(path: str, server_args: Sequence[str]) -> None:
     finally:
         profile.disable()
         profile.dump_stats(path)
+        if threads:
+            summed = pstats.Stats(threads[0])
+            for each in threads[1:]:
+                summed.add(each)
+            summed.dump_stats(f"{path}.threads")
 
 
 # --- processes ------------------------------------------------------------------------------
@@ -256,6 +278,22 @@ def cpu_seconds(pid: int, main_thread: bool = False) -> float:
     with open(path, encoding="ascii") as handle:
         fields = handle.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def context_switches(pid: int) -> int:
+    """Context switches, voluntary and not, of the threads process ``pid`` has now
+    (``/proc/<pid>/task/*/status``)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/status", encoding="ascii") as handle:
+                status = handle.read()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        for line in status.splitlines():
+            if "ctxt_switches:" in line:
+                total += int(line.split(":", 1)[1])
+    return total
 
 
 def rss_mb(pid: int) -> float:
@@ -409,6 +447,7 @@ class Run:
     conversations: int = 0  # warm-up included
     proxy_cpu_s: float = 0.0
     proxy_loop_cpu_s: float = 0.0  # the proxy's main thread: its event loop
+    proxy_switches: int = 0  # context switches of the proxy's threads
     upstream_cpu_s: float = 0.0
     client_cpu_s: float = 0.0
     wall_s: float = 0.0
@@ -473,11 +512,13 @@ async def drive(
         run.rss.append((0, rss_mb(proxy_pid)))
         wall, proxy_cpu = time.perf_counter(), cpu_seconds(proxy_pid)
         proxy_loop_cpu = cpu_seconds(proxy_pid, main_thread=True)
+        proxy_switches = context_switches(proxy_pid)
         upstream_cpu, client_cpu = cpu_seconds(upstream_pid), time.process_time()
         await asyncio.gather(*(client(i, args.requests, False) for i in range(args.clients)))
         run.wall_s = time.perf_counter() - wall
         run.proxy_cpu_s = cpu_seconds(proxy_pid) - proxy_cpu
         run.proxy_loop_cpu_s = cpu_seconds(proxy_pid, main_thread=True) - proxy_loop_cpu
+        run.proxy_switches = context_switches(proxy_pid) - proxy_switches
         run.upstream_cpu_s = cpu_seconds(upstream_pid) - upstream_cpu
         run.client_cpu_s = time.process_time() - client_cpu
     finally:
@@ -542,6 +583,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "proxy_ttfb_p50_ms": percentile_ms(p.first_byte, 50),
         "proxy_cpu_ms_per_request": run.proxy_cpu_s * 1000.0 / pairs,
         "proxy_loop_cpu_ms_per_request": run.proxy_loop_cpu_s * 1000.0 / pairs,
+        "proxy_switches_per_request": run.proxy_switches / pairs,
         "upstream_cpu_ms_per_request": run.upstream_cpu_s * 1000.0 / (2 * pairs),
         "client_cpu_ms_per_request": run.client_cpu_s * 1000.0 / (2 * pairs),
         "pointers_per_request": run.pointers / pairs,
@@ -601,6 +643,8 @@ def report(figures: dict[str, Any]) -> None:
         ("proxy CPU time per request", f"{figures['proxy_cpu_ms_per_request']:.2f} ms", ""),
         ("  of which its event loop's thread",
          f"{figures['proxy_loop_cpu_ms_per_request']:.2f} ms", ""),
+        ("  its threads' context switches per request",
+         f"{figures['proxy_switches_per_request']:.1f}", ""),
         ("  (upstream / client, per request)",
          f"{figures['upstream_cpu_ms_per_request']:.2f} / "
          f"{figures['client_cpu_ms_per_request']:.2f} ms", ""),

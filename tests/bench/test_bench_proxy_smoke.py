@@ -6,6 +6,7 @@ target: the targets are for the full run on a quiet machine."""
 from __future__ import annotations
 
 import json
+import pstats
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ FIGURE_LINES = (
     r"^added by the proxy: p99 +-?[\d.]+ ms +<= 10 ms: (meets|MISSES)$",
     r"^streamed, first byte added: p50 +-?[\d.]+ ms +<= 2 ms: (meets|MISSES)$",
     r"^proxy CPU time per request +[\d.]+ ms",
+    r"^  its threads' context switches per request +[\d.]+",
     r"^proxy RSS after the warm-up +[\d.]+ MiB",
     r"^proxy RSS after 300 +[\d.]+ MiB",
 )
@@ -50,5 +52,24 @@ def test_quick_run_as_json_answers_every_request_and_plans_real_work() -> None:
     assert figures["errors_direct"] == figures["errors_proxy"] == 0, figures
     assert 0 < figures["streamed"] < figures["requests"]
     assert figures["pointers_per_request"] > 0  # repeated documents became pointers
+    assert figures["proxy_switches_per_request"] > 0  # each call wakes a worker thread
     assert 6_000 < figures["mean_prompt_tokens"] < 10_000
     assert [after for after, _ in figures["rss_mb"]] == [0, 30, 75, 150, 225, 300]
+
+
+def test_profile_proxy_writes_the_event_loops_and_the_worker_threads_profiles(
+    tmp_path: Path,
+) -> None:
+    """The worker threads, where the calls are planned, have a profile of their own."""
+    path = tmp_path / "proxy.pstats"
+    completed = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--requests", "40", "--warmup", "8", "--clients", "8",
+         "--think-ms", "5", "--profile-proxy", str(path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    loop = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    threads = pstats.Stats(f"{path}.threads").stats  # type: ignore[attr-defined]
+    planned = [f for f in threads if f[0].endswith("message_planner.py") and f[2] == "plan"]
+    assert planned and threads[planned[0]][1] >= 40  # every proxied call planned in a thread
+    assert not any(f[0].endswith("message_planner.py") and f[2] == "plan" for f in loop)
