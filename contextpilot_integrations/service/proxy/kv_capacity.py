@@ -33,12 +33,12 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from contextpilot_integrations.core.replicas.routing_config import MAX_CAPACITY_TOKENS
 from contextpilot_integrations.service.proxy.upstream import engine_root
 
 __all__ = [
     "MAX_ANSWER_BYTES",
     "LEARN_DEADLINE_S",
-    "MAX_CAPACITY_TOKENS",
     "REQUEST_TIMEOUT_S",
     "RETRY_S",
     "capacity_from_sglang_server_info",
@@ -53,9 +53,6 @@ REQUEST_TIMEOUT_S = 5.0
 
 MAX_ANSWER_BYTES = 2 * 1024 * 1024
 """Longest answer read; a longer one leaves the capacity not known."""
-
-MAX_CAPACITY_TOKENS = 10**12
-"""The largest capacity believed: a larger count is not an engine's KV cache."""
 
 RETRY_S = 2.0
 """Seconds between tries while the engine does not answer yet."""

@@ -291,14 +291,29 @@ def test_the_fleet_learns_gives_or_leaves_each_replica_capacity(
 
 
 @pytest.mark.parametrize(
-    ("capacity", "message"),
-    [
-        ("big", 'must be an int > 0, "auto" or null'),
-        ("AUTO", 'must be an int > 0, "auto" or null'),
-        (-3, "kv_capacity_tokens must be an int > 0"),
-        (2.5, "kv_capacity_tokens must be an int > 0"),
-    ],
+    "capacity",
+    ["big", "AUTO", 0, -3, 2.5, True, [], float("nan"), 99999999999999999999999, 10**12 + 1],
 )
-def test_a_bad_capacity_is_refused_by_name(capacity: Any, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        FleetConfig.from_mapping({"replicas": [{"name": "a", "kv_capacity_tokens": capacity}]})
+def test_a_bad_capacity_is_refused_by_name(capacity: Any) -> None:
+    replica = {"name": "a", "base_url": "http://127.0.0.1:9/v1", "kv_capacity_tokens": capacity}
+    with pytest.raises(ValueError) as refused:
+        FleetConfig.from_mapping({"replicas": [replica]})
+    assert str(refused.value).startswith(
+        "fleet.replicas[0].kv_capacity_tokens must be an int > 0 (at most 1000000000000 "
+        'tokens), "auto" or null, got '
+    )
+
+
+def test_auto_on_a_replica_without_base_url_is_refused_the_default_not_asked() -> None:
+    with pytest.raises(ValueError, match=r'replicas\[1\].kv_capacity_tokens "auto" .* no base_url'):
+        FleetConfig.from_mapping(
+            {"replicas": [{"name": "a"}, {"name": "b", "kv_capacity_tokens": "auto"}]}
+        )
+    config = FleetConfig.from_mapping({"replicas": [{"name": "a"}, {"name": "b"}]})
+    assert config.learn_kv_capacity == frozenset()
+    assert (
+        FleetConfig.from_mapping({"replicas": [{"name": "a", "kv_capacity_tokens": 10**12}]})
+        .router.replicas[0]
+        .kv_capacity_tokens
+        == 10**12
+    )
