@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from contextpilot_bench.cli_arguments import DEFAULT_CACHE_TOKENS, build_parser
 from contextpilot_bench.cli_hosted import run_hosted_report
 from contextpilot_bench.cli_multiturn import run_multiturn_report
-from contextpilot_bench.cli_option_values import window_settings
+from contextpilot_bench.cli_option_values import proxy_options_given, window_settings
 from contextpilot_bench.cli_single_turn import run_single_turn_report
 from contextpilot_bench.engine_client import EngineError
 from contextpilot_bench.hosted import HOSTED_ENGINES
@@ -91,6 +91,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"one embedded or vLLM engine, not --workload {args.workload}"
                     + (" with --replicas" if args.replicas else "")
                     + (f" --engine {args.engine}" if args.engine in HOSTED_ENGINES else "")
+                )
+            proxy_options = proxy_options_given(args)
+            if proxy_options and (
+                args.workload in AGENT_WORKLOADS
+                or not (args.replicas and args.engine == VLLM_ENGINE)
+            ):
+                raise ValueError(
+                    f"{', '.join(proxy_options)}: options of the proxy method of --replicas N "
+                    "--engine vllm-cpu, which this run does not run"
                 )
             if args.workload in AGENT_WORKLOADS:
                 from contextpilot_bench.agent_report import run_agent_report

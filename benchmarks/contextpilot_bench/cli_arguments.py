@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--proxy-max-in-flight",
         type=int,
-        default=4,
+        default=None,
         metavar="N",
         help="--engine vllm-cpu, contextpilot-proxy-smg: the proxy's calls out at once per "
         "replica (its door, sent in schedule order; 0: no cap; default 4)",
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--proxy-target-workers",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="--engine vllm-cpu, contextpilot-proxy-smg: the proxy sends each call to its "
         "replica's worker by SMG's worker index (smg under consistent_hashing; default), or "
         "by the routing key alone (smg under round_robin, --no-proxy-target-workers)",
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--proxy-kv-capacity",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="--engine vllm-cpu, contextpilot-proxy-smg: the proxy learns each replica's KV "
         'capacity from its engine (kv_capacity_tokens "auto": its indexes drop what the '
         "cache can no longer hold at planning time; default), or not (--no-proxy-kv-capacity: "

@@ -1,5 +1,6 @@
 """The checks and parsing of ``contextpilot-bench`` option values that argparse cannot do alone:
-comma-separated lists, and the planning-window options that only apply together.
+comma-separated lists, the planning-window options that only apply together, and the proxy
+method's options, which apply to it alone.
 
 Every function raises ``ValueError`` with the option's name on a bad value;
 :func:`~contextpilot_bench.cli.main` prints it and exits with code 2.
@@ -16,10 +17,32 @@ from contextpilot_bench.cli_arguments import (
 )
 from contextpilot_integrations.core.window.window_policy import WindowPolicy
 
-__all__ = ["parse_methods", "parse_numbers", "parse_sessions", "window_settings"]
+__all__ = [
+    "parse_methods",
+    "parse_numbers",
+    "parse_sessions",
+    "proxy_options_given",
+    "window_settings",
+]
 
 _WINDOW_OPTIONS = ("window_ms", "rate", "max_batch", "window_adaptive", "seed")
 """The options that only apply with ``--arrival``, as ``argparse`` names them."""
+
+_PROXY_OPTIONS = ("proxy_max_in_flight", "proxy_target_workers", "proxy_kv_capacity")
+"""The options of the proxy method of ``--replicas N --engine vllm-cpu`` alone, as
+``argparse`` names them (``None``: not given)."""
+
+
+def proxy_options_given(args: argparse.Namespace) -> list[str]:
+    """The proxy method's options given, as written (``--no-...`` for a switch turned off), so
+    a run without that method refuses them by name instead of ignoring them."""
+    given = []
+    for name in _PROXY_OPTIONS:
+        value = getattr(args, name, None)
+        if value is not None:
+            flag = name.replace("_", "-")
+            given.append(f"--no-{flag}" if value is False else f"--{flag}")
+    return given
 
 
 def parse_methods(text: str | None, allowed: Sequence[str]) -> list[str]:

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from contextpilot_bench.arrivals import Arrivals, arrivals_for
-from contextpilot_bench.cli_option_values import parse_numbers
+from contextpilot_bench.cli_option_values import parse_numbers, proxy_options_given
 from contextpilot_bench.kv_cache_size import max_model_len_for, size_kv_cache
 from contextpilot_bench.methods import prepare_workload
 from contextpilot_bench.proxy_fleet import ProxySettings
@@ -207,14 +207,21 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         args.block_size = 32
     count = _check(args)
     methods = methods_for(args.router or "smg", args.methods)
-    cap = getattr(args, "proxy_max_in_flight", 4)
+    proxy_options = proxy_options_given(args)
+    if proxy_options and PROXY_METHOD not in methods:
+        raise ValueError(
+            f"{', '.join(proxy_options)}: options of the {PROXY_METHOD} method, which "
+            f"--methods {','.join(methods)} does not run"
+        )
+    cap = getattr(args, "proxy_max_in_flight", None)
+    cap = 4 if cap is None else cap
     if cap < 0:
         raise ValueError(f"--proxy-max-in-flight must be >= 0 (0: no cap), got {cap}")
-    known_capacity = getattr(args, "proxy_kv_capacity", True)
+    known_capacity = getattr(args, "proxy_kv_capacity", None) is not False
     settings = ProxySettings(
         window_ms=_proxy_window_ms(args),
         max_in_flight=cap or None,
-        target_workers=getattr(args, "proxy_target_workers", True),
+        target_workers=getattr(args, "proxy_target_workers", None) is not False,
     )
     python = require_vllm_python(args.engine_python)
     smg = str(require_smg(getattr(args, "smg_binary", None)))
@@ -376,9 +383,9 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
                 if single.pipelined
                 else "served before the next window is planned"
             )
-            known = "known" if single.known_capacity else "not known"
+            capacity = "known" if single.known_capacity else "not known"
             print(
-                f"  {how}, replicas' KV capacity {known}: one replica {single.hit_ratio:.4f}, "
+                f"  {how}, replicas' KV capacity {capacity}: one replica {single.hit_ratio:.4f}, "
                 f"{count} replicas {fleet_model.hit_ratio:.4f} "
                 f"({fleet_model.hit_ratio / max(single.hit_ratio, 1e-12):.2f} of one)"
             )

@@ -5,9 +5,12 @@ every byte received, and nothing bounds a request still arriving, so a client th
 headers one byte at a time holds a connection, and its slot of the server, for good (a
 slowloris). :class:`HeaderDeadlineProtocol` closes a connection whose request line and
 headers are not all in within :data:`HEADER_READ_TIMEOUT_S` of the connection's start or of
-the previous answer's end (docs/DESIGN.md, "The service"). The body has its own bound where
-it is read (the proxy's ``BODY_READ_TIMEOUT_S``), and an answer, however long it streams, is
-never cut: the deadline is off from the headers' end until the answer is over.
+the request's first byte (docs/DESIGN.md, "The service"). The idle time between requests on a
+kept-alive connection is uvicorn's ``timeout_keep_alive``'s alone: no deadline runs while no
+request is arriving. The body has its own bound where it is read (the proxy's
+``BODY_READ_TIMEOUT_S``), and an answer, however long it streams, is never cut: a request
+whose first byte comes while an answer streams on the connection has its deadline from that
+answer's end.
 """
 
 from __future__ import annotations
@@ -33,20 +36,29 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
     timeout_s: float = HEADER_READ_TIMEOUT_S
 
     _header_deadline: asyncio.TimerHandle | None = None
+    _headers_arriving = False
+    """A request's first byte came and its headers' end has not."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_header_deadline()
 
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._headers_arriving = True
+        if self.cycle is None or self.cycle.response_complete:
+            self._arm_header_deadline()
+        else:  # an answer streams: never cut; the deadline runs from its end
+            self._disarm_header_deadline()
+
     def on_headers_complete(self) -> None:
+        self._headers_arriving = False
         self._disarm_header_deadline()
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
-        # A request already in whole (pipelined) is served next: no deadline for it.
-        waiting = not self.pipeline
         super().on_response_complete()
-        if waiting and not self.transport.is_closing():
+        if self._headers_arriving and not self.transport.is_closing():
             self._arm_header_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -81,9 +81,13 @@ class MeteringMiddleware:
                 return
             await self.app(scope, self._limited(receive_watched), send_metered)
         finally:
-            # The client went before it had the whole answer, started or not: 499 (nginx's
-            # "client closed request"); no answer started otherwise: the app failed (500).
-            code = 499 if gone[0] else progress.status if progress.status is not None else 500
+            # The client went before it had the whole answer, started or not, and the answer
+            # never ended: 499 (nginx's "client closed request"); no answer started otherwise:
+            # the app failed (500). An app may end the answer after the disconnect: the
+            # proxy's forwarded answer does when the upstream's had ended and all its bytes
+            # were sent (the client closed after the last byte, before the body's end).
+            hung_up = gone[0] and not progress.whole
+            code = 499 if hung_up else progress.status if progress.status is not None else 500
             self.metrics.http_requests.labels(endpoint, str(code)).inc()
             self.metrics.http_latency.labels(endpoint).observe(time.perf_counter() - started)
 

@@ -249,6 +249,27 @@ def test_bad_window_options_exit_2_with_a_message(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--no-proxy-kv-capacity"], "--no-proxy-kv-capacity: options of the proxy method"),
+        (["--proxy-max-in-flight", "2"], "--proxy-max-in-flight: options of the proxy method"),
+        (["--proxy-target-workers"], "--proxy-target-workers: options of the proxy method"),
+        (
+            ["--replicas", "2", "--engine", "vllm-cpu", "--methods", "baseline-round_robin",
+             "--no-proxy-kv-capacity"],
+            "--no-proxy-kv-capacity: options of the contextpilot-proxy-smg method, which "
+            "--methods baseline-round_robin does not run",
+        ),
+    ],
+)  # fmt: skip
+def test_a_proxy_option_without_the_proxy_method_exits_2_naming_it(
+    data_dir: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--data-dir", str(data_dir), "--no-plot", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_windows_run_on_a_real_http_engine(data_dir: Path, tmp_path: Path, engine_server) -> None:  # type: ignore[no-untyped-def]
     url, state = engine_server
     out = tmp_path / "engine-window.json"

@@ -4,6 +4,7 @@ past it, on a reused connection too, is never cut (docs/DESIGN.md, "The service"
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 import time
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 
 from contextpilot_integrations.service.header_deadline import HeaderDeadlineProtocol
@@ -34,10 +36,16 @@ async def _slow_stream(scope: Any, receive: Any, send: Any) -> None:
 
 
 @contextmanager
-def _served() -> Iterator[tuple[str, int]]:
+def _served(keep_alive_s: float = 5.0) -> Iterator[tuple[str, int]]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(_slow_stream, log_level="error", lifespan="off", http=_ShortDeadline)
+    config = uvicorn.Config(
+        _slow_stream,
+        log_level="error",
+        lifespan="off",
+        http=_ShortDeadline,
+        timeout_keep_alive=keep_alive_s,
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -77,3 +85,43 @@ def test_an_answer_longer_than_the_deadline_is_whole_on_a_reused_connection() ->
     with _served() as (host, port), httpx.Client(base_url=f"http://{host}:{port}") as client:
         for _ in range(2):  # the second on the kept-alive connection
             assert client.get("/").text == "abc"
+
+
+_REQUEST = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+def _answer(raw: socket.socket) -> bytes:
+    """The body of one chunked answer read from ``raw``."""
+    received = b""
+    while not received.endswith(b"0\r\n\r\n"):
+        chunk = raw.recv(65_536)
+        assert chunk, f"closed after {received!r}"
+        received += chunk
+    return b"".join(received.split(b"\r\n\r\n", 1)[1].split(b"\r\n")[1::2])
+
+
+def test_an_idle_kept_alive_connection_is_kept_alive_past_the_header_deadline(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="contextpilot_integrations.service.header_deadline")
+    with _served(keep_alive_s=6 * DEADLINE_S) as address, socket.create_connection(address) as raw:
+        raw.settimeout(5)
+        raw.sendall(_REQUEST)
+        assert _answer(raw) == b"abc"
+        time.sleep(2 * DEADLINE_S)  # idle: the keep-alive's time, not the header deadline's
+        raw.sendall(_REQUEST)
+        assert _answer(raw) == b"abc"
+    assert caplog.records == []
+
+
+def test_headers_trickling_after_an_answer_are_cut_off_at_the_deadline() -> None:
+    with _served(keep_alive_s=20 * DEADLINE_S) as address, socket.create_connection(address) as raw:
+        raw.settimeout(5)
+        raw.sendall(_REQUEST)
+        assert _answer(raw) == b"abc"
+        time.sleep(2 * DEADLINE_S)
+        raw.sendall(b"GET / HTTP/1.1\r\n")  # the next request's first bytes, then no more
+        started = time.monotonic()
+        assert raw.recv(1) == b""  # the server closed the connection
+        held = time.monotonic() - started
+    assert DEADLINE_S * 0.9 <= held < 5 * DEADLINE_S

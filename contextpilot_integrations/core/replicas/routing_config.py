@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-__all__ = ["LoadKind", "ReplicaSpec", "RouterConfig", "RoutingMode"]
+__all__ = ["MAX_CAPACITY_TOKENS", "LoadKind", "ReplicaSpec", "RouterConfig", "RoutingMode"]
 
 RoutingMode = Literal["gateway", "direct"]
 """How a plan reaches its replica: ``"gateway"``: through a gateway that routes on the plan's
@@ -40,6 +40,10 @@ flight (``in-flight-``: until their usage is recorded or they are evicted, or
 ``in_flight_timeout_s``)."""
 
 _MAX_NAME = 128
+
+MAX_CAPACITY_TOKENS = 10**12
+"""The largest KV capacity believed, given or learnt from an engine: a larger count is not an
+engine's KV cache."""
 
 
 @dataclass(frozen=True)
@@ -83,11 +87,13 @@ class ReplicaSpec:
             raise TypeError(f"replica {name!r}: cache_sync must be a mapping or None")
         capacity = self.kv_capacity_tokens
         if capacity is not None and (
-            isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+            isinstance(capacity, bool)
+            or not isinstance(capacity, int)
+            or not 0 < capacity <= MAX_CAPACITY_TOKENS
         ):
             raise ValueError(
-                f"replica {name!r}: kv_capacity_tokens must be an int > 0 or null, got "
-                f"{capacity!r:.80}"
+                f"replica {name!r}: kv_capacity_tokens must be an int > 0 (at most "
+                f"{MAX_CAPACITY_TOKENS} tokens) or null, got {capacity!r:.80}"
             )
 
     @classmethod

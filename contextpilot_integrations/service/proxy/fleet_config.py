@@ -36,7 +36,9 @@ each replica's index learnt from the gateway's answers before it is used
 
 A replica's ``kv_capacity_tokens``: ``"auto"`` (the default, the key left out): the proxy asks
 the replica's engine (its ``base_url``) when it starts (:mod:`.kv_capacity`), and goes without
-where the engine does not say; an int: that many tokens; ``null``: not known, nothing asked
+where the engine does not say (a replica without ``base_url`` left at the default is not
+asked; one that says ``"auto"`` is refused); an int: that many tokens, at most
+:data:`MAX_CAPACITY_TOKENS` as a learnt one; ``null``: not known, nothing asked
 (docs/DESIGN.md, "Replicas and routing", "The proxy").
 """
 
@@ -50,6 +52,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from contextpilot_integrations.core.replicas.routing_config import (
+    MAX_CAPACITY_TOKENS,
     LoadKind,
     RouterConfig,
 )
@@ -204,13 +207,20 @@ class FleetConfig:
                         f"fleet.replicas[{i}] must be a mapping, got {type(replica).__name__}"
                     )
                 capacity = replica.get("kv_capacity_tokens", AUTO)
-                if isinstance(capacity, str):
-                    if capacity != AUTO:
+                field = f"fleet.replicas[{i}].kv_capacity_tokens"
+                if not _capacity_shape(capacity):
+                    raise ValueError(
+                        f"{field} must be an int > 0 (at most {MAX_CAPACITY_TOKENS} "
+                        f'tokens), "{AUTO}" or null, got {capacity!r:.80}'
+                    )
+                if capacity == AUTO:
+                    if replica.get("base_url") is not None:
+                        learnt.append(i)
+                    elif "kv_capacity_tokens" in replica:
                         raise ValueError(
-                            f"fleet.replicas[{i}].kv_capacity_tokens must be an int > 0, "
-                            f'"{AUTO}" or null, got {capacity!r:.80}'
+                            f'{field} "{AUTO}" asks the replica\'s engine, but '
+                            f"fleet.replicas[{i}] has no base_url to ask it at"
                         )
-                    learnt.append(i)
                     replicas[i] = {**replica, "kv_capacity_tokens": None}
             rule["replicas"] = replicas
         unknown = sorted(set(rule) - set(RouterConfig.__dataclass_fields__))
@@ -233,3 +243,15 @@ class FleetConfig:
     def load(self) -> LoadKind:
         """What counts as a replica's load."""
         return self.router.load
+
+
+def _capacity_shape(capacity: Any) -> bool:
+    """Whether a replica's ``kv_capacity_tokens`` is one the fleet takes: ``"auto"``,
+    ``None`` or an int > 0 of at most :data:`MAX_CAPACITY_TOKENS` (a bool is no int)."""
+    if capacity is None or capacity == AUTO:
+        return True
+    return (
+        isinstance(capacity, int)
+        and not isinstance(capacity, bool)
+        and 0 < capacity <= MAX_CAPACITY_TOKENS
+    )

@@ -29,7 +29,10 @@ A client that goes before the answer ended, whether it had started or not, has t
 metered with the status :data:`CLIENT_GONE` (nginx's "client closed request"), never as the
 upstream's status or a server error; one that goes before the answer started gets no answer:
 the answer's start goes to the server, which drops it for a closed connection. Every answer
-is metered once, when it is over.
+is metered once, when it is over. An answer has ended for the client once the upstream's has
+ended and every byte of it went to the server: a client that closes after the last event (an
+SDK that stops reading at ``data: [DONE]``) before the proxy's own end of the body is no
+client gone.
 
 A call holds a slot of its upstream's :class:`~.connection_gate.ConnectionGate` from before
 its request goes out until its answer is over, however it ends (streamed, broken off, the
@@ -185,6 +188,7 @@ class ForwardedAnswer(Response):
         self._report = list(report)
         self._on_usage = on_usage
         self._watch: UsageWatch | None = None
+        self._answer: aiohttp.ClientResponse | None = None
         self.admit: Callable[[], Awaitable[None]] | None = None
         """Awaited before the request is sent (while the client's disconnect is watched):
         the replica's door (:mod:`.replica_order`)."""
@@ -213,8 +217,10 @@ class ForwardedAnswer(Response):
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     # A server reports a disconnect once the client has the whole answer
-                    # too (it closed or reused the connection): no cancel then.
-                    if not progress.whole:
+                    # too (it closed or reused the connection): no cancel then, nor once the
+                    # upstream's answer has ended and every byte of it went to the server
+                    # (a client that closes after the last event, before the body's end).
+                    if not progress.whole and not self._upstream_ended():
                         gone = True
                         self._counters.failures.labels("cancelled").inc()
                         cancel.cancel()
@@ -330,6 +336,7 @@ class ForwardedAnswer(Response):
             await self._error(send, 502, f"upstream {where} gave no answer: {_what(exc)}")
             return None
         ended = False
+        self._answer = response
         try:
             status = response.status
             self._read_headers(response.headers)
@@ -368,6 +375,12 @@ class ForwardedAnswer(Response):
                 response.release()
             else:
                 response.close()
+
+    def _upstream_ended(self) -> bool:
+        """Whether the upstream's answer has ended and all of its body was read. A chunk read
+        goes to the server before anything else runs (no wait between the read and the send),
+        so then every byte of it was handed to the server."""
+        return self._answer is not None and self._answer.content.at_eof()
 
     def _read_headers(self, headers: Mapping[str, str]) -> None:
         """Tell :attr:`on_headers` once."""

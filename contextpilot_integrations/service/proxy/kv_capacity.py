@@ -16,8 +16,10 @@ Anything else (a hosted API, an engine that answers neither, an answer too long,
 or with a count that is not a positive integer of sensible size) leaves the capacity not
 known, with one log line. Each request is bounded by :data:`REQUEST_TIMEOUT_S` and each
 answer read by :data:`MAX_ANSWER_BYTES`; an engine that does not answer yet (refused, timed
-out, a 5xx while it starts) is asked again every :data:`RETRY_S` up to :data:`MAX_TRIES`
-times, an engine that answered without the fact is not.
+out, a 5xx while it starts) is asked again every :data:`RETRY_S`, an engine that answered
+without the fact is not, and the whole learning, tries and waits together, ends within
+:data:`LEARN_DEADLINE_S` (an engine that hangs on every request is given up on then, as one
+that keeps refusing is).
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from contextpilot_integrations.core.replicas.routing_config import MAX_CAPACITY_TOKENS
 from contextpilot_integrations.service.proxy.upstream import engine_root
 
 __all__ = [
     "MAX_ANSWER_BYTES",
-    "MAX_CAPACITY_TOKENS",
-    "MAX_TRIES",
+    "LEARN_DEADLINE_S",
     "REQUEST_TIMEOUT_S",
     "RETRY_S",
     "capacity_from_sglang_server_info",
@@ -52,14 +54,12 @@ REQUEST_TIMEOUT_S = 5.0
 MAX_ANSWER_BYTES = 2 * 1024 * 1024
 """Longest answer read; a longer one leaves the capacity not known."""
 
-MAX_CAPACITY_TOKENS = 10**12
-"""The largest capacity believed: a larger count is not an engine's KV cache."""
-
 RETRY_S = 2.0
 """Seconds between tries while the engine does not answer yet."""
 
-MAX_TRIES = 30
-"""Tries while the engine does not answer yet (a minute at :data:`RETRY_S`)."""
+LEARN_DEADLINE_S = 60.0
+"""Longest the learning of one engine's capacity takes, its tries and the waits between them
+together."""
 
 VLLM_CACHE_INFO = "vllm:cache_config_info"
 """vLLM's gauge whose labels are its cache configuration (its ``log_metrics_info``)."""
@@ -113,12 +113,14 @@ async def learn_kv_capacity(
     base_url: str,
     *,
     retry_s: float = RETRY_S,
-    max_tries: int = MAX_TRIES,
+    deadline_s: float = LEARN_DEADLINE_S,
     timeout_s: float = REQUEST_TIMEOUT_S,
 ) -> int | None:
-    """The KV capacity in tokens of the engine at ``base_url`` (module docstring); None:
-    not known (logged once). Never raises but for cancellation."""
+    """The KV capacity in tokens of the engine at ``base_url`` (module docstring), within
+    ``deadline_s``; None: not known (logged once). Never raises but for cancellation."""
     root = engine_root(base_url)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     # Answers read as sent, uncompressed asked: a compressed one cannot outgrow the bound.
     async with aiohttp.ClientSession(
@@ -127,47 +129,59 @@ async def learn_kv_capacity(
         auto_decompress=False,
         headers={"accept-encoding": "identity"},
     ) as client:
-        for attempt in range(max_tries):
+        while True:
             try:
-                metrics = await _answer(client, f"{root}/metrics")
+                too_long: list[str] = []
+                metrics = await _answer(client, f"{root}/metrics", deadline - loop.time(), too_long)
                 if metrics is not None:
                     text = metrics.decode("utf-8", errors="replace")
                     found = await asyncio.to_thread(capacity_from_vllm_metrics, text)
                     if found is not None:
                         return found
-                info = await _answer(client, f"{root}/get_server_info")
+                info = await _answer(
+                    client, f"{root}/get_server_info", deadline - loop.time(), too_long
+                )
                 if info is not None:
                     found = capacity_from_sglang_server_info(info)
                     if found is not None:
                         return found
                 logger.info(
-                    "%s states no KV capacity (GET /metrics, GET /get_server_info): the "
+                    "%s states no KV capacity (GET /metrics, GET /get_server_info%s): the "
                     "replica's capacity is not known",
                     root,
+                    "".join(f"; {what}" for what in too_long),
                 )
                 return None
             except _NotAnswering as exc:
-                if attempt + 1 < max_tries:
+                if loop.time() + retry_s < deadline:
                     await asyncio.sleep(retry_s)
                     continue
                 logger.warning(
-                    "%s did not answer for its KV capacity (%s): the replica's capacity is "
-                    "not known",
+                    "%s did not answer for its KV capacity within %g s (%s): the replica's "
+                    "capacity is not known",
                     root,
+                    deadline_s,
                     exc,
                 )
-    return None
+                return None
 
 
-async def _answer(client: aiohttp.ClientSession, url: str) -> bytes | None:
-    """The body of a 200 answer to ``GET url`` (None: another status, or longer than
-    :data:`MAX_ANSWER_BYTES`).
+async def _answer(
+    client: aiohttp.ClientSession, url: str, left_s: float, too_long: list[str]
+) -> bytes | None:
+    """The body of a 200 answer to ``GET url`` within the session's timeout and ``left_s``
+    (None: another status, or longer than :data:`MAX_ANSWER_BYTES`, said in ``too_long``
+    for the one log line).
 
     Raises:
         _NotAnswering: refused, timed out, or a 5xx.
     """
+    if left_s <= 0:
+        raise _NotAnswering(f"GET {url}: no time left")
+    session_s = client.timeout.total
+    timeout = aiohttp.ClientTimeout(total=min(left_s, session_s) if session_s else left_s)
     try:
-        async with client.get(url, allow_redirects=False) as answer:
+        async with client.get(url, allow_redirects=False, timeout=timeout) as answer:
             if answer.status >= 500:
                 raise _NotAnswering(f"GET {url}: {answer.status}")
             if answer.status != 200:
@@ -176,7 +190,7 @@ async def _answer(client: aiohttp.ClientSession, url: str) -> bytes | None:
             async for chunk in answer.content.iter_chunked(65_536):
                 body += chunk
                 if len(body) > MAX_ANSWER_BYTES:
-                    logger.info("GET %s answered over %d bytes: not read", url, MAX_ANSWER_BYTES)
+                    too_long.append(f"{url} answered over {MAX_ANSWER_BYTES} bytes: not read")
                     return None
             return bytes(body)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:

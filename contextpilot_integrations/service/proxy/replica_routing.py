@@ -424,9 +424,6 @@ class ReplicaRouting:
         cancellation."""
         specs = [s for s in self.fleet.router.replicas if s.name in self.fleet.learn_kv_capacity]
         asked = [s for s in specs if s.base_url is not None]
-        for spec in specs:
-            if spec.base_url is None:
-                logger.info("replica %r has no base_url: its KV capacity is not known", spec.name)
         found = await asyncio.gather(*(learn_kv_capacity(s.base_url or "") for s in asked))
         learnt: dict[str, int | None] = {spec.name: None for spec in specs}
         for spec, tokens in zip(asked, found, strict=True):

@@ -9,7 +9,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,13 +28,17 @@ def serve_proxy(
     proxy: dict[str, Any] | None = None,
     *,
     sock: socket.socket | None = None,
+    wrap: Callable[[Any], Any] | None = None,
     **service: Any,
 ) -> Iterator[str]:
     """A proxy in front of ``upstream_url`` (``proxy``: more :class:`ProxyConfig` fields,
     ``service``: :class:`ServiceConfig` fields) on ``sock`` (default: a new one on a free
-    port; :func:`bound_socket`); yields its base URL."""
+    port; :func:`bound_socket`), its app served as ``wrap`` makes it (an ASGI app around
+    it); yields its base URL."""
     config = ServiceConfig(proxy=ProxyConfig(upstream_url, **(proxy or {})), **service)
     app = create_app(config)
+    if wrap is not None:
+        app = wrap(app)
     sock = sock or bound_socket()
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))

@@ -378,8 +378,11 @@ def test_peer_settings_from_the_command_line() -> None:
     assert config_from_args(args, {PEER_SECRET_ENV: SECRET}).proxy.peers.own == "http://b:1"  # type: ignore[union-attr]
     assert SECRET not in repr(proxy)
     bare = build_parser().parse_args(["--peer", "http://a:1", "--peer-self", "http://a:1"])
-    with pytest.raises(ValueError, match="--peer needs --upstream"):
+    with pytest.raises(ValueError, match="--peer, --peer-self need --upstream"):
         config_from_args(bare, {PEER_SECRET_ENV: SECRET})
+    alone = build_parser().parse_args(["--peer-self", "http://a:1"])
+    with pytest.raises(ValueError, match="^--peer-self needs --upstream"):
+        config_from_args(alone, {PEER_SECRET_ENV: SECRET})
 
 
 def test_the_hop_to_a_peer_shares_its_pool_between_tenants_as_the_upstreams_does() -> None:

@@ -5,8 +5,10 @@ paths, conversation ids that cannot be ids (docs/DESIGN.md, "The proxy")."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+from typing import Any
 
 import anthropic
 import httpx
@@ -90,6 +92,42 @@ def test_a_client_gone_mid_stream_is_metered_499_and_cancels_the_upstream(standi
         'contextpilot_proxy_requests_total{endpoint="chat_completions",status="499"} 1.0'
     ]
     assert cancelled == ['contextpilot_proxy_upstream_failures_total{kind="cancelled"} 1.0']
+
+
+def _slow_to_take_the_last_event(app: Any) -> Any:
+    """``app`` served by a server that takes a while to take the ``data: [DONE]`` chunk: the
+    client has it and closes, and the upstream's answer ends, before the proxy's end of the
+    body goes out."""
+
+    async def served(scope: Any, receive: Any, send: Any) -> None:
+        async def slow_send(message: Any) -> None:
+            await send(message)
+            if b"[DONE]" in message.get("body", b""):
+                await asyncio.sleep(0.3)
+
+        await app(scope, receive, slow_send)
+
+    return served
+
+
+def test_a_client_that_closes_after_the_last_event_is_metered_200_never_cancelled(standin) -> None:  # type: ignore[no-untyped-def]
+    url, _ = standin
+    with serve_proxy(url, wrap=_slow_to_take_the_last_event) as proxy:
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        with httpx.stream("POST", f"{proxy}/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    break  # what the openai SDK does: it stops reading and closes
+        served = 'contextpilot_http_requests_total{endpoint="/v1/chat/completions"'
+        wait_for(lambda: _metric_lines(proxy, served), what="the stream metered")
+        http = _metric_lines(proxy, served)
+        proxied = _metric_lines(proxy, "contextpilot_proxy_requests_total")
+        cancelled = _metric_lines(proxy, "contextpilot_proxy_upstream_failures_total")
+    assert http == [f'{served},status="200"}} 1.0']
+    assert proxied == [
+        'contextpilot_proxy_requests_total{endpoint="chat_completions",status="200"} 1.0'
+    ]
+    assert cancelled == []
 
 
 def test_a_client_gone_before_its_body_ends_is_metered_499_and_nothing_forwarded(standin) -> None:  # type: ignore[no-untyped-def]
