@@ -220,8 +220,11 @@ async def usage(body: UsageReport, request: Request, caller: Caller) -> Response
 
 async def usage_totals(request: Request, caller: Caller) -> Response:
     """``IndexService.usage()``: the caller tenant's running totals, its own conversations
-    only."""
+    only; with the proxy, after the usage of the answers it has given is recorded."""
     calls = _calls(request)
+    proxy = request.app.state.proxy
+    if proxy is not None:
+        await proxy.usage_settled()
     return json_response(
         await calls.run(functools.partial(calls.service.usage, caller=caller), "call")
     )

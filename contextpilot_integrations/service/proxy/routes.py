@@ -271,6 +271,16 @@ class Proxy:
 
         return hand_over
 
+    async def usage_settled(self) -> None:
+        """Wait until the usage handed to the usage thread so far is recorded, so a
+        ``GET /v1/usage`` after an answer counts that answer's usage (the thread records in
+        the order it was handed work)."""
+        try:
+            done = self._usage_thread.submit(_nothing)
+        except RuntimeError:  # shut down: the proxy is closing, nothing more is recorded
+            return
+        await asyncio.wrap_future(done)
+
     def _record_logged(self, tenant: str | None, rid: str, usage: Usage) -> None:
         try:
             self.record_usage(tenant, rid, usage)
@@ -489,6 +499,10 @@ class _Ended(Response):
                 self._over()
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._on_end)
+
+
+def _nothing() -> None:
+    """A no-op for a thread to run (a marker in its queue)."""
 
 
 def _usage_thread() -> ThreadPoolExecutor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import httpx
@@ -14,6 +15,8 @@ import pytest
 from proxy_testing import TOOLS, agent_loop, assert_replayed, closed_port_url, serve_proxy
 from service_testing import wait_for
 from upstream_standin import SEARCH_RESULT
+
+from contextpilot_integrations.service.proxy.routes import Proxy
 
 
 def test_a_tool_using_conversation_is_planned_and_forwarded(standin) -> None:  # type: ignore[no-untyped-def]
@@ -305,3 +308,21 @@ def test_the_hosted_openai_api_gets_a_cache_key_per_conversation(standin) -> Non
     assert keys[0] == keys[1] != keys[2] and keys[3] == "mine"  # the client's own key is kept
     for body in state.bodies("/v1/chat/completions"):
         assert not {"rid", "request_id", "session_id", "cache_salt"} & set(body)
+
+
+def test_usage_read_after_an_answer_counts_that_answers_usage(standin, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The usage thread records behind the answers; a slow one must not make GET /v1/usage
+    # miss the usage of answers the client already has.
+    record = Proxy.record_usage
+
+    def slow_record(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.3)
+        record(self, *args, **kwargs)
+
+    monkeypatch.setattr(Proxy, "record_usage", slow_record)
+    url, _ = standin
+    with serve_proxy(url) as proxy:
+        client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="none", max_retries=0)
+        agent_loop([client] * 3, "conversation-read-after")
+        totals = httpx.get(f"{proxy}/v1/usage", timeout=10).json()
+        assert totals["conversations"][""]["conversation-read-after"]["usage_reports"] == 3
