@@ -188,7 +188,9 @@ class RequestView:
         api: ``"openai"`` or ``"anthropic"``.
         previous: a view of an earlier state of the same list: the calls and results of each
             message that is still the same object at the same index are taken from it, not
-            read again (only for messages never changed in place, as the planner's are).
+            read again, and its answers (which call each result answers) for the messages
+            before the first one that is not (only for messages never changed in place, as
+            the planner's are).
 
     Attributes:
         results: the tool results, in order of position.
