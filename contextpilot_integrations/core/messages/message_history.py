@@ -157,7 +157,11 @@ def _same_dict(value: dict[Any, Any], plain: dict[str, Any]) -> bool:
     for key, item in value.items():
         if type(key) is not str:
             return False
-        if not same_tree(item, get(key, _MISSING)):
+        other = get(key, _MISSING)
+        if type(item) is str:  # the commonest leaf, compared here as same_tree would
+            if type(other) is not str or item != other:
+                return False
+        elif not same_tree(item, other):
             return False
     return True
 
@@ -165,7 +169,13 @@ def _same_dict(value: dict[Any, Any], plain: dict[str, Any]) -> bool:
 def _same_list(value: list[Any], plain: list[Any]) -> bool:
     if len(value) != len(plain):
         return False
-    return all(same_tree(item, other) for item, other in zip(value, plain))
+    for item, other in zip(value, plain):
+        if type(item) is str:  # as in _same_dict
+            if type(other) is not str or item != other:
+                return False
+        elif not same_tree(item, other):
+            return False
+    return True
 
 
 def _same_leaf(value: Any, plain: Any, kind: type) -> bool:
@@ -505,9 +515,12 @@ def text_size(value: Any) -> int:
     if kind is str:
         return len(value)
     if kind is dict:
-        return 1 + sum(len(key) + text_size(item) for key, item in value.items())
+        return 1 + sum(
+            len(key) + (len(item) if type(item) is str else text_size(item))
+            for key, item in value.items()
+        )
     if kind is list:
-        return 1 + sum(text_size(item) for item in value)
+        return 1 + sum(len(item) if type(item) is str else text_size(item) for item in value)
     return 1
 
 

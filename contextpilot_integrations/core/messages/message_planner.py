@@ -406,7 +406,9 @@ class MessagePlanner:
                     # not indexed now; read (a short text) for the record, as replays index it
                     found[k] = (pointer, find_documents(pointer))
                 else:
-                    if not any(e.pointer for e in edited):
+                    # a text found to hold JSON documents is a JSON array or object, which
+                    # _place_runs leaves alone: not parsed again to learn that
+                    if not any(e.pointer for e in edited) and not _json_found(in_given):
                         edited = edited + self._place_runs(
                             k, view, texts[k], lines, line_sources, before.sorted, len(edited)
                         )
@@ -741,6 +743,12 @@ def _is_json(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _json_found(found: _FoundDocuments | None) -> bool:
+    """Whether the documents found in a text were JSON ones: the text then parsed as a JSON
+    array or object (:func:`.documents.find_documents`), so :func:`_is_json` holds for it."""
+    return found is not None and any(d.layout == "json" for d in found[1])
 
 
 def _first_broken(view: RequestView, replayed: Sequence[SentMessage]) -> int | None:

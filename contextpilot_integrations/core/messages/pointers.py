@@ -188,7 +188,9 @@ class RequestView:
         api: ``"openai"`` or ``"anthropic"``.
         previous: a view of an earlier state of the same list: the calls and results of each
             message that is still the same object at the same index are taken from it, not
-            read again (only for messages never changed in place, as the planner's are).
+            read again, and its answers (which call each result answers) for the messages
+            before the first one that is not (only for messages never changed in place, as
+            the planner's are).
 
     Attributes:
         results: the tool results, in order of position.
@@ -234,10 +236,12 @@ class RequestView:
         self._parts: list[tuple[list[ToolResult], list[ToolCall]]] = []
         earlier = previous._read if previous is not None and previous._api == api else []
         reread = len(earlier) != len(self._read)
+        first_read = min(len(earlier), len(self._read))  # the first message read here
         for i, message in enumerate(self._read):
             if i < len(earlier) and earlier[i] is message:
                 self._parts.append(previous._parts[i])  # type: ignore[union-attr]
             else:
+                first_read = min(first_read, i)
                 reread = True
                 role = message.get("role")  # calls are an assistant's, results another's
                 if role == "assistant":
@@ -261,7 +265,13 @@ class RequestView:
         # never both: the calls standing before a message's results are those of the
         # messages before it, taken in order (a later call with the same id wins).
         latest: dict[str, ToolCall] = {}
-        for results, calls in self._parts:
+        start = 0
+        if previous is not None and earlier:
+            # the messages before the first one read stand as in `previous`: its answers for
+            # them, taken as they are, then the rest read on from there
+            latest = self._answers_before(previous, first_read)
+            start = first_read
+        for results, calls in self._parts[start:]:
             for call in calls:
                 latest[call.call_id] = call
             self.tool_calls.extend(calls)
@@ -275,6 +285,20 @@ class RequestView:
                     self.by_signature.setdefault(answered.signature, []).append(k)
         self._signatures = sorted(self.by_signature)
 
+    def _answers_before(self, previous: RequestView, first: int) -> dict[str, ToolCall]:
+        """Take from ``previous`` the results and calls of the messages before ``first`` (the
+        same in both views); the latest call of each id among them."""
+        r = bisect_left(previous.results, first, key=_message_of)
+        c = bisect_left(previous.tool_calls, first, key=_message_of)
+        self.results = previous.results[:r]
+        self.calls = previous.calls[:r]
+        self.tool_calls = previous.tool_calls[:c]
+        self.by_position = {result.position: k for k, result in enumerate(self.results)}
+        for k, answered in enumerate(self.calls):
+            if answered is not None:
+                self.by_signature.setdefault(answered.signature, []).append(k)
+        return {call.call_id: call for call in self.tool_calls}
+
     def signature(self, k: int) -> str | None:
         """The signature of the call result ``k`` answers; ``None`` when none."""
         call = self.calls[k]
@@ -285,6 +309,11 @@ class RequestView:
         (:func:`named_by`), in order."""
         found = [k for s in named_signatures(name, self._signatures) for k in self.by_signature[s]]
         return sorted(found)
+
+
+def _message_of(part: ToolResult | ToolCall) -> int:
+    """The message a tool result or call stands in (what the view's lists are ordered by)."""
+    return part.message
 
 
 def holds(text: str, part: str) -> bool:
