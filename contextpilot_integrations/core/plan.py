@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import repeat
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from contextpilot_integrations.core.rendering import PromptLayout
 from contextpilot_integrations.core.request import Scope
@@ -98,7 +98,7 @@ class Placement:
         values."""
         count = len(indices)
         placements = list(map(_new_object, repeat(cls, count)))
-        columns = (
+        columns: tuple[Iterable[Any], ...] = (
             indices,
             repeat(PlacementStatus.SHOWN),
             texts,
