@@ -61,7 +61,6 @@ from contextpilot_integrations.llm_call.engine_fields import Usage
 from contextpilot_integrations.service.middleware import AnswerProgress
 from contextpilot_integrations.service.proxy.api_errors import ErrorApi, error_bytes
 from contextpilot_integrations.service.proxy.connection_gate import PoolBusy
-from contextpilot_integrations.service.proxy.task_cancel import TaskCancel, raise_failure
 from contextpilot_integrations.service.proxy.upstream import Upstream, answer_headers
 from contextpilot_integrations.service.proxy.usage_watch import UsageWatch
 
@@ -209,37 +208,34 @@ class ForwardedAnswer(Response):
             progress.sent(message)  # before the send: a disconnect during it is no cancel
             await send(message)
 
-        cancel = TaskCancel()
-
-        async def until_disconnect() -> None:
-            nonlocal gone
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    # A server reports a disconnect once the client has the whole answer
-                    # too (it closed or reused the connection): no cancel then, nor once the
-                    # upstream's answer has ended and every byte of it went to the server
-                    # (a client that closes after the last event, before the body's end).
-                    if not progress.whole and not self._upstream_ended():
-                        gone = True
-                        self._counters.failures.labels("cancelled").inc()
-                        cancel.cancel()
-                    return
-
-        watcher = asyncio.get_running_loop().create_task(until_disconnect())
         try:
-            try:
-                found = await self._forward(send_tracked)
-            except asyncio.CancelledError:
-                if not cancel.caught():
-                    raise
-            finally:
-                watcher.cancel()
+            async with anyio.create_task_group() as group:
+
+                async def until_disconnect() -> None:
+                    nonlocal gone
+                    while True:
+                        message = await receive()
+                        if message["type"] == "http.disconnect":
+                            # A server reports a disconnect once the client has the whole
+                            # answer too (it closed or reused the connection): no cancel
+                            # then, nor once the upstream's answer has ended and every byte
+                            # of it went to the server (a client that closes after the last
+                            # event, before the body's end).
+                            if not progress.whole and not self._upstream_ended():
+                                gone = True
+                                self._counters.failures.labels("cancelled").inc()
+                                group.cancel_scope.cancel()
+                            return
+
+                group.start_soon(until_disconnect)
+                try:
+                    found = await self._forward(send_tracked)
+                finally:
+                    group.cancel_scope.cancel()
         finally:
             status = CLIENT_GONE if gone else progress.status
             if status is not None:
                 self._counters.requests.labels(self._endpoint, str(status)).inc()
-        raise_failure(watcher)
         if gone and not progress.started:
             await self._client_gone(send)
         if found is None and gone and self._watch is not None:
