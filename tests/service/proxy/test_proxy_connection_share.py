@@ -196,7 +196,11 @@ def test_no_slot_is_lost_to_cancelled_calls(upstream) -> None:  # type: ignore[n
                 assert [r.status_code for r in await asyncio.gather(*again)] == [200] * 4
 
         asyncio.run(asyncio.wait_for(run(), 20))
-    assert sum(state.received[f"gone-{i}"] for i in range(24)) == 4
+    # The four holders went out. A waiting call handed a slot that a holder's hang-up freed
+    # before its own hang-up reached the proxy goes out too (nothing on the wire says yet that
+    # its client left); what must hold is that none goes out twice and no slot is lost.
+    assert sum(state.received[f"gone-{i}"] for i in range(24)) >= 4
+    assert all(state.received[f"gone-{i}"] <= 1 for i in range(24))
     assert app.state.proxy.upstream.gate.free == 4
 
 
