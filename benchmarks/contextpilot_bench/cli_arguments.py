@@ -15,6 +15,7 @@ from contextpilot_bench.methods import METHODS, MODES
 from contextpilot_bench.multiturn import MULTITURN_METHODS
 from contextpilot_bench.online_bounds import DEFAULT_LOOKAHEADS
 from contextpilot_bench.prepared_conversations import RETRIEVAL_QUERIES
+from contextpilot_bench.proxy_fleet import DEFAULT_PROXY_HOLD_MS
 from contextpilot_bench.replica_model import parse_replica_counts
 from contextpilot_bench.vllm_setup import (
     DEFAULT_BLOCK_SIZE,
@@ -111,6 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="--engine vllm-cpu, contextpilot-proxy-smg: the proxy's calls out at once per "
         "replica (its door, sent in schedule order; 0: no cap; default 4)",
+    )
+    parser.add_argument(
+        "--proxy-window-hold-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="--engine vllm-cpu, contextpilot-proxy-smg: the proxy holds a planning window "
+        "open up to MS ms past its length while every replica has calls waiting at its door "
+        f"(0: never; default {DEFAULT_PROXY_HOLD_MS:g} with a window)",
     )
     parser.add_argument(
         "--proxy-target-workers",

@@ -28,7 +28,12 @@ __all__ = [
 _WINDOW_OPTIONS = ("window_ms", "rate", "max_batch", "window_adaptive", "seed")
 """The options that only apply with ``--arrival``, as ``argparse`` names them."""
 
-_PROXY_OPTIONS = ("proxy_max_in_flight", "proxy_target_workers", "proxy_kv_capacity")
+_PROXY_OPTIONS = (
+    "proxy_max_in_flight",
+    "proxy_window_hold_ms",
+    "proxy_target_workers",
+    "proxy_kv_capacity",
+)
 """The options of the proxy method of ``--replicas N --engine vllm-cpu`` alone, as
 ``argparse`` names them (``None``: not given)."""
 

@@ -28,6 +28,11 @@ CALIBRATION_S = 120.0
 """Longest wait, before the first call, for the proxy to learn the gateway's worker indexes."""
 
 
+DEFAULT_PROXY_HOLD_MS = 10_000.0
+"""The benchmark's proxy method's ``window_hold_ms`` when it has a planning window
+(milliseconds): long enough to cover the door's wait under the benchmark's bursts."""
+
+
 @dataclass(frozen=True)
 class ProxySettings:
     """How the benchmark starts the proxy.
@@ -40,6 +45,8 @@ class ProxySettings:
         ordered, max_in_flight: the replica's door (the fleet's keys, off in the proxy by
             default): the benchmark's bursts behind SMG are what it is for, so it is on here,
             at most 4 calls in flight per replica.
+        window_hold_ms: the most the planning window is held open past its length while every
+            replica has calls waiting at its door (the fleet's key; 0: never held).
         target_workers: send each call to its replica's worker by SMG's worker index (the
             fleet's key, off in the proxy by default; the gateway then runs
             ``consistent_hashing``); False: by the routing key alone.
@@ -54,6 +61,7 @@ class ProxySettings:
     max_imbalance: float | None = None
     ordered: bool = True
     max_in_flight: int | None = 4
+    window_hold_ms: float = 0.0
     target_workers: bool = True
     kv_capacity_tokens: int | Literal["auto"] | None = "auto"
 
@@ -91,6 +99,7 @@ def proxy_over_gateway(
         fleet["max_imbalance"] = settings.max_imbalance
     fleet["ordered"] = settings.ordered
     fleet["max_in_flight"] = settings.max_in_flight
+    fleet["window_hold_ms"] = settings.window_hold_ms
     fleet["target_workers"] = settings.target_workers
     config = ServiceConfig(
         layout=layout,

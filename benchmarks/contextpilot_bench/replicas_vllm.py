@@ -16,7 +16,9 @@ replicas behind the real Shepherd Model Gateway, the methods of
    arrival times, at most ``MAX_USERS`` in flight, the same times for every method (a rate far
    above the fleet's, 10000, sends the workload as one batch of concurrent calls); the proxy
    method's proxy plans in windows of ``--window-ms`` (default
-   :data:`DEFAULT_PROXY_WINDOW_MS` with ``--arrival``, else 0).
+   :data:`DEFAULT_PROXY_WINDOW_MS` with ``--arrival``, else 0), each held open while every
+   replica has calls waiting at the proxy's door, up to ``--proxy-window-hold-ms`` (default
+   :data:`~contextpilot_bench.proxy_fleet.DEFAULT_PROXY_HOLD_MS` with a window).
 4. The table: engine hit ratio in total and per replica, requests and prompt tokens per replica
    with max/min, TTFT p50/p90, and the same stream on one paged model of the fleet's total KV
    (:mod:`~contextpilot_bench.vllm_replica_report`); with the proxy method, its arrivals and
@@ -47,7 +49,7 @@ from contextpilot_bench.arrivals import Arrivals, arrivals_for
 from contextpilot_bench.cli_option_values import parse_numbers, proxy_options_given
 from contextpilot_bench.kv_cache_size import max_model_len_for, size_kv_cache
 from contextpilot_bench.methods import prepare_workload
-from contextpilot_bench.proxy_fleet import ProxySettings
+from contextpilot_bench.proxy_fleet import DEFAULT_PROXY_HOLD_MS, ProxySettings
 from contextpilot_bench.report import format_table
 from contextpilot_bench.vllm_replica_methods import (
     MAX_USERS,
@@ -63,6 +65,7 @@ from contextpilot_bench.vllm_replica_report import (
 )
 from contextpilot_bench.windowed_fleet_model import WindowedFleetRun, run_windowed_fleet_model
 from contextpilot_bench.workloads import load_workload
+from contextpilot_integrations.core.window.planning_window import MAX_WINDOW_MS
 
 __all__ = ["DEFAULT_PROXY_WINDOW_MS", "replica_blocks", "run_vllm_replicas"]
 
@@ -137,6 +140,29 @@ def _sending(arrivals: Arrivals | None) -> str:
     )
 
 
+def _proxy_hold_ms(args: argparse.Namespace, window_ms: float) -> float:
+    """How long the proxy may hold its window while the replicas are busy:
+    ``--proxy-window-hold-ms``, by default :data:`DEFAULT_PROXY_HOLD_MS` with a window and 0
+    without one.
+
+    Raises:
+        ValueError: a negative or too long value, or a hold without a window.
+    """
+    given = getattr(args, "proxy_window_hold_ms", None)
+    if given is None:
+        return DEFAULT_PROXY_HOLD_MS if window_ms > 0 else 0.0
+    if not 0 <= given <= MAX_WINDOW_MS:
+        raise ValueError(
+            f"--proxy-window-hold-ms must be from 0 to {MAX_WINDOW_MS:g}, got {given:g}"
+        )
+    if given > 0 and window_ms == 0:
+        raise ValueError(
+            f"--proxy-window-hold-ms {given:g} holds the proxy's planning window, and "
+            "--window-ms is 0 (no window): give --window-ms > 0 too"
+        )
+    return float(given)
+
+
 def _cap(max_in_flight: int | None) -> str:
     if max_in_flight is None:
         return "no cap on calls in flight per replica"
@@ -152,7 +178,10 @@ def _proxy_line(run: ReplicaMethodRun) -> str | None:
     planned = (
         f"window {figures['window_ms']:g} ms: {window['windows']} windows, "
         f"{window['requests']} calls, mean batch {window['mean_batch']:.1f}, "
-        f"{window['batch_failures']} batches planned again one by one"
+        f"{window['batch_failures']} batches planned again one by one, "
+        f"{window['held']} held while every replica had calls waiting at its door "
+        f"({window['held_ms'] / 1000:.1f} s in all, at most {figures['window_hold_ms']:g} ms "
+        "each)"
         if window
         else "no window: each call planned alone"
     )
@@ -218,9 +247,11 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
     if cap < 0:
         raise ValueError(f"--proxy-max-in-flight must be >= 0 (0: no cap), got {cap}")
     known_capacity = getattr(args, "proxy_kv_capacity", None) is not False
+    window_ms = _proxy_window_ms(args)
     settings = ProxySettings(
-        window_ms=_proxy_window_ms(args),
+        window_ms=window_ms,
         max_in_flight=cap or None,
+        window_hold_ms=_proxy_hold_ms(args, window_ms),
         target_workers=getattr(args, "proxy_target_workers", None) is not False,
     )
     python = require_vllm_python(args.engine_python)

@@ -322,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help="a JSON file of the fleet: mode (direct, gateway), replicas (name, base_url, "
         'cache_sync, kv_capacity_tokens: "auto" asks the engine, default; N tokens; null '
-        "off), load, max_imbalance, retry_down_s, ordered, max_in_flight, target_workers",
+        "off), load, max_imbalance, retry_down_s, ordered, max_in_flight, window_hold_ms, "
+        "target_workers",
     )
     proxy.add_argument(
         "--replica-order",
@@ -338,6 +339,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="most calls with documents out at once per replica (default: no cap)",
+    )
+    proxy.add_argument(
+        "--window-hold-ms",
+        type=_milliseconds,
+        default=None,
+        metavar="MS",
+        help="hold a planning window (--window-ms) open up to MS milliseconds past its length "
+        "while every replica has calls with documents waiting at its door (--replica-order "
+        "schedule or --replica-max-in-flight): they would wait there anyway, and planned "
+        "together they share more (default 0: never held)",
     )
     proxy.add_argument(
         "--target-workers",
@@ -656,6 +667,7 @@ def _fleet(args: argparse.Namespace) -> dict[str, Any] | None:
         for key, flag, value in (
             ("ordered", "--replica-order", args.replica_order),
             ("max_in_flight", "--replica-max-in-flight", args.replica_max_in_flight),
+            ("window_hold_ms", "--window-hold-ms", args.window_hold_ms),
             ("target_workers", "--target-workers", args.target_workers),
         ):
             if key in fleet and value is not None:  # one source of truth for each setting
@@ -675,6 +687,7 @@ def _fleet(args: argparse.Namespace) -> dict[str, Any] | None:
             for name, value in (
                 ("--replica-order", args.replica_order),
                 ("--replica-max-in-flight", args.replica_max_in_flight),
+                ("--window-hold-ms", args.window_hold_ms),
                 ("--target-workers", args.target_workers),
             )
             if value is not None
@@ -697,12 +710,14 @@ def _fleet(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _with_door(fleet: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """``fleet`` with ``--replica-order``, ``--replica-max-in-flight`` and
-    ``--target-workers`` where given."""
+    """``fleet`` with ``--replica-order``, ``--replica-max-in-flight``, ``--window-hold-ms``
+    and ``--target-workers`` where given."""
     if args.replica_order is not None:
         fleet["ordered"] = args.replica_order == "schedule"
     if args.replica_max_in_flight is not None:
         fleet["max_in_flight"] = args.replica_max_in_flight
+    if args.window_hold_ms is not None:
+        fleet["window_hold_ms"] = args.window_hold_ms
     if args.target_workers is not None:
         fleet["target_workers"] = args.target_workers
     return fleet

@@ -111,6 +111,12 @@ class ServiceConfig:
             raise ValueError(
                 f"proxy must be a ProxyConfig or None, got {type(self.proxy).__name__}"
             )
+        fleet = self.proxy.fleet if self.proxy is not None else None
+        if fleet is not None and fleet.window_hold_ms > 0 and self.window_ms == 0:
+            raise ValueError(
+                f"fleet.window_hold_ms {fleet.window_hold_ms!r} holds planning windows, and "
+                "window_ms is 0 (no window): give window_ms > 0 too"
+            )
         if self.cache_sync is not None and not isinstance(self.cache_sync, CacheSyncConfig):
             self.cache_sync = CacheSyncConfig.from_mapping(self.cache_sync)
         tenants: dict[str, TenantKeys] = dict(self.tenants or {})

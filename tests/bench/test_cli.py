@@ -255,6 +255,7 @@ def test_bad_window_options_exit_2_with_a_message(
         (["--no-proxy-kv-capacity"], "--no-proxy-kv-capacity: options of the proxy method"),
         (["--proxy-max-in-flight", "2"], "--proxy-max-in-flight: options of the proxy method"),
         (["--proxy-target-workers"], "--proxy-target-workers: options of the proxy method"),
+        (["--proxy-window-hold-ms", "100"], "--proxy-window-hold-ms: options of the proxy"),
         (
             ["--replicas", "2", "--engine", "vllm-cpu", "--methods", "baseline-round_robin",
              "--no-proxy-kv-capacity"],
@@ -268,6 +269,21 @@ def test_a_proxy_option_without_the_proxy_method_exits_2_naming_it(
 ) -> None:
     assert main(["--data-dir", str(data_dir), "--no-plot", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_proxy_methods_window_hold_defaults_with_a_window_and_is_checked() -> None:
+    import argparse
+
+    from contextpilot_bench.proxy_fleet import DEFAULT_PROXY_HOLD_MS
+    from contextpilot_bench.replicas_vllm import _proxy_hold_ms
+
+    args = lambda hold: argparse.Namespace(proxy_window_hold_ms=hold)  # noqa: E731
+    assert _proxy_hold_ms(args(None), 500.0) == DEFAULT_PROXY_HOLD_MS
+    assert _proxy_hold_ms(args(None), 0.0) == 0.0 and _proxy_hold_ms(args(250.0), 500.0) == 250
+    with pytest.raises(ValueError, match=r"--proxy-window-hold-ms 100 holds .* --window-ms is 0"):
+        _proxy_hold_ms(args(100.0), 0.0)
+    with pytest.raises(ValueError, match=r"--proxy-window-hold-ms must be from 0 to 60000"):
+        _proxy_hold_ms(args(-1.0), 500.0)
 
 
 def test_windows_run_on_a_real_http_engine(data_dir: Path, tmp_path: Path, engine_server) -> None:  # type: ignore[no-untyped-def]

@@ -266,3 +266,73 @@ def test_the_policy_replays_arrivals_in_virtual_time() -> None:
         WindowPolicy(window_s=-1)
     with pytest.raises(ValueError, match="max_batch"):
         PlanningWindow(ContextPilot(), max_batch=0)
+
+
+def test_a_window_is_held_while_busy_and_gathers_the_calls_that_come_meanwhile() -> None:
+    pilot = CountingPilot()
+    busy = threading.Event()
+    busy.set()
+    window = PlanningWindow(
+        pilot, window_ms=20, adaptive=False, hold=busy.is_set, max_hold_ms=30_000
+    )
+    results: list = []
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.append(window.plan(f"q{i}", [_own(i), *SHARED]))
+        )
+        for i in range(4)
+    ]
+    threads[0].start()
+    time.sleep(0.2)  # ten times the window's length: held, not planned
+    for thread in threads[1:]:
+        thread.start()
+    time.sleep(0.1)
+    assert results == [] and pilot.batches == [] and pilot.singles == 0
+    busy.clear()
+    for thread in threads:
+        thread.join(5)
+    assert len(results) == 4 and pilot.batches == [4]  # the late ones joined the held window
+    stats = window.stats()
+    assert stats["held"] == 1 and stats["held_ms"] >= 200
+
+
+def test_a_held_window_closes_at_its_bound_and_at_max_batch() -> None:
+    window = PlanningWindow(
+        CountingPilot(), window_ms=20, adaptive=False, hold=lambda: True, max_hold_ms=150
+    )
+    started = time.monotonic()
+    window.plan("q", [_own(1)])
+    waited = time.monotonic() - started
+    assert 0.15 <= waited < 2.0  # held its length and the bound, then planned
+    full = CountingPilot()
+    window = PlanningWindow(
+        full, window_ms=20, max_batch=3, adaptive=False, hold=lambda: True, max_hold_ms=30_000
+    )
+    started = time.monotonic()
+    plans = _in_threads(window, [(f"q{i}", [_own(i), *SHARED], {}) for i in range(3)])
+    assert all(not isinstance(plan, Exception) for plan in plans) and full.batches == [3]
+    assert time.monotonic() - started < 2.0  # a full window is never held
+
+
+def test_a_failing_hold_is_logged_once_and_holds_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    def broken() -> bool:
+        raise RuntimeError("door gone")
+
+    window = PlanningWindow(
+        CountingPilot(), window_ms=10, adaptive=False, hold=broken, max_hold_ms=30_000
+    )
+    started = time.monotonic()
+    for i in range(3):
+        window.plan("q", [_own(i)])
+    assert time.monotonic() - started < 2.0
+    assert [r.message for r in caplog.records].count(
+        "the planning window's hold failed: windows close on time"
+    ) == 1
+    assert window.stats()["held"] == 0
+
+
+def test_hold_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"max_hold_ms must be a number of milliseconds .* -1"):
+        PlanningWindow(CountingPilot(), hold=lambda: True, max_hold_ms=-1)
+    with pytest.raises(TypeError, match="hold must be callable or None, got int"):
+        PlanningWindow(CountingPilot(), hold=3, max_hold_ms=10)  # type: ignore[arg-type]

@@ -13,9 +13,12 @@ holds ``max_batch`` requests, or a request of a conversation already in it arriv
 opens the next window). With ``adaptive`` it closes earlier where waiting cannot pay: at once
 when the recent arrival rate predicts no other request within the window, at half its length if
 no two of its requests share a block yet. The rule, in virtual time:
-:class:`~.window_policy.WindowPolicy`. The window's requests are planned as one batch and
-released in its schedule order (a window of one is planned with ``plan``); ``window_ms=0`` plans
-every request at once.
+:class:`~.window_policy.WindowPolicy`. With ``hold``, a window whose time is up stays open while
+``hold()`` says that what it plans for is busy (the proxy's replicas all have calls waiting at
+their door: a call planned now would wait there anyway), at most ``max_hold_ms`` past its
+length; it still closes at ``max_batch`` requests or a second turn of a conversation in it.
+The window's requests are planned as one batch and released in its schedule order (a window of
+one is planned with ``plan``); ``window_ms=0`` plans every request at once.
 
 Threads (``plan``) and coroutines (``aplan``) may share one window; a coroutine never blocks its
 event loop. A window that stays open waits, and is planned with the planner's ``plan_batch``, in
@@ -60,6 +63,10 @@ WINDOW_THREAD_NAME = "contextpilot-planning-window"
 
 UNDO_THREAD_NAME = "contextpilot-planning-window-undo"
 """The name of the threads that undo a plan its caller gave up on."""
+
+HOLD_POLL_S = 0.005
+"""Seconds between two looks at ``hold()`` while a window is held past its length: the delay
+between the busy end and the window's close."""
 
 
 class _Member:
@@ -190,11 +197,18 @@ class PlanningWindow:
             before the plans are handed to their callers (in the window's thread; a caller
             that resumes later than another still had its plan first). An error it raises is
             logged and the plans are handed out all the same.
+        hold: whether what the window plans for is busy now (called under the window's lock,
+            so it must be quick and must not plan): while it returns True a window whose time
+            is up stays open, looked at again every :data:`HOLD_POLL_S`. An error it raises is
+            logged once and counts as False.
+        max_hold_ms: the most a window is held past its length (milliseconds, in [0,
+            :data:`MAX_WINDOW_MS`]); 0 holds nothing.
 
     Raises:
-        TypeError: ``planner`` does not meet the ``Planner`` contract.
-        ValueError: a ``window_ms`` that is not a number in [0, :data:`MAX_WINDOW_MS`], or a
-            ``max_batch`` below 1.
+        TypeError: ``planner`` does not meet the ``Planner`` contract, or ``hold`` is not
+            callable.
+        ValueError: a ``window_ms`` or ``max_hold_ms`` that is not a number in [0,
+            :data:`MAX_WINDOW_MS`], or a ``max_batch`` below 1.
 
     Thread-safe; meets the ``Planner`` contract (``plan_batch`` passes straight through: a
     batch is planned jointly already).
@@ -209,19 +223,27 @@ class PlanningWindow:
         adaptive: bool = True,
         clock: Callable[[], float] = time.monotonic,
         on_handed: Callable[[Plan], None] | None = None,
+        hold: Callable[[], bool] | None = None,
+        max_hold_ms: float = 0.0,
     ) -> None:
         check_planner(planner, "planner")
         self._on_handed = on_handed
         self.planner = planner
-        if (
-            isinstance(window_ms, bool)
-            or not isinstance(window_ms, (int, float))
-            or not 0 <= window_ms <= MAX_WINDOW_MS
-        ):
-            raise ValueError(
-                f"window_ms must be a number of milliseconds in [0, {MAX_WINDOW_MS:g}], "
-                f"got {window_ms!r}"
-            )
+        for name, value in (("window_ms", window_ms), ("max_hold_ms", max_hold_ms)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0 <= value <= MAX_WINDOW_MS
+            ):
+                raise ValueError(
+                    f"{name} must be a number of milliseconds in [0, {MAX_WINDOW_MS:g}], "
+                    f"got {value!r}"
+                )
+        if hold is not None and not callable(hold):
+            raise TypeError(f"hold must be callable or None, got {type(hold).__name__}")
+        self._hold = hold if max_hold_ms > 0 else None
+        self._max_hold_s = max_hold_ms / 1000.0
+        self._hold_failed = False
         self.policy = WindowPolicy(window_ms / 1000.0, max_batch, adaptive)
         self._clock = clock
         self._lock = threading.Lock()
@@ -233,6 +255,8 @@ class PlanningWindow:
             "closed_at_once": 0,
             "closed_at_half": 0,
             "batch_failures": 0,
+            "held": 0,
+            "held_ms": 0.0,
         }
 
     @property
@@ -310,8 +334,9 @@ class PlanningWindow:
 
     def stats(self) -> dict[str, Any]:
         """``windows`` closed, ``requests`` planned through them, ``mean_batch``, adaptive
-        ``closed_at_once`` (sparse traffic) and ``closed_at_half`` (nothing shared), and
-        ``batch_failures`` (planned again one by one)."""
+        ``closed_at_once`` (sparse traffic) and ``closed_at_half`` (nothing shared),
+        ``batch_failures`` (planned again one by one), and the windows ``held`` past their
+        time by ``hold`` with the milliseconds they were held in all (``held_ms``)."""
         with self._lock:
             out: dict[str, Any] = dict(self._counts)
         out["mean_batch"] = out["requests"] / out["windows"] if out["windows"] else 0.0
@@ -381,6 +406,9 @@ class PlanningWindow:
         if window.closed:
             return
         window.closed = True
+        if window.held_since is not None:
+            self._counts["held"] += 1
+            self._counts["held_ms"] += (self._clock() - window.held_since) * 1000.0
         if self._open is window:
             self._open = None
         if window.wake is not None:
@@ -390,8 +418,12 @@ class PlanningWindow:
         """Seconds until ``window`` closes; ``None`` once it is closed (the lock is held)."""
         if window.closed:
             return None
-        left = self.policy.deadline(window) - self._clock()
+        now = self._clock()
+        left = self.policy.deadline(window) - now
         if left <= 0:
+            held = self._held(window, now)
+            if held is not None:
+                return held
             closes = self.policy.deadline(window)
             if closes == window.opened and self.policy.window_s > 0:
                 self._counts["closed_at_once"] += 1
@@ -400,6 +432,29 @@ class PlanningWindow:
             self._close(window)
             return None
         return left
+
+    def _held(self, window: OpenWindow[_Member], now: float) -> float | None:
+        """Seconds to wait before looking again when ``window``, whose time is up, is held
+        open by ``hold``; ``None`` when it closes now (the lock is held). Every window's hold
+        is counted from the end of its full length, whatever the adaptive rule made its
+        deadline."""
+        if self._hold is None:
+            return None
+        until = window.opened + self.policy.window_s + self._max_hold_s
+        if now >= until:
+            return None
+        try:
+            busy = bool(self._hold())
+        except Exception:
+            if not self._hold_failed:
+                self._hold_failed = True
+                logger.exception("the planning window's hold failed: windows close on time")
+            busy = False
+        if not busy:
+            return None
+        if window.held_since is None:
+            window.held_since = now
+        return min(HOLD_POLL_S, until - now)
 
     def _run(self, window: OpenWindow[_Member], wakeup: threading.Event) -> None:
         """The window's thread: wait until the window closes, then plan its requests. No

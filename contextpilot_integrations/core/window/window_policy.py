@@ -146,6 +146,7 @@ class OpenWindow(Generic[MemberT]):
     closed: bool = False
     planning: bool = False  # its requests were taken for planning: none joins or leaves now
     wake: Callable[[], None] | None = None  # wakes the thread waiting to close the window
+    held_since: float | None = None  # when a live window's hold kept it open past its time
 
     def add(
         self,

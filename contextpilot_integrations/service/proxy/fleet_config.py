@@ -12,7 +12,7 @@ proxy", "Replicas and routing"). The fleet is a mapping (a config file, CLI flag
          "cache_sync": {"kind": "kv-events", "endpoint": "tcp://127.0.0.1:5559",
                         "topic": "kv-events"}}],
      "load": "recent-tokens", "max_imbalance": 1.25, "retry_down_s": 5.0,
-     "ordered": true, "max_in_flight": 4, "target_workers": false}
+     "ordered": true, "max_in_flight": 4, "window_hold_ms": 10000, "target_workers": false}
 
 ``"direct"``: the proxy forwards each call to its replica's ``base_url`` (every replica needs
 one). ``"gateway"``: the proxy's ``upstream_url`` is a gateway (smg) that routes on the
@@ -29,7 +29,11 @@ previous one started its answer, and at most ``max_in_flight`` out at once per r
 are off by default: an answer that is not streamed starts only when it is whole, so ordered
 calls of such a client run one at a time per replica, and a cap holds calls back from an
 engine that would batch them; they pay under bursts of calls that share documents behind a
-gateway that spills busy keys (docs/DESIGN.md, "The proxy"). ``target_workers`` (gateway mode
+gateway that spills busy keys (docs/DESIGN.md, "The proxy"). ``window_hold_ms`` (needs the
+door and a planning window, ``--window-ms``; 0, the default, holds nothing) keeps a planning
+window open past its length, at most this many milliseconds more, while every replica up has
+calls waiting at its door: the calls it gathers would wait there anyway, and planned together
+they share more. ``target_workers`` (gateway mode
 only, off by default) sends each call to its replica's worker by SMG's worker-index header,
 each replica's index learnt from the gateway's answers before it is used
 (:mod:`.gateway_workers`).
@@ -56,13 +60,16 @@ from contextpilot_integrations.core.replicas.routing_config import (
     LoadKind,
     RouterConfig,
 )
+from contextpilot_integrations.core.window.planning_window import MAX_WINDOW_MS
 from contextpilot_integrations.service.proxy.endpoint_url import same_endpoint
 from contextpilot_integrations.service.proxy.replica_order import DEFAULT_MAX_IN_FLIGHT
 from contextpilot_integrations.sync.configuration import CacheSyncConfig
 
 __all__ = ["FleetConfig"]
 
-_OWN_KEYS = frozenset({"retry_down_s", "ordered", "max_in_flight", "target_workers"})
+_OWN_KEYS = frozenset(
+    {"retry_down_s", "ordered", "max_in_flight", "window_hold_ms", "target_workers"}
+)
 
 AUTO = "auto"
 """A replica's ``kv_capacity_tokens`` that the proxy learns from its engine."""
@@ -81,6 +88,11 @@ class FleetConfig:
             handed out, each once the previous one started its answer.
         max_in_flight: most calls with documents out at once per replica (>= 1); ``None``
             (default): no cap.
+        window_hold_ms: the most a planning window is held open past its length while every
+            replica up has calls waiting at its door (milliseconds, in [0,
+            :data:`~contextpilot_integrations.core.window.planning_window.MAX_WINDOW_MS`]; 0,
+            the default, holds nothing; more needs ``ordered`` or ``max_in_flight``, without
+            which no call ever waits at the door).
         target_workers: behind a gateway, send each call to its replica's worker by the
             gateway's target header, each replica's worker index learnt from the gateway's
             answers first (:mod:`.gateway_workers`); off by default.
@@ -95,6 +107,7 @@ class FleetConfig:
     retry_down_s: float = 5.0
     ordered: bool = False
     max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT
+    window_hold_ms: float = 0.0
     target_workers: bool = False
     learn_kv_capacity: frozenset[str] = frozenset()
 
@@ -121,6 +134,22 @@ class FleetConfig:
         cap = self.max_in_flight
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError(f"fleet.max_in_flight must be an int >= 1 or null, got {cap!r}")
+        hold = self.window_hold_ms
+        if (
+            isinstance(hold, bool)
+            or not isinstance(hold, (int, float))
+            or not 0 <= hold <= MAX_WINDOW_MS
+        ):
+            raise ValueError(
+                f"fleet.window_hold_ms must be a number of milliseconds in [0, "
+                f"{MAX_WINDOW_MS:g}], got {hold!r:.80}"
+            )
+        if hold > 0 and not self.ordered and cap is None:
+            raise ValueError(
+                f"fleet.window_hold_ms {hold!r} holds a window while calls wait at the "
+                "replicas' door, and without fleet.ordered or fleet.max_in_flight none ever "
+                "waits: give one of them too"
+            )
         learn = self.learn_kv_capacity
         if not isinstance(learn, (set, frozenset)):
             raise ValueError(

@@ -18,6 +18,10 @@ holds each call at the door:
   gateway never sees enough of one key in flight to spill it to another worker, and the load is
   spread in time rather than queued at the engine.
 
+:meth:`backlogged` tells the planning window in front of the router whether every replica has
+calls waiting at its door, so the window can go on gathering calls that would wait anyway
+(docs/DESIGN.md, "The proxy").
+
 No call waits for good: a ticket whose call has not reached the door ``stale_s`` after it was
 issued (its preparation failed after planning, its client left) is dropped, a call that gives
 up (cancelled) leaves with :meth:`finish`, and every sent call finishes however its answer ends.
@@ -31,7 +35,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 __all__ = ["DEFAULT_MAX_IN_FLIGHT", "STALE_S", "ReplicaOrder"]
@@ -156,14 +160,28 @@ class ReplicaOrder:
                 self._in_flight[ticket.replica] -= 1
             self._wake()
 
+    def backlogged(self, replicas: Iterable[str]) -> bool:
+        """Whether each of ``replicas`` (at least one) has a call waiting at its door: a ticket
+        not sent yet whose call is at the door, or was issued within ``stale_s`` (its call on
+        its way from its window). A call planned onto any of them now would wait behind those."""
+        names = list(replicas)
+        if not names:
+            return False
+        now = self._clock()
+        with self._lock:
+            return all(self._waiting_at(name, now) for name in names)
+
     def stats(self) -> dict[str, object]:
         """``issued`` tickets, calls that ``waited`` at the door, ``stale`` tickets dropped,
-        and per replica the calls ``in_flight`` and ``queued`` (not yet started)."""
+        and per replica the calls ``in_flight``, ``queued`` (not yet started) and ``waiting``
+        (not yet sent, as :meth:`backlogged` counts them)."""
         with self._lock:
+            now = self._clock()
             return {
                 **self._counts,
                 "in_flight": dict(self._in_flight),
                 "queued": {name: len(queue) for name, queue in self._queues.items()},
+                "waiting": {name: self._waiting_at(name, now) for name in self._queues},
             }
 
     # ------------------------------------------------------------------ internals
@@ -176,6 +194,15 @@ class ReplicaOrder:
             self._queues.setdefault(replica, []).append(ticket)
             self._counts["issued"] += 1
         return ticket
+
+    def _waiting_at(self, replica: str, now: float) -> int:
+        """``replica``'s tickets not sent yet whose call arrived or may still come (the lock
+        is held)."""
+        return sum(
+            1
+            for ticket in self._queues.get(replica, ())
+            if not ticket.sent and (ticket.arrived or now - ticket.issued <= self.stale_s)
+        )
 
     def _may_go(self, ticket: _Ticket) -> bool:
         """(The lock is held.)"""

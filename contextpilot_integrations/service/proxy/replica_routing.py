@@ -253,7 +253,11 @@ class ReplicaRouting:
         if window_ms > 0:
             for owner, router in self._routers.items():
                 self._windows[owner] = PlanningWindow(
-                    router, window_ms=window_ms, on_handed=self._handed
+                    router,
+                    window_ms=window_ms,
+                    on_handed=self._handed,
+                    hold=self._backlogged,
+                    max_hold_ms=self.fleet.window_hold_ms,
                 )
         self._upstreams: dict[str, Upstream] = {}
         if self.fleet.direct:
@@ -466,6 +470,11 @@ class ReplicaRouting:
         return out
 
     # ------------------------------------------------------------------ internals
+    def _backlogged(self) -> bool:
+        """Whether every replica up has calls waiting at its door (the planning windows'
+        ``hold``: a call planned now would wait behind them anyway)."""
+        return self.order.backlogged(self.replicas_up())
+
     def _handed(self, plan: Plan) -> None:
         """A window's plan handed out (schedule order): its call's ticket at its replica."""
         if plan.replica is not None and plan.rid is not None:

@@ -625,11 +625,70 @@ def test_at_most_max_in_flight_calls_are_out_at_once_per_replica(two_standins) -
             assert after[0] >= before[2], (name, times)
 
 
+def test_a_window_is_held_while_the_replica_has_calls_waiting_at_its_door(standin) -> None:  # type: ignore[no-untyped-def]
+    from concurrent.futures import ThreadPoolExecutor
+
+    from contextpilot_integrations.service.app import create_app
+    from contextpilot_integrations.service.service_config import ServiceConfig
+
+    url, state = standin
+    fleet = _direct([url], max_in_flight=1, window_hold_ms=30_000)
+    app = create_app(ServiceConfig(proxy=ProxyConfig(None, **fleet), window_ms=50))
+    opening = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What?"}]
+
+    def ask(model: str, documents: list[str]) -> int:
+        body = {"model": model, "messages": opening, "contextpilot": {"documents": documents}}
+        session = {"x-contextpilot-session": documents[0][:12]}  # a conversation each
+        return httpx.post(
+            f"{proxy}/v1/chat/completions", json=body, headers=session, timeout=30
+        ).status_code
+
+    with serve_in_thread(app, lifespan="on") as proxy, ThreadPoolExecutor(5) as pool:
+        routing = app.state.proxy.routing
+        window = lambda: routing.stats()[""]["window"]  # noqa: E731
+        stalled = pool.submit(ask, "stall", [E1])  # holds the replica's one place
+        wait_for(lambda: routing.order.stats()["in_flight"].get("a") == 1)
+        waiting = pool.submit(ask, "plain", [E2])  # planned alone, then waits at the door
+        wait_for(lambda: routing.order.backlogged(["a"]))
+        # Three calls sharing documents come apart, each long after the window's 50 ms: the
+        # replica is busy, so they are held in one window and planned together.
+        later = []
+        for docs in _SHARED:
+            later.append(pool.submit(ask, "plain", docs))
+            time.sleep(0.2)
+        assert window()["requests"] == 2 and not any(f.done() for f in later), window()
+        state.release.set()  # the first answer ends: the waiting call goes, the window closes
+        assert [f.result() for f in (stalled, waiting, *later)] == [200] * 5
+        stats = window()
+    assert (stats["windows"], stats["requests"], stats["held"]) == (3, 5, 1), stats
+    assert stats["held_ms"] >= 500, stats
+    orders = [
+        _documents_order(state, body["rid"])
+        for body in state.bodies("/v1/chat/completions")
+        if any(
+            D3 in m.get("content", "") or D4 in m.get("content", "") or D5 in m.get("content", "")
+            for m in body["messages"]
+        )
+    ]
+    heads = {tuple(order[:2]) for order in orders}
+    assert len(orders) == 3 and len(heads) == 1 and set(next(iter(heads))) == {D1, D2}, orders
+
+
 @pytest.mark.parametrize(
     ("fleet", "words"),
     [
         ({"max_in_flight": 0}, "fleet.max_in_flight must be an int >= 1 or null, got 0"),
         ({"ordered": "yes"}, "fleet.ordered must be true or false, got 'yes'"),
+        (
+            {"window_hold_ms": -5},
+            "fleet.window_hold_ms must be a number of milliseconds in [0, 60000], got -5",
+        ),
+        (
+            {"window_hold_ms": 100},
+            "fleet.window_hold_ms 100 holds a window while calls wait "
+            "at the replicas' door, and without fleet.ordered or fleet.max_in_flight none ever "
+            "waits",
+        ),
     ],
 )
 def test_a_bad_door_setting_is_refused_naming_the_field(fleet: dict[str, Any], words: str) -> None:
@@ -653,6 +712,13 @@ def test_the_replicas_door_from_the_command_line() -> None:
     ]
     fleet = _config(argv).proxy.fleet
     assert fleet.ordered and fleet.max_in_flight == 9
+    assert default.window_hold_ms == 0
+    held = _config([*argv, "--window-ms", "20", "--window-hold-ms", "5000"]).proxy.fleet
+    assert held.window_hold_ms == 5000
+    with pytest.raises(ValueError, match=r"window_hold_ms 5000.0 holds planning windows, and "):
+        _config([*argv, "--window-hold-ms", "5000"])  # no window to hold
+    with pytest.raises(ValueError, match=r"--window-hold-ms needs replicas"):
+        _config(["--upstream", "http://a:1", "--window-hold-ms", "5000"])
 
 
 def test_a_call_whose_client_hung_up_in_the_window_is_never_forwarded(standin) -> None:  # type: ignore[no-untyped-def]

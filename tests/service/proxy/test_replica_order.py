@@ -84,3 +84,25 @@ def test_no_call_waits_for_good() -> None:
 def test_bad_settings_are_refused(kwargs: dict[str, float], words: str) -> None:
     with pytest.raises(ValueError, match=words):
         ReplicaOrder(**kwargs)  # type: ignore[arg-type]
+
+
+def test_backlogged_only_while_every_replica_has_calls_waiting_at_its_door() -> None:
+    async def scenario() -> None:
+        now = [0.0]
+        order = ReplicaOrder(ordered=False, max_in_flight=1, stale_s=10.0, clock=lambda: now[0])
+        assert not order.backlogged(["a", "b"]) and not order.backlogged([])
+        await order.enter("a1", "a")
+        await order.enter("b1", "b")
+        assert not order.backlogged(["a", "b"])  # out, nothing waiting
+        second = asyncio.create_task(order.enter("a2", "a"))
+        assert not await _gone(second)
+        assert order.backlogged(["a"]) and not order.backlogged(["a", "b"])
+        order.issue("b2", "b")  # planned, on its way to the door: it will wait too
+        assert order.backlogged(["a", "b"])
+        now[0] = 11.0  # a ticket whose call never came stops counting; a waiting call does not
+        assert order.backlogged(["a"]) and not order.backlogged(["a", "b"])
+        assert order.stats()["waiting"] == {"a": 1, "b": 0}
+        order.finish("a1")
+        assert await _gone(second) and not order.backlogged(["a"])
+
+    asyncio.run(scenario())
