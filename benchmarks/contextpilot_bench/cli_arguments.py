@@ -15,7 +15,7 @@ from contextpilot_bench.methods import METHODS, MODES
 from contextpilot_bench.multiturn import MULTITURN_METHODS
 from contextpilot_bench.online_bounds import DEFAULT_LOOKAHEADS
 from contextpilot_bench.prepared_conversations import RETRIEVAL_QUERIES
-from contextpilot_bench.proxy_fleet import DEFAULT_PROXY_HOLD_MS
+from contextpilot_bench.proxy_fleet import DEFAULT_PROXY_HOLD_MS, ProxySettings
 from contextpilot_bench.replica_model import parse_replica_counts
 from contextpilot_bench.vllm_setup import (
     DEFAULT_BLOCK_SIZE,
@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch",
         type=int,
         help="with --arrival: most requests in one window "
-        f"(default {DEFAULT_WINDOW_POLICY.max_batch})",
+        f"(default {DEFAULT_WINDOW_POLICY.max_batch}; the proxy's window of --replicas N "
+        f"--engine vllm-cpu: {ProxySettings.window_max_batch})",
     )
     parser.add_argument(
         "--seed", type=int, help="with --arrival poisson: the arrival process's seed (default 0)"

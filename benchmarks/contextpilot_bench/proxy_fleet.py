@@ -47,6 +47,9 @@ class ProxySettings:
             at most 4 calls in flight per replica.
         window_hold_ms: the most the planning window is held open past its length while every
             replica has calls waiting at its door (the fleet's key; 0: never held).
+        window_max_batch: most calls one window gathers (``--window-max-batch``): the
+            benchmark's workloads are a few hundred calls, so a burst or a backlog of all of
+            them is planned as one batch, as the offline reference plans them.
         target_workers: send each call to its replica's worker by SMG's worker index (the
             fleet's key, off in the proxy by default; the gateway then runs
             ``consistent_hashing``); False: by the routing key alone.
@@ -62,6 +65,7 @@ class ProxySettings:
     ordered: bool = True
     max_in_flight: int | None = 4
     window_hold_ms: float = 0.0
+    window_max_batch: int = 256
     target_workers: bool = True
     kv_capacity_tokens: int | Literal["auto"] | None = "auto"
 
@@ -105,6 +109,7 @@ def proxy_over_gateway(
         layout=layout,
         proxy=ProxyConfig(f"{gateway_url}/v1", fleet=fleet),  # type: ignore[arg-type]
         window_ms=settings.window_ms,
+        window_max_batch=settings.window_max_batch,
     )
     app = create_app(config)
     with served_app(app) as url:

@@ -102,10 +102,10 @@ def _check(args: argparse.Namespace) -> int:
             "--replicas with --engine vllm-cpu: drop --mode online (--arrival poisson sends the "
             "requests at arrival times)"
         )
-    if args.max_batch is not None or args.window_adaptive is not None:
+    if args.window_adaptive is not None:
         raise ValueError(
             "--replicas with --engine vllm-cpu: the proxy's window takes the core's "
-            "max_batch and adaptive rule; drop --max-batch/--window-adaptive"
+            "adaptive rule; drop --window-adaptive"
         )
     if args.arrival is None and (args.rate is not None or args.seed is not None):
         raise ValueError("--rate and --seed need --arrival poisson")
@@ -177,7 +177,8 @@ def _proxy_line(run: ReplicaMethodRun) -> str | None:
     window = figures.get("window")
     planned = (
         f"window {figures['window_ms']:g} ms: {window['windows']} windows, "
-        f"{window['requests']} calls, mean batch {window['mean_batch']:.1f}, "
+        f"{window['requests']} calls, mean batch {window['mean_batch']:.1f} (at most "
+        f"{figures['window_max_batch']}), "
         f"{window['batch_failures']} batches planned again one by one, "
         f"{window['held']} held while every replica had calls waiting at its door "
         f"({window['held_ms'] / 1000:.1f} s in all, at most {figures['window_hold_ms']:g} ms "
@@ -252,6 +253,7 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
         window_ms=window_ms,
         max_in_flight=cap or None,
         window_hold_ms=_proxy_hold_ms(args, window_ms),
+        window_max_batch=args.max_batch or ProxySettings.window_max_batch,
         target_workers=getattr(args, "proxy_target_workers", None) is not False,
     )
     python = require_vllm_python(args.engine_python)
@@ -365,6 +367,7 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
                     prepared,
                     arrivals or _one_at_a_time(len(workload.requests)),
                     settings.window_ms,
+                    max_batch=settings.window_max_batch,
                     replicas=replicas,
                     capacity_tokens=capacity,
                     block_size=args.block_size,

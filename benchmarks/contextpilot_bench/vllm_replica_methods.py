@@ -385,6 +385,7 @@ def _run_through_proxy(
         figures["workers"] = routing.workers.stats()
         figures["window_ms"] = settings.window_ms
         figures["window_hold_ms"] = settings.window_hold_ms
+        figures["window_max_batch"] = settings.window_max_batch
         known = [r["kv_budget"]["capacity_tokens"] for r in figures["replicas"].values()
                  if r["kv_budget"] is not None]  # fmt: skip
         figures["kv_capacity_tokens"] = min(known) if known else None  # what the router holds

@@ -116,7 +116,9 @@ class IndexService:
         self._windows: dict[ContextPilot, PlanningWindow] = {}
         if self.config.window_ms > 0:
             for _, _, pilot in self._partitions.sections():
-                self._windows[pilot] = PlanningWindow(pilot, window_ms=self.config.window_ms)
+                self._windows[pilot] = PlanningWindow(
+                    pilot, window_ms=self.config.window_ms, max_batch=self.config.window_max_batch
+                )
 
     # ----------------------------------------------------------------------------------------
     # Public API: planning

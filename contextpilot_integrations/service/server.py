@@ -93,7 +93,7 @@ from contextpilot_integrations.service.app import create_app
 from contextpilot_integrations.service.header_deadline import HeaderDeadlineProtocol
 from contextpilot_integrations.service.proxy.peer_config import PEER_SECRET_ENV, PeerConfig
 from contextpilot_integrations.service.proxy.proxy_config import UPSTREAM_KINDS, ProxyConfig
-from contextpilot_integrations.service.service_config import ServiceConfig
+from contextpilot_integrations.service.service_config import MAX_WINDOW_BATCH, ServiceConfig
 from contextpilot_integrations.service.tenants import TenantKeys, parse_key_list, read_key_file
 
 logger = logging.getLogger("contextpilot_integrations.service.server")  # also as __main__
@@ -435,6 +435,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(a planning window; default 0: each at once)",
     )
     serving.add_argument(
+        "--window-max-batch",
+        type=_int_in(1, MAX_WINDOW_BATCH),
+        default=64,
+        metavar="N",
+        help="most requests one planning window gathers; a full window closes at once "
+        "(default 64; the proxy keeps twice as many worker threads for calls waiting in "
+        "windows)",
+    )
+    serving.add_argument(
         "--shutdown-timeout",
         type=_seconds,
         default=10.0,
@@ -532,6 +541,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Servi
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
         window_ms=args.window_ms,
+        window_max_batch=args.window_max_batch,
         proxy=proxy,
     )
 

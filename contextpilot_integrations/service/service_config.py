@@ -19,7 +19,12 @@ from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
 from contextpilot_integrations.service.tenants import Tenancy, TenantKeys
 from contextpilot_integrations.sync.configuration import CacheSyncConfig
 
-__all__ = ["ServiceConfig"]
+__all__ = ["MAX_WINDOW_BATCH", "ServiceConfig"]
+
+MAX_WINDOW_BATCH = 1024
+"""Most requests one planning window of the service may gather: a window's calls each hold a
+worker thread while it is open (the proxy keeps twice this many), and its batch is planned
+in one go."""
 
 
 @dataclass
@@ -54,6 +59,9 @@ class ServiceConfig:
             (:class:`~contextpilot_integrations.core.window.planning_window.PlanningWindow`): single
             plans arriving within this many milliseconds are planned jointly (at most as many
             as run at once: anyio's 40 worker threads); 0 (default): each at once.
+        window_max_batch: most requests one planning window gathers (the service's and the
+            proxy's; 1 to :data:`MAX_WINDOW_BATCH`, default 64): a window that reaches it
+            closes at once.
         shutdown_timeout_s: longest :meth:`IndexService.stop` waits for in-flight plans, the
             engine link and the final save together.
         proxy: the proxy mode (:mod:`.proxy`): OpenAI's and Anthropic's chat endpoints
@@ -80,6 +88,7 @@ class ServiceConfig:
     max_call_threads: int = 8
     shutdown_timeout_s: float = 10.0
     window_ms: float = 0.0
+    window_max_batch: int = 64
     proxy: ProxyConfig | None = None
     tenancy: Tenancy = field(init=False, repr=False)
 
@@ -96,6 +105,15 @@ class ServiceConfig:
             isinstance(self.window_ms, (int, float)) and 0 <= self.window_ms < math.inf
         ):
             raise ValueError(f"window_ms must be >= 0, got {self.window_ms!r}")
+        batch = self.window_max_batch
+        if (
+            isinstance(batch, bool)
+            or not isinstance(batch, int)
+            or not 1 <= batch <= MAX_WINDOW_BATCH
+        ):
+            raise ValueError(
+                f"window_max_batch must be an int from 1 to {MAX_WINDOW_BATCH}, got {batch!r}"
+            )
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty str or None, got ''")
         if self.tenants is not None and not self.tenants:

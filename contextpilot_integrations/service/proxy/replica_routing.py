@@ -195,6 +195,7 @@ class ReplicaRouting:
         max_requests: the LRU bound of each replica index.
         window_ms: the planning window in front of each router for calls with documents
             (milliseconds; 0: each planned alone as it comes).
+        window_max_batch: most calls one such window gathers.
         clock: seconds (the time a replica is left out after it refused a connection).
 
     Raises:
@@ -210,6 +211,7 @@ class ReplicaRouting:
         layout: PromptLayout | None = None,
         max_requests: int = 100_000,
         window_ms: float = 0.0,
+        window_max_batch: int = 64,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if config.fleet is None:
@@ -255,6 +257,7 @@ class ReplicaRouting:
                 self._windows[owner] = PlanningWindow(
                     router,
                     window_ms=window_ms,
+                    max_batch=window_max_batch,
                     on_handed=self._handed,
                     hold=self._backlogged,
                     max_hold_ms=self.fleet.window_hold_ms,

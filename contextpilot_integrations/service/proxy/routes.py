@@ -113,10 +113,11 @@ BODY_READ_TIMEOUT_S = 60.0
 (a slowloris) is a 408, so no client holds a connection and its coroutine for good."""
 
 
-PREPARE_THREADS = 128
-"""Calls prepared at once in worker threads (a call waiting for its planning window holds one;
-twice the window's ``max_batch`` by default: a pool of the proxy's own, apart from anyio's 40
-shared threads)."""
+PREPARE_THREADS_PER_WINDOW_CALL = 2
+"""Calls prepared at once in worker threads, per call a planning window may gather (the
+service's ``window_max_batch``): a call waiting for its window holds one, so a full window
+and the next one filling up both fit; a pool of the proxy's own, apart from anyio's 40 shared
+threads."""
 
 
 class Proxy:
@@ -146,6 +147,7 @@ class Proxy:
                 layout=service.config.layout,
                 max_requests=service.config.max_requests,
                 window_ms=service.config.window_ms,
+                window_max_batch=service.config.window_max_batch,
             )
         # The replicas /health learns of only from their own /health (direct: the proxy
         # reaches them; the others have a KV-event link that reports them).
@@ -190,10 +192,12 @@ class Proxy:
         self._prepare_threads: ThreadPoolExecutor | None = None  # made on first use
 
     def prepare_threads(self) -> ThreadPoolExecutor:
-        """The worker threads calls are prepared in (:data:`PREPARE_THREADS`)."""
+        """The worker threads calls are prepared in (:data:`PREPARE_THREADS_PER_WINDOW_CALL`
+        per call a window may gather)."""
         if self._prepare_threads is None:
             self._prepare_threads = ThreadPoolExecutor(
-                PREPARE_THREADS, thread_name_prefix="contextpilot-prepare"
+                PREPARE_THREADS_PER_WINDOW_CALL * self.service.config.window_max_batch,
+                thread_name_prefix="contextpilot-prepare",
             )
         return self._prepare_threads
 

@@ -721,6 +721,20 @@ def test_the_replicas_door_from_the_command_line() -> None:
         _config(["--upstream", "http://a:1", "--window-hold-ms", "5000"])
 
 
+def test_the_windows_max_batch_sizes_the_proxys_windows_and_its_threads() -> None:
+    from contextpilot_integrations.service.app import create_app
+    from contextpilot_integrations.service.service_config import ServiceConfig
+
+    config = _config(["--replica", "http://a:1", "--window-ms", "20", "--window-max-batch", "200"])
+    assert config.window_max_batch == 200 and _config([]).window_max_batch == 64
+    app = create_app(config)
+    window = app.state.proxy.routing.planner_of(None)
+    assert window.policy.max_batch == 200
+    assert app.state.proxy.prepare_threads()._max_workers == 400  # a full window and the next
+    with pytest.raises(ValueError, match=r"window_max_batch must be an int from 1 to 1024, got 0"):
+        ServiceConfig(window_max_batch=0)
+
+
 def test_a_call_whose_client_hung_up_in_the_window_is_never_forwarded(standin) -> None:  # type: ignore[no-untyped-def]
     # A real server does not cancel the call when its client hangs up: the proxy watches.
     url, state = standin

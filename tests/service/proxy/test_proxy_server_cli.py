@@ -100,6 +100,8 @@ def test_inconsistent_proxy_options_are_refused(
         (["--max-body-bytes", str(2**31)],
          "argument --max-body-bytes: must be an int >= 1 (at most 1_073_741_824)"),
         (["--dp-size", "100000"], "argument --dp-size: must be an int >= 1 (at most 1_024)"),
+        (["--window-max-batch", "0"],
+         "argument --window-max-batch: must be an int >= 1 (at most 1_024), got '0'"),
     ],
 )  # fmt: skip
 def test_a_numeric_flag_out_of_bounds_or_mistyped_is_refused_naming_it(
