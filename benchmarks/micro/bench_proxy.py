@@ -47,6 +47,18 @@ Figures (milliseconds unless stated):
 * the proxy process's RSS (``/proc/<pid>/status``) after the warm-up and at checkpoints up to
   ``--requests`` proxied requests, to show it stays bounded.
 
+``--cpus-proxy LIST`` (CPU numbers, ``0`` or ``2,3`` or ``0-3``; Linux only) runs the proxy
+process, all its threads, on those CPUs alone and the clients and the upstream on the others
+(``--cpus-rest LIST`` names them; default every other CPU this process may use), so that a
+request through the proxy never waits for a CPU the clients or the upstream hold: on a machine
+with few cores such waits are most of the added latency, and they are the bench's, not the
+proxy's. The direct requests then run on fewer CPUs than without the option, so compare the
+added latency, not the direct one, between runs with and without it. The two lists must not
+overlap and must name CPUs this process may use (``os.sched_getaffinity``); anything else,
+or a system without ``os.sched_setaffinity``, is refused before anything starts. The CPUs each
+side had (read back from the processes) are printed. Other processes on the machine are not
+moved: they still take CPUs from both sides.
+
 ``--profile-proxy FILE`` runs the proxy under ``cProfile`` timed by the CPU time of its event
 loop's thread (``time.thread_time``: the waits for a CPU on a shared machine do not count) and
 writes its ``pstats`` to ``FILE`` when it stops (read it with ``python -m pstats FILE``); the
@@ -68,7 +80,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -236,12 +248,125 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_process(command: list[str], ready_url: str, log: IO[bytes]) -> subprocess.Popen[bytes]:
-    """Start ``command`` (its stderr to ``log``) and wait (60 s at most) until ``GET
-    ready_url`` answers 200. The service's key variables are left out of its environment: the
-    proxy runs open, on 127.0.0.1 only."""
+def parse_cpus(text: str, flag: str) -> frozenset[int]:
+    """The CPU numbers of ``text`` (``"0"``, ``"2,3"``, ``"0-3,6"``).
+
+    Raises:
+        ValueError: ``text`` is not such a list (the message names ``flag`` and ``text``).
+    """
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            low = int(first)
+            high = int(last) if dash else low
+        except ValueError:
+            raise ValueError(
+                f"{flag} must be CPU numbers like 0 or 2,3 or 0-3, got {text!r}"
+            ) from None
+        if low < 0 or high < low:
+            raise ValueError(f"{flag}: {part.strip()!r} is no range of CPU numbers in {text!r}")
+        cpus.update(range(low, high + 1))
+    return frozenset(cpus)
+
+
+def cpu_split(proxy: str | None, rest: str | None) -> tuple[frozenset[int], frozenset[int]] | None:
+    """The CPUs of the proxy and of the rest (clients, upstream) for ``--cpus-proxy`` and
+    ``--cpus-rest`` (the rest defaults to every other CPU this process may use); ``None``
+    when neither is given.
+
+    Raises:
+        ValueError: a list is malformed, names a CPU this process may not use, the two
+            overlap, the rest is left empty, ``--cpus-rest`` comes without ``--cpus-proxy``, or
+            the system cannot pin a process to CPUs (``os.sched_setaffinity``: Linux).
+    """
+    if proxy is None and rest is None:
+        return None
+    if proxy is None:
+        raise ValueError(f"--cpus-rest {rest} needs --cpus-proxy (the proxy's CPUs)")
+    if not hasattr(os, "sched_setaffinity") or not hasattr(os, "sched_getaffinity"):
+        raise ValueError(
+            f"--cpus-proxy {proxy}: this system ({sys.platform}) cannot pin processes to "
+            "CPUs (os.sched_setaffinity: Linux only)"
+        )
+    allowed = frozenset(os.sched_getaffinity(0))
+    proxy_cpus = parse_cpus(proxy, "--cpus-proxy")
+    rest_cpus = parse_cpus(rest, "--cpus-rest") if rest is not None else allowed - proxy_cpus
+    for flag, cpus in (("--cpus-proxy", proxy_cpus), ("--cpus-rest", rest_cpus)):
+        missing = cpus - allowed
+        if missing:
+            raise ValueError(
+                f"{flag}: CPUs {cpu_list(missing)} do not exist or this process may not use "
+                f"them; it may use {cpu_list(allowed)}"
+            )
+    if proxy_cpus & rest_cpus:
+        raise ValueError(
+            f"--cpus-proxy {proxy} and --cpus-rest {rest} share CPUs "
+            f"{cpu_list(proxy_cpus & rest_cpus)}"
+        )
+    if not rest_cpus:
+        raise ValueError(
+            f"--cpus-proxy {proxy} leaves no CPU for the clients and the upstream (this "
+            f"process may use {cpu_list(allowed)})"
+        )
+    return proxy_cpus, rest_cpus
+
+
+def cpu_list(cpus: Iterable[int]) -> str:
+    """``cpus`` as ranges: ``0-3,6``."""
+    ordered = sorted(cpus)
+    ranges: list[str] = []
+    start = 0
+    for i, cpu in enumerate(ordered):
+        if i + 1 == len(ordered) or ordered[i + 1] != cpu + 1:
+            first = ordered[start]
+            ranges.append(str(first) if first == cpu else f"{first}-{cpu}")
+            start = i + 1
+    return ",".join(ranges)
+
+
+def pin_threads(pid: int, cpus: frozenset[int]) -> None:
+    """Every thread process ``pid`` has now on ``cpus`` (threads it starts later inherit the
+    CPUs of the thread that starts them, and a child process those of the thread forking
+    it)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+
+
+def process_cpus(pid: int) -> str:
+    """The CPUs the threads of process ``pid`` may run on, together."""
+    cpus: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            cpus.update(os.sched_getaffinity(int(task)))
+        except ProcessLookupError:
+            continue
+    return cpu_list(cpus)
+
+
+def start_process(
+    command: list[str],
+    ready_url: str,
+    log: IO[bytes],
+    cpus: frozenset[int] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``command`` (its stderr to ``log``; on ``cpus`` if given, from its first
+    instruction on) and wait (60 s at most) until ``GET ready_url`` answers 200. The service's
+    key variables are left out of its environment: the proxy runs open, on 127.0.0.1 only."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONTEXTPILOT_API_KEY")}
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    if cpus is None:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    else:
+        # The child inherits the CPUs of the thread that forks it: this one, for that moment.
+        own = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cpus)
+        try:
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env)
+        finally:
+            os.sched_setaffinity(0, own)
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -451,6 +576,7 @@ class Run:
     upstream_cpu_s: float = 0.0
     client_cpu_s: float = 0.0
     wall_s: float = 0.0
+    cpus: dict[str, str] = field(default_factory=dict)  # side -> the CPUs its threads had
 
 
 async def drive(
@@ -541,6 +667,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.profile_proxy:
         profiled = os.path.abspath(args.profile_proxy)
         command = [sys.executable, __file__, "--serve-proxy-profiled", profiled, *server_args]
+    split = cpu_split(args.cpus_proxy, args.cpus_rest)
+    if split is not None:
+        # The clients (this process) and, by inheritance, the upstream.
+        pin_threads(os.getpid(), split[1])
     with tempfile.TemporaryFile() as upstream_log, tempfile.TemporaryFile() as proxy_log:
         upstream = start_process(
             [
@@ -555,9 +685,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             upstream_log,
         )
         try:
-            proxy = start_process(command, f"{proxy_url}/health", proxy_log)
+            proxy = start_process(
+                command, f"{proxy_url}/health", proxy_log, split[0] if split else None
+            )
             try:
                 run = asyncio.run(drive(args, upstream_url, proxy_url, proxy.pid, upstream.pid))
+                run.cpus = {
+                    "proxy": process_cpus(proxy.pid),
+                    "upstream": process_cpus(upstream.pid),
+                    "clients": process_cpus(os.getpid()),
+                }
             finally:
                 stop_process(proxy)
         finally:
@@ -593,6 +730,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "conversations": run.conversations,
         "load_average_1min": os.getloadavg()[0],
         "cpus": os.cpu_count() or 0,
+        "pinned": split is not None,
+        "cpus_proxy": run.cpus["proxy"],
+        "cpus_upstream": run.cpus["upstream"],
+        "cpus_clients": run.cpus["clients"],
     }
     figures["added_p50_ms"] = figures["proxy_p50_ms"] - figures["direct_p50_ms"]
     figures["added_p99_ms"] = figures["proxy_p99_ms"] - figures["direct_p99_ms"]
@@ -613,9 +754,19 @@ def report(figures: dict[str, Any]) -> None:
     )
     print(
         f"load average (1 min) at the end: {figures['load_average_1min']:.2f} on "
-        f"{figures['cpus']} CPUs; the clients, the proxy and the upstream share them, so the "
-        "wall-clock figures include waits for a CPU; the proxy's CPU time per request does not"
+        f"{figures['cpus']} CPUs; CPUs: proxy {figures['cpus_proxy']}, upstream "
+        f"{figures['cpus_upstream']}, clients {figures['cpus_clients']}"
     )
+    if figures["pinned"]:
+        print(
+            "the proxy is pinned apart: it waits for no CPU the clients or the upstream hold "
+            "(other processes on the machine still take CPUs from both sides)"
+        )
+    else:
+        print(
+            "the clients, the proxy and the upstream share the CPUs, so the wall-clock figures "
+            "include waits for a CPU; the proxy's CPU time per request does not"
+        )
     errors = figures["errors_direct"] + figures["errors_proxy"]
     if errors:
         print(
@@ -702,6 +853,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="FILE",
         help="profile the proxy (cProfile, its event loop's CPU time) into FILE (module docstring)",
     )
+    parser.add_argument(
+        "--cpus-proxy",
+        metavar="LIST",
+        help="run the proxy on these CPUs alone (0, 2,3 or 0-3; Linux) and the clients and the "
+        "upstream on the others (module docstring)",
+    )
+    parser.add_argument(
+        "--cpus-rest",
+        metavar="LIST",
+        help="with --cpus-proxy: the CPUs of the clients and the upstream (default: every "
+        "other CPU)",
+    )
     parser.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
     given = list(sys.argv[1:] if argv is None else argv)
     if given[:1] == ["--serve-proxy-profiled"] and len(given) >= 2:
@@ -722,6 +885,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--answer-ms must be at least 0, got {args.answer_ms}")
     if args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    try:
+        cpu_split(args.cpus_proxy, args.cpus_rest)
+    except ValueError as error:
+        parser.error(str(error))
     if args.quick:
         args.requests, args.warmup = 300, 64
         args.think_ms = min(args.think_ms, 500.0)

@@ -6,11 +6,14 @@ target: the targets are for the full run on a quiet machine."""
 from __future__ import annotations
 
 import json
+import os
 import pstats
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCHMARK = Path(__file__).parents[2] / "benchmarks" / "micro" / "bench_proxy.py"
 FIGURE_LINES = (
@@ -73,3 +76,37 @@ def test_profile_proxy_writes_the_event_loops_and_the_worker_threads_profiles(
     planned = [f for f in threads if f[0].endswith("message_planner.py") and f[2] == "plan"]
     assert planned and threads[planned[0]][1] >= 40  # every proxied call planned in a thread
     assert not any(f[0].endswith("message_planner.py") and f[2] == "plan" for f in loop)
+
+
+def test_cpus_proxy_pins_the_proxy_apart_from_the_clients_and_the_upstream() -> None:
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs Linux and two CPUs this process may use")
+    allowed = sorted(os.sched_getaffinity(0))
+    proxy, rest = allowed[-1], allowed[:-1]
+    figures = json.loads(
+        run_quick("--json", "--requests", "40", "--warmup", "8", "--clients", "8",
+                  "--think-ms", "5", "--cpus-proxy", str(proxy))
+    )  # fmt: skip
+    assert figures["errors_direct"] == figures["errors_proxy"] == 0, figures
+    assert figures["pinned"] and figures["cpus_proxy"] == str(proxy)
+    assert figures["cpus_upstream"] == figures["cpus_clients"]
+    assert {int(c) for c in figures["cpus_clients"].replace("-", ",").split(",")} <= set(rest)
+
+
+@pytest.mark.parametrize(
+    ("flags", "refusal"),
+    [
+        (["--cpus-proxy", "0", "--cpus-rest", "0"], "share CPUs 0"),
+        (["--cpus-proxy", "100000"], "CPUs 100000 do not exist"),
+        (["--cpus-proxy", "one"], "--cpus-proxy must be CPU numbers"),
+        (["--cpus-rest", "0"], "needs --cpus-proxy"),
+    ],
+)
+def test_cpu_lists_that_cannot_be_pinned_are_refused_before_anything_starts(
+    flags: list[str], refusal: str
+) -> None:
+    completed = subprocess.run(
+        [sys.executable, str(BENCHMARK), *flags],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 2 and refusal in completed.stderr, completed.stderr
