@@ -215,13 +215,17 @@ def _json_documents(text: str) -> tuple[Document, ...]:
     if not isinstance(items, list):
         return ()
     documents: list[Document] = []
+    # A text without a backslash escapes nothing, and strict JSON holds no raw control
+    # character in a string: each of its strings then stands as itself between quotes, which
+    # is how json.dumps writes it, so its literal is made without encoding it again.
+    unescaped = "\\" not in text
     for item in items:
         if type(item) is not dict and not isinstance(item, Mapping):
             continue
         body = next((item[k] for k in _TEXT_KEYS if isinstance(item.get(k), str)), None)
         if body is None or not body.strip():
             continue
-        span = _unique_literal(text, body)
+        span = _unique_literal(text, body, unescaped)
         if span is None:
             continue
         label = _json_label(text, item)
@@ -229,12 +233,13 @@ def _json_documents(text: str) -> tuple[Document, ...]:
     return tuple(documents)
 
 
-def _unique_literal(text: str, value: str) -> tuple[int, int] | None:
+def _unique_literal(text: str, value: str, unescaped: bool = False) -> tuple[int, int] | None:
     """Span of the inside of ``value``'s JSON string literal, when it occurs exactly once:
     the literal as ``json.dumps`` writes it with ``ensure_ascii=False``, else with
     ``ensure_ascii=True`` (the encoders ``json.dumps`` calls for a str; an ASCII form equal
-    to the first is not looked for twice)."""
-    literal = encode_basestring(value)
+    to the first is not looked for twice). ``unescaped``: ``value`` is a string of the strict
+    JSON ``text``, which holds no backslash, so its literal is ``value`` between quotes."""
+    literal = f'"{value}"' if unescaped else encode_basestring(value)
     first = find_text(text, literal, 0)
     if first < 0:
         ascii_literal = encode_basestring_ascii(value)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from contextpilot_integrations.core.messages.documents import find_documents, span_text
+from contextpilot_integrations.core.messages.documents import (
+    _unique_literal,
+    find_documents,
+    span_text,
+)
 from contextpilot_integrations.core.rendering import PromptLayout
 
 
@@ -120,3 +124,16 @@ def test_spans_replace_cleanly(bodies: list[str], pointer: str) -> None:
         if layout == "rendered":
             assert {text[d.start : d.end] for d in documents} <= {b.strip() for b in bodies}
         assert all(text[d.start : d.end].strip() or layout == "json" for d in documents)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=5), st.booleans())
+def test_a_json_text_without_a_backslash_finds_the_same_literals_unencoded(
+    bodies: list[str], ascii_only: bool
+) -> None:
+    # Repeated bodies included: a literal standing twice is no document either way.
+    items = [{"id": n, "text": b} for n, b in enumerate(bodies + bodies[:1])]
+    text = json.dumps(items, ensure_ascii=ascii_only)
+    assume("\\" not in text)
+    for body in bodies:
+        assert _unique_literal(text, body, True) == _unique_literal(text, body)
