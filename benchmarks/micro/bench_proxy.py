@@ -824,9 +824,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients (64)")
     parser.add_argument(
-        "--requests", type=int, default=8_000, help="measured requests through the proxy (8,000)"
+        "--requests", type=int, help="measured requests through the proxy (8,000; --quick 300)"
     )
-    parser.add_argument("--warmup", type=int, default=500, help="unmeasured pairs first (500)")
+    parser.add_argument("--warmup", type=int, help="unmeasured pairs first (500; --quick 64)")
     parser.add_argument(
         "--prompt-tokens", type=int, default=8_000, help="mean prompt size (8,000 tokens)"
     )
@@ -838,7 +838,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "0: closed loop, the proxy saturated)",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="300 requests after 64, pauses <= 500 ms"
+        "--quick",
+        action="store_true",
+        help="300 requests after 64 (unless --requests / --warmup say), pauses <= 500 ms",
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument(
@@ -874,6 +876,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.serve_upstream is not None:
         serve_upstream(args.serve_upstream, args.answer_ms)
         return 0
+    if args.requests is None:
+        args.requests = 300 if args.quick else 8_000
+    if args.warmup is None:
+        args.warmup = 64 if args.quick else 500
+    if args.quick:
+        args.think_ms = min(args.think_ms, 500.0)
     for name in ("clients", "requests", "prompt_tokens"):
         if getattr(args, name) < 1:
             parser.error(
@@ -889,9 +897,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         cpu_split(args.cpus_proxy, args.cpus_rest)
     except ValueError as error:
         parser.error(str(error))
-    if args.quick:
-        args.requests, args.warmup = 300, 64
-        args.think_ms = min(args.think_ms, 500.0)
     figures = measure(args)
     if args.json:
         print(json.dumps(figures, indent=2))
