@@ -406,8 +406,9 @@ def run_vllm_replicas(args: argparse.Namespace) -> int:
     if models:
         one = models[0]
         print(
-            f"window model (the proxy's arrivals and window in virtual time, {one.windows} "
-            f"windows, mean batch {one.mean_batch:.1f}; each window planned by a ReplicaRouter "
+            f"window model (the proxy's arrivals and window in virtual time, closed on time "
+            f"and never held: {one.windows} windows, mean batch {one.mean_batch:.1f}; each "
+            f"window planned by a ReplicaRouter "
             f"and served in schedule order on paged models of {one.capacity_tokens:,} tokens in "
             f"all):"
         )

@@ -160,8 +160,9 @@ def vllm_replica_target_lines(
             share = hit / same_arrival_one_replica
             lines.append(
                 f"{routed}: engine hit {hit:.4f} = {share:.2f} of one-replica ContextPilot at "
-                f"the same arrivals and window {same_arrival_one_replica:.4f} (window model, "
-                f"same total KV) (>= {one_target:g}: {_verdict(share >= one_target)})"
+                f"the same arrivals and window {same_arrival_one_replica:.4f} (window model: "
+                f"windows closed on time, never held; same total KV) "
+                f"(>= {one_target:g}: {_verdict(share >= one_target)})"
             )
         if reference is not None and reference["hit_ratio"]:
             gain = hit / reference["hit_ratio"]
