@@ -25,6 +25,10 @@ calls waiting at its door, so the window can go on gathering calls that would wa
 No call waits for good: a ticket whose call has not reached the door ``stale_s`` after it was
 issued (its preparation failed after planning, its client left) is dropped, a call that gives
 up (cancelled) leaves with :meth:`finish`, and every sent call finishes however its answer ends.
+A replica whose call has been out ``stuck_s`` without starting its answer (an engine that
+hangs rather than refusing connections) holds nobody any more: its waiting calls go without
+order or cap, each then bounded by the upstream's own timeout, instead of one after another
+each a timeout later.
 Thread-safe: tickets are issued and finished from any thread; :meth:`enter` is awaited on the
 event loop and never blocks it.
 """
@@ -38,7 +42,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["DEFAULT_MAX_IN_FLIGHT", "STALE_S", "ReplicaOrder"]
+__all__ = ["DEFAULT_MAX_IN_FLIGHT", "STALE_S", "STUCK_S", "ReplicaOrder"]
 
 DEFAULT_MAX_IN_FLIGHT: int | None = None
 """Document calls the proxy has out at once per replica, by default: no cap. A cap holds calls
@@ -50,6 +54,11 @@ STALE_S = 10.0
 never comes: its preparation failed after planning)."""
 
 
+STUCK_S = 30.0
+"""Seconds a sent call may go without starting its answer before its replica's door stops
+holding the calls behind it (a prefill takes far less; an engine that hangs never starts)."""
+
+
 @dataclass(eq=False)
 class _Ticket:
     rid: str
@@ -57,6 +66,7 @@ class _Ticket:
     issued: float
     arrived: bool = False
     sent: bool = False
+    sent_at: float = 0.0
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
 
@@ -68,10 +78,12 @@ class ReplicaOrder:
         ordered: send each replica's calls in ticket order, one starting its answer at a time.
         max_in_flight: most calls out at once per replica (>= 1); ``None``: no cap.
         stale_s: seconds an issued ticket waits for its call (> 0).
+        stuck_s: seconds a sent call may go without starting its answer before the replica's
+            waiting calls go regardless (> 0).
         clock: monotonic seconds.
 
     Raises:
-        ValueError: ``max_in_flight`` below 1 or ``stale_s`` not positive.
+        ValueError: ``max_in_flight`` below 1, or ``stale_s`` or ``stuck_s`` not positive.
     """
 
     def __init__(
@@ -80,6 +92,7 @@ class ReplicaOrder:
         ordered: bool = False,
         max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT,
         stale_s: float = STALE_S,
+        stuck_s: float = STUCK_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_in_flight is not None and (
@@ -90,6 +103,9 @@ class ReplicaOrder:
             raise ValueError(f"max_in_flight must be an int >= 1 or None, got {max_in_flight!r}")
         if not stale_s > 0:
             raise ValueError(f"stale_s must be > 0, got {stale_s!r}")
+        if not stuck_s > 0:
+            raise ValueError(f"stuck_s must be > 0, got {stuck_s!r}")
+        self.stuck_s = stuck_s
         self.ordered = ordered
         self.max_in_flight = max_in_flight
         self.stale_s = stale_s
@@ -99,7 +115,7 @@ class ReplicaOrder:
         self._tickets: dict[str, _Ticket] = {}  # by rid, until finished
         self._in_flight: dict[str, int] = {}
         self._waiting: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-        self._counts = {"issued": 0, "waited": 0, "stale": 0}
+        self._counts = {"issued": 0, "waited": 0, "stale": 0, "past_stuck": 0}
 
     # ------------------------------------------------------------------ Public API
     def issue(self, rid: str, replica: str) -> None:
@@ -119,7 +135,7 @@ class ReplicaOrder:
                 ticket.arrived = True
                 self._drop_stale(ticket.replica)
                 if self._may_go(ticket):
-                    ticket.sent = True
+                    ticket.sent, ticket.sent_at = True, self._clock()
                     self._in_flight[ticket.replica] = self._in_flight.get(ticket.replica, 0) + 1
                     if waited:
                         self._counts["waited"] += 1
@@ -173,6 +189,7 @@ class ReplicaOrder:
 
     def stats(self) -> dict[str, object]:
         """``issued`` tickets, calls that ``waited`` at the door, ``stale`` tickets dropped,
+        calls let go ``past_stuck`` (a call ahead had not started its answer in ``stuck_s``),
         and per replica the calls ``in_flight``, ``queued`` (not yet started) and ``waiting``
         (not yet sent, as :meth:`backlogged` counts them)."""
         with self._lock:
@@ -206,6 +223,15 @@ class ReplicaOrder:
 
     def _may_go(self, ticket: _Ticket) -> bool:
         """(The lock is held.)"""
+        if self._in_turn(ticket):
+            return True
+        if self._stuck(ticket.replica):
+            self._counts["past_stuck"] += 1
+            return True
+        return False
+
+    def _in_turn(self, ticket: _Ticket) -> bool:
+        """Whether the order and the cap let ``ticket``'s call go (the lock is held)."""
         cap = self.max_in_flight
         if cap is not None and self._in_flight.get(ticket.replica, 0) >= cap:
             return False
@@ -214,6 +240,12 @@ class ReplicaOrder:
         # Every earlier ticket of the replica has started (or finished): none is before it.
         queue = self._queues.get(ticket.replica, [])
         return bool(queue) and queue[0] is ticket
+
+    def _stuck(self, replica: str) -> bool:
+        """Whether a call out to ``replica`` has gone ``stuck_s`` without starting its answer
+        (the lock is held; only calls not started are in the queue)."""
+        now = self._clock()
+        return any(t.sent and now - t.sent_at > self.stuck_s for t in self._queues.get(replica, ()))
 
     def _drop_stale(self, replica: str) -> None:
         """Drop the tickets at the head of ``replica``'s queue whose call never came (the

@@ -106,3 +106,28 @@ def test_backlogged_only_while_every_replica_has_calls_waiting_at_its_door() -> 
         assert await _gone(second) and not order.backlogged(["a"])
 
     asyncio.run(scenario())
+
+
+def test_a_replica_whose_call_never_starts_holds_nobody_past_stuck_s() -> None:
+    async def scenario() -> None:
+        now = [0.0]
+        order = ReplicaOrder(ordered=True, max_in_flight=1, stuck_s=30.0, clock=lambda: now[0])
+        for rid in ("hung", "r2", "r3"):
+            order.issue(rid, "a")
+        await order.enter("hung", "a")  # out, and its engine never answers
+        second = asyncio.create_task(order.enter("r2", "a"))
+        third = asyncio.create_task(order.enter("r3", "a"))
+        now[0] = 29.0
+        assert not await _gone(second) and not await _gone(third)
+        now[0] = 31.0  # the call out has not started in stuck_s: the others go, both at once
+        order.issue("poke", "b")  # any event makes the waiters look again
+        order.finish("poke")
+        assert await _gone(second) and await _gone(third)
+        assert order.stats()["past_stuck"] == 2 and order.stats()["in_flight"] == {"a": 3}
+        order.started("hung")  # it answers after all: the door holds again
+        order.issue("r4", "a")
+        fourth = asyncio.create_task(order.enter("r4", "a"))
+        assert not await _gone(fourth)  # behind r2 and r3, which have not started
+        fourth.cancel()
+
+    asyncio.run(scenario())
