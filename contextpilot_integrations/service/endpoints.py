@@ -243,11 +243,16 @@ async def layout(request: Request, caller: Caller) -> LayoutModel:
 
 
 async def stats(request: Request, caller: Caller) -> Response:
-    """``IndexService.stats()`` of the caller's tenant."""
+    """``IndexService.stats()`` of the caller's tenant; a proxy with replicas adds ``proxy``:
+    the caller's replica router and its planning window (``ReplicaRouting.tenant_stats``)."""
     calls = _calls(request)
-    return json_response(
-        await calls.run(functools.partial(calls.service.stats, caller=caller), "call")
-    )
+    out = await calls.run(functools.partial(calls.service.stats, caller=caller), "call")
+    proxy = request.app.state.proxy
+    if proxy is not None and proxy.routing is not None:
+        out["proxy"] = await calls.run(
+            functools.partial(proxy.routing.tenant_stats, caller), "call"
+        )
+    return json_response(out)
 
 
 async def metrics(request: Request, caller: Caller) -> Response:

@@ -132,7 +132,7 @@ def _int_in(low: int, high: int) -> Callable[[str], int]:
         value = int(text) if _INT.fullmatch(text) else None
         if value is None or not low <= value <= high:
             raise argparse.ArgumentTypeError(
-                f"must be an int >= {low} (at most {high:_}), got {text!r:.40}"
+                f"must be an int >= {low} (at most {high}), got {text!r:.40}"
             )
         return value
 
@@ -664,7 +664,10 @@ def _fleet(args: argparse.Namespace) -> dict[str, Any] | None:
         if urls or endpoints:
             raise ValueError("give the replicas by --replica or by --replicas-config, not both")
         try:
-            fleet = json.loads(args.replicas_config.read_text(encoding="utf-8"))
+            fleet = json.loads(
+                args.replicas_config.read_text(encoding="utf-8"),
+                object_pairs_hook=_unique_keys,
+            )
         except (OSError, ValueError) as exc:
             raise ValueError(
                 f"--replicas-config {str(args.replicas_config)!r}: cannot be read ({exc})"
@@ -719,6 +722,17 @@ def _fleet(args: argparse.Namespace) -> dict[str, Any] | None:
     return _with_door({"mode": mode, "replicas": replicas}, args)
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's members, refusing a key given twice (``json`` keeps the last one
+    silently, so one of two settings would be dropped unseen)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} is given twice in one object")
+        out[key] = value
+    return out
+
+
 def _with_door(fleet: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """``fleet`` with ``--replica-order``, ``--replica-max-in-flight``, ``--window-hold-ms``
     and ``--target-workers`` where given."""
@@ -728,6 +742,17 @@ def _with_door(fleet: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         fleet["max_in_flight"] = args.replica_max_in_flight
     if args.window_hold_ms is not None:
         fleet["window_hold_ms"] = args.window_hold_ms
+        if args.window_hold_ms > 0 and args.window_ms == 0:
+            raise ValueError(
+                f"--window-hold-ms {args.window_hold_ms:g} holds planning windows: give "
+                "--window-ms > 0 too"
+            )
+        if args.window_hold_ms > 0 and not fleet.get("ordered") and not fleet.get("max_in_flight"):
+            raise ValueError(
+                f"--window-hold-ms {args.window_hold_ms:g} holds a window while calls wait at "
+                "the replicas' door: give --replica-order schedule or --replica-max-in-flight "
+                "N too (or ordered / max_in_flight in --replicas-config)"
+            )
     if args.target_workers is not None:
         fleet["target_workers"] = args.target_workers
     return fleet

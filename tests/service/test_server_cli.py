@@ -106,7 +106,7 @@ def test_layout_from_a_json_file(tmp_path: Path) -> None:
         (["--snapshot-interval", "inf"], "--snapshot-interval: must be a finite number"),
         (
             ["--max-requests", "0"],
-            "--max-requests: must be an int >= 1 (at most 1_000_000_000), got '0'",
+            "--max-requests: must be an int >= 1 (at most 1000000000), got '0'",
         ),
         (["--window-ms", "nan"], "--window-ms: must be a finite number, got 'nan'"),
         (["--window-ms", "1e9"], "--window-ms: must be a number from 0 to 60000, got '1e9'"),

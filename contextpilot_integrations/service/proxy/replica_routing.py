@@ -472,6 +472,23 @@ class ReplicaRouting:
             }
         return out
 
+    def tenant_stats(self, tenant: str | None) -> dict[str, Any]:
+        """What ``GET /v1/stats`` shows ``tenant`` of the fleet: ``replicas``, its router's
+        ``ReplicaRouter.stats()`` (its own router when partitioned, the shared one
+        otherwise, as the index figures), and ``window``, its planning window's
+        ``PlanningWindow.stats()`` (``None`` without one: windows, mean batch, ``held``,
+        ``held_ms``). The door is shared by the tenants, so its counts stay out.
+
+        Raises:
+            KeyError: an unknown tenant.
+        """
+        owner = tenant if self._tenancy.partitioned else None
+        window = self._windows.get(owner)
+        return {
+            "replicas": self._routers[owner].stats(),
+            "window": window.stats() if window is not None else None,
+        }
+
     # ------------------------------------------------------------------ internals
     def _backlogged(self) -> bool:
         """Whether every replica up has calls waiting at its door (the planning windows'

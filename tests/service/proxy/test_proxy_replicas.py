@@ -237,6 +237,18 @@ def test_tenants_keep_their_own_replica_indexes(two_standins) -> None:  # type: 
         assert bob.headers["x-contextpilot-documents-prefix-tokens"] == "0"
         usage = httpx.get(f"{proxy}/v1/usage", headers={"authorization": "Bearer bob-key"}).json()
         assert usage["tenant"] == "bob" and usage["plans"] == 1
+        # /v1/stats shows each tenant its own replica router, never the other's.
+        seen = {
+            name: httpx.get(
+                f"{proxy}/v1/stats", headers={"authorization": f"Bearer {name}-key"}
+            ).json()["proxy"]
+            for name in ("alice", "bob")
+        }
+        indexed = {
+            name: sum(r["index"]["requests"] for r in got["replicas"]["replicas"].values())
+            for name, got in seen.items()
+        }
+        assert indexed == {"alice": 2, "bob": 1} and seen["alice"]["window"] is None, seen
 
 
 @pytest.mark.parametrize(
@@ -645,7 +657,7 @@ def test_a_window_is_held_while_the_replica_has_calls_waiting_at_its_door(standi
 
     with serve_in_thread(app, lifespan="on") as proxy, ThreadPoolExecutor(5) as pool:
         routing = app.state.proxy.routing
-        window = lambda: routing.stats()[""]["window"]  # noqa: E731
+        window = lambda: httpx.get(f"{proxy}/v1/stats").json()["proxy"]["window"]  # noqa: E731
         stalled = pool.submit(ask, "stall", [E1])  # holds the replica's one place
         wait_for(lambda: routing.order.stats()["in_flight"].get("a") == 1)
         waiting = pool.submit(ask, "plain", [E2])  # planned alone, then waits at the door
@@ -715,10 +727,23 @@ def test_the_replicas_door_from_the_command_line() -> None:
     assert default.window_hold_ms == 0
     held = _config([*argv, "--window-ms", "20", "--window-hold-ms", "5000"]).proxy.fleet
     assert held.window_hold_ms == 5000
-    with pytest.raises(ValueError, match=r"window_hold_ms 5000.0 holds planning windows, and "):
+    with pytest.raises(ValueError, match=r"--window-hold-ms 5000 holds planning windows: give "):
         _config([*argv, "--window-hold-ms", "5000"])  # no window to hold
+    no_door = ["--replica", "http://a:1", "--window-ms", "20", "--window-hold-ms", "5000"]
+    with pytest.raises(ValueError, match=r"give --replica-order schedule or --replica-max-in"):
+        _config(no_door)
     with pytest.raises(ValueError, match=r"--window-hold-ms needs replicas"):
         _config(["--upstream", "http://a:1", "--window-hold-ms", "5000"])
+
+
+def test_a_fleet_file_giving_a_key_twice_is_refused_naming_it(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(
+        '{"mode": "direct", "replicas": [{"name": "a", "base_url": "http://a:1/v1"}], '
+        '"ordered": true, "window_hold_ms": 1000, "window_hold_ms": 2000}'
+    )
+    with pytest.raises(ValueError, match=r"the key 'window_hold_ms' is given twice"):
+        _config(["--replicas-config", str(fleet), "--window-ms", "20"])
 
 
 def test_the_windows_max_batch_sizes_the_proxys_windows_and_its_threads() -> None:
