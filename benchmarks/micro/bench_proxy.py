@@ -19,7 +19,9 @@ take little of the CPUs the proxy and the upstream share with them) each send th
 twice, once straight to the upstream and once through the proxy, in random order, so both
 paths see the same load at the same time, then pause ``--think-ms`` on average (exponential,
 default 1,000 ms: the engine's generation time, which this upstream does not take, and the
-agent's own work); ``--think-ms 0`` is a closed loop, in which the proxy, not the upstream, is
+agent's own work; one such pause also comes before a client's first measured request, so that
+the measured window does not open with every client sending at once); ``--think-ms 0`` is a
+closed loop, in which the proxy, not the upstream, is
 the bottleneck and the added latency is its queue. The requests are
 agent conversations (docs/DESIGN.md, "The proxy"): a system prompt, the user's task, then
 rounds of an assistant tool call and its tool result holding retrieved documents (drawn with
@@ -601,6 +603,12 @@ async def drive(
     async def client(index: int, count: int, warm: bool) -> None:
         rng = random.Random(index)
         direct, proxy = directs[index], proxies[index]
+        if not warm and args.think_ms:
+            # A pause before the first measured request too: without it every client sends
+            # at the same instant when the window opens, a burst of --clients requests that
+            # the steady load never makes and whose queue sets the p99 of a short run. The
+            # pause is exponential, so the arrivals are as in the steady state from the start.
+            await asyncio.sleep(rng.expovariate(1000.0 / args.think_ms))
         while True:
             conversation = next(next_conversation)
             run.conversations = conversation + 1

@@ -462,6 +462,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["critical", "error", "warning", "info", "debug"],
     )
     serving.add_argument("--access-log", action="store_true", help="log every request")
+    serving.add_argument(
+        "--gc-walk-all-every",
+        type=_int_in(0, 10**6),
+        default=8,
+        metavar="N",
+        help="freeze what survives each full garbage collection out of the next ones, and let "
+        "every N-th walk everything again (reference cycles among long-lived objects wait up "
+        "to N full passes); 0: Python's own full passes (default 8)",
+    )
     return parser
 
 
@@ -833,12 +842,48 @@ _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 _OPEN_HINT = " (to run without authentication, pass --no-auth and no key option or variable)"
 
 
-def apply_collection_policy() -> None:
+class FreezeSurvivors:
+    """A ``gc.callbacks`` hook that freezes what survives a full (generation 2) collection out
+    of the next ones (docs/DESIGN.md, "The proxy").
+
+    A full pass walks every tracked object while it holds the GIL, so every request waits for
+    it, and the planner's record of what each conversation was sent grows with the
+    conversations it holds: without this hook the pause grows with it. Frozen survivors are
+    not walked; they are still freed when their last reference goes, but a reference cycle
+    among them is not, so after every ``walk_all_every``-th full pass the survivors are
+    unfrozen and the next full pass walks them all: such cycles wait at most that many passes.
+    """
+
+    def __init__(self, walk_all_every: int) -> None:
+        if walk_all_every < 1:
+            raise ValueError(f"walk_all_every must be at least 1, got {walk_all_every!r}")
+        self.walk_all_every = walk_all_every
+        self.full_passes = 0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase != "stop" or info.get("generation") != 2:
+            return
+        self.full_passes += 1
+        if self.full_passes % self.walk_all_every == 0:
+            gc.unfreeze()
+        else:
+            gc.freeze()
+
+
+def apply_collection_policy(walk_all_every: int) -> FreezeSurvivors | None:
     """The garbage collector's policy for serving (docs/DESIGN.md, "The proxy"): what lives as
     long as the process (modules, the app) is collected once and frozen out of the collector's
-    full passes, which stop every request; Python's thresholds are kept."""
+    full passes, which stop every request; with ``walk_all_every`` (``--gc-walk-all-every``)
+    at least 1, the survivors of each full pass are frozen too (:class:`FreezeSurvivors`,
+    returned: its caller removes it from ``gc.callbacks`` when serving ends); 0 keeps Python's
+    own full passes after start-up. Python's thresholds are kept."""
     gc.collect()
     gc.freeze()
+    if walk_all_every == 0:
+        return None
+    hook = FreezeSurvivors(walk_all_every)
+    gc.callbacks.append(hook)
+    return hook
 
 
 class ShutdownCutFilter(logging.Filter):
@@ -883,18 +928,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             " and the proxy's upstream key" if config.proxy is not None else "",
         )
     logging.getLogger("uvicorn.error").addFilter(ShutdownCutFilter())
-    apply_collection_policy()
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        workers=1,
-        log_level=args.log_level,
-        access_log=args.access_log,
-        timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s)),
-        timeout_keep_alive=KEEP_ALIVE_SECONDS,
-        http=HeaderDeadlineProtocol,
-    )
+    hook = apply_collection_policy(args.gc_walk_all_every)
+    try:
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            workers=1,
+            log_level=args.log_level,
+            access_log=args.access_log,
+            timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s)),
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
+            http=HeaderDeadlineProtocol,
+        )
+    finally:
+        if hook is not None:
+            gc.callbacks.remove(hook)
     return 0
 
 

@@ -17,7 +17,12 @@ import pytest
 from service_testing import free_port
 
 from contextpilot_integrations.service import server as server_module
-from contextpilot_integrations.service.server import build_parser, config_from_args, main
+from contextpilot_integrations.service.server import (
+    FreezeSurvivors,
+    build_parser,
+    config_from_args,
+    main,
+)
 from contextpilot_integrations.service.service_config import ServiceConfig
 from contextpilot_integrations.sync.configuration import CacheSyncConfig
 
@@ -197,19 +202,46 @@ def test_a_key_source_without_a_key_is_refused_naming_it(  # type: ignore[no-unt
 def test_the_server_serves_under_its_collection_policy(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # docs/DESIGN.md, "The proxy": the modules and the app are frozen out of the collector's
     # full passes when uvicorn starts serving (the app, made by main, among them).
-    seen: list[tuple[int, bool]] = []
+    # While it serves, a full pass's survivors are frozen too (every 8th lets the next walk
+    # them all); the hook leaves gc.callbacks when serving ends.
+    seen: list[tuple[int, bool, list[int]]] = []
 
     def started(app, **kwargs):  # type: ignore[no-untyped-def]
         frozen_app = gc.is_tracked(app) and all(o is not app for o in gc.get_objects())
-        seen.append((gc.get_freeze_count(), frozen_app))
+        hooks = [h.walk_all_every for h in gc.callbacks if isinstance(h, FreezeSurvivors)]
+        seen.append((gc.get_freeze_count(), frozen_app, hooks))
 
     monkeypatch.setattr(server_module.uvicorn, "run", started)
     try:
         assert main(["--no-auth", "--port", "0"]) == 0
+        assert main(["--no-auth", "--port", "0", "--gc-walk-all-every", "0"]) == 0
     finally:
         gc.unfreeze()
-    [(frozen, app_frozen)] = seen
-    assert frozen > 0 and app_frozen
+    [(frozen, app_frozen, hooks), (_, _, no_hooks)] = seen
+    assert frozen > 0 and app_frozen and hooks == [8] and no_hooks == []
+    assert not any(isinstance(h, FreezeSurvivors) for h in gc.callbacks)
+
+
+def test_a_full_collections_survivors_are_frozen_and_every_nth_walks_them_all() -> None:
+    hook = FreezeSurvivors(3)
+    survivor = [object()]  # a tracked object
+    try:
+        gc.unfreeze()
+        hook("stop", {"generation": 1, "collected": 0, "uncollectable": 0})
+        hook("start", {"generation": 2, "collected": 0, "uncollectable": 0})
+        assert gc.get_freeze_count() == 0 and hook.full_passes == 0
+        frozen = []
+        for _ in range(4):
+            hook("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
+            frozen.append(gc.get_freeze_count() > 0)
+        assert frozen == [True, True, False, True]
+        assert gc.is_tracked(survivor)
+    finally:
+        gc.unfreeze()
+    with pytest.raises(ValueError, match="walk_all_every must be at least 1, got 0"):
+        FreezeSurvivors(0)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--gc-walk-all-every", "-1"])
 
 
 @pytest.mark.parametrize(("host", "warned"), [("0.0.0.0", True), ("127.0.0.1", False)])
