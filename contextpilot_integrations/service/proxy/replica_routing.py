@@ -62,7 +62,7 @@ from contextpilot_integrations.service.proxy.gateway_workers import (
 )
 from contextpilot_integrations.service.proxy.kv_capacity import learn_kv_capacity
 from contextpilot_integrations.service.proxy.proxy_config import ProxyConfig
-from contextpilot_integrations.service.proxy.replica_order import ReplicaOrder
+from contextpilot_integrations.service.proxy.replica_order import STUCK_S, ReplicaOrder
 from contextpilot_integrations.service.proxy.upstream import Upstream
 from contextpilot_integrations.service.tenants import Tenancy
 from contextpilot_integrations.sync.engine_link import EngineLink
@@ -241,8 +241,14 @@ class ReplicaRouting:
                 max_requests=max_requests,
                 cache_salt=salt,
             )
+        # A call that has not started its answer in half the upstream's read timeout holds
+        # nobody behind it at the door: with the door's own bound alone, a timeout shorter
+        # than it would end each call first, and the calls behind would go one timeout apart.
+        timeout = config.read_timeout_s
         self.order = ReplicaOrder(
-            ordered=self.fleet.ordered, max_in_flight=self.fleet.max_in_flight
+            ordered=self.fleet.ordered,
+            max_in_flight=self.fleet.max_in_flight,
+            stuck_s=min(STUCK_S, timeout / 2) if timeout is not None else STUCK_S,
         )
         """The door of the calls with documents to each replica (their order, in flight)."""
         self.workers = GatewayWorkers(specs, enabled=self.fleet.target_workers)
@@ -404,6 +410,12 @@ class ReplicaRouting:
         self.router_of(tenant).record_usage(
             rid, usage.prompt_tokens, usage.cached_tokens, usage.cache_write_tokens
         )
+
+    def refused(self, tenant: str | None, rid: str) -> None:
+        """The upstream refused the call ``rid`` (a 4xx answer: nothing was prefilled): it is
+        taken out of its replica's index and load as if never routed
+        (``ReplicaRouter.withdraw``). Blocking."""
+        self.router_of(tenant).withdraw(rid)
 
     def ended(self, tenant: str | None, rid: str) -> None:
         """The call's answer ended (usage read or not): no longer in flight."""
