@@ -189,12 +189,16 @@ class ReplicaFleet:
                 replica.link.stop()
 
     # ------------------------------------------------------------------ Public API: requests
-    def evict(self, rid: str) -> bool:
+    def evict(self, rid: str, *, withdrawn: bool = False) -> bool:
         """Drop ``rid`` from the index of the replica it was routed to (every replica's when
-        its route is forgotten), no longer in flight; False if none held it."""
+        its route is forgotten), no longer in flight, and with ``withdrawn`` (it was never
+        served) out of the load as if never routed; False if none held it."""
         with self.lock:
             route = self.routes.peek(rid)
-            self.loads.complete(rid)
+            if withdrawn:
+                self.loads.cancel(rid)
+            else:
+                self.loads.complete(rid)
             names = [route.replica] if route is not None else list(self.replicas)
             replicas = [self.replicas[n] for n in names if n in self.replicas]
             for replica in replicas:

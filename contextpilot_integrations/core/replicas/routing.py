@@ -223,6 +223,13 @@ class ReplicaRouter(ThreadedAsyncTwins):
         its route is forgotten); False if none held it."""
         return self._fleet.evict(rid)
 
+    def withdraw(self, rid: str) -> bool:
+        """``rid`` was never served (its engine refused it): dropped from its replica's index
+        as :meth:`evict` does, and from the load as if never routed, so one refused call (a
+        prompt too long for the engine, say) does not weigh on its replica's share; False if
+        no index held it."""
+        return self._fleet.evict(rid, withdrawn=True)
+
     def record_usage(
         self,
         rid: str,

@@ -198,6 +198,9 @@ class ForwardedAnswer(Response):
         """Called once, on the event loop, with the upstream's answer headers (a gateway's
         word on where the call went: :mod:`.gateway_workers`); an error in it is logged, the
         answer goes on."""
+        self.on_refused: Callable[[], None] | None = None
+        """Called once, on the event loop, when the upstream answers with a 4xx status (it
+        refused the request, so nothing of it was prefilled); an error in it is logged."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         progress = AnswerProgress()
@@ -336,6 +339,8 @@ class ForwardedAnswer(Response):
         try:
             status = response.status
             self._read_headers(response.headers)
+            if 400 <= status < 500:
+                self._refused()
             watch = (
                 UsageWatch(response.headers.get("content-type", ""))
                 if self._on_usage is not None and 200 <= status < 300
@@ -386,6 +391,15 @@ class ForwardedAnswer(Response):
                 read(headers)
             except Exception:
                 logger.exception("reading the upstream's answer headers failed")
+
+    def _refused(self) -> None:
+        """Tell :attr:`on_refused` once."""
+        refused, self.on_refused = self.on_refused, None
+        if refused is not None:
+            try:
+                refused()
+            except Exception:
+                logger.exception("following the upstream's refusal failed")
 
     def _started(self) -> None:
         """Tell :attr:`on_started` once."""

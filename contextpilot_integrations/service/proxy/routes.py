@@ -354,6 +354,8 @@ class Proxy:
             return answer
         if choice is not None and not routing.fleet.direct:
             answer.on_headers = functools.partial(self._answered, tenant, rid, choice, sent)
+        if choice is not None:
+            answer.on_refused = functools.partial(self._hand_refused, tenant, rid)
         over = None
         if ordered and choice is not None:
             order = routing.order
@@ -377,6 +379,19 @@ class Proxy:
         landed = self.routing.answered(choice, sent, headers)
         if landed is not None:
             self._usage_thread.submit(self._landed_logged, tenant, rid, landed)
+
+    def _hand_refused(self, tenant: str | None, rid: str) -> None:
+        """The upstream refused ``rid`` (on the event loop): handed to the usage thread, in
+        order with the calls' usage."""
+        self._usage_thread.submit(self._refused_logged, tenant, rid)
+
+    def _refused_logged(self, tenant: str | None, rid: str) -> None:
+        """The upstream refused ``rid`` (usage thread): out of its replica's index and load."""
+        assert self.routing is not None
+        try:
+            self.routing.refused(tenant, rid)
+        except Exception:
+            logger.exception("withdrawing the refused call %s failed", rid)
 
     def _landed_logged(self, tenant: str | None, rid: str, replica: str) -> None:
         assert self.routing is not None

@@ -736,6 +736,51 @@ def test_the_replicas_door_from_the_command_line() -> None:
         _config(["--upstream", "http://a:1", "--window-hold-ms", "5000"])
 
 
+def test_a_call_the_engine_refuses_leaves_its_replicas_index_and_load(standin) -> None:  # type: ignore[no-untyped-def]
+    url, _ = standin
+    opening = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What?"}]
+
+    def ask(proxy: str, model: str, documents: list[str]) -> int:
+        body = {"model": model, "messages": opening, "contextpilot": {"documents": documents}}
+        session = {"x-contextpilot-session": model + str(len(documents))}
+        return httpx.post(
+            f"{proxy}/v1/chat/completions", json=body, headers=session, timeout=30
+        ).status_code
+
+    from contextpilot_integrations.service.app import create_app
+    from contextpilot_integrations.service.service_config import ServiceConfig
+
+    app = create_app(ServiceConfig(proxy=ProxyConfig(None, **_direct([url]))))
+    with serve_in_thread(app, lifespan="on") as proxy:
+        routing = app.state.proxy.routing
+        stats = lambda: routing.router_of(None).stats()["replicas"]["a"]  # noqa: E731
+        assert ask(proxy, "plain", [D1, D2]) == 200
+        wait_for(lambda: stats()["index"]["requests"] == 1)
+        load = stats()["load"]
+        # Refused (a prompt too long, an unknown model): nothing was prefilled, so nothing of
+        # it may count as cached or as the replica's load.
+        assert ask(proxy, "error-400", [D3, D4, E1, E2, E3]) == 400
+        wait_for(lambda: stats()["index"]["requests"] == 1)
+        assert stats()["load"] == load
+        # A server error may come after the prefill: the index keeps it (events correct it).
+        assert ask(proxy, "error-500", [D5, D6]) == 500
+        wait_for(lambda: stats()["index"]["requests"] == 2)
+        assert stats()["load"] > load
+
+
+def test_the_door_stops_holding_behind_a_stuck_call_within_the_upstreams_timeout() -> None:
+    from contextpilot_integrations.service.app import create_app
+    from contextpilot_integrations.service.service_config import ServiceConfig
+
+    def door(timeout: float | None) -> Any:
+        proxy = ProxyConfig(None, read_timeout_s=timeout, **_direct(["http://a:1"]))
+        return create_app(ServiceConfig(proxy=proxy)).state.proxy.routing.order
+
+    # A call ends at the read timeout: a door bound past it would never be reached.
+    assert door(20.0).stuck_s == 10.0 and door(600.0).stuck_s == 30.0
+    assert door(None).stuck_s == 30.0
+
+
 def test_a_fleet_file_giving_a_key_twice_is_refused_naming_it(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.json"
     fleet.write_text(
