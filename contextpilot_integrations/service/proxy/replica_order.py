@@ -66,7 +66,6 @@ class _Ticket:
     issued: float
     arrived: bool = False
     sent: bool = False
-    sent_at: float = 0.0
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
 
@@ -113,6 +112,8 @@ class ReplicaOrder:
         self._lock = threading.Lock()
         self._queues: dict[str, list[_Ticket]] = {}  # per replica: not yet started, in order
         self._tickets: dict[str, _Ticket] = {}  # by rid, until finished
+        # Per replica, the calls sent and not started yet: rid -> when sent, oldest first.
+        self._unstarted: dict[str, dict[str, float]] = {}
         self._in_flight: dict[str, int] = {}
         self._waiting: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._counts = {"issued": 0, "waited": 0, "stale": 0, "past_stuck": 0}
@@ -135,7 +136,8 @@ class ReplicaOrder:
                 ticket.arrived = True
                 self._drop_stale(ticket.replica)
                 if self._may_go(ticket):
-                    ticket.sent, ticket.sent_at = True, self._clock()
+                    ticket.sent = True
+                    self._unstarted.setdefault(ticket.replica, {})[ticket.rid] = self._clock()
                     self._in_flight[ticket.replica] = self._in_flight.get(ticket.replica, 0) + 1
                     if waited:
                         self._counts["waited"] += 1
@@ -157,6 +159,7 @@ class ReplicaOrder:
             ticket = self._tickets.get(rid)
             if ticket is None:
                 return
+            self._unstarted.get(ticket.replica, {}).pop(rid, None)
             queue = self._queues.get(ticket.replica, [])
             if ticket in queue:
                 queue.remove(ticket)
@@ -169,6 +172,7 @@ class ReplicaOrder:
             ticket = self._tickets.pop(rid, None)
             if ticket is None:
                 return
+            self._unstarted.get(ticket.replica, {}).pop(rid, None)
             queue = self._queues.get(ticket.replica, [])
             if ticket in queue:
                 queue.remove(ticket)
@@ -243,9 +247,11 @@ class ReplicaOrder:
 
     def _stuck(self, replica: str) -> bool:
         """Whether a call out to ``replica`` has gone ``stuck_s`` without starting its answer
-        (the lock is held; only calls not started are in the queue)."""
-        now = self._clock()
-        return any(t.sent and now - t.sent_at > self.stuck_s for t in self._queues.get(replica, ()))
+        (the lock is held): the oldest of its calls sent and not started, looked at alone."""
+        unstarted = self._unstarted.get(replica)
+        if not unstarted:
+            return False
+        return self._clock() - next(iter(unstarted.values())) > self.stuck_s
 
     def _drop_stale(self, replica: str) -> None:
         """Drop the tickets at the head of ``replica``'s queue whose call never came (the
